@@ -1,0 +1,35 @@
+# Set-up, main job and tests. Every target creates .venv (and the system libraries
+# Mooncake needs) on first use, so each works on a fresh machine.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+APT_PKGS := libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 libnuma1
+
+.PHONY: setup demo test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@missing=$$(for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system libraries for Mooncake: $$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[service,mooncake,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rlplane demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q
+
+bench: $(STAMP)
+	$(VENV)/bin/rlplane bench --json out/bench.json
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,175 @@
+"""Client: the verbs stages use — put samples, add columns, read what a stage needs.
+
+The client speaks fields and metas; a :class:`~rlplane.transports.Transport` moves the
+encoded columns. Validation happens here, before any byte moves: a call that fails
+stores nothing.
+
+Example::
+
+    client = Client(default_registry(), MemoryTransport())
+    meta = client.put_samples("step-0", batch)                 # rollout
+    for shard in meta.shard(2):
+        inputs = client.read_columns(shard, stage="logprob")   # logprob ranks
+        client.write_columns(shard, {"prev_logprobs": lp})
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import torch
+
+from rlplane.codec import WIRE_TAG, decode, encode, merge_tags
+from rlplane.errors import InvalidArgumentError, ShapeError
+from rlplane.fields import LENGTHS_FIELD, Registry
+from rlplane.meta import SampleMeta
+from rlplane.transports.base import Transport
+
+
+class Client:
+    """Put and read declared fields through a transport (see the module docstring)."""
+
+    def __init__(self, registry: Registry, transport: Transport) -> None:
+        self.registry = registry
+        self.transport = transport
+
+    # -- writing ---------------------------------------------------------------------
+    def put_samples(
+        self,
+        partition: str,
+        fields: Mapping[str, Any],
+        *,
+        sample_ids: Sequence[str] | None = None,
+        tags: Sequence[Mapping[str, Any]] | None = None,
+    ) -> SampleMeta:
+        """Store new samples; returns their meta.
+
+        Lengths come from ``input_lengths`` (required when a token field is written).
+        An invalid field raises a typed error naming field and sample; nothing is stored.
+
+        Example::
+
+            meta = client.put_samples("step-0", {"input_ids": ids, "input_lengths": lens})
+        """
+        batch = self.registry.validate(fields)
+        ids = [str(s) for s in sample_ids] if sample_ids is not None else _new_ids(batch)
+        if len(ids) != batch:
+            raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
+        lengths = self._lengths(fields, batch, ids)
+        user = _user_tags(tags, batch, ids)
+        enc = encode(self.registry, fields, lengths, sample_ids=ids)
+        merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
+        self.transport.put(partition, ids, enc.columns, merged, create=True)
+        return SampleMeta(partition, ids, lengths.tolist(), frozenset(enc.columns), merged)
+
+    def write_columns(self, meta: SampleMeta, fields: Mapping[str, Any]) -> SampleMeta:
+        """Add (or replace) fields of stored samples, e.g. a stage's outputs.
+
+        Example::
+
+            meta = client.write_columns(shard, {"prev_logprobs": logprobs})
+        """
+        lengths = torch.tensor(meta.lengths, dtype=torch.int64)
+        given = fields.get(LENGTHS_FIELD)
+        if given is not None and isinstance(given, torch.Tensor) and not torch.equal(given.reshape(-1).cpu().to(torch.int64), lengths):
+            raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
+        enc = encode(self.registry, fields, lengths, sample_ids=meta.sample_ids)
+        if not enc.columns:
+            return meta
+        if len(meta) and next(iter(enc.columns.values())).num_rows != len(meta):
+            raise ShapeError(f"fields describe {next(iter(enc.columns.values())).num_rows} samples, the meta {len(meta)}")
+        self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
+        return meta.with_fields(enc.columns, enc.tags)
+
+    # -- reading ---------------------------------------------------------------------
+    def fields_for_stage(self, stage: str, meta_or_partition: SampleMeta | str) -> list[str]:
+        """The fields ``stage`` reads for these samples (required + optional ones present).
+
+        Example: ``client.fields_for_stage("train", meta)``.
+        """
+        if isinstance(meta_or_partition, SampleMeta):
+            present = meta_or_partition.fields
+        else:
+            present = set(self.transport.describe(meta_or_partition).fields)
+        return self.registry.fields_for_stage(stage, present)
+
+    def read_columns(
+        self,
+        meta: SampleMeta,
+        fields: Sequence[str] | None = None,
+        *,
+        stage: str | None = None,
+        layout: str = "padded",
+        pad_to_seqlen: int | None = None,
+    ) -> dict[str, Any]:
+        """Every requested field of every sample in ``meta``, or MissingDataError.
+
+        Name ``fields`` or a ``stage`` (its fields come from the registry). Token fields
+        come back ``[B, pad_to_seqlen]`` (default: the meta's, else the longest sample)
+        or jagged; packed fields as PackedTensor; object fields as lists.
+
+        Example::
+
+            batch = client.read_columns(shard, stage="train")
+        """
+        if fields is None and stage is None:
+            raise InvalidArgumentError("read_columns needs fields=[...] or stage=...")
+        names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
+        for name in names:
+            self.registry.get(name)
+        columns, tags = self.transport.get(meta.partition, meta.sample_ids, names)
+        pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
+        return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids)
+
+    # -- housekeeping ----------------------------------------------------------------
+    def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
+        """Drop samples (the whole partition when ``sample_ids`` is None); returns how many."""
+        return self.transport.clear(partition, sample_ids)
+
+    def partitions(self) -> list[str]:
+        """Partitions that hold samples."""
+        return self.transport.partitions()
+
+    def close(self) -> None:
+        self.transport.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _lengths(self, fields: Mapping[str, Any], batch: int, ids: list[str]) -> torch.Tensor:
+        given = fields.get(LENGTHS_FIELD)
+        if given is None:
+            return torch.zeros(batch, dtype=torch.int64)
+        lengths = given.reshape(-1).cpu().to(torch.int64) if isinstance(given, torch.Tensor) else torch.as_tensor(given)
+        if lengths.numel() != batch:
+            raise ShapeError(f"{lengths.numel()} lengths for {batch} samples", field=LENGTHS_FIELD)
+        return lengths
+
+
+def _new_ids(n: int) -> list[str]:
+    base = uuid.uuid4().hex[:12]
+    return [f"{base}-{i}" for i in range(n)]
+
+
+def _user_tags(tags: Sequence[Mapping[str, Any]] | None, batch: int, ids: list[str]) -> list[dict[str, Any]]:
+    if tags is None:
+        return [{} for _ in range(batch)]
+    if len(tags) != batch:
+        raise ShapeError(f"{len(tags)} tag dicts for {batch} samples")
+    out = []
+    for sid, tag in zip(ids, tags):
+        if not isinstance(tag, Mapping):
+            raise ShapeError(f"tags must be dicts, got {type(tag).__name__}", sample=sid)
+        if WIRE_TAG in tag:
+            raise ShapeError(f"tag key {WIRE_TAG!r} is reserved for wire geometry", sample=sid)
+        try:
+            msgpack.packb(dict(tag), use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as err:
+            raise ShapeError(f"tags must be msgpack-able ({err})", sample=sid) from None
+        out.append(dict(tag))
+    return out

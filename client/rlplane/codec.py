@@ -1,0 +1,389 @@
+"""The wire codec: a pure function of (registry, value) — no I/O, no Ray, no sockets.
+
+``encode`` turns user fields into :class:`~rlplane.column.Column` s (one 1-D buffer +
+row offsets per field) and per-sample tags that record every row's true geometry under
+the reserved key :data:`WIRE_TAG`. ``decode`` inverts it. What it guarantees:
+
+- token fields are cut to each sample's length on write and padded back with the
+  field's ``pad_value`` on read (``layout="padded"``) or returned jagged;
+- media fields are never cut or padded to the sequence length;
+- ``wire_dtype`` casts floating payloads only; integer grids travel as written;
+- object fields travel as msgpack (never pickle);
+- every row's shape travels with it, so no backend can turn a ``(B,)`` field into
+  ``(B, 1)`` or lose an image boundary;
+- dispatch is closed: a value of a type the codec does not know raises ContainerError.
+
+Example::
+
+    enc = encode(registry, {"input_ids": ids, "pixel_values": pt}, lengths=[5, 9])
+    out = decode(registry, enc.columns, enc.tags, layout="padded", pad_to_seqlen=16)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import msgpack
+import torch
+
+from rlplane.column import Column, offsets_from_numels
+from rlplane.errors import (
+    ContainerError,
+    InvalidArgumentError,
+    ShapeError,
+    WireFormatError,
+)
+from rlplane.fields import FieldSpec, Registry
+from rlplane.packed import PackedTensor
+
+#: Reserved key in each sample's tags: ``{field: geometry}`` for every field written.
+#: Geometry is a shape list for dense and object fields and
+#: ``{"d": dim_to_pack, "p": pad_to_max_shape, "s": [segment shapes]}`` for packed ones.
+WIRE_TAG = "_rlplane_wire"
+
+LAYOUTS = ("padded", "jagged")
+
+
+def merge_tags(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """One sample's tags after a write: ``new`` wins, wire geometry merges field by field.
+
+    Example: ``merge_tags(stored, enc.tags[i])``.
+    """
+    out = dict(old)
+    for key, value in new.items():
+        if key == WIRE_TAG and isinstance(out.get(key), Mapping):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+    return out
+
+
+class Encoded(NamedTuple):
+    """What :func:`encode` returns: wire columns and one tag dict per sample."""
+
+    columns: dict[str, Column]
+    tags: list[dict[str, Any]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.columns.values())
+
+
+# ---------------------------------------------------------------------------------------
+# encode
+
+
+def encode(
+    registry: Registry,
+    fields: Mapping[str, Any],
+    lengths: Sequence[int] | torch.Tensor | None = None,
+    *,
+    sample_ids: Sequence[Any] | None = None,
+) -> Encoded:
+    """Validate ``fields`` against ``registry`` and encode them for the wire.
+
+    ``lengths`` (one per sample) is required when a token field is present. ``None``
+    values and packed fields whose rows are all empty are not written. ``sample_ids``
+    only name samples in errors. Columns may share memory with the inputs.
+
+    Example::
+
+        enc = encode(default_registry(), {"input_ids": ids, "input_lengths": lens}, lengths=lens)
+        enc.columns["input_ids"].num_rows  # == len(lens)
+    """
+    batch = registry.validate(fields)
+    ids = list(sample_ids) if sample_ids is not None else None
+    if ids is not None and fields and len(ids) != batch and any(v is not None for v in fields.values()):
+        raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
+    lens = _lengths(lengths, batch, fields, registry, ids)
+    geoms: dict[str, list[Any]] = {}
+    columns: dict[str, Column] = {}
+    for name, value in fields.items():
+        if value is None:
+            continue
+        spec = registry.get(name)
+        out = _ENCODERS[(spec.alignment, spec.container)](spec, value, lens, batch, ids)
+        if out is None:
+            continue
+        columns[name], geoms[name] = out
+    tags = [{WIRE_TAG: {name: g[i] for name, g in geoms.items()}} for i in range(batch)]
+    return Encoded(columns, tags)
+
+
+def _lengths(
+    lengths: Sequence[int] | torch.Tensor | None,
+    batch: int,
+    fields: Mapping[str, Any],
+    registry: Registry,
+    ids: list[Any] | None,
+) -> torch.Tensor | None:
+    token = [n for n, v in fields.items() if v is not None and registry.get(n).alignment == "token"]
+    if lengths is None:
+        if token:
+            raise ShapeError(
+                "a token-aligned field needs each sample's length; pass lengths (input_lengths)",
+                field=token[0],
+            )
+        return None
+    lens = torch.as_tensor(lengths).reshape(-1)
+    if lens.is_floating_point() or lens.dtype == torch.bool:
+        raise ShapeError(f"lengths must be integers, got {lens.dtype}")
+    lens = lens.to(torch.int64)
+    if token and lens.numel() != batch:
+        raise ShapeError(f"{lens.numel()} lengths for a batch of {batch} samples", field=token[0])
+    if lens.numel() and int(lens.min()) < 0:
+        i = int(torch.argmin(lens))
+        raise ShapeError(f"negative length {int(lens[i])}", sample=_name(ids, i))
+    return lens
+
+
+def _name(ids: list[Any] | None, i: int) -> Any:
+    return ids[i] if ids is not None and i < len(ids) else i
+
+
+def _cast(spec: FieldSpec, t: torch.Tensor) -> torch.Tensor:
+    target = spec.stored_dtype(t.dtype)
+    return t if target == t.dtype else t.to(target)
+
+
+def _encode_sample_dense(spec: FieldSpec, value: torch.Tensor, lens, batch: int, ids) -> tuple[Column, list[Any]]:
+    shape = list(value.shape[1:])
+    col = Column.uniform(_cast(spec, value), batch)
+    return col, [list(shape) for _ in range(batch)]
+
+
+def _encode_token_dense(spec: FieldSpec, value: torch.Tensor, lens: torch.Tensor, batch: int, ids) -> tuple[Column, list[Any]]:
+    rest = list(value.shape[2:])
+    if value.is_nested:
+        offsets = value.offsets().to("cpu", torch.int64)
+        got = torch.diff(offsets)
+        bad = (got != lens).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            raise ShapeError(
+                f"jagged row has {int(got[i])} tokens but the sample's length is {int(lens[i])}",
+                field=spec.name,
+                sample=_name(ids, i),
+            )
+        if getattr(value, "_lengths", None) is not None:
+            values = torch.cat(list(value.unbind()))
+        else:
+            values = value.values()[int(offsets[0]) : int(offsets[-1])]
+        rest = list(values.shape[1:])
+        values = _cast(spec, values).reshape(-1).contiguous()
+    else:
+        seq = value.shape[1]
+        if lens.numel() and int(lens.max()) > seq:
+            i = int(torch.argmax((lens > seq).to(torch.int8)))
+            raise ShapeError(
+                f"length {int(lens[i])} exceeds the tensor's sequence dim {seq}",
+                field=spec.name,
+                sample=_name(ids, i),
+            )
+        if lens.numel() and bool((lens == seq).all()):
+            values = value
+        else:
+            mask = torch.arange(seq, device=value.device) < lens.to(value.device)[:, None]
+            values = value[mask]
+        values = _cast(spec, values).reshape(-1)
+        if not values.is_contiguous():
+            values = values.contiguous()
+    inner = math.prod(rest)
+    col = Column(values, offsets_from_numels(lens * inner))
+    return col, [[n, *rest] for n in lens.tolist()]
+
+
+def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids) -> tuple[Column, list[Any]] | None:
+    values, row_numels, shapes = value.flatten(spec.wire_dtype)
+    if values is None:
+        return None  # every row empty: nothing to write
+    col = Column(values, offsets_from_numels(row_numels))
+    d, p = value.dim_to_pack, value.pad_to_max_shape
+    return col, [{"d": d, "p": p, "s": s} for s in shapes]
+
+
+def _encode_sample_object(spec: FieldSpec, value: list[Any], lens, batch: int, ids) -> tuple[Column, list[Any]]:
+    blobs = []
+    for i, item in enumerate(value):
+        try:
+            blobs.append(msgpack.packb(item, use_bin_type=True, strict_types=True, default=_reject))
+        except (TypeError, ValueError, OverflowError) as err:
+            raise ContainerError(
+                f"value is not msgpack-able ({err}); object fields take str/int/float/bool/None/bytes/list/dict",
+                field=spec.name,
+                sample=_name(ids, i),
+            ) from None
+    numels = [len(b) for b in blobs]
+    data = b"".join(blobs)
+    values = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    return Column(values, offsets_from_numels(numels)), [[n] for n in numels]
+
+
+def _reject(obj: Any) -> Any:
+    raise TypeError(f"{type(obj).__name__} is not a plain msgpack type")
+
+
+_ENCODERS = {
+    ("sample", "dense"): _encode_sample_dense,
+    ("token", "dense"): _encode_token_dense,
+    ("media", "packed"): _encode_media_packed,
+    ("sample", "object"): _encode_sample_object,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# decode
+
+
+def decode(
+    registry: Registry,
+    columns: Mapping[str, Column],
+    tags: Sequence[Mapping[str, Any]],
+    layout: str = "padded",
+    pad_to_seqlen: int | None = None,
+    *,
+    sample_ids: Sequence[Any] | None = None,
+) -> dict[str, Any]:
+    """Turn wire columns back into fields: the exact inverse of :func:`encode`.
+
+    Token fields come back ``[B, pad_to_seqlen, ...]`` padded with the field's
+    ``pad_value`` (``pad_to_seqlen`` defaults to the longest sample) or, with
+    ``layout="jagged"``, as a jagged NestedTensor. Sample fields are ``[B, ...]``; packed
+    fields PackedTensor; object fields lists. Dense results may share memory with the
+    columns. ``sample_ids`` only name samples in errors.
+
+    Example::
+
+        fields = decode(registry, columns, meta.tags, layout="jagged")
+    """
+    if layout not in LAYOUTS:
+        raise InvalidArgumentError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if pad_to_seqlen is not None and (not isinstance(pad_to_seqlen, int) or pad_to_seqlen < 0):
+        raise InvalidArgumentError(f"pad_to_seqlen must be a non-negative int, got {pad_to_seqlen!r}")
+    ids = list(sample_ids) if sample_ids is not None else None
+    batch = len(tags)
+    out: dict[str, Any] = {}
+    for name, col in columns.items():
+        spec = registry.get(name)
+        if col.num_rows != batch:
+            raise WireFormatError(f"column has {col.num_rows} rows for {batch} samples", field=name)
+        geoms = _geometries(name, tags, ids)
+        out[name] = _DECODERS[(spec.alignment, spec.container)](spec, col, geoms, layout, pad_to_seqlen, ids)
+    return out
+
+
+def _geometries(name: str, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None) -> list[Any]:
+    geoms = []
+    for i, tag in enumerate(tags):
+        try:
+            geoms.append(tag[WIRE_TAG][name])
+        except (KeyError, TypeError):
+            raise WireFormatError(
+                "the sample's tags carry no wire geometry for this field; it was not written by rlplane's codec",
+                field=name,
+                sample=_name(ids, i),
+            ) from None
+    return geoms
+
+
+def _check_numels(spec: FieldSpec, col: Column, want: list[int], ids: list[Any] | None) -> None:
+    got = col.row_numels()
+    bad = (got != torch.tensor(want, dtype=torch.int64)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise WireFormatError(
+            f"row holds {int(got[i])} elements but its recorded shape needs {want[i]}",
+            field=spec.name,
+            sample=_name(ids, i),
+        )
+
+
+def _uniform(spec: FieldSpec, shapes: list[list[int]], ids: list[Any] | None, what: str) -> list[int]:
+    first = shapes[0]
+    for i, s in enumerate(shapes):
+        if s != first:
+            raise ShapeError(
+                f"{what} {s} differs from sample {_name(ids, 0)!r}'s {first}; "
+                "these samples were written with different shapes and cannot be stacked",
+                field=spec.name,
+                sample=_name(ids, i),
+            )
+    return first
+
+
+def _decode_sample_dense(spec: FieldSpec, col: Column, geoms: list[Any], layout, pad, ids) -> torch.Tensor:
+    if not geoms:
+        return col.values.new_empty((0,))
+    shape = _uniform(spec, geoms, ids, "shape")
+    _check_numels(spec, col, [math.prod(g) for g in geoms], ids)
+    return col.values.view(len(geoms), *shape)
+
+
+def _decode_token_dense(spec: FieldSpec, col: Column, geoms: list[Any], layout: str, pad: int | None, ids) -> torch.Tensor:
+    batch = len(geoms)
+    rest = _uniform(spec, [g[1:] for g in geoms], ids, "per-token shape") if geoms else []
+    lens = [int(g[0]) for g in geoms]
+    inner = math.prod(rest)
+    _check_numels(spec, col, [n * inner for n in lens], ids)
+    rows = col.values.view(-1, *rest)
+    lens_t = torch.tensor(lens, dtype=torch.int64)
+    if layout == "jagged":
+        return torch.nested.nested_tensor_from_jagged(rows, offsets_from_numels(lens_t).to(rows.device))
+    longest = max(lens, default=0)
+    width = longest if pad is None else pad
+    if width < longest:
+        i = lens.index(longest)
+        raise ShapeError(
+            f"pad_to_seqlen={width} is shorter than the sample's length {longest}; "
+            "raise pad_to_seqlen (it must cover every sample of the step)",
+            field=spec.name,
+            sample=_name(ids, i),
+        )
+    out = torch.full((batch, width, *rest), spec.pad_value, dtype=col.dtype, device=col.values.device)
+    if rows.numel():
+        mask = torch.arange(width, device=rows.device) < lens_t.to(rows.device)[:, None]
+        out[mask] = rows
+    return out
+
+
+def _decode_media_packed(spec: FieldSpec, col: Column, geoms: list[Any], layout, pad, ids) -> PackedTensor:
+    if not geoms:
+        return PackedTensor([])
+    try:
+        packing = {(g["d"], g["p"]) for g in geoms}
+        shapes = [g["s"] for g in geoms]
+    except (KeyError, TypeError):
+        raise WireFormatError("packed geometry must be {'d', 'p', 's'}", field=spec.name) from None
+    if len(packing) > 1:
+        raise ShapeError(
+            f"samples were written with different (dim_to_pack, pad_to_max_shape) {sorted(packing)}",
+            field=spec.name,
+        )
+    d, p = packing.pop()
+    return PackedTensor._from_flat(col.values, col.row_numels().tolist(), shapes, d, p, field=spec.name)
+
+
+def _decode_sample_object(spec: FieldSpec, col: Column, geoms: list[Any], layout, pad, ids) -> list[Any]:
+    _check_numels(spec, col, [int(g[0]) for g in geoms], ids)
+    if col.dtype != torch.uint8:
+        raise WireFormatError(f"object column must be uint8 bytes, got {col.dtype}", field=spec.name)
+    data = col.values.cpu().numpy().tobytes()
+    offsets = col.offsets.tolist()
+    out = []
+    for i in range(len(geoms)):
+        try:
+            out.append(msgpack.unpackb(data[offsets[i] : offsets[i + 1]], raw=False, strict_map_key=False))
+        except (ValueError, msgpack.UnpackException) as err:
+            raise WireFormatError(f"object row is not valid msgpack ({err})", field=spec.name, sample=_name(ids, i)) from None
+    return out
+
+
+_DECODERS = {
+    ("sample", "dense"): _decode_sample_dense,
+    ("token", "dense"): _decode_token_dense,
+    ("media", "packed"): _decode_media_packed,
+    ("sample", "object"): _decode_sample_object,
+}
+
+__all__ = ["WIRE_TAG", "LAYOUTS", "Encoded", "encode", "decode", "merge_tags"]

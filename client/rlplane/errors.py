@@ -1,0 +1,159 @@
+"""Every error rlplane raises, in one hierarchy.
+
+Catch :class:`RlplaneError` to handle them all. Each error names what it is about
+(field, sample, partition, stage) in its attributes and says what to do in its message.
+
+Example::
+
+    try:
+        registry.validate({"pixel_vals": pt})
+    except UnregisteredFieldError as err:
+        print(err.field)  # "pixel_vals"
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+class RlplaneError(Exception):
+    """Base class of every rlplane error."""
+
+
+class RegistryError(RlplaneError, ValueError):
+    """A field declaration is illegal (bad alignment/container pair, duplicate name...)."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class InvalidArgumentError(RlplaneError, ValueError):
+    """An argument outside its allowed values (a layout name, a dp_size of 0...)."""
+
+
+class UnknownStageError(RlplaneError, ValueError):
+    """A stage name that no registered field declares."""
+
+    def __init__(self, stage: str, known: Sequence[str]) -> None:
+        super().__init__(
+            f"unknown stage {stage!r}: no registered field is read by it. "
+            f"Known stages: {sorted(known)}. Check the spelling or register the stage's fields."
+        )
+        self.stage = stage
+        self.known = sorted(known)
+
+
+def _where(field: str | None, sample: Any) -> str:
+    parts = []
+    if field is not None:
+        parts.append(f"field {field!r}")
+    if sample is not None:
+        parts.append(f"sample {sample!r}")
+    return ", ".join(parts)
+
+
+class FieldValidationError(RlplaneError, ValueError):
+    """A value does not match its field's declaration. Nothing was written.
+
+    ``field`` is the field's name; ``sample`` the offending sample (its id where known,
+    else its index in the batch), or None when the whole column is wrong.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, sample: Any = None) -> None:
+        where = _where(field, sample)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.field = field
+        self.sample = sample
+
+
+class UnregisteredFieldError(FieldValidationError):
+    """A field name the registry does not declare."""
+
+
+class ContainerError(FieldValidationError):
+    """The value's type does not match the field's container (dense/packed/object)."""
+
+
+class DtypeError(FieldValidationError):
+    """The value's dtype is not the field's declared dtype."""
+
+
+class ShapeError(FieldValidationError):
+    """Batch size, sequence length or row geometry does not match."""
+
+
+class WireFormatError(RlplaneError, ValueError):
+    """Bytes on the wire do not describe what they claim (corrupt or foreign data)."""
+
+    def __init__(self, message: str, *, field: str | None = None, sample: Any = None) -> None:
+        where = _where(field, sample)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.field = field
+        self.sample = sample
+
+
+class MissingDataError(RlplaneError, LookupError):
+    """Requested (sample, field) pairs that the store does not hold. Never a partial result.
+
+    ``missing`` maps each sample id to the field names it lacks (an empty list when the
+    sample itself is unknown).
+    """
+
+    def __init__(self, partition: str, missing: dict[Any, list[str]], *, hint: str = "") -> None:
+        unknown = [s for s, f in missing.items() if not f]
+        lacking = {s: f for s, f in missing.items() if f}
+        parts = []
+        if unknown:
+            parts.append(f"{len(unknown)} unknown sample(s) {_head(unknown)}")
+        if lacking:
+            fields = sorted({f for fs in lacking.values() for f in fs})
+            parts.append(
+                f"{len(lacking)} sample(s) lacking field(s) {fields}: "
+                + ", ".join(f"{s!r} lacks {f}" for s, f in list(lacking.items())[:5])
+                + (" ..." if len(lacking) > 5 else "")
+            )
+        msg = f"partition {partition!r}: " + "; ".join(parts)
+        if hint:
+            msg += f". {hint}"
+        super().__init__(msg)
+        self.partition = partition
+        self.missing = missing
+
+
+class DuplicateSampleError(RlplaneError, ValueError):
+    """put_samples with sample ids that already exist in the partition. Nothing was written."""
+
+    def __init__(self, partition: str, sample_ids: Sequence[Any]) -> None:
+        super().__init__(
+            f"partition {partition!r}: sample id(s) already stored {_head(list(sample_ids))}; "
+            "use write_columns to add fields to stored samples, or clear them first"
+        )
+        self.partition = partition
+        self.sample_ids = list(sample_ids)
+
+
+class TransportError(RlplaneError, ConnectionError):
+    """Moving bytes failed (service unreachable, storage unit down...)."""
+
+
+def _head(items: list[Any], n: int = 5) -> str:
+    shown = ", ".join(repr(x) for x in items[:n])
+    return f"[{shown}{', ...' if len(items) > n else ''}]"
+
+
+__all__ = [
+    "RlplaneError",
+    "RegistryError",
+    "InvalidArgumentError",
+    "UnknownStageError",
+    "FieldValidationError",
+    "UnregisteredFieldError",
+    "ContainerError",
+    "DtypeError",
+    "ShapeError",
+    "WireFormatError",
+    "MissingDataError",
+    "DuplicateSampleError",
+    "TransportError",
+]

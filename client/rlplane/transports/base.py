@@ -1,0 +1,98 @@
+"""The Transport interface: how encoded columns reach a store and come back.
+
+A transport speaks partitions, sample ids, :class:`~rlplane.column.Column` s and
+per-sample tags; it knows nothing of fields' meaning. Every implementation keeps the
+same strict semantics (pinned by the in-memory reference, ``MemoryTransport``):
+
+- ``put(create=True)`` adds new samples (an existing id raises DuplicateSampleError);
+  ``put(create=False)`` adds or replaces fields of stored samples (an unknown id raises
+  MissingDataError). Either way a failed put stores nothing.
+- ``get`` returns every requested (sample, field) or raises MissingDataError naming
+  what is missing: never a partial result. Tags come back as stored (merged over writes).
+- Stored bytes never alias the caller's tensors, and returned ones never alias the store.
+
+Example::
+
+    transport.put("step-3", ["a", "b"], enc.columns, enc.tags, create=True)
+    columns, tags = transport.get("step-3", ["b"], ["input_ids"])
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from rlplane.column import Column
+from rlplane.errors import ShapeError
+
+
+@dataclass(frozen=True)
+class PartitionInfo:
+    """What a partition holds: its samples, how many of them hold each field, and bytes."""
+
+    partition: str
+    sample_ids: list[str]
+    fields: dict[str, int] = field(default_factory=dict)
+    nbytes: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+
+class Transport(ABC):
+    """Moves encoded columns to and from a store (see the module docstring)."""
+
+    name: str = "transport"
+
+    @abstractmethod
+    def put(
+        self,
+        partition: str,
+        sample_ids: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]],
+        *,
+        create: bool,
+    ) -> None:
+        """Store ``columns`` (one row per sample id) and merge ``tags`` into each sample's tags."""
+
+    @abstractmethod
+    def get(
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
+    ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+        """The requested fields' columns (rows in ``sample_ids`` order) and the samples' tags."""
+
+    @abstractmethod
+    def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
+        """Drop samples (all of the partition when ``sample_ids`` is None); returns how many."""
+
+    @abstractmethod
+    def partitions(self) -> list[str]:
+        """Names of partitions holding at least one sample."""
+
+    @abstractmethod
+    def describe(self, partition: str) -> PartitionInfo:
+        """What ``partition`` holds (MissingDataError if it holds nothing)."""
+
+    def close(self) -> None:
+        """Release connections; the default holds none."""
+
+    def __enter__(self) -> Transport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]]) -> None:
+    """Shape checks every transport makes before storing anything."""
+    n = len(sample_ids)
+    if len(set(sample_ids)) != n:
+        raise ShapeError("sample ids within one put must be unique")
+    if len(tags) != n:
+        raise ShapeError(f"{len(tags)} tag dicts for {n} samples")
+    for name, col in columns.items():
+        if col.num_rows != n:
+            raise ShapeError(f"column has {col.num_rows} rows for {n} samples", field=name)

@@ -1,0 +1,126 @@
+"""MemoryTransport: an in-process store with the reference semantics of every transport.
+
+Unit tests and the codec demo use it instead of a live service. It copies on put and on
+get, as any real transport moves bytes, and it is strict: a get that cannot return every
+requested (sample, field) raises MissingDataError.
+
+Example::
+
+    t = MemoryTransport()
+    t.put("p", ["a"], enc.columns, enc.tags, create=True)
+    columns, tags = t.get("p", ["a"], list(enc.columns))
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from rlplane.codec import merge_tags
+from rlplane.column import Column
+from rlplane.errors import DuplicateSampleError, MissingDataError
+from rlplane.transports.base import PartitionInfo, Transport, check_put
+
+
+@dataclass
+class _Sample:
+    rows: dict[str, torch.Tensor] = field(default_factory=dict)
+    tags: dict[str, Any] = field(default_factory=dict)
+
+
+class MemoryTransport(Transport):
+    """Thread-safe in-memory store (see the module docstring)."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self._parts: dict[str, dict[str, _Sample]] = {}
+        self._dtypes: dict[tuple[str, str], torch.dtype] = {}
+        self._lock = threading.Lock()
+
+    def put(
+        self,
+        partition: str,
+        sample_ids: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]],
+        *,
+        create: bool,
+    ) -> None:
+        check_put(sample_ids, columns, tags)
+        # Copy outside the lock: one buffer per column, rows are views of it.
+        rows = {name: col.values.clone().split(col.row_numels().tolist()) for name, col in columns.items()}
+        with self._lock:
+            part = self._parts.get(partition, {})
+            if create:
+                taken = [s for s in sample_ids if s in part]
+                if taken:
+                    raise DuplicateSampleError(partition, taken)
+            else:
+                unknown = [s for s in sample_ids if s not in part]
+                if unknown:
+                    raise MissingDataError(
+                        partition, {s: [] for s in unknown}, hint="put_samples them before write_columns"
+                    )
+            part = self._parts.setdefault(partition, part)
+            for i, sid in enumerate(sample_ids):
+                sample = part.setdefault(sid, _Sample())
+                for name in columns:
+                    sample.rows[name] = rows[name][i]
+                sample.tags = merge_tags(sample.tags, tags[i])
+            for name, col in columns.items():
+                self._dtypes[(partition, name)] = col.dtype
+
+    def get(
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
+    ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+        with self._lock:
+            part = self._parts.get(partition, {})
+            missing: dict[str, list[str]] = {}
+            for sid in sample_ids:
+                sample = part.get(sid)
+                if sample is None:
+                    missing[sid] = []
+                else:
+                    lacking = [f for f in fields if f not in sample.rows]
+                    if lacking:
+                        missing[sid] = lacking
+            if missing:
+                raise MissingDataError(partition, missing)
+            picked = [part[sid] for sid in sample_ids]
+            dtypes = {f: self._dtypes.get((partition, f), torch.uint8) for f in fields}
+        columns = {f: Column.from_rows([s.rows[f] for s in picked], dtype=dtypes[f]) for f in fields}
+        return columns, [dict(s.tags) for s in picked]
+
+    def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
+        with self._lock:
+            part = self._parts.get(partition)
+            if part is None:
+                return 0
+            if sample_ids is None:
+                del self._parts[partition]
+                return len(part)
+            dropped = sum(part.pop(s, None) is not None for s in sample_ids)
+            if not part:
+                del self._parts[partition]
+            return dropped
+
+    def partitions(self) -> list[str]:
+        with self._lock:
+            return sorted(self._parts)
+
+    def describe(self, partition: str) -> PartitionInfo:
+        with self._lock:
+            part = self._parts.get(partition)
+            if not part:
+                raise MissingDataError(partition, {}, hint="the partition holds no samples")
+            counts: dict[str, int] = {}
+            nbytes = 0
+            for sample in part.values():
+                for name, row in sample.rows.items():
+                    counts[name] = counts.get(name, 0) + 1
+                    nbytes += row.numel() * row.element_size()
+            return PartitionInfo(partition, list(part), counts, nbytes)

@@ -1,0 +1,93 @@
+"""Reference workloads (DESIGN.md): the batches benchmarks, demos and e2e tests move.
+
+``vlm_step``: B samples of S tokens, lengths uniform in [S/4, S]; per sample 0, 1 or 2
+images, each a ``[h*w, 1176]`` float32 pixel_values segment with h, w uniform in
+[16, 52] and an ``image_grid_thw`` row ``(1, h, w)`` per image. ``text_step``: the text
+fields only.
+
+Example::
+
+    batch = vlm_step(batch=8, seqlen=256, seed=0)
+    batch.fields["pixel_values"]   # PackedTensor with some None rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlplane.packed import PackedTensor
+
+PATCH_DIM = 1176
+
+
+@dataclass
+class Workload:
+    """A generated batch: ``fields`` for put_samples and each sample's ``lengths``."""
+
+    name: str
+    fields: dict[str, Any]
+    lengths: torch.Tensor
+
+    @property
+    def batch(self) -> int:
+        return int(self.lengths.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors as written (before any wire cast or cut)."""
+        total = 0
+        for v in self.fields.values():
+            if isinstance(v, PackedTensor):
+                total += v.nbytes
+            elif isinstance(v, torch.Tensor):
+                total += v.numel() * v.element_size()
+        return total
+
+
+def text_step(batch: int = 256, seqlen: int = 4096, seed: int = 0) -> Workload:
+    """The text fields of a GRPO step (ids, lengths, masks, logprobs, advantages)."""
+    g = torch.Generator().manual_seed(seed)
+    lo = max(1, seqlen // 4)
+    lengths = torch.randint(lo, seqlen + 1, (batch,), generator=g, dtype=torch.int64)
+    pos = torch.arange(seqlen)
+    valid = pos < lengths[:, None]
+    fields: dict[str, Any] = {
+        "input_ids": torch.randint(0, 151_000, (batch, seqlen), generator=g, dtype=torch.int64) * valid,
+        "input_lengths": lengths.clone(),
+        "token_mask": (valid & (pos >= lo // 2)).to(torch.float32),
+        "sample_mask": torch.ones(batch, dtype=torch.float32),
+        "generation_logprobs": -torch.rand(batch, seqlen, generator=g) * valid,
+        "advantages": torch.randn(batch, seqlen, generator=g) * valid,
+    }
+    return Workload("text-step", fields, lengths)
+
+
+def vlm_step(batch: int = 64, seqlen: int = 2048, seed: int = 0, max_images: int = 2) -> Workload:
+    """The reference "vlm-step" batch (about 190 MB stored at B=64, S=2048)."""
+    w = text_step(batch, seqlen, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    n_images = torch.randint(0, max_images + 1, (batch,), generator=g).tolist()
+    pixel_rows: list[Any] = []
+    grid_rows: list[Any] = []
+    mm = torch.zeros(batch, seqlen, dtype=torch.int64)
+    for i, n in enumerate(n_images):
+        if n == 0:
+            pixel_rows.append(None)
+            grid_rows.append(None)
+            continue
+        hw = torch.randint(16, 53, (n, 2), generator=g)
+        pixel_rows.append([torch.randn(int(h * ww), PATCH_DIM, generator=g) for h, ww in hw.tolist()])
+        grid_rows.append(torch.cat([torch.ones(n, 1, dtype=torch.int64), hw], dim=1))
+        image_tokens = min(int(w.lengths[i]) // 2, 64 * n)
+        mm[i, 1 : 1 + image_tokens] = 1
+    w.fields["mm_token_type_ids"] = mm
+    w.fields["pixel_values"] = PackedTensor(pixel_rows)
+    w.fields["image_grid_thw"] = PackedTensor(grid_rows)
+    w.name = "vlm-step"
+    return w
+
+
+WORKLOADS = {"vlm-step": vlm_step, "text-step": text_step}

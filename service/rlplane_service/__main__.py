@@ -1,0 +1,3 @@
+from rlplane_service.cli import main
+
+main()

@@ -1,0 +1,120 @@
+"""``rlplane bench``: encode -> in-memory transport -> decode of a reference workload.
+
+Each repetition encodes the batch, puts it into a fresh :class:`MemoryTransport`, gets
+every column back and decodes it (padded); a warm-up pass runs first and is checked
+bit for bit. A plain memcpy of the stored bytes runs in the same process as the bound.
+Ratios compare GB/s of stored bytes.
+
+Example::
+
+    results = run_codec_bench(BenchConfig(workload="vlm-step", reps=5), console)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+
+from rlplane.codec import decode, encode
+from rlplane.fields import default_registry
+from rlplane.transports.memory import MemoryTransport
+from rlplane.verify import diff_fields
+from rlplane.workloads import WORKLOADS
+from rlplane_service.timing import Phase, memcpy_phases, phase_table
+
+
+@dataclass
+class BenchConfig:
+    workload: str = "vlm-step"
+    batch: int | None = None
+    seqlen: int | None = None
+    reps: int = 5
+    seed: int = 0
+
+
+def run_codec_bench(cfg: BenchConfig, console: Console) -> dict:
+    """Run the codec benchmark; print the table; return machine-readable results."""
+    registry = default_registry()
+    kwargs = {k: v for k, v in (("batch", cfg.batch), ("seqlen", cfg.seqlen)) if v is not None}
+    with console.status(f"generating {cfg.workload}"):
+        work = WORKLOADS[cfg.workload](seed=cfg.seed, **kwargs)
+    ids = [f"s-{i}" for i in range(work.batch)]
+
+    enc = encode(registry, work.fields, work.lengths)
+    stored = enc.nbytes
+    names = list(enc.columns)
+    phases = {op: Phase(op, work.batch, stored) for op in ("encode", "put (copy in)", "get (copy out)", "decode", "round trip")}
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("encode -> put -> get -> decode", total=cfg.reps + 1)
+        for rep in range(cfg.reps + 1):
+            warm = rep == 0
+            transport = MemoryTransport()
+            t: dict[str, float] = {}
+            enc = _lap(t, "encode", lambda: encode(registry, work.fields, work.lengths))
+            _lap(t, "put (copy in)", lambda: transport.put("bench", ids, enc.columns, enc.tags, create=True))
+            columns, tags = _lap(t, "get (copy out)", lambda: transport.get("bench", ids, names))
+            out = _lap(t, "decode", lambda: decode(registry, columns, tags, "padded"))
+            if warm:
+                problems = diff_fields(registry, work.fields, out, work.lengths)
+                if problems:
+                    raise RuntimeError("round trip is not bit-exact: " + "; ".join(problems))
+            else:
+                for op, s in t.items():
+                    phases[op].seconds.append(s)
+                phases["round trip"].seconds.append(sum(t.values()))
+            del enc, columns, out, transport
+            progress.advance(task)
+    warm_copy, fresh_copy = memcpy_phases(stored, cfg.reps)
+    rows = list(phases.values()) + [warm_copy, fresh_copy]
+    console.print(phase_table(f"codec bench: {work.name} B={work.batch}, {stored / 1e6:.1f} MB stored", rows, spread=True))
+
+    codec = Phase("encode + decode", work.batch, stored, [e + d for e, d in zip(phases["encode"].seconds, phases["decode"].seconds)])
+    ratios = {
+        "encode+decode / memcpy(warm)": codec.gbps / warm_copy.gbps,
+        "encode+decode / memcpy(fresh)": codec.gbps / fresh_copy.gbps,
+        "round trip / memcpy(warm)": phases["round trip"].gbps / warm_copy.gbps,
+        "round trip / memcpy(fresh)": phases["round trip"].gbps / fresh_copy.gbps,
+    }
+    console.print(f"encode + decode: {codec.gbps:.2f} GB/s (median of {cfg.reps})")
+    for k, v in ratios.items():
+        console.print(f"  {k}: {v:.0%}")
+    return {
+        "workload": work.name,
+        "config": asdict(cfg),
+        "batch": work.batch,
+        "bytes_written": work.nbytes,
+        "bytes_stored": stored,
+        "phases": [p.to_dict() for p in rows + [codec]],
+        "ratios": ratios,
+        "machine": machine_facts(),
+    }
+
+
+def _lap(laps: dict[str, float], op: str, fn):
+    t0 = time.perf_counter()
+    result = fn()
+    laps[op] = time.perf_counter() - t0
+    return result
+
+
+def machine_facts() -> dict:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+    }
+
+
+def write_json(results: dict, path: Path) -> None:
+    path.write_text(json.dumps(results, indent=2))

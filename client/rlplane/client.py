@@ -57,12 +57,13 @@ class Client:
         ids = [str(s) for s in sample_ids] if sample_ids is not None else _new_ids(batch)
         if len(ids) != batch:
             raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
-        lengths = self._lengths(fields, batch, ids)
+        lengths = self._lengths(fields, batch)
         user = _user_tags(tags, batch, ids)
         enc = encode(self.registry, fields, lengths, sample_ids=ids)
         merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
         self.transport.put(partition, ids, enc.columns, merged, create=True)
-        return SampleMeta(partition, ids, lengths.tolist(), frozenset(enc.columns), merged)
+        stored_lengths = lengths.tolist() if lengths is not None else [0] * batch
+        return SampleMeta(partition, ids, stored_lengths, frozenset(enc.columns), merged)
 
     def write_columns(self, meta: SampleMeta, fields: Mapping[str, Any]) -> SampleMeta:
         """Add (or replace) fields of stored samples, e.g. a stage's outputs.
@@ -141,10 +142,12 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _lengths(self, fields: Mapping[str, Any], batch: int, ids: list[str]) -> torch.Tensor:
+    def _lengths(self, fields: Mapping[str, Any], batch: int) -> torch.Tensor | None:
+        """Each sample's length from ``input_lengths``; None when not given (the codec then
+        refuses token fields instead of cutting them to nothing)."""
         given = fields.get(LENGTHS_FIELD)
         if given is None:
-            return torch.zeros(batch, dtype=torch.int64)
+            return None
         lengths = given.reshape(-1).cpu().to(torch.int64) if isinstance(given, torch.Tensor) else torch.as_tensor(given)
         if lengths.numel() != batch:
             raise ShapeError(f"{lengths.numel()} lengths for {batch} samples", field=LENGTHS_FIELD)

@@ -126,7 +126,11 @@ def _lengths(
                 field=token[0],
             )
         return None
-    lens = torch.as_tensor(lengths).reshape(-1)
+    if isinstance(lengths, torch.Tensor):
+        lens = lengths.reshape(-1).cpu()
+    else:
+        values = list(lengths)
+        lens = torch.tensor(values) if values else torch.empty(0, dtype=torch.int64)
     if lens.is_floating_point() or lens.dtype == torch.bool:
         raise ShapeError(f"lengths must be integers, got {lens.dtype}")
     lens = lens.to(torch.int64)

@@ -73,14 +73,12 @@ class Client:
             meta = client.write_columns(shard, {"prev_logprobs": logprobs})
         """
         lengths = torch.tensor(meta.lengths, dtype=torch.int64)
-        given = fields.get(LENGTHS_FIELD)
-        if given is not None and isinstance(given, torch.Tensor) and not torch.equal(given.reshape(-1).cpu().to(torch.int64), lengths):
+        given = self._lengths(fields, len(meta))
+        if given is not None and not torch.equal(given, lengths):
             raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
         enc = encode(self.registry, fields, lengths, sample_ids=meta.sample_ids)
         if not enc.columns:
             return meta
-        if len(meta) and next(iter(enc.columns.values())).num_rows != len(meta):
-            raise ShapeError(f"fields describe {next(iter(enc.columns.values())).num_rows} samples, the meta {len(meta)}")
         self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
         return meta.with_fields(enc.columns, enc.tags)
 
@@ -148,7 +146,7 @@ class Client:
         given = fields.get(LENGTHS_FIELD)
         if given is None:
             return None
-        lengths = given.reshape(-1).cpu().to(torch.int64) if isinstance(given, torch.Tensor) else torch.as_tensor(given)
+        lengths = torch.as_tensor(given).reshape(-1).cpu().to(torch.int64)
         if lengths.numel() != batch:
             raise ShapeError(f"{lengths.numel()} lengths for {batch} samples", field=LENGTHS_FIELD)
         return lengths

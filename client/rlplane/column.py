@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -80,7 +81,7 @@ class Column:
             raise WireFormatError("expected a NestedTensor")
         if nested.layout == torch.jagged and getattr(nested, "_lengths", None) is None:
             offsets = nested.offsets().to("cpu", torch.int64)
-            inner = _numel(nested.values().shape[1:])
+            inner = math.prod(nested.values().shape[1:])
             values = nested.values()[int(offsets[0]) : int(offsets[-1])].reshape(-1)
             return cls(values.contiguous(), (offsets - offsets[0]) * inner)
         return cls.from_rows(list(nested.unbind()))
@@ -134,9 +135,3 @@ class Column:
     def __repr__(self) -> str:
         return f"Column(rows={self.num_rows}, dtype={self.dtype}, nbytes={self.nbytes})"
 
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n

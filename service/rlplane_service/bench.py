@@ -57,11 +57,16 @@ def run_codec_bench(cfg: BenchConfig, console: Console) -> dict:
         for rep in range(cfg.reps + 1):
             warm = rep == 0
             transport = MemoryTransport()
-            t: dict[str, float] = {}
-            enc = _lap(t, "encode", lambda: encode(registry, work.fields, work.lengths))
-            _lap(t, "put (copy in)", lambda: transport.put("bench", ids, enc.columns, enc.tags, create=True))
-            columns, tags = _lap(t, "get (copy out)", lambda: transport.get("bench", ids, names))
-            out = _lap(t, "decode", lambda: decode(registry, columns, tags, "padded"))
+            t0 = time.perf_counter()
+            enc = encode(registry, work.fields, work.lengths)
+            t1 = time.perf_counter()
+            transport.put("bench", ids, enc.columns, enc.tags, create=True)
+            t2 = time.perf_counter()
+            columns, tags = transport.get("bench", ids, names)
+            t3 = time.perf_counter()
+            out = decode(registry, columns, tags, "padded")
+            t4 = time.perf_counter()
+            t = {"encode": t1 - t0, "put (copy in)": t2 - t1, "get (copy out)": t3 - t2, "decode": t4 - t3}
             if warm:
                 problems = diff_fields(registry, work.fields, out, work.lengths)
                 if problems:
@@ -70,7 +75,6 @@ def run_codec_bench(cfg: BenchConfig, console: Console) -> dict:
                 for op, s in t.items():
                     phases[op].seconds.append(s)
                 phases["round trip"].seconds.append(sum(t.values()))
-            del enc, columns, out, transport
             progress.advance(task)
     warm_copy, fresh_copy = memcpy_phases(stored, cfg.reps)
     rows = list(phases.values()) + [warm_copy, fresh_copy]
@@ -96,13 +100,6 @@ def run_codec_bench(cfg: BenchConfig, console: Console) -> dict:
         "ratios": ratios,
         "machine": machine_facts(),
     }
-
-
-def _lap(laps: dict[str, float], op: str, fn):
-    t0 = time.perf_counter()
-    result = fn()
-    laps[op] = time.perf_counter() - t0
-    return result
 
 
 def machine_facts() -> dict:

@@ -10,6 +10,7 @@ Example::
 """
 
 from rlplane import errors
+from rlplane.client import Client
 from rlplane.codec import decode, encode
 from rlplane.column import Column
 from rlplane.fields import FieldSpec, Registry, default_registry
@@ -25,6 +26,7 @@ __all__ = [
     "default_registry",
     "PackedTensor",
     "SampleMeta",
+    "Client",
     "Column",
     "encode",
     "decode",

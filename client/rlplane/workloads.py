@@ -38,14 +38,19 @@ class Workload:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensors as written (before any wire cast or cut)."""
-        total = 0
-        for v in self.fields.values():
-            if isinstance(v, PackedTensor):
-                total += v.nbytes
-            elif isinstance(v, torch.Tensor):
-                total += v.numel() * v.element_size()
-        return total
+        return fields_nbytes(self.fields)
 
+
+def fields_nbytes(fields: dict[str, Any]) -> int:
+    """Bytes of the tensors in a fields dict (packed rows and jagged values included, objects not)."""
+    total = 0
+    for v in fields.values():
+        if isinstance(v, PackedTensor):
+            total += v.nbytes
+        elif isinstance(v, torch.Tensor):
+            t = v.values() if v.is_nested else v
+            total += t.numel() * t.element_size()
+    return total
 
 def text_step(batch: int = 256, seqlen: int = 4096, seed: int = 0) -> Workload:
     """The text fields of a GRPO step (ids, lengths, masks, logprobs, advantages)."""

@@ -27,8 +27,9 @@ from rlplane.meta import SampleMeta
 from rlplane.packed import PackedTensor
 from rlplane.transports.memory import MemoryTransport
 from rlplane.verify import diff_fields
+from rlplane.workloads import fields_nbytes as payload_nbytes
 from rlplane.workloads import text_step, vlm_step
-from rlplane_service.timing import Phase, payload_nbytes, phase_table, timed
+from rlplane_service.timing import Phase, phase_table, timed
 
 ROLLOUT_FIELDS = (
     "input_ids",

@@ -81,16 +81,3 @@ def phase_table(title: str, phases: list[Phase], *, spread: bool = False) -> Tab
         table.add_row(*row)
     return table
 
-
-def payload_nbytes(fields: dict) -> int:
-    """Bytes of the tensors in a fields dict (packed rows included, objects ignored)."""
-    from rlplane.packed import PackedTensor
-
-    total = 0
-    for v in fields.values():
-        if isinstance(v, PackedTensor):
-            total += v.nbytes
-        elif isinstance(v, torch.Tensor):
-            t = v.values() if v.is_nested else v
-            total += t.numel() * t.element_size()
-    return total

@@ -5,14 +5,15 @@
 Example::
 
     import rlplane
-    reg = rlplane.default_registry()
-    pt = rlplane.PackedTensor([torch.randn(16, 1176), None])
+    client = rlplane.connect("http://127.0.0.1:8000")       # a running service (rlplane serve)
+    meta = client.put_samples("step-0", {"input_ids": ids, "input_lengths": lens})
 """
 
 from rlplane import errors
 from rlplane.client import Client
 from rlplane.codec import decode, encode
 from rlplane.column import Column
+from rlplane.connect import connect
 from rlplane.fields import FieldSpec, Registry, default_registry
 from rlplane.meta import SampleMeta
 from rlplane.packed import PackedTensor
@@ -27,6 +28,7 @@ __all__ = [
     "PackedTensor",
     "SampleMeta",
     "Client",
+    "connect",
     "Column",
     "encode",
     "decode",

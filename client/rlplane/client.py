@@ -15,14 +15,16 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
+import re
 import uuid
 from typing import Any, Mapping, Sequence
 
 import msgpack
 import torch
 
-from rlplane.codec import WIRE_TAG, decode, encode, merge_tags
-from rlplane.errors import InvalidArgumentError, ShapeError
+from rlplane.codec import RESERVED_TAG_PREFIX, decode, encode, merge_tags
+from rlplane.errors import InvalidArgumentError, MissingDataError, ShapeError
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.meta import SampleMeta
 from rlplane.transports.base import Transport
@@ -31,9 +33,10 @@ from rlplane.transports.base import Transport
 class Client:
     """Put and read declared fields through a transport (see the module docstring)."""
 
-    def __init__(self, registry: Registry, transport: Transport) -> None:
+    def __init__(self, registry: Registry, transport: Transport, *, service: Any = None) -> None:
         self.registry = registry
         self.transport = transport
+        self._service = service  # the ServiceAPI when made by rlplane.connect; closed with the client
 
     # -- writing ---------------------------------------------------------------------
     def put_samples(
@@ -53,6 +56,7 @@ class Client:
 
             meta = client.put_samples("step-0", {"input_ids": ids, "input_lengths": lens})
         """
+        _check_partition(partition)
         batch = self.registry.validate(fields)
         ids = [str(s) for s in sample_ids] if sample_ids is not None else _new_ids(batch)
         if len(ids) != batch:
@@ -131,8 +135,70 @@ class Client:
         """Partitions that hold samples."""
         return self.transport.partitions()
 
+    def stats(self) -> dict[str, Any]:
+        """What the store holds: per partition, its sample count, fields present and bytes.
+
+        Example: ``client.stats()["partitions"]["step-0"]["nbytes"]``.
+        """
+        parts = {}
+        for name in self.transport.partitions():
+            try:
+                info = self.transport.describe(name)
+            except MissingDataError:  # cleared meanwhile
+                continue
+            parts[name] = {"num_samples": info.num_samples, "fields": dict(info.fields), "nbytes": info.nbytes}
+        return {
+            "transport": self.transport.name,
+            "registry_version": self.registry.version,
+            "partitions": parts,
+            "samples": sum(p["num_samples"] for p in parts.values()),
+            "nbytes": sum(p["nbytes"] for p in parts.values()),
+        }
+
     def close(self) -> None:
+        """Release the transport's connections (and the service connection, if any)."""
         self.transport.close()
+        if self._service is not None:
+            self._service.close()
+
+    # -- async twins: the same verbs, awaitable; the work runs in a worker thread ----
+    async def aput_samples(self, partition: str, fields: Mapping[str, Any], **kwargs: Any) -> SampleMeta:
+        """Awaitable :meth:`put_samples`."""
+        return await asyncio.to_thread(self.put_samples, partition, fields, **kwargs)
+
+    async def awrite_columns(self, meta: SampleMeta, fields: Mapping[str, Any]) -> SampleMeta:
+        """Awaitable :meth:`write_columns`."""
+        return await asyncio.to_thread(self.write_columns, meta, fields)
+
+    async def aread_columns(self, meta: SampleMeta, fields: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Awaitable :meth:`read_columns`, e.g. ``await client.aread_columns(shard, stage="train")``."""
+        return await asyncio.to_thread(self.read_columns, meta, fields, **kwargs)
+
+    async def afields_for_stage(self, stage: str, meta_or_partition: SampleMeta | str) -> list[str]:
+        """Awaitable :meth:`fields_for_stage`."""
+        return await asyncio.to_thread(self.fields_for_stage, stage, meta_or_partition)
+
+    async def aclear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
+        """Awaitable :meth:`clear`."""
+        return await asyncio.to_thread(self.clear, partition, sample_ids)
+
+    async def apartitions(self) -> list[str]:
+        """Awaitable :meth:`partitions`."""
+        return await asyncio.to_thread(self.partitions)
+
+    async def astats(self) -> dict[str, Any]:
+        """Awaitable :meth:`stats`."""
+        return await asyncio.to_thread(self.stats)
+
+    async def aclose(self) -> None:
+        """Awaitable :meth:`close`."""
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     def __enter__(self) -> Client:
         return self
@@ -152,6 +218,16 @@ class Client:
         return lengths
 
 
+_PARTITION = re.compile(r"[A-Za-z0-9_.:@=+\-]{1,200}")
+
+
+def _check_partition(partition: str) -> None:
+    if not isinstance(partition, str) or not _PARTITION.fullmatch(partition):
+        raise InvalidArgumentError(
+            f"partition name {partition!r} must be 1-200 characters of letters, digits and _ . : @ = + -"
+        )
+
+
 def _new_ids(n: int) -> list[str]:
     base = uuid.uuid4().hex[:12]
     return [f"{base}-{i}" for i in range(n)]
@@ -166,8 +242,9 @@ def _user_tags(tags: Sequence[Mapping[str, Any]] | None, batch: int, ids: list[s
     for sid, tag in zip(ids, tags):
         if not isinstance(tag, Mapping):
             raise ShapeError(f"tags must be dicts, got {type(tag).__name__}", sample=sid)
-        if WIRE_TAG in tag:
-            raise ShapeError(f"tag key {WIRE_TAG!r} is reserved for wire geometry", sample=sid)
+        reserved = [k for k in tag if str(k).startswith(RESERVED_TAG_PREFIX)]
+        if reserved:
+            raise ShapeError(f"tag keys starting with {RESERVED_TAG_PREFIX!r} are reserved for rlplane: {reserved}", sample=sid)
         try:
             msgpack.packb(dict(tag), use_bin_type=True)
         except (TypeError, ValueError, OverflowError) as err:

@@ -30,11 +30,12 @@ import torch
 from rlplane.column import Column, offsets_from_numels
 from rlplane.errors import (
     ContainerError,
+    DtypeError,
     InvalidArgumentError,
     ShapeError,
     WireFormatError,
 )
-from rlplane.fields import FieldSpec, Registry
+from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry
 from rlplane.packed import PackedTensor
 
 #: Reserved key in each sample's tags: ``{field: geometry}`` for every field written.
@@ -42,17 +43,22 @@ from rlplane.packed import PackedTensor
 #: ``{"d": dim_to_pack, "p": pad_to_max_shape, "s": [segment shapes]}`` for packed ones.
 WIRE_TAG = "_rlplane_wire"
 
+#: Tag keys starting with this prefix belong to rlplane (wire geometry, transport
+#: bookkeeping); user tags may not use them. Their values merge key by key over writes.
+RESERVED_TAG_PREFIX = "_rlplane"
+
 LAYOUTS = ("padded", "jagged")
 
 
 def merge_tags(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """One sample's tags after a write: ``new`` wins, wire geometry merges field by field.
+    """One sample's tags after a write: ``new`` wins; rlplane's reserved entries (wire
+    geometry, transport bookkeeping) merge field by field.
 
     Example: ``merge_tags(stored, enc.tags[i])``.
     """
     out = dict(old)
     for key, value in new.items():
-        if key == WIRE_TAG and isinstance(out.get(key), Mapping):
+        if key.startswith(RESERVED_TAG_PREFIX) and isinstance(out.get(key), Mapping) and isinstance(value, Mapping):
             out[key] = {**out[key], **value}
         else:
             out[key] = value
@@ -277,6 +283,56 @@ def decode(
     return out
 
 
+def check_columns(
+    registry: Registry,
+    columns: Mapping[str, Column],
+    tags: Sequence[Mapping[str, Any]],
+    *,
+    sample_ids: Sequence[Any] | None = None,
+) -> None:
+    """Check encoded columns against ``registry`` before they are stored: what a service
+    does with bytes that did not pass through this process's :func:`encode`.
+
+    Every column must be a registered field, hold its stored dtype, match the geometry
+    its tags record, and (when ``input_lengths`` travels along) cut token fields to each
+    sample's length. Raises a typed error naming field and sample.
+
+    Example::
+
+        check_columns(registry, enc.columns, enc.tags, sample_ids=ids)
+    """
+    ids = list(sample_ids) if sample_ids is not None else None
+    for name, col in columns.items():
+        spec = registry.get(name)
+        want = _stored_dtype(spec, col.dtype)
+        if col.dtype != want:
+            raise DtypeError(f"stored as {col.dtype} but the registry stores it as {want}", field=name)
+    decode(registry, columns, tags, layout="jagged", sample_ids=ids)
+    lengths = columns.get(LENGTHS_FIELD)
+    if lengths is None:
+        return
+    lens = lengths.values.tolist()
+    if len(lens) != len(tags):
+        raise ShapeError(f"{len(lens)} lengths for {len(tags)} samples", field=LENGTHS_FIELD)
+    for name in columns:
+        if registry.get(name).alignment != "token":
+            continue
+        for i, tag in enumerate(tags):
+            got = tag[WIRE_TAG][name][0]
+            if got != lens[i]:
+                raise ShapeError(
+                    f"row holds {got} tokens but {LENGTHS_FIELD} says {lens[i]}", field=name, sample=_name(ids, i)
+                )
+
+
+def _stored_dtype(spec: FieldSpec, dtype: torch.dtype) -> torch.dtype:
+    if spec.container == "object":
+        return torch.uint8
+    if spec.dtype is not None:
+        return spec.stored_dtype(spec.dtype)
+    return spec.stored_dtype(dtype)
+
+
 def _geometries(name: str, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None) -> list[Any]:
     geoms = []
     for i, tag in enumerate(tags):
@@ -390,4 +446,4 @@ _DECODERS = {
     ("sample", "object"): _decode_sample_object,
 }
 
-__all__ = ["WIRE_TAG", "LAYOUTS", "Encoded", "encode", "decode", "merge_tags"]
+__all__ = ["WIRE_TAG", "RESERVED_TAG_PREFIX", "LAYOUTS", "Encoded", "encode", "decode", "check_columns", "merge_tags"]

@@ -137,6 +137,52 @@ class TransportError(RlplaneError, ConnectionError):
     """Moving bytes failed (service unreachable, storage unit down...)."""
 
 
+class AuthenticationError(RlplaneError, PermissionError):
+    """The service wants ``Authorization: Bearer <token>`` and got none or a wrong one."""
+
+
+class PayloadTooLargeError(InvalidArgumentError):
+    """One HTTP request body is over the service's limit. Nothing was written."""
+
+
+# -- errors on the wire ----------------------------------------------------------------
+# The service answers an error as JSON {"error": class name, "message": ..., attributes};
+# the HTTP client rebuilds the same typed error, so a caller catches the same classes
+# whichever transport moved the bytes.
+
+_ATTRS = ("field", "sample", "partition", "missing", "sample_ids", "stage", "known")
+
+
+def error_payload(err: RlplaneError) -> dict[str, Any]:
+    """JSON-able form of ``err`` (see :func:`error_from_payload`)."""
+    out: dict[str, Any] = {"error": type(err).__name__, "message": str(err)}
+    for attr in _ATTRS:
+        if hasattr(err, attr):
+            value = getattr(err, attr)
+            if attr == "missing":
+                value = {str(k): list(v) for k, v in value.items()}
+            out[attr] = value
+    return out
+
+
+def error_from_payload(payload: Any, *, default: type[RlplaneError] = TransportError) -> RlplaneError:
+    """Rebuild the typed error the service reported; ``default`` for anything unknown.
+
+    Example::
+
+        raise error_from_payload(response.json())
+    """
+    if not isinstance(payload, dict):
+        return default(f"service error: {payload!r}")
+    cls = _BY_NAME.get(str(payload.get("error")), default)
+    err = cls.__new__(cls)
+    Exception.__init__(err, str(payload.get("message", "service error")))
+    for attr in _ATTRS:
+        if attr in payload:
+            setattr(err, attr, payload[attr])
+    return err
+
+
 def _head(items: list[Any], n: int = 5) -> str:
     shown = ", ".join(repr(x) for x in items[:n])
     return f"[{shown}{', ...' if len(items) > n else ''}]"
@@ -156,4 +202,18 @@ __all__ = [
     "MissingDataError",
     "DuplicateSampleError",
     "TransportError",
+    "AuthenticationError",
+    "PayloadTooLargeError",
+    "error_payload",
+    "error_from_payload",
 ]
+
+
+_BY_NAME: dict[str, type[RlplaneError]] = {
+    cls.__name__: cls
+    for cls in (
+        RlplaneError, RegistryError, InvalidArgumentError, UnknownStageError, FieldValidationError,
+        UnregisteredFieldError, ContainerError, DtypeError, ShapeError, WireFormatError,
+        MissingDataError, DuplicateSampleError, TransportError, AuthenticationError, PayloadTooLargeError,
+    )
+}

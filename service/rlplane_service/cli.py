@@ -1,8 +1,10 @@
-"""The ``rlplane`` command line: ``demo`` (the main job) and ``bench``.
+"""The ``rlplane`` command line: ``serve``, ``status``, ``demo`` (the main job) and ``bench``.
 
 Example::
 
-    rlplane demo                       # one VLM GRPO step, verified bit for bit
+    rlplane serve                      # local Ray + the service on 127.0.0.1:8000 (Ctrl-C stops)
+    rlplane demo                       # one VLM GRPO step through the service, verified bit for bit
+    rlplane status
     rlplane bench --json out/bench.json
 """
 
@@ -21,6 +23,7 @@ from typing import Optional  # noqa: E402
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
 
 app = typer.Typer(
     help="rlplane: the data plane for RL post-training. Declared fields, bit-exact from rollout to trainer.",
@@ -42,22 +45,125 @@ class WorkloadName(str, Enum):
     text_step = "text-step"
 
 
+class TransportName(str, Enum):
+    auto = "auto"
+    tq = "tq"
+    http = "http"
+
+
+URL_OPTION = typer.Option(
+    "http://127.0.0.1:8000", "--url", envvar="RLPLANE_URL", help="The service's base URL."
+)
+TOKEN_OPTION = typer.Option(
+    None, "--token", envvar="RLPLANE_API_TOKEN", help="API token, when the service has one.", show_default=False
+)
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="HTTP bind address."),
+    port: int = typer.Option(8000, min=1, max=65535, help="HTTP port."),
+    storage_units: int = typer.Option(2, "--storage-units", min=1, help="TransferQueue storage units."),
+    capacity: Optional[int] = typer.Option(None, min=1, help="Most samples held (default: no limit)."),
+    registry_file: Optional[Path] = typer.Option(
+        None, "--registry", exists=True, dir_okay=False, help="YAML/JSON file of extra FieldSpecs."
+    ),
+    token: Optional[str] = TOKEN_OPTION,
+    num_cpus: int = typer.Option(8, "--num-cpus", min=1, help="Logical CPUs of the local Ray."),
+) -> None:
+    """Run the service on a local Ray (the embedded default) until Ctrl-C, then shut it all down.
+
+    Other RLPLANE_* environment variables (see rlplane_service.settings) apply too.
+    """
+    import signal
+    import time
+
+    from rlplane_service.embedded import EmbeddedService
+    from rlplane_service.settings import ServiceSettings
+
+    settings = ServiceSettings(
+        host=host, port=port, storage_units=storage_units, capacity=capacity,
+        registry_file=registry_file, api_token=token,
+    )
+    def on_sigterm(*_: object) -> None:  # docker stop / kill: shut down as cleanly as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    service = EmbeddedService(settings, num_cpus=num_cpus, say=lambda m: console.print(f"[dim]{m}[/]"))
+    try:
+        service.start()
+        console.print(
+            f"[green]rlplane serving[/] at {service.url}  (API docs {service.url}/docs; "
+            f"{'token required' if token else 'no token'}). Ctrl-C to stop."
+        )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        console.print("shutting down")
+    finally:
+        service.stop()
+    console.print("stopped")
+
+
+@app.command()
+def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json", help="Print the raw JSON.")) -> None:
+    """Show a running service: registry version, storage units, partitions and bytes."""
+    import json
+
+    from rlplane.errors import RlplaneError
+    from rlplane.http_api import ServiceAPI
+
+    api = ServiceAPI(url, token=token, timeout=30)
+    try:
+        st = api.json("GET", "/v1/status")
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
+    finally:
+        api.close()
+    if as_json:
+        print(json.dumps(st, indent=2))
+        return
+    store = st["store"]
+    console.print(
+        f"rlplane {st['version']} at {url}: registry {st['registry_version']} ({st['fields']} fields), "
+        f"store {store['backend']} with {store['storage_units']} storage units, capacity {store['capacity'] or 'unlimited'}"
+    )
+    table = Table(title=f"{len(st['partitions'])} partitions, {st['samples']} samples, {st['nbytes'] / 1e6:.1f} MB")
+    for col in ("partition", "samples", "MB", "fields"):
+        table.add_column(col, justify="right" if col in ("samples", "MB") else "left")
+    for p in st["partitions"]:
+        table.add_row(p["partition"], str(p["num_samples"]), f"{p['nbytes'] / 1e6:.1f}", ", ".join(sorted(p["fields"])))
+    console.print(table)
+
+
 @app.command()
 def demo(
+    url: str = URL_OPTION,
+    token: Optional[str] = TOKEN_OPTION,
+    transport: TransportName = typer.Option(TransportName.auto, help="Data path: direct to the storage units (tq), HTTP, or auto."),
     batch: int = typer.Option(64, "--batch", "-b", min=1, help="Samples in the step (reference: 64)."),
     seqlen: int = typer.Option(2048, "--seqlen", "-s", min=4, help="Max sequence length (reference: 2048)."),
     dp_size: int = typer.Option(2, "--dp", min=1, help="Data-parallel ranks per stage."),
     text_only: bool = typer.Option(False, "--text-only", help="A text-only batch: no multimodal field may be requested."),
     layout: Layout = typer.Option(Layout.padded, help="How token fields come back."),
     seed: int = typer.Option(0, help="Seed of the generated batch."),
+    embedded: bool = typer.Option(True, "--embedded/--no-embedded", help="Start the embedded service when none answers at --url."),
 ) -> None:
-    """Run one VLM GRPO step's data flow (rollout -> logprob -> reference -> train), verified bit for bit.
+    """Run one VLM GRPO step through a live service (rollout -> logprob -> reference -> train), verified bit for bit.
 
+    Uses the service at --url, or starts the embedded one there (and stops it after).
     Exits 1 if any rank read anything other than what was written.
     """
+    from rlplane.errors import RlplaneError
     from rlplane_service.demo import DemoConfig, run_demo
 
-    problems = run_demo(DemoConfig(batch, seqlen, dp_size, seed, text_only, layout.value), console)
+    cfg = DemoConfig(url, token, transport.value, batch, seqlen, dp_size, seed, text_only, layout.value, embedded)
+    try:
+        problems = run_demo(cfg, console)
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
     if problems:
         for line in problems:
             console.print(f"[red]MISMATCH[/] {line}")

@@ -1,13 +1,16 @@
-"""``rlplane demo``: one whole VLM GRPO step's data flow, verified bit for bit.
+"""``rlplane demo``: one whole VLM GRPO step through a live rlplane service, verified bit for bit.
 
-Rollout puts the reference batch; the driver shards it for 2 DP ranks (seqlen
-balanced); logprob ranks read their stage's fields and write ``prev_logprobs``;
-reference ranks write ``reference_policy_logprobs``; the driver writes ``advantages``;
-trainer ranks read ``train``. Every rank checks the multimodal fields against what the
-rollout wrote, and that the train and logprob passes saw the same multimodal fields.
+A rollout worker ``put_samples`` the reference batch; the driver shards the meta for the
+DP ranks (seqlen balanced); rank workers read ``fields_for_stage("logprob")`` and write
+``prev_logprobs``, read ``ref_logprob`` and write ``reference_policy_logprobs``; the
+driver writes ``advantages``; the ranks read ``train``. Every worker is a separate plain
+Python process that knows only the service URL (and token): no Ray in them. Each rank
+checks every field it read against what was written (regenerating the batch from the
+seed), and the driver checks that the train and logprob passes saw the same multimodal
+fields. Metas travel between processes as msgpack bytes.
 
-Until the service lands this runs through the in-memory reference transport, so it
-measures the codec (encode/decode) and the reference store's copies.
+Without ``--url`` the demo uses a service at the default address, or starts the
+embedded one there and stops it at the end.
 
 Example::
 
@@ -16,20 +19,22 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import multiprocessing as mp
+import time
+import traceback
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
 
+import msgpack
 import torch
 from rich.console import Console
 
-from rlplane.client import Client
-from rlplane.fields import default_registry
+from rlplane.errors import TransportError
 from rlplane.meta import SampleMeta
 from rlplane.packed import PackedTensor
-from rlplane.transports.memory import MemoryTransport
-from rlplane.verify import diff_fields
-from rlplane.workloads import fields_nbytes as payload_nbytes
-from rlplane.workloads import text_step, vlm_step
-from rlplane_service.timing import Phase, phase_table, timed
+from rlplane.workloads import Workload, fields_nbytes, text_step, vlm_step
+from rlplane_service.timing import Phase, phase_table
 
 ROLLOUT_FIELDS = (
     "input_ids",
@@ -42,96 +47,45 @@ ROLLOUT_FIELDS = (
     "image_grid_thw",
 )
 MULTIMODAL = ("mm_token_type_ids", "pixel_values", "image_grid_thw")
+STAGE_OUTPUT = {"logprob": "prev_logprobs", "ref_logprob": "reference_policy_logprobs"}
+_WORKER_TIMEOUT_S = 600.0
 
 
 @dataclass
 class DemoConfig:
+    url: str = "http://127.0.0.1:8000"
+    token: str | None = None
+    transport: str = "auto"
     batch: int = 64
     seqlen: int = 2048
     dp_size: int = 2
     seed: int = 0
     text_only: bool = False
     layout: str = "padded"
+    start_embedded: bool = True
 
 
-def run_demo(cfg: DemoConfig, console: Console) -> list[str]:
-    """Run the step; print progress and the per-phase table; return every problem found."""
-    registry = default_registry()
-    client = Client(registry, MemoryTransport())
-    with console.status("generating the reference batch"):
-        make = text_step if cfg.text_only else vlm_step
-        work = make(batch=cfg.batch, seqlen=cfg.seqlen, seed=cfg.seed)
-    written = {k: v for k, v in work.fields.items() if k in ROLLOUT_FIELDS}
-    console.print(
-        f"[bold]{work.name}[/]: B={cfg.batch} S={cfg.seqlen}, {work.nbytes / 1e6:.1f} MB as written, "
-        f"{cfg.dp_size} DP ranks, transport=memory, layout={cfg.layout}"
-    )
-    phases: list[Phase] = []
-    problems: list[str] = []
-    seen_mm: dict[str, set[str]] = {}
+def make_workload(cfg: DemoConfig) -> Workload:
+    make = text_step if cfg.text_only else vlm_step
+    return make(batch=cfg.batch, seqlen=cfg.seqlen, seed=cfg.seed)
 
-    def phase(op: str, samples: int, nbytes: int) -> Phase:
-        p = Phase(op, samples, nbytes)
-        phases.append(p)
-        return p
 
-    def check(stage: str, rank: int, shard: SampleMeta, got: dict) -> None:
-        idx = [int(s.rsplit("-", 1)[1]) for s in shard.sample_ids]
-        want = _rows(written, idx)
-        mm_present = {k for k in MULTIMODAL if k in got}
-        seen_mm.setdefault(stage, set()).update(mm_present)
-        for line in diff_fields(registry, {k: want[k] for k in got if k in want}, got, shard.lengths, sample_ids=shard.sample_ids):
-            problems.append(f"{stage} rank {rank}: {line}")
-        if cfg.text_only and mm_present:
-            problems.append(f"{stage} rank {rank}: requested multimodal fields {sorted(mm_present)} for a text-only batch")
+def stage_output(field: str, meta: SampleMeta) -> torch.Tensor:
+    """Stand-in for a model pass: per-sample deterministic values, zero past each length.
 
-    console.print("[cyan]rollout[/] put_samples")
-    with timed(phase("rollout put_samples", cfg.batch, payload_nbytes(written))):
-        meta = client.put_samples("step-0", written, sample_ids=[f"s-{i}" for i in range(cfg.batch)])
-    shards = meta.shard(cfg.dp_size, balance="seqlen")
-    console.print(f"sharded for {cfg.dp_size} ranks: tokens per rank {[sum(s.lengths) for s in shards]}")
+    Every process computes the same bits for the same sample, so a reader can check
+    what a writer wrote without the bytes travelling twice.
+    """
+    width = meta.pad_to_seqlen or max(meta.lengths, default=0)
+    idx = torch.tensor([_index(s) for s in meta.sample_ids], dtype=torch.float32)
+    salt = 1.0 + sum(map(ord, field)) % 7
+    pos = torch.arange(width, dtype=torch.float32)
+    out = -(idx[:, None] * 1e-3 + pos[None, :] * 1e-4 + salt * 1e-2)
+    return out * (pos[None, :] < torch.tensor(meta.lengths)[:, None])
 
-    outputs = {"logprob": "prev_logprobs", "ref_logprob": "reference_policy_logprobs"}
-    for stage, out_field in outputs.items():
-        for rank, shard in enumerate(shards):
-            console.print(f"[cyan]{stage}[/] rank {rank}: read {client.fields_for_stage(stage, shard)}")
-            p = phase(f"{stage} read (rank {rank})", len(shard), 0)
-            with timed(p):
-                got = client.read_columns(shard, stage=stage, layout=cfg.layout)
-            p.nbytes = payload_nbytes(got)
-            check(stage, rank, shard, got)
-            logprobs = _fake_logprobs(shard, cfg.seed + rank + len(out_field))
-            written_out = {out_field: logprobs}
-            with timed(phase(f"{stage} write {out_field} (rank {rank})", len(shard), payload_nbytes(written_out))):
-                shards[rank] = client.write_columns(shard, written_out)
-            written.setdefault(out_field, torch.zeros(cfg.batch, logprobs.shape[1]))
-            idx = [int(s.rsplit("-", 1)[1]) for s in shard.sample_ids]
-            written[out_field][idx, : logprobs.shape[1]] = logprobs
 
-    console.print("[cyan]driver[/] write advantages")
-    adv = {"advantages": work.fields["advantages"]}
-    full = SampleMeta.concat(*shards)
-    order = [int(s.rsplit("-", 1)[1]) for s in full.sample_ids]
-    with timed(phase("driver write advantages", cfg.batch, payload_nbytes(adv))):
-        full = client.write_columns(full, {"advantages": adv["advantages"][order]})
-    written["advantages"] = adv["advantages"]
-
-    for rank, shard in enumerate(full.shard(cfg.dp_size, balance="seqlen")):
-        console.print(f"[cyan]train[/] rank {rank}: read {client.fields_for_stage('train', shard)}")
-        p = phase(f"train read (rank {rank})", len(shard), 0)
-        with timed(p):
-            got = client.read_columns(shard, stage="train", layout=cfg.layout)
-        p.nbytes = payload_nbytes(got)
-        check("train", rank, shard, got)
-
-    for stage in ("ref_logprob", "train"):
-        if seen_mm.get(stage) != seen_mm.get("logprob"):
-            problems.append(
-                f"{stage} saw multimodal fields {sorted(seen_mm.get(stage, ()))} but logprob saw "
-                f"{sorted(seen_mm.get('logprob', ()))}"
-            )
-    console.print(phase_table("rlplane demo: one GRPO step (in-memory transport)", phases))
-    return problems
+def _index(sample_id: str) -> int:
+    return int(sample_id.rsplit("-", 1)[1])
 
 
 def _rows(fields: dict, idx: list[int]) -> dict:
@@ -146,11 +100,206 @@ def _rows(fields: dict, idx: list[int]) -> dict:
     return out
 
 
-def _fake_logprobs(shard: SampleMeta, seed: int) -> torch.Tensor:
-    """Stand-in for a model pass: deterministic per-token logprobs, zero past each length."""
-    g = torch.Generator().manual_seed(seed)
-    width = shard.pad_to_seqlen or max(shard.lengths, default=0)
-    lp = -torch.rand(len(shard), width, generator=g)
-    lens = torch.tensor(shard.lengths, dtype=torch.int64)
-    return lp * (torch.arange(width) < lens[:, None])
+# ---------------------------------------------------------------------------------------
+# the worker process: a plain Python process with a URL, a token and nothing else
 
+
+def _worker(conn: Any, cfg_dict: dict) -> None:
+    import logging
+
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    import rlplane
+    from rlplane.verify import diff_fields
+
+    cfg = DemoConfig(**cfg_dict)
+    client = None
+    work: Workload | None = None
+    while True:
+        msg = msgpack.unpackb(conn.recv_bytes(), raw=False)
+        if msg["op"] == "exit":
+            break
+        try:
+            if client is None:
+                client = rlplane.connect(cfg.url, token=cfg.token, transport=cfg.transport)
+            if work is None:
+                work = make_workload(cfg)
+            written = {k: v for k, v in work.fields.items() if k in ROLLOUT_FIELDS}
+            if msg["op"] == "put":
+                ids = [f"s-{i}" for i in range(cfg.batch)]
+                t0 = time.perf_counter()
+                meta = client.put_samples(msg["partition"], written, sample_ids=ids)
+                reply = {"meta": meta.to_dict(), "s": time.perf_counter() - t0, "bytes": fields_nbytes(written),
+                         "transport": client.transport.name}
+            else:  # a stage on one shard
+                meta = SampleMeta.from_dict(msg["meta"])
+                stage = msg["stage"]
+                names = client.fields_for_stage(stage, meta)
+                t0 = time.perf_counter()
+                got = client.read_columns(meta, stage=stage, layout=cfg.layout)
+                read_s = time.perf_counter() - t0
+                idx = [_index(s) for s in meta.sample_ids]
+                want = _rows({**written, "advantages": work.fields["advantages"]}, idx)
+                for name in STAGE_OUTPUT.values():
+                    want[name] = stage_output(name, meta)
+                problems = diff_fields(
+                    client.registry, {k: want[k] for k in got if k in want}, got, meta.lengths, sample_ids=meta.sample_ids
+                )
+                unchecked = [k for k in got if k not in want]
+                problems += [f"field {k!r}: read but the demo does not know what was written" for k in unchecked]
+                reply = {"fields": names, "read_s": read_s, "read_bytes": fields_nbytes(got), "problems": problems,
+                         "multimodal": sorted(k for k in MULTIMODAL if k in got)}
+                out_field = msg.get("write")
+                if out_field:
+                    out = {out_field: stage_output(out_field, meta)}
+                    t0 = time.perf_counter()
+                    meta = client.write_columns(meta, out)
+                    reply.update(write_s=time.perf_counter() - t0, write_bytes=fields_nbytes(out))
+                reply["meta"] = meta.to_dict()
+        except Exception as err:  # noqa: BLE001 - report any failure to the driver, whole
+            reply = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"}
+        conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
+    if client is not None:
+        client.close()
+
+
+class _Workers:
+    """Worker processes started by the demo and ended by it (by their own handles)."""
+
+    def __init__(self, names: list[str], cfg: DemoConfig) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs = {}
+        self.conns = {}
+        for name in names:
+            here, there = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(there, asdict(cfg)), name=f"rlplane-demo-{name}", daemon=True)
+            proc.start()
+            self.procs[name], self.conns[name] = proc, here
+
+    def ask(self, requests: dict[str, dict]) -> dict[str, dict]:
+        """Send each named worker its request, then collect every reply (they run concurrently)."""
+        for name, req in requests.items():
+            self.conns[name].send_bytes(msgpack.packb(req, use_bin_type=True))
+        replies = {}
+        for name in requests:
+            if not self.conns[name].poll(_WORKER_TIMEOUT_S):
+                raise TransportError(f"demo worker {name} did not answer within {_WORKER_TIMEOUT_S:.0f} s")
+            reply = msgpack.unpackb(self.conns[name].recv_bytes(), raw=False)
+            if "error" in reply:
+                raise RuntimeError(f"demo worker {name} failed: {reply['error']}")
+            replies[name] = reply
+        return replies
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            try:
+                conn.send_bytes(msgpack.packb({"op": "exit"}))
+            except (OSError, ValueError):
+                pass
+        for proc in self.procs.values():
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------
+# the driver
+
+
+def run_demo(cfg: DemoConfig, console: Console) -> list[str]:
+    """Run the step; print progress and the per-phase table; return every problem found."""
+    from rlplane_service.embedded import EmbeddedService, _answers
+    from rlplane_service.settings import ServiceSettings
+
+    ranks = [f"rank{r}" for r in range(cfg.dp_size)]
+    workers = _Workers(["rollout", *ranks], cfg)  # they import torch while the service starts
+    embedded = None
+    try:
+        if not _answers(cfg.url):
+            if not cfg.start_embedded:
+                raise TransportError(f"no rlplane service answers at {cfg.url}; start one with `rlplane serve`")
+            host, port = _host_port(cfg.url)
+            embedded = EmbeddedService(ServiceSettings(host=host, port=port), say=lambda m: console.print(f"[dim]{m}[/]"))
+            embedded.start()
+        return _step(cfg, workers, ranks, console)
+    finally:
+        workers.close()
+        if embedded is not None:
+            console.print("[dim]stopping the embedded service[/]")
+            embedded.stop()
+
+
+def _step(cfg: DemoConfig, workers: _Workers, ranks: list[str], console: Console) -> list[str]:
+    import rlplane
+
+    partition = f"demo-{uuid.uuid4().hex[:8]}"
+    with console.status("generating the reference batch"):
+        work = make_workload(cfg)
+    phases: list[Phase] = []
+    problems: list[str] = []
+    seen_mm: dict[str, set[str]] = {}
+
+    def phase(op: str, samples: int, nbytes: int, seconds: float) -> None:
+        phases.append(Phase(op, samples, nbytes, [seconds]))
+
+    driver = rlplane.connect(cfg.url, token=cfg.token, transport=cfg.transport)
+    try:
+        console.print(f"[cyan]rollout[/] worker: put_samples into partition {partition}")
+        put = workers.ask({"rollout": {"op": "put", "partition": partition}})["rollout"]
+        console.print(
+            f"[bold]{work.name}[/]: B={cfg.batch} S={cfg.seqlen}, {put['bytes'] / 1e6:.1f} MB as written, "
+            f"{cfg.dp_size} DP ranks, transport={put['transport']}, layout={cfg.layout}, service {cfg.url}"
+        )
+        phase("rollout put_samples", cfg.batch, put["bytes"], put["s"])
+        shards = SampleMeta.from_dict(put["meta"]).shard(cfg.dp_size, balance="seqlen")
+        console.print(f"sharded for {cfg.dp_size} ranks: tokens per rank {[sum(s.lengths) for s in shards]}")
+
+        def stage(name: str, write: str | None) -> None:
+            nonlocal shards
+            replies = workers.ask(
+                {r: {"op": "stage", "stage": name, "meta": s.to_dict(), "write": write} for r, s in zip(ranks, shards)}
+            )
+            for i, (r, shard) in enumerate(zip(ranks, shards)):
+                rep = replies[r]
+                console.print(f"[cyan]{name}[/] rank {i}: read {rep['fields']}")
+                phase(f"{name} read (rank {i})", len(shard), rep["read_bytes"], rep["read_s"])
+                if write:
+                    phase(f"{name} write {write} (rank {i})", len(shard), rep["write_bytes"], rep["write_s"])
+                problems.extend(f"{name} rank {i}: {line}" for line in rep["problems"])
+                seen_mm.setdefault(name, set()).update(rep["multimodal"])
+                if cfg.text_only and rep["multimodal"]:
+                    problems.append(f"{name} rank {i}: requested multimodal fields {rep['multimodal']} for a text-only batch")
+            shards = [SampleMeta.from_dict(replies[r]["meta"]) for r in ranks]
+
+        for name, out in STAGE_OUTPUT.items():
+            stage(name, out)
+
+        console.print("[cyan]driver[/] write advantages")
+        full = SampleMeta.concat(*shards)
+        adv = {"advantages": work.fields["advantages"][[_index(s) for s in full.sample_ids]]}
+        t0 = time.perf_counter()
+        full = driver.write_columns(full, adv)
+        phase("driver write advantages", cfg.batch, fields_nbytes(adv), time.perf_counter() - t0)
+        shards = full.shard(cfg.dp_size, balance="seqlen")
+        stage("train", None)
+
+        for name in ("ref_logprob", "train"):
+            if seen_mm.get(name) != seen_mm.get("logprob"):
+                problems.append(
+                    f"{name} saw multimodal fields {sorted(seen_mm.get(name, ()))} but logprob saw "
+                    f"{sorted(seen_mm.get('logprob', ()))}"
+                )
+        console.print(phase_table(f"rlplane demo: one GRPO step (transport {put['transport']})", phases))
+    finally:
+        try:
+            driver.clear(partition)
+        finally:
+            driver.close()
+    return problems
+
+
+def _host_port(url: str) -> tuple[str, int]:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    return parsed.hostname or "127.0.0.1", parsed.port or 8000

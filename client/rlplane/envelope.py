@@ -1,0 +1,121 @@
+"""The binary envelope: how columns cross HTTP between the client and the service.
+
+One body is a small msgpack header followed by the columns' raw buffers, each starting
+on a 64-byte boundary::
+
+    b"RLPL" | u32 version | u64 header length | msgpack header | pad | buffer | pad | buffer ...
+
+The header carries the request's plain values (partition, sample ids, tags, ...) and,
+per column, its dtype name, row count and where its ``values`` and int64 ``offsets``
+buffers lie. No pickle, no base64, no JSON lists of numbers: tensors travel as their
+bytes and come back as zero-copy views of the received body.
+
+Example::
+
+    body = pack({"partition": "p"}, enc.columns)
+    header, columns = unpack(bytearray(body))
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Mapping
+
+import msgpack
+import torch
+
+from rlplane.column import Column
+from rlplane.dtypes import dtype_from_name, dtype_name
+from rlplane.errors import WireFormatError
+
+MAGIC = b"RLPL"
+VERSION = 1
+CONTENT_TYPE = "application/x-rlplane"
+_PREFIX = struct.Struct("<4sIQ")  # magic, version, header length
+_ALIGN = 64
+
+
+def _pad(n: int) -> int:
+    return (-n) % _ALIGN
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous 1-D CPU tensor, any dtype (bf16 included), without a copy."""
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def pack(header: Mapping[str, Any], columns: Mapping[str, Column] | None = None) -> bytes:
+    """One body: ``header`` (msgpack-able) and ``columns`` as raw buffers.
+
+    Example: ``pack({"partition": "p", "sample_ids": ids}, enc.columns)``.
+    """
+    buffers: list[memoryview] = []
+    layout = []
+    pos = 0
+    for name, col in (columns or {}).items():
+        entry = [name, dtype_name(col.dtype), col.num_rows]
+        for t in (col.values, col.offsets):
+            raw = _raw(t)
+            entry += [pos, raw.nbytes]
+            buffers.append(raw)
+            pos += raw.nbytes + _pad(raw.nbytes)
+        layout.append(entry)
+    head = msgpack.packb({"h": dict(header), "c": layout}, use_bin_type=True)
+    start = _PREFIX.size + len(head)
+    parts: list[bytes | memoryview] = [_PREFIX.pack(MAGIC, VERSION, len(head)), head, bytes(_pad(start))]
+    for raw in buffers:
+        parts += [raw, bytes(_pad(raw.nbytes))]
+    return b"".join(parts)
+
+
+def unpack(body: bytearray | memoryview | bytes) -> tuple[dict[str, Any], dict[str, Column]]:
+    """Inverse of :func:`pack`. Columns are views of ``body`` (pass a ``bytearray`` to get
+    writable tensors). Raises WireFormatError on anything that is not a valid envelope.
+
+    Example: ``header, columns = unpack(bytearray(response.content))``.
+    """
+    view = memoryview(body)
+    if view.nbytes < _PREFIX.size:
+        raise WireFormatError("body too short to be an rlplane envelope")
+    magic, version, head_len = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise WireFormatError(f"not an rlplane envelope (content-type {CONTENT_TYPE} expected)")
+    if version != VERSION:
+        raise WireFormatError(f"envelope version {version} is not supported (this client speaks {VERSION})")
+    start = _PREFIX.size + head_len
+    if start > view.nbytes:
+        raise WireFormatError("envelope header runs past the body")
+    try:
+        head = msgpack.unpackb(view[_PREFIX.size : start], raw=False, strict_map_key=False)
+        header, layout = head["h"], head["c"]
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as err:
+        raise WireFormatError(f"envelope header is not valid msgpack ({err})") from None
+    base = start + _pad(start)
+    columns = {}
+    for entry in layout:
+        try:
+            name, dname, rows, v_at, v_len, o_at, o_len = entry
+            dtype = dtype_from_name(dname)
+        except (ValueError, TypeError) as err:
+            raise WireFormatError(f"bad column entry in envelope header ({err})") from None
+        if o_len != 8 * (rows + 1):
+            raise WireFormatError(f"offsets of {rows} rows need {8 * (rows + 1)} bytes, got {o_len}", field=name)
+        values = _tensor(body, base + v_at, v_len, dtype, name)
+        offsets = _tensor(body, base + o_at, o_len, torch.int64, name)
+        columns[name] = Column(values, offsets)
+    return header, columns
+
+
+def _tensor(body: Any, at: int, nbytes: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    size = torch.empty(0, dtype=dtype).element_size()
+    if at < 0 or at + nbytes > memoryview(body).nbytes or nbytes % size:
+        raise WireFormatError(f"buffer [{at}, {at + nbytes}) does not fit the body or the dtype", field=name)
+    if nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(body, dtype=torch.uint8, count=nbytes, offset=at).view(dtype)
+
+
+__all__ = ["CONTENT_TYPE", "pack", "unpack"]

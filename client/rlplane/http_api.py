@@ -1,0 +1,72 @@
+"""ServiceAPI: the client's HTTP connection to a running rlplane service.
+
+It adds the bearer token, speaks JSON to the control plane and rlplane envelopes to the
+data endpoints, and turns the service's error answers back into the typed errors of
+``rlplane.errors`` (a 422 naming a field raises the same ShapeError a local check would).
+
+Example::
+
+    api = ServiceAPI("http://127.0.0.1:8000", token="s3cret")
+    api.json("GET", "/v1/registry")["version"]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from rlplane.errors import (
+    AuthenticationError,
+    PayloadTooLargeError,
+    RlplaneError,
+    TransportError,
+    error_from_payload,
+)
+
+
+class ServiceAPI:
+    """HTTP access to one service (see the module docstring)."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 300.0) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise TransportError(f"service URL must start with http:// or https://, got {url!r}")
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request; a non-2xx answer raises the typed error it carries."""
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.HTTPError as err:
+            raise TransportError(f"{method} {self.url}{path} failed: {err}. Is the service running (rlplane serve)?") from err
+        if response.is_success:
+            return response
+        raise self._error(response, f"{method} {path}")
+
+    def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        """A control-plane call; returns the decoded JSON."""
+        return self.request(method, path, **kwargs).json()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _error(self, response: httpx.Response, what: str) -> RlplaneError:
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = None
+        code = response.status_code
+        if isinstance(payload, dict) and "error" in payload:
+            default = AuthenticationError if code == 401 else TransportError
+            return error_from_payload(payload, default=default)
+        text = response.text[:300]
+        if code == 401:
+            return AuthenticationError(f"{what}: the service wants a token (401): {text}")
+        if code == 413:
+            return PayloadTooLargeError(f"{what}: request body too large for the service (413): {text}")
+        return TransportError(f"{what}: HTTP {code}: {text}")
+
+
+__all__ = ["ServiceAPI"]

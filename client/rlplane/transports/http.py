@@ -1,0 +1,89 @@
+"""HttpTransport: columns through the service's HTTP data endpoints.
+
+The fallback data path when the storage units are out of reach (another network, no
+``transfer_queue`` installed). Bytes travel as rlplane envelopes (msgpack header + raw
+buffers, see ``rlplane.envelope``) and the service checks them against its registry
+before storing anything. Slower than ``tq``: every byte crosses the Serve HTTP proxy.
+
+Example::
+
+    t = HttpTransport(ServiceAPI("http://127.0.0.1:8000"))
+    t.put("step-0", ids, enc.columns, enc.tags, create=True)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+from urllib.parse import quote
+
+from rlplane.column import Column
+from rlplane.envelope import CONTENT_TYPE, pack, unpack
+from rlplane.errors import MissingDataError, WireFormatError
+from rlplane.http_api import ServiceAPI
+from rlplane.transports.base import PartitionInfo, Transport, check_put
+
+
+def _p(partition: str) -> str:
+    return quote(partition, safe="")
+
+
+class HttpTransport(Transport):
+    """Moves columns over the service's ``/v1/data`` endpoints (see the module docstring)."""
+
+    name = "http"
+
+    def __init__(self, api: ServiceAPI) -> None:
+        self.api = api
+
+    def put(
+        self,
+        partition: str,
+        sample_ids: Sequence[str],
+        columns: Mapping[str, Column],
+        tags: Sequence[Mapping[str, Any]],
+        *,
+        create: bool,
+    ) -> None:
+        check_put(sample_ids, columns, tags)
+        body = pack({"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}, columns)
+        self.api.request(
+            "POST",
+            f"/v1/data/{_p(partition)}/put",
+            params={"create": "true" if create else "false"},
+            content=body,
+            headers={"Content-Type": CONTENT_TYPE},
+        )
+
+    def get(
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
+    ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+        response = self.api.request(
+            "POST", f"/v1/data/{_p(partition)}/get", json={"sample_ids": list(sample_ids), "fields": list(fields)}
+        )
+        header, columns = unpack(bytearray(response.content))
+        tags = header.get("tags")
+        if not isinstance(tags, list) or len(tags) != len(sample_ids):
+            raise WireFormatError(f"the service returned tags for {len(tags or [])} of {len(sample_ids)} samples")
+        lacking = [f for f in fields if f not in columns]
+        if lacking:
+            raise MissingDataError(partition, {s: lacking for s in sample_ids}, hint="the service returned no column")
+        return columns, tags
+
+    def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
+        if sample_ids is None:
+            return int(self.api.json("DELETE", f"/v1/partitions/{_p(partition)}")["cleared"])
+        body = {"sample_ids": list(sample_ids)}
+        return int(self.api.json("POST", f"/v1/partitions/{_p(partition)}/clear", json=body)["cleared"])
+
+    def partitions(self) -> list[str]:
+        return [p["partition"] for p in self.api.json("GET", "/v1/partitions")["partitions"]]
+
+    def describe(self, partition: str) -> PartitionInfo:
+        d = self.api.json("GET", f"/v1/partitions/{_p(partition)}")
+        return PartitionInfo(d["partition"], list(d["sample_ids"]), dict(d["fields"]), int(d["nbytes"]))
+
+    def close(self) -> None:
+        self.api.close()
+
+
+__all__ = ["HttpTransport"]

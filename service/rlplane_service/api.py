@@ -1,0 +1,254 @@
+"""The HTTP API: JSON control plane under ``/v1``, binary data endpoints, health.
+
+``build_api(state)`` returns a plain FastAPI app over a :class:`ServiceState` (registry,
+a Transport to the store, settings). The Ray Serve deployment (``rlplane_service.app``)
+wraps it; nothing here knows about Ray.
+
+Errors: every rlplane error becomes JSON ``{"error": class, "message", "field",
+"sample", ...}`` with a 4xx status (422 invalid field, 404 missing data or unknown stage,
+409 duplicate sample, 413 body too large, 401 bad token), which the HTTP client turns back
+into the same typed error.
+
+Example::
+
+    api = build_api(ServiceState(settings, registry, MemoryTransport()))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+import rlplane
+from rlplane import errors as E
+from rlplane.codec import check_columns
+from rlplane.envelope import CONTENT_TYPE, pack, unpack
+from rlplane.fields import Registry
+from rlplane.transports.base import PartitionInfo, Transport
+from rlplane_service.settings import ServiceSettings
+
+_STATUS: list[tuple[type[E.RlplaneError], int]] = [
+    (E.AuthenticationError, 401),
+    (E.PayloadTooLargeError, 413),
+    (E.FieldValidationError, 422),
+    (E.WireFormatError, 422),
+    (E.MissingDataError, 404),
+    (E.UnknownStageError, 404),
+    (E.DuplicateSampleError, 409),
+    (E.InvalidArgumentError, 400),
+    (E.RegistryError, 400),
+    (E.TransportError, 503),
+]
+
+
+def status_of(err: E.RlplaneError) -> int:
+    for cls, code in _STATUS:
+        if isinstance(err, cls):
+            return code
+    return 500
+
+
+@dataclass
+class ServiceState:
+    """What the API serves: the registry, a transport to the store, and the settings."""
+
+    settings: ServiceSettings
+    registry: Registry
+    transport: Transport
+    transport_info: dict[str, Any] = field(default_factory=dict)
+    alive: Callable[[], bool] = lambda: True
+    started: float = field(default_factory=time.time)
+
+
+class ClearRequest(BaseModel):
+    sample_ids: list[str] = Field(..., description="Samples to drop from the partition.")
+
+
+class GetRequest(BaseModel):
+    sample_ids: list[str]
+    fields: list[str]
+
+
+def _info(p: PartitionInfo) -> dict[str, Any]:
+    return {"partition": p.partition, "num_samples": p.num_samples, "fields": p.fields, "nbytes": p.nbytes}
+
+
+def build_api(state: ServiceState) -> FastAPI:
+    """The FastAPI app serving ``state`` (see the module docstring)."""
+    api = FastAPI(
+        title="rlplane",
+        version=rlplane.__version__,
+        description="The data plane for RL post-training: declared fields, bit-exact from rollout to trainer.",
+    )
+    token = state.settings.token()
+    registry, transport = state.registry, state.transport
+
+    async def offload(fn: Callable[..., Any], *args: Any) -> Any:
+        # Store calls block on sockets and the codec on memory; keep the event loop free.
+        return await asyncio.to_thread(fn, *args)
+
+    @api.exception_handler(E.RlplaneError)
+    async def _typed_error(_: Request, err: E.RlplaneError) -> JSONResponse:
+        code = status_of(err)
+        headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
+        return JSONResponse(E.error_payload(err), status_code=code, headers=headers)
+
+    async def authorize(request: Request) -> None:
+        if token is None:
+            return
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            raise E.AuthenticationError(
+                "this rlplane service needs 'Authorization: Bearer <token>'; "
+                "pass token= to rlplane.connect (or set RLPLANE_API_TOKEN)"
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    # -- health ----------------------------------------------------------------------
+    @api.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """The process answers (liveness)."""
+        return {"status": "ok"}
+
+    @api.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        """Ready only when the store answers: its actors respond and a listing round-trips."""
+        try:
+            ok = await asyncio.wait_for(offload(state.alive), timeout=5.0)
+            if ok:
+                await asyncio.wait_for(offload(transport.partitions), timeout=5.0)
+        except (asyncio.TimeoutError, E.RlplaneError) as err:
+            return JSONResponse({"status": "not ready", "reason": str(err) or type(err).__name__}, status_code=503)
+        if not ok:
+            return JSONResponse({"status": "not ready", "reason": "store actors do not answer"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    # -- registry --------------------------------------------------------------------
+    @v1.get("/registry", tags=["registry"])
+    async def get_registry() -> dict[str, Any]:
+        """Every declared field and the registry's version (a content hash)."""
+        return {"version": registry.version, **registry.to_dict()}
+
+    @v1.get("/registry/stages/{stage}", tags=["registry"])
+    async def stage_fields(stage: str, partition: Optional[str] = Query(None)) -> dict[str, Any]:
+        """The fields ``stage`` reads: its required fields, plus its optional fields present in ``partition``."""
+        present = None
+        if partition is not None:
+            present = set((await offload(transport.describe, partition)).fields)
+        return {"stage": stage, "partition": partition, "fields": registry.fields_for_stage(stage, present)}
+
+    # -- partitions ------------------------------------------------------------------
+    @v1.get("/partitions", tags=["partitions"])
+    async def list_partitions() -> dict[str, Any]:
+        """Every partition holding samples, with sample count, fields present and bytes."""
+        names = await offload(transport.partitions)
+        out = []
+        for name in names:
+            try:
+                out.append(_info(await offload(transport.describe, name)))
+            except E.MissingDataError:  # cleared between the two calls
+                continue
+        return {"partitions": out}
+
+    @v1.get("/partitions/{partition}", tags=["partitions"])
+    async def describe(partition: str) -> dict[str, Any]:
+        """One partition: its samples, how many hold each field, stored bytes."""
+        info = await offload(transport.describe, partition)
+        return {**_info(info), "sample_ids": info.sample_ids}
+
+    @v1.delete("/partitions/{partition}", tags=["partitions"])
+    async def delete_partition(partition: str) -> dict[str, Any]:
+        """Drop every sample of the partition."""
+        return {"partition": partition, "cleared": await offload(transport.clear, partition, None)}
+
+    @v1.post("/partitions/{partition}/clear", tags=["partitions"])
+    async def clear_samples(partition: str, body: ClearRequest) -> dict[str, Any]:
+        """Drop the given samples of the partition."""
+        return {"partition": partition, "cleared": await offload(transport.clear, partition, body.sample_ids)}
+
+    # -- data path -------------------------------------------------------------------
+    @v1.get("/transport", tags=["data"])
+    async def transport_description() -> dict[str, Any]:
+        """How a client reaches the data path: the store's direct address (``tq``) and the HTTP fallback."""
+        return {
+            "registry_version": registry.version,
+            "tq": state.transport_info or None,
+            "http": {"put": "/v1/data/{partition}/put", "get": "/v1/data/{partition}/get",
+                     "content_type": CONTENT_TYPE, "max_request_bytes": state.settings.max_request_bytes},
+        }
+
+    @v1.post("/data/{partition}/put", tags=["data"])
+    async def put(partition: str, request: Request, create: bool = Query(True)) -> dict[str, Any]:
+        """Store encoded columns (body: rlplane envelope with ``sample_ids`` and ``tags``).
+
+        Checked against the registry first; a body that fails stores nothing.
+        """
+        body = await _read_body(request, state.settings.max_request_bytes)
+        header, columns = unpack(body)
+        ids, tags = header.get("sample_ids"), header.get("tags")
+        if not isinstance(ids, list) or not isinstance(tags, list) or not all(isinstance(s, str) for s in ids):
+            raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
+        check_columns(registry, columns, tags, sample_ids=ids)
+
+        def store() -> None:
+            transport.put(partition, ids, columns, tags, create=create)
+
+        await offload(store)
+        return {"partition": partition, "stored": len(ids), "nbytes": sum(c.nbytes for c in columns.values())}
+
+    @v1.post("/data/{partition}/get", tags=["data"])
+    async def get(partition: str, body: GetRequest) -> Response:
+        """Every requested (sample, field) as an rlplane envelope, or 404 naming what is missing."""
+        for name in body.fields:
+            registry.get(name)
+        columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields)
+        payload = await offload(pack, {"tags": tags}, columns)
+        return Response(payload, media_type=CONTENT_TYPE)
+
+    @v1.get("/status", tags=["status"])
+    async def status() -> dict[str, Any]:
+        """Registry version, store layout, partitions and bytes (what ``rlplane status`` prints)."""
+        parts = (await list_partitions())["partitions"]
+        info = state.transport_info or {}
+        return {
+            "version": rlplane.__version__,
+            "registry_version": registry.version,
+            "fields": len(registry.names()),
+            "store": {
+                "backend": info.get("backend", transport.name),
+                "storage_units": len(info.get("storage_units", {})),
+                "capacity": state.settings.capacity,
+            },
+            "partitions": parts,
+            "samples": sum(p["num_samples"] for p in parts),
+            "nbytes": sum(p["nbytes"] for p in parts),
+            "uptime_s": round(time.time() - state.started, 1),
+        }
+
+    api.include_router(v1)
+    return api
+
+
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The request body as a writable buffer; 413 (PayloadTooLargeError) past ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    too_big = E.PayloadTooLargeError(
+        f"request body is over this service's limit of {limit} bytes; put fewer samples per call "
+        "(or raise RLPLANE_MAX_REQUEST_BYTES), or use transport='tq'"
+    )
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
+    return body

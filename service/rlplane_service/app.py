@@ -1,0 +1,56 @@
+"""The Ray Serve application: ``rlplane_service.app:app``.
+
+One deployment with a FastAPI ingress (:func:`rlplane_service.api.build_api`). Its
+replica attaches to (or creates) the TransferQueue store (:class:`~rlplane_service.store.Store`)
+and serves the registry, the control plane and the HTTP data path; clients that can
+reach the storage units move bulk bytes there directly (``GET /v1/transport``).
+
+Configure with ``RLPLANE_*`` environment variables or the app's args::
+
+    serve run rlplane_service.app:app                       # defaults + RLPLANE_* env
+    serve run rlplane_service.app:build_app storage_units=4 # args override env
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+
+from rlplane.transports.tq import TQTransport
+from rlplane_service.api import ServiceState, build_api
+from rlplane_service.settings import ServiceSettings, load_registry
+from rlplane_service.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment(name="rlplane", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
+@serve.ingress()
+class RlplaneService:
+    """The service replica: settings -> registry -> store -> FastAPI app."""
+
+    def __init__(self, args: dict[str, Any] | None = None) -> None:
+        settings = ServiceSettings(**(args or {}))
+        registry = load_registry(settings)
+        store = Store.attach_or_create(settings)
+        transport = TQTransport(store.transport_info(), client_id="rlplane-service")
+        self._state = ServiceState(settings, registry, transport, store.transport_info(), store.alive)
+        log.info("rlplane replica up: %d fields (registry %s)", len(registry.names()), registry.version)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return build_api(self._state)
+
+    def __del__(self) -> None:
+        state = getattr(self, "_state", None)
+        if state is not None:
+            state.transport.close()
+
+
+def build_app(args: dict[str, Any] | None = None) -> Any:
+    """App builder for ``serve run rlplane_service.app:build_app key=value ...`` and ``rlplane serve``."""
+    return RlplaneService.bind(dict(args or {}))
+
+
+app = RlplaneService.bind()

@@ -1,0 +1,130 @@
+"""The embedded default: a local Ray, the rlplane app on it, torn down as one unit.
+
+``rlplane serve`` and ``rlplane demo`` (when no service answers) run this; the test suite
+shares one per session. It owns what it starts: ``stop()`` shuts Serve down and then the
+local Ray instance it created (which takes the store's actors with it).
+
+On a loopback host everything binds 127.0.0.1: Ray's node address, the storage units'
+ZMQ sockets and the HTTP proxy.
+
+Example::
+
+    with EmbeddedService(ServiceSettings(port=8001)) as svc:
+        client = rlplane.connect(svc.url)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Callable
+
+import httpx
+
+from rlplane.errors import TransportError
+from rlplane_service.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class EmbeddedService:
+    """A local Ray instance running the rlplane Serve app (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: ServiceSettings,
+        *,
+        num_cpus: int = 8,
+        ready_timeout_s: float = 180.0,
+        say: Callable[[str], None] = lambda msg: None,
+    ) -> None:
+        self.settings = settings
+        self.num_cpus = num_cpus
+        self.ready_timeout_s = ready_timeout_s
+        self.say = say
+        self._started_ray = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    def start(self) -> EmbeddedService:
+        """Start Ray, Serve and the app; return once ``/readyz`` answers 200."""
+        if _answers(self.url):
+            raise TransportError(f"something already answers at {self.url}; stop it or pick another --port")
+        if self.settings.host in _LOOPBACK:
+            # Ray otherwise advertises the machine's external address and TransferQueue's
+            # sockets bind there. Ray reads this once, when it is first imported.
+            if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
+                log.warning("ray was imported before the embedded service started; it may bind a non-loopback address")
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import ray
+        from ray import serve
+
+        from rlplane_service.app import build_app
+        self.say(f"starting local Ray ({self.num_cpus} logical CPUs)")
+        ray.init(
+            num_cpus=self.num_cpus,
+            namespace=self.settings.namespace,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+        )
+        self._started_ray = True
+        try:
+            self.say(f"starting Ray Serve on {self.url}")
+            serve.start(http_options={"host": self.settings.host, "port": self.settings.port}, logging_config={"log_level": "WARNING"})
+            self.say(f"deploying rlplane ({self.settings.storage_units} TransferQueue storage units)")
+            serve.run(build_app(self.settings.as_args()), name="rlplane", route_prefix="/", blocking=False)
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.say(f"rlplane is ready at {self.url}")
+        return self
+
+    def stop(self) -> None:
+        """Shut Serve down, then the local Ray (and with it the store). Idempotent."""
+        if not self._started_ray:
+            return
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        except Exception as err:  # noqa: BLE001 - shutting down: report, carry on
+            log.warning("serve.shutdown failed: %s", err)
+        ray.shutdown()
+        self._started_ray = False
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.url}/readyz", timeout=5.0)
+                if r.status_code == 200:
+                    return
+                last = r.text
+            except httpx.HTTPError as err:
+                last = str(err)
+            time.sleep(0.5)
+        raise TransportError(f"rlplane did not become ready at {self.url} within {self.ready_timeout_s:.0f} s: {last}")
+
+    def __enter__(self) -> EmbeddedService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/healthz", timeout=1.0)
+        return True
+    except httpx.HTTPError:
+        return False

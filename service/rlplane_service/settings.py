@@ -1,0 +1,96 @@
+"""The service's configuration: one typed object, read once at the edge.
+
+Every value comes from (in order of precedence) the arguments the app is bound with
+(``rlplane serve`` flags, a Serve config's ``args``), ``RLPLANE_*`` environment
+variables, then the defaults below.
+
+Example::
+
+    RLPLANE_STORAGE_UNITS=4 RLPLANE_API_TOKEN=s3cret serve run rlplane_service.app:app
+    settings = ServiceSettings(port=8001)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from rlplane.errors import RegistryError
+from rlplane.fields import FieldSpec, Registry, default_registry
+
+
+class ServiceSettings(BaseSettings):
+    """Everything the rlplane service reads (env prefix ``RLPLANE_``)."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPLANE_", extra="forbid")
+
+    host: str = Field("127.0.0.1", description="HTTP bind address of the embedded server (rlplane serve).")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
+    storage_units: int = Field(2, ge=1, le=256, description="TransferQueue storage units.")
+    capacity: Optional[int] = Field(
+        None, ge=1, description="Most samples held across all storage units (None: no limit)."
+    )
+    registry_file: Optional[Path] = Field(
+        None, description="YAML or JSON file of extra FieldSpecs ({'fields': [spec, ...]}) added to the default registry."
+    )
+    api_token: Optional[SecretStr] = Field(
+        None, description="When set, every /v1 call needs 'Authorization: Bearer <token>'."
+    )
+    max_request_bytes: int = Field(
+        2 << 30, ge=1 << 10, description="Largest HTTP data request body; larger ones get 413."
+    )
+    namespace: str = Field("rlplane", description="Ray namespace of the store's named actors.")
+    store_name: str = Field("rlplane", description="Prefix of the store's actor names (one store per name).")
+    tq_num_threads: int = Field(2, ge=1, le=64, description="TQ_NUM_THREADS for the storage units.")
+
+    @field_validator("api_token")
+    @classmethod
+    def _empty_token_is_none(cls, v: Optional[SecretStr]) -> Optional[SecretStr]:
+        return None if v is not None and not v.get_secret_value() else v
+
+    def token(self) -> str | None:
+        return None if self.api_token is None else self.api_token.get_secret_value()
+
+    def as_args(self) -> dict[str, Any]:
+        """Plain values (token revealed) to bind the Serve app with."""
+        out = self.model_dump(mode="json")
+        out["api_token"] = self.token()
+        return out
+
+
+def load_registry(settings: ServiceSettings) -> Registry:
+    """The default GRPO/VLM registry plus the specs in ``settings.registry_file``.
+
+    Raises RegistryError naming the file and field when a spec is illegal or clashes.
+
+    Example::
+
+        registry = load_registry(ServiceSettings(registry_file="fields.yaml"))
+    """
+    registry = default_registry()
+    path = settings.registry_file
+    if path is None:
+        return registry
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise RegistryError(f"cannot read registry file {str(path)!r}: {err}") from None
+    import yaml  # JSON is YAML too
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise RegistryError(f"registry file {str(path)!r} is not YAML/JSON: {err}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("fields"), list):
+        raise RegistryError(f"registry file {str(path)!r} must hold {{'fields': [spec, ...]}}")
+    for entry in data["fields"]:
+        try:
+            registry.register(FieldSpec.from_dict(entry))
+        except RegistryError as err:
+            raise RegistryError(f"registry file {str(path)!r}: {err}", field=err.field) from None
+        except (TypeError, KeyError, ValueError) as err:
+            raise RegistryError(f"registry file {str(path)!r}: bad field spec {entry!r} ({err})") from None
+    return registry

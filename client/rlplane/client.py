@@ -129,6 +129,7 @@ class Client:
     # -- housekeeping ----------------------------------------------------------------
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         """Drop samples (the whole partition when ``sample_ids`` is None); returns how many."""
+        _check_partition(partition)
         return self.transport.clear(partition, sample_ids)
 
     def partitions(self) -> list[str]:

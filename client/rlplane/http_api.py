@@ -28,12 +28,17 @@ from rlplane.errors import (
 class ServiceAPI:
     """HTTP access to one service (see the module docstring)."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout: float = 300.0) -> None:
+    def __init__(
+        self, url: str, *, token: str | None = None, timeout: float = 300.0, http: httpx.Client | None = None
+    ) -> None:
         if not url.startswith(("http://", "https://")):
             raise TransportError(f"service URL must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0))
+        if http is None:  # tests pass an in-process client (fastapi.testclient.TestClient)
+            http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0))
+        http.headers.update(headers)
+        self._http = http
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One request; a non-2xx answer raises the typed error it carries."""

@@ -12,20 +12,45 @@ def rlplane(*args, timeout=240):
                           timeout=timeout, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
 
 
-@pytest.mark.parametrize("extra", [[], ["--layout", "jagged", "--dp", "3"]])
-def test_demo_runs_a_verified_vlm_step(extra):
-    res = rlplane("demo", "--batch", "12", "--seqlen", "256", *extra)
+def live(service):
+    return ["--url", service.url, "--token", service.settings.token()]
+
+
+@pytest.mark.parametrize("extra", [[], ["--layout", "jagged", "--dp", "3", "--transport", "http"]])
+def test_demo_runs_a_verified_vlm_step_through_the_live_service(service, extra):
+    res = rlplane("demo", *live(service), "--batch", "12", "--seqlen", "256", "--no-embedded", *extra)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "OK: every rank read exactly what was written" in res.stdout
     for phase in ("rollout put_samples", "logprob read", "ref_logprob write", "driver write advantages", "train read"):
         assert phase in res.stdout
     assert "pixel_values" in res.stdout
+    assert f"transport {'http' if 'http' in extra else 'tq'}" in res.stdout
 
 
-def test_demo_text_only_requests_no_multimodal_field():
-    res = rlplane("demo", "--batch", "8", "--seqlen", "128", "--text-only")
+def test_demo_text_only_requests_no_multimodal_field(service):
+    res = rlplane("demo", *live(service), "--batch", "8", "--seqlen", "128", "--text-only", "--no-embedded")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "pixel_values" not in res.stdout and "mm_token_type_ids" not in res.stdout
+
+
+def test_demo_without_a_service_and_without_embedded_says_what_to_do():
+    res = rlplane("demo", "--url", "http://127.0.0.1:9", "--no-embedded", "--batch", "2", "--seqlen", "16")
+    assert res.returncode == 1 and "rlplane serve" in res.stdout
+
+
+def test_status_shows_the_store_and_partitions(service):
+    import torch
+
+    from rlplane import connect
+
+    with connect(service.url, token=service.settings.token()) as client:
+        client.put_samples("status-check", {"input_ids": torch.ones(2, 3, dtype=torch.int64), "input_lengths": torch.tensor([3, 1])})
+        res = rlplane("status", *live(service))
+        client.clear("status-check")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "2 storage units" in res.stdout and "status-check" in res.stdout
+    bad = rlplane("status", "--url", service.url)
+    assert bad.returncode == 1 and "token" in bad.stdout
 
 
 def test_bench_quick_writes_valid_json(tmp_path):
@@ -41,7 +66,8 @@ def test_bench_quick_writes_valid_json(tmp_path):
 
 def test_help_explains_each_command():
     res = rlplane("--help")
-    assert res.returncode == 0 and "demo" in res.stdout and "bench" in res.stdout
+    assert res.returncode == 0 and all(c in res.stdout for c in ("serve", "status", "demo", "bench"))
+    assert "Ctrl-C" in rlplane("serve", "--help").stdout
     assert "bit for bit" in rlplane("demo", "--help").stdout
 
 

@@ -1,0 +1,226 @@
+"""The live service: a real Ray Serve app over real TransferQueue storage units.
+
+One embedded service per test session (see tests/conftest.py); every test uses its own
+partition names.
+"""
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+
+import rlplane
+from rlplane import errors as E
+from rlplane.codec import encode
+from rlplane.envelope import CONTENT_TYPE, pack
+from rlplane.verify import diff_fields
+from rlplane.workloads import vlm_step
+
+
+
+def part() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    return vlm_step()  # the reference workload: B=64, S=2048
+
+
+@pytest.mark.parametrize("transport", ["tq", "http"])
+def test_full_vlm_batch_round_trips_bit_exactly(service, vlm, transport):
+    with rlplane.connect(service.url, token=service.settings.token(), transport=transport) as client:
+        assert client.transport.name == transport
+        p = part()
+        meta = client.put_samples(p, vlm.fields)
+        got = client.read_columns(meta, list(vlm.fields))
+        assert diff_fields(client.registry, vlm.fields, got, vlm.lengths, sample_ids=meta.sample_ids) == []
+        stats = client.stats()["partitions"][p]
+        assert stats["num_samples"] == 64 and stats["fields"]["pixel_values"] == 64
+        assert client.clear(p) == 64
+
+
+def test_auto_picks_the_direct_path_when_the_store_is_reachable(service):
+    with rlplane.connect(service.url, token=service.settings.token()) as client:
+        assert client.transport.name == "tq"
+
+
+PLAIN = textwrap.dedent(
+    """
+    import json, sys, torch, rlplane
+    url, token, transport, partition = sys.argv[1:5]
+    client = rlplane.connect(url, token=token, transport=transport)
+    fields = {"input_ids": torch.arange(12).reshape(3, 4), "input_lengths": torch.tensor([4, 2, 3]),
+              "pixel_values": rlplane.PackedTensor([torch.ones(2, 1176), None, torch.zeros(1, 1176)])}
+    meta = client.put_samples(partition, fields)
+    got = client.read_columns(meta, ["input_ids", "pixel_values"], pad_to_seqlen=4)
+    ok = torch.equal(got["input_ids"], fields["input_ids"] * (torch.arange(4) < fields["input_lengths"][:, None]))
+    ok = ok and torch.equal(got["pixel_values"].as_tensor().float(), fields["pixel_values"].as_tensor())
+    ray = sys.modules.get("ray")
+    print(json.dumps({"ok": bool(ok), "transport": client.transport.name,
+                      "ray_initialized": bool(ray and ray.is_initialized()), "meta": meta.to_dict()}))
+    """
+)
+
+
+@pytest.mark.parametrize("transport", ["tq", "http"])
+def test_a_plain_process_with_only_url_and_token_can_put_and_read(service, transport, tmp_path):
+    p = part()
+    res = subprocess.run([sys.executable, "-c", PLAIN, service.url, service.settings.token(), transport, p],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out == {**out, "ok": True, "transport": transport, "ray_initialized": False}
+    # ...and what it wrote is there for this process to read
+    with rlplane.connect(service.url, token=service.settings.token()) as client:
+        meta = rlplane.SampleMeta.from_dict(out["meta"])
+        assert client.read_columns(meta, ["input_lengths"])["input_lengths"].tolist() == [4, 2, 3]
+
+
+@pytest.mark.parametrize("transport", ["tq", "http"])
+@pytest.mark.parametrize(
+    "fields, error, field",
+    [
+        ({"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4]),
+          "pixel_vals": rlplane.PackedTensor([torch.ones(1, 3), None])}, E.UnregisteredFieldError, "pixel_vals"),
+        ({"input_ids": torch.ones(2, 4, dtype=torch.float32), "input_lengths": torch.tensor([4, 4])}, E.DtypeError, "input_ids"),
+        ({"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 9])}, E.ShapeError, "input_ids"),
+    ],
+    ids=["unregistered", "dtype", "length"],
+)
+def test_bad_input_is_a_typed_error_and_stores_nothing(service, transport, fields, error, field):
+    with rlplane.connect(service.url, token=service.settings.token(), transport=transport) as client:
+        p = part()
+        with pytest.raises(error) as err:
+            client.put_samples(p, fields)
+        assert err.value.field == field
+        assert p not in client.partitions()
+
+
+def test_a_raw_http_put_that_fails_validation_is_a_4xx_naming_the_field(service):
+    enc = encode(rlplane.default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
+    body = pack({"sample_ids": ["a"], "tags": enc.tags}, {"input_idz": enc.columns["input_ids"]})
+    p = part()
+    r = httpx.post(f"{service.url}/v1/data/{p}/put", content=body,
+                   headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {service.settings.token()}"}, timeout=30)
+    assert r.status_code == 422 and r.json()["field"] == "input_idz"
+    r = httpx.get(f"{service.url}/v1/partitions/{p}", headers={"Authorization": f"Bearer {service.settings.token()}"})
+    assert r.status_code == 404
+
+
+@pytest.mark.parametrize("transport", ["tq", "http"])
+def test_reading_cleared_or_unknown_samples_raises_missing_data(service, transport):
+    with rlplane.connect(service.url, token=service.settings.token(), transport=transport) as client:
+        p = part()
+        fields = {"input_ids": torch.ones(3, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 3, 2])}
+        meta = client.put_samples(p, fields, sample_ids=["a", "b", "c"])
+        assert client.clear(p, ["b"]) == 1
+        with pytest.raises(E.MissingDataError) as err:
+            client.read_columns(meta, ["input_ids"])
+        assert list(err.value.missing) == ["b"]
+        client.write_columns(meta.subset([0]), {"prev_logprobs": torch.zeros(1, 4)})
+        with pytest.raises(E.MissingDataError) as err:
+            client.read_columns(meta.subset([0, 2]), ["prev_logprobs"])
+        assert err.value.missing == {"c": ["prev_logprobs"]}
+        client.clear(p)
+        with pytest.raises(E.MissingDataError):
+            client.read_columns(meta.subset([0]), ["input_ids"])
+
+
+def test_v1_without_the_token_is_401_health_is_open(service):
+    assert httpx.get(f"{service.url}/healthz").status_code == 200
+    assert httpx.get(f"{service.url}/readyz").json() == {"status": "ready"}
+    r = httpx.get(f"{service.url}/v1/registry")
+    assert r.status_code == 401 and r.json()["error"] == "AuthenticationError"
+    with pytest.raises(E.AuthenticationError):
+        rlplane.connect(service.url, token="wrong")
+    assert httpx.get(f"{service.url}/docs").status_code == 200
+
+
+def test_control_plane_status_and_stage_fields(service):
+    headers = {"Authorization": f"Bearer {service.settings.token()}"}
+    with rlplane.connect(service.url, token=service.settings.token()) as client:
+        p = part()
+        client.put_samples(p, vlm_step(4, 64).fields)
+        st = httpx.get(f"{service.url}/v1/status", headers=headers).json()
+        mine = [x for x in st["partitions"] if x["partition"] == p]
+        assert st["store"]["storage_units"] == 2 and mine[0]["num_samples"] == 4 and mine[0]["nbytes"] > 0
+        stage = httpx.get(f"{service.url}/v1/registry/stages/train", params={"partition": p}, headers=headers).json()
+        assert stage["fields"] == client.fields_for_stage("train", p)
+        assert "pixel_values" in stage["fields"]
+        tr = httpx.get(f"{service.url}/v1/transport", headers=headers).json()
+        assert tr["tq"]["controller"]["ip"] == "127.0.0.1" and len(tr["tq"]["storage_units"]) == 2
+        client.clear(p)
+
+
+def _replica_handles():
+    import ray
+
+    return [
+        ray.get_actor(a["name"], namespace=a["namespace"])
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_REPLICA::rlplane#")
+    ]
+
+
+def test_a_replica_restart_keeps_every_sample(service, vlm):
+    import ray
+
+    with rlplane.connect(service.url, token=service.settings.token(), transport="tq") as client:
+        p = part()
+        meta = client.put_samples(p, vlm.fields)
+    (replica,) = _replica_handles()
+    ray.kill(replica, no_restart=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # Serve notices, starts a new replica, which re-attaches
+        try:
+            handles = _replica_handles()
+            if handles and handles[0] != replica and httpx.get(f"{service.url}/readyz", timeout=5).status_code == 200:
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("no new replica became ready within 120 s")
+    with rlplane.connect(service.url, token=service.settings.token(), transport="http") as client:
+        got = client.read_columns(meta, list(vlm.fields))
+        assert diff_fields(client.registry, vlm.fields, got, vlm.lengths, sample_ids=meta.sample_ids) == []
+        client.clear(p)
+
+
+@pytest.fixture(scope="module")
+def small_app(service, tmp_path_factory):
+    """A second app in the same cluster: no token, a 1 MiB body limit, an extra field from a YAML file."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+
+    reg = tmp_path_factory.mktemp("reg") / "fields.yaml"
+    reg.write_text("fields:\n  - {name: reward_model_score, alignment: sample, container: dense, stages: [train], dtype: float32}\n")
+    args = {"store_name": "small", "storage_units": 1, "max_request_bytes": 1 << 20, "registry_file": str(reg)}
+    serve.run(build_app(args), name="rlplane-small", route_prefix="/small")
+    try:
+        yield f"{service.url}/small"
+    finally:
+        serve.delete("rlplane-small")
+
+
+def test_registry_extension_file_adds_a_field(small_app):
+    with rlplane.connect(small_app) as client:
+        meta = client.put_samples(part(), {"reward_model_score": torch.tensor([0.5, 1.5])})
+        assert client.read_columns(meta, ["reward_model_score"])["reward_model_score"].tolist() == [0.5, 1.5]
+
+
+def test_http_body_over_the_limit_is_413(small_app):
+    with rlplane.connect(small_app, transport="http") as client:
+        p = part()
+        big = {"input_ids": torch.ones(4, 70_000, dtype=torch.int64), "input_lengths": torch.full((4,), 70_000)}
+        with pytest.raises(E.PayloadTooLargeError):
+            client.put_samples(p, big)
+        assert p not in client.partitions()

@@ -1,0 +1,52 @@
+"""The binary envelope: raw buffers round-trip bit-exactly; anything else is a WireFormatError."""
+
+import msgpack
+import pytest
+import torch
+
+from rlplane.column import Column
+from rlplane.envelope import pack, unpack
+from rlplane.errors import WireFormatError
+
+
+def test_round_trip_every_dtype_and_empty_rows_bit_exact():
+    cols = {
+        "bf": Column.from_rows([torch.randn(5).bfloat16(), torch.empty(0, dtype=torch.bfloat16), torch.randn(3).bfloat16()]),
+        "i64": Column.from_rows([torch.arange(4), torch.arange(2)]),
+        "u8": Column.from_rows([torch.tensor([1, 2, 3], dtype=torch.uint8)]),
+        "b": Column.from_rows([torch.tensor([True, False])]),
+        "none": Column.empty(torch.float32),
+    }
+    header, got = unpack(bytearray(pack({"sample_ids": ["a", "b"], "tags": [{"x": 1}]}, cols)))
+    assert header == {"sample_ids": ["a", "b"], "tags": [{"x": 1}]}
+    for name, col in cols.items():
+        assert got[name].dtype == col.dtype
+        assert torch.equal(got[name].offsets, col.offsets)
+        assert torch.equal(got[name].values.view(torch.uint8) if col.values.numel() else got[name].values,
+                           col.values.view(torch.uint8) if col.values.numel() else col.values)
+
+
+def test_unpacked_columns_are_writable_views_of_the_body():
+    body = bytearray(pack({}, {"x": Column.from_rows([torch.arange(3, dtype=torch.float32)])}))
+    _, cols = unpack(body)
+    cols["x"].values[0] = 7.0  # no read-only buffer, no copy
+    assert unpack(body)[1]["x"].values[0] == 7.0
+
+
+@pytest.mark.parametrize("body", [b"", b"JUNKJUNKJUNKJUNKJUNK", bytes(64)])
+def test_foreign_bytes_raise_wire_format_error(body):
+    with pytest.raises(WireFormatError):
+        unpack(bytearray(body))
+
+
+def test_truncated_body_names_the_column():
+    body = pack({}, {"input_ids": Column.from_rows([torch.arange(100)])})
+    with pytest.raises(WireFormatError, match="input_ids"):
+        unpack(bytearray(body[:-400]))
+
+
+def test_header_is_msgpack_not_pickle():
+    body = pack({"sample_ids": ["a"]}, {})
+    assert b"\x80\x04" not in body[:32]  # no pickle protocol marker
+    head_len = int.from_bytes(body[8:16], "little")
+    assert msgpack.unpackb(body[16 : 16 + head_len])["h"] == {"sample_ids": ["a"]}

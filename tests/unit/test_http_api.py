@@ -1,0 +1,166 @@
+"""The HTTP API and the HTTP transport, in process: FastAPI's TestClient over a MemoryTransport.
+
+The same app runs inside the Ray Serve replica (tests/service exercise that); here the
+status codes, the typed errors that come back and the all-or-nothing writes are pinned
+in milliseconds.
+"""
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from rlplane import Client, PackedTensor, default_registry
+from rlplane import errors as E
+from rlplane.codec import encode
+from rlplane.envelope import CONTENT_TYPE, pack
+from rlplane.http_api import ServiceAPI
+from rlplane.transports import MemoryTransport
+from rlplane.transports.http import HttpTransport
+from rlplane_service.api import ServiceState, build_api
+from rlplane_service.settings import ServiceSettings
+
+TOKEN = "t0ken"
+
+
+@pytest.fixture
+def served():
+    store = MemoryTransport()
+    settings = ServiceSettings(api_token=TOKEN, max_request_bytes=1 << 20)
+    app = build_api(ServiceState(settings, default_registry(), store))
+    http = TestClient(app, base_url="http://rlplane.test")
+    api = ServiceAPI("http://rlplane.test", token=TOKEN, http=http)
+    return store, http, Client(default_registry(), HttpTransport(api), service=api)
+
+
+def batch(n=3, s=8):
+    lens = torch.tensor([s, s // 2, 1][:n])
+    return {
+        "input_ids": torch.arange(n * s).reshape(n, s),
+        "input_lengths": lens,
+        "pixel_values": PackedTensor([torch.randn(4, 1176), None, [torch.randn(2, 1176), torch.randn(1, 1176)]][:n]),
+        "image_grid_thw": PackedTensor([torch.tensor([[1, 2, 2]]), None, torch.tensor([[1, 1, 2], [1, 1, 1]])][:n]),
+    }
+
+
+def test_http_round_trip_is_bit_exact(served):
+    _, _, client = served
+    fields = batch()
+    meta = client.put_samples("p", fields)
+    got = client.read_columns(meta, list(fields), layout="jagged")
+    assert torch.equal(got["pixel_values"].as_tensor().float(), fields["pixel_values"].as_tensor().bfloat16().float())
+    assert [r.tolist() for r in got["input_ids"].unbind()] == [r[:n].tolist() for r, n in zip(fields["input_ids"], [8, 4, 1])]
+    assert client.stats()["partitions"]["p"]["num_samples"] == 3
+
+
+def test_v1_needs_the_token_and_health_does_not(served):
+    _, http, _ = served
+    bare = TestClient(http.app, base_url="http://rlplane.test")
+    assert bare.get("/healthz").status_code == 200
+    r = bare.get("/v1/registry")
+    assert r.status_code == 401 and r.json()["error"] == "AuthenticationError"
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert bare.get("/v1/partitions", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    with pytest.raises(E.AuthenticationError):
+        HttpTransport(ServiceAPI("http://rlplane.test", http=bare)).partitions()
+
+
+def raw_put(http, partition, columns, tags, ids):
+    body = pack({"sample_ids": ids, "tags": tags}, columns)
+    return http.post(f"/v1/data/{partition}/put", content=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def test_raw_put_of_an_unregistered_field_is_422_naming_it_and_stores_nothing(served):
+    store, http, _ = served
+    enc = encode(default_registry(), {"input_lengths": torch.tensor([3])}, [3])
+    cols = {**enc.columns, "pixel_vals": enc.columns["input_lengths"]}
+    r = raw_put(http, "p", cols, enc.tags, ["a"])
+    assert r.status_code == 422 and r.json()["error"] == "UnregisteredFieldError" and r.json()["field"] == "pixel_vals"
+    assert store.partitions() == []
+
+
+def test_raw_put_with_the_wrong_dtype_is_422(served):
+    store, http, _ = served
+    enc = encode(default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
+    cols = {"input_ids": type(enc.columns["input_ids"])(enc.columns["input_ids"].values.float(), enc.columns["input_ids"].offsets)}
+    r = raw_put(http, "p", cols, enc.tags, ["a"])
+    assert r.status_code == 422 and r.json()["error"] == "DtypeError" and r.json()["field"] == "input_ids"
+    assert store.partitions() == []
+
+
+def test_raw_put_whose_tokens_disagree_with_input_lengths_is_422(served):
+    store, http, _ = served
+    fields = {"input_ids": torch.ones(2, 6, dtype=torch.int64), "input_lengths": torch.tensor([6, 2])}
+    enc = encode(default_registry(), fields, [6, 2])
+    enc.columns["input_lengths"].values[1] = 5  # lengths now say 5, the row holds 2 tokens
+    r = raw_put(http, "p", enc.columns, enc.tags, ["a", "b"])
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "input_ids" and r.json()["sample"] == "b"
+    assert store.partitions() == []
+
+
+def test_body_over_the_limit_is_413_and_a_typed_error(served):
+    store, _, client = served
+    big = {"input_ids": torch.ones(4, 70_000, dtype=torch.int64), "input_lengths": torch.full((4,), 70_000)}
+    with pytest.raises(E.PayloadTooLargeError, match="fewer samples"):
+        client.put_samples("p", big)
+    assert store.partitions() == []
+
+
+def test_missing_data_comes_back_typed_with_the_samples_named(served):
+    _, _, client = served
+    meta = client.put_samples("p", batch())
+    client.clear("p", [meta.sample_ids[1]])
+    with pytest.raises(E.MissingDataError) as err:
+        client.read_columns(meta, ["input_ids"])
+    assert list(err.value.missing) == [meta.sample_ids[1]]
+    with pytest.raises(E.MissingDataError) as err:
+        client.read_columns(meta.subset([0]), ["prev_logprobs"])
+    assert err.value.missing == {meta.sample_ids[0]: ["prev_logprobs"]}
+
+
+def test_duplicate_put_is_409_typed(served):
+    _, _, client = served
+    meta = client.put_samples("p", batch())
+    with pytest.raises(E.DuplicateSampleError):
+        client.put_samples("p", batch(), sample_ids=meta.sample_ids)
+
+
+def test_stage_fields_follow_what_the_partition_holds(served):
+    _, http, client = served
+    client.put_samples("vlm", batch())
+    client.put_samples("text", {k: v for k, v in batch().items() if k in ("input_ids", "input_lengths")})
+    vlm = http.get("/v1/registry/stages/logprob", params={"partition": "vlm"}).json()["fields"]
+    text = http.get("/v1/registry/stages/logprob", params={"partition": "text"}).json()["fields"]
+    assert "pixel_values" in vlm and "pixel_values" not in text
+    r = http.get("/v1/registry/stages/rollout_typo")
+    assert r.status_code == 404 and r.json()["error"] == "UnknownStageError"
+
+
+def test_partitions_list_detail_delete(served):
+    _, http, client = served
+    client.put_samples("p", batch())
+    listing = http.get("/v1/partitions").json()["partitions"]
+    assert listing[0]["partition"] == "p" and listing[0]["num_samples"] == 3 and listing[0]["nbytes"] > 0
+    assert len(http.get("/v1/partitions/p").json()["sample_ids"]) == 3
+    assert http.delete("/v1/partitions/p").json()["cleared"] == 3
+    assert http.get("/v1/partitions/p").status_code == 404
+
+
+def test_bad_partition_names_are_refused_before_anything_moves(served):
+    _, _, client = served
+    with pytest.raises(E.InvalidArgumentError, match="partition name"):
+        client.put_samples("a/b", batch())
+
+
+def test_async_twins(served):
+    import asyncio
+
+    _, _, client = served
+
+    async def go():
+        meta = await client.aput_samples("p", batch())
+        got = await client.aread_columns(meta, ["input_ids"])
+        return meta, got, await client.apartitions()
+
+    meta, got, parts = asyncio.run(go())
+    assert got["input_ids"].shape == (3, 8) and parts == ["p"]

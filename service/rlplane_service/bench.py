@@ -115,3 +115,104 @@ def machine_facts() -> dict:
 
 def write_json(results: dict, path: Path) -> None:
     path.write_text(json.dumps(results, indent=2))
+
+
+# ---------------------------------------------------------------------------------------
+# through a live service: rlplane per transport next to raw TransferQueue, same run
+
+
+def run_service_bench(cfg: BenchConfig, url: str, token: str | None, console: Console) -> dict:
+    """put_samples / read_columns per transport against a live service, and raw
+    TransferQueue (``kv_retrieve_meta`` + ``put`` / ``get_data`` of the same encoded
+    columns, no rlplane checks) against the same store, in one run. GB/s of stored bytes.
+
+    Example::
+
+        results = run_service_bench(BenchConfig(reps=3), "http://127.0.0.1:8000", None, console)
+    """
+    import rlplane
+
+    kwargs = {k: v for k, v in (("batch", cfg.batch), ("seqlen", cfg.seqlen)) if v is not None}
+    with console.status(f"generating {cfg.workload}"):
+        work = WORKLOADS[cfg.workload](seed=cfg.seed, **kwargs)
+    registry = default_registry()
+    stored = encode(registry, work.fields, work.lengths).nbytes
+    phases: list[Phase] = []
+    with Progress(console=console, transient=True) as progress:
+        for transport in ("tq", "http"):
+            with rlplane.connect(url, token=token, transport=transport) as client:
+                put = Phase(f"rlplane put_samples ({transport})", work.batch, stored)
+                get = Phase(f"rlplane read_columns ({transport})", work.batch, stored)
+                task = progress.add_task(f"{transport}: put -> read", total=cfg.reps + 1)
+                for rep in range(cfg.reps + 1):
+                    partition = f"bench-{transport}-{rep}-{os.getpid()}"
+                    t0 = time.perf_counter()
+                    meta = client.put_samples(partition, work.fields)
+                    t1 = time.perf_counter()
+                    out = client.read_columns(meta, list(work.fields))
+                    t2 = time.perf_counter()
+                    client.clear(partition)
+                    if rep == 0:
+                        problems = diff_fields(registry, work.fields, out, work.lengths)
+                        if problems:
+                            raise RuntimeError(f"{transport} round trip is not bit-exact: " + "; ".join(problems))
+                    else:
+                        put.seconds.append(t1 - t0)
+                        get.seconds.append(t2 - t1)
+                    progress.advance(task)
+                phases += [put, get]
+            if transport == "tq":
+                phases += _raw_tq(url, token, work, cfg.reps, progress)
+    warm_copy, fresh_copy = memcpy_phases(stored, cfg.reps)
+    phases += [warm_copy, fresh_copy]
+    console.print(phase_table(f"service bench: {work.name} B={work.batch}, {stored / 1e6:.1f} MB stored, {url}", phases, spread=True))
+    return {
+        "workload": work.name,
+        "config": asdict(cfg),
+        "url": url,
+        "bytes_stored": stored,
+        "phases": [p.to_dict() for p in phases],
+        "machine": machine_facts(),
+    }
+
+
+def _raw_tq(url: str, token: str | None, work, reps: int, progress: Progress) -> list[Phase]:
+    """TransferQueue's own client on the same store and the same encoded columns."""
+    from tensordict import TensorDict
+    from transfer_queue.client import TransferQueueClient
+    from transfer_queue.utils.enum_utils import Role
+    from transfer_queue.utils.zmq_utils import ZMQServerInfo
+
+    from rlplane.http_api import ServiceAPI
+
+    api = ServiceAPI(url, token=token)
+    info = api.json("GET", "/v1/transport")["tq"]
+    api.close()
+
+    def server(d: dict) -> ZMQServerInfo:
+        return ZMQServerInfo(Role(d["role"]), d["id"], d["ip"], d["ports"])
+
+    client = TransferQueueClient(f"bench-raw-{os.getpid()}", server(info["controller"]))
+    client.initialize_storage_manager("SimpleStorage", {"zmq_info": {k: server(v) for k, v in info["storage_units"].items()}})
+    enc = encode(default_registry(), work.fields, work.lengths)
+    put = Phase("raw TransferQueue put (same columns)", work.batch, enc.nbytes)
+    get = Phase("raw TransferQueue get_data", work.batch, enc.nbytes)
+    task = progress.add_task("raw TransferQueue", total=reps + 1)
+    try:
+        for rep in range(reps + 1):
+            partition = f"bench-raw-{rep}-{os.getpid()}"
+            data = TensorDict({k: c.to_nested() for k, c in enc.columns.items()}, batch_size=work.batch)
+            t0 = time.perf_counter()
+            meta = client.kv_retrieve_meta([f"r-{i}" for i in range(work.batch)], partition, create=True)
+            client.put(data, meta)
+            t1 = time.perf_counter()
+            client.get_data(meta)
+            t2 = time.perf_counter()
+            client.clear_partition(partition)
+            if rep:
+                put.seconds.append(t1 - t0)
+                get.seconds.append(t2 - t1)
+            progress.advance(task)
+    finally:
+        client.close()
+    return [put, get]

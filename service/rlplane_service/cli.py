@@ -85,13 +85,16 @@ def serve(
         host=host, port=port, storage_units=storage_units, capacity=capacity,
         registry_file=registry_file, api_token=token,
     )
-    def on_sigterm(*_: object) -> None:  # docker stop / kill: shut down as cleanly as Ctrl-C
+    def on_signal(*_: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_sigterm)
     service = EmbeddedService(settings, num_cpus=num_cpus, say=lambda m: console.print(f"[dim]{m}[/]"))
     try:
         service.start()
+        # After ray.init, which installs its own handlers: Ctrl-C and SIGTERM (docker stop,
+        # kill) both end in the same clean shutdown, also when started in the background.
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
         console.print(
             f"[green]rlplane serving[/] at {service.url}  (API docs {service.url}/docs; "
             f"{'token required' if token else 'no token'}). Ctrl-C to stop."
@@ -179,13 +182,19 @@ def bench(
     reps: int = typer.Option(5, min=1, help="Timed repetitions after one checked warm-up."),
     quick: bool = typer.Option(False, "--quick", help="A small batch and 3 repetitions (seconds, for smoke tests)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write machine-readable results here."),
+    url: Optional[str] = typer.Option(
+        None, "--url", help="Bench a live service instead: put/read per transport next to raw TransferQueue."
+    ),
+    token: Optional[str] = TOKEN_OPTION,
 ) -> None:
-    """Measure encode -> in-memory transport -> decode against memcpy of the same bytes."""
-    from rlplane_service.bench import BenchConfig, run_codec_bench, write_json
+    """Measure encode -> in-memory transport -> decode against memcpy of the same bytes
+    (or, with --url, put/read through a live service per transport next to raw TransferQueue)."""
+    from rlplane_service.bench import BenchConfig, run_codec_bench, run_service_bench, write_json
 
     if quick:
         batch, seqlen, reps = batch or 8, seqlen or 512, min(reps, 3)
-    results = run_codec_bench(BenchConfig(workload.value, batch, seqlen, reps), console)
+    cfg = BenchConfig(workload.value, batch, seqlen, reps)
+    results = run_codec_bench(cfg, console) if url is None else run_service_bench(cfg, url, token, console)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         write_json(results, json_path)

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 APT_PKGS := libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 libnuma1
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo serve test bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/rlplane demo
+
+serve: $(STAMP)
+	$(VENV)/bin/rlplane serve
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q

@@ -93,6 +93,8 @@ def unpack(body: bytearray | memoryview | bytes) -> tuple[dict[str, Any], dict[s
         header, layout = head["h"], head["c"]
     except (ValueError, KeyError, TypeError, msgpack.UnpackException) as err:
         raise WireFormatError(f"envelope header is not valid msgpack ({err})") from None
+    if not isinstance(header, dict) or not isinstance(layout, list):
+        raise WireFormatError("envelope header must be a map with a list of columns")
     base = start + _pad(start)
     columns = {}
     for entry in layout:
@@ -101,6 +103,8 @@ def unpack(body: bytearray | memoryview | bytes) -> tuple[dict[str, Any], dict[s
             dtype = dtype_from_name(dname)
         except (ValueError, TypeError) as err:
             raise WireFormatError(f"bad column entry in envelope header ({err})") from None
+        if not isinstance(name, str) or not all(isinstance(x, int) and x >= 0 for x in (rows, v_at, v_len, o_at, o_len)):
+            raise WireFormatError(f"bad column entry in envelope header: {entry!r}")
         if o_len != 8 * (rows + 1):
             raise WireFormatError(f"offsets of {rows} rows need {8 * (rows + 1)} bytes, got {o_len}", field=name)
         values = _tensor(body, base + v_at, v_len, dtype, name)

@@ -194,7 +194,12 @@ def build_api(state: ServiceState) -> FastAPI:
         body = await _read_body(request, state.settings.max_request_bytes)
         header, columns = unpack(body)
         ids, tags = header.get("sample_ids"), header.get("tags")
-        if not isinstance(ids, list) or not isinstance(tags, list) or not all(isinstance(s, str) for s in ids):
+        if (
+            not isinstance(ids, list)
+            or not isinstance(tags, list)
+            or not all(isinstance(s, str) for s in ids)
+            or not all(isinstance(t, dict) for t in tags)
+        ):
             raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
         check_columns(registry, columns, tags, sample_ids=ids)
 

@@ -50,3 +50,24 @@ def test_header_is_msgpack_not_pickle():
     assert b"\x80\x04" not in body[:32]  # no pickle protocol marker
     head_len = int.from_bytes(body[8:16], "little")
     assert msgpack.unpackb(body[16 : 16 + head_len])["h"] == {"sample_ids": ["a"]}
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        [1, 2],  # not a map
+        {"h": [], "c": []},  # header not a map
+        {"h": {}, "c": [["x", "int64", "many", 0, 8, 64, 16]]},  # non-int row count
+        {"h": {}, "c": [["x", "int64", 1, -64, 8, 64, 16]]},  # negative offset
+        {"h": {}, "c": [["x", "complex64", 1, 0, 8, 64, 16]]},  # dtype that cannot travel
+        {"h": {}, "c": [["x", "int64", 1, 0, 8, 1 << 40, 16]]},  # buffer past the body
+    ],
+)
+def test_malformed_headers_raise_wire_format_error_not_a_crash(head):
+    import struct
+
+    raw = msgpack.packb(head)
+    body = struct.pack("<4sIQ", b"RLPL", 1, len(raw)) + raw
+    body += bytes((-len(body)) % 64) + bytes(256)
+    with pytest.raises(WireFormatError):
+        unpack(bytearray(body))

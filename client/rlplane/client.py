@@ -243,7 +243,9 @@ def _user_tags(tags: Sequence[Mapping[str, Any]] | None, batch: int, ids: list[s
     for sid, tag in zip(ids, tags):
         if not isinstance(tag, Mapping):
             raise ShapeError(f"tags must be dicts, got {type(tag).__name__}", sample=sid)
-        reserved = [k for k in tag if str(k).startswith(RESERVED_TAG_PREFIX)]
+        if not all(isinstance(k, str) for k in tag):
+            raise ShapeError(f"tag keys must be strings, got {sorted(map(repr, tag))}", sample=sid)
+        reserved = [k for k in tag if k.startswith(RESERVED_TAG_PREFIX)]
         if reserved:
             raise ShapeError(f"tag keys starting with {RESERVED_TAG_PREFIX!r} are reserved for rlplane: {reserved}", sample=sid)
         try:

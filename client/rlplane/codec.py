@@ -58,7 +58,7 @@ def merge_tags(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]
     """
     out = dict(old)
     for key, value in new.items():
-        if key.startswith(RESERVED_TAG_PREFIX) and isinstance(out.get(key), Mapping) and isinstance(value, Mapping):
+        if isinstance(key, str) and key.startswith(RESERVED_TAG_PREFIX) and isinstance(out.get(key), Mapping) and isinstance(value, Mapping):
             out[key] = {**out[key], **value}
         else:
             out[key] = value
@@ -278,7 +278,7 @@ def decode(
         spec = registry.get(name)
         if col.num_rows != batch:
             raise WireFormatError(f"column has {col.num_rows} rows for {batch} samples", field=name)
-        geoms = _geometries(name, tags, ids)
+        geoms = _geometries(spec, tags, ids)
         out[name] = _DECODERS[(spec.alignment, spec.container)](spec, col, geoms, layout, pad_to_seqlen, ids)
     return out
 
@@ -333,18 +333,42 @@ def _stored_dtype(spec: FieldSpec, dtype: torch.dtype) -> torch.dtype:
     return spec.stored_dtype(dtype)
 
 
-def _geometries(name: str, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None) -> list[Any]:
+def _geometries(spec: FieldSpec, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None) -> list[Any]:
     geoms = []
     for i, tag in enumerate(tags):
         try:
-            geoms.append(tag[WIRE_TAG][name])
+            g = tag[WIRE_TAG][spec.name]
         except (KeyError, TypeError):
             raise WireFormatError(
                 "the sample's tags carry no wire geometry for this field; it was not written by rlplane's codec",
-                field=name,
+                field=spec.name,
                 sample=_name(ids, i),
             ) from None
+        if not _valid_geometry(spec, g):
+            raise WireFormatError(f"malformed wire geometry {g!r}", field=spec.name, sample=_name(ids, i))
+        geoms.append(g)
     return geoms
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in x)
+
+
+def _valid_geometry(spec: FieldSpec, g: Any) -> bool:
+    """Geometry as encode writes it (foreign or corrupted tags must not crash decode)."""
+    if spec.container == "packed":
+        return (
+            isinstance(g, Mapping)
+            and isinstance(g.get("d"), int)
+            and isinstance(g.get("p"), bool)
+            and isinstance(g.get("s"), list)
+            and all(_is_shape(seg) for seg in g["s"])
+        )
+    if not _is_shape(g):
+        return False
+    if spec.container == "object":
+        return len(g) == 1
+    return len(g) >= 1 if spec.alignment == "token" else True
 
 
 def _check_numels(spec: FieldSpec, col: Column, want: list[int], ids: list[Any] | None) -> None:

@@ -61,9 +61,11 @@ TOKEN_OPTION = typer.Option(
 
 @app.command()
 def serve(
-    host: str = typer.Option("127.0.0.1", help="HTTP bind address."),
-    port: int = typer.Option(8000, min=1, max=65535, help="HTTP port."),
-    storage_units: int = typer.Option(2, "--storage-units", min=1, help="TransferQueue storage units."),
+    host: Optional[str] = typer.Option(None, help="HTTP bind address (default 127.0.0.1).", show_default=False),
+    port: Optional[int] = typer.Option(None, min=1, max=65535, help="HTTP port (default 8000).", show_default=False),
+    storage_units: Optional[int] = typer.Option(
+        None, "--storage-units", min=1, help="TransferQueue storage units (default 2).", show_default=False
+    ),
     capacity: Optional[int] = typer.Option(None, min=1, help="Most samples held (default: no limit)."),
     registry_file: Optional[Path] = typer.Option(
         None, "--registry", exists=True, dir_okay=False, help="YAML/JSON file of extra FieldSpecs."
@@ -81,10 +83,9 @@ def serve(
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
-    settings = ServiceSettings(
-        host=host, port=port, storage_units=storage_units, capacity=capacity,
-        registry_file=registry_file, api_token=token,
-    )
+    given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity,
+             "registry_file": registry_file, "api_token": token}
+    settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_* or defaults
     def on_signal(*_: object) -> None:
         raise KeyboardInterrupt
 
@@ -97,7 +98,7 @@ def serve(
         signal.signal(signal.SIGTERM, on_signal)
         console.print(
             f"[green]rlplane serving[/] at {service.url}  (API docs {service.url}/docs; "
-            f"{'token required' if token else 'no token'}). Ctrl-C to stop."
+            f"{'token required' if settings.api_token else 'no token'}). Ctrl-C to stop."
         )
         while True:
             time.sleep(3600)

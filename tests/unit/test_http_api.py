@@ -164,3 +164,29 @@ def test_async_twins(served):
 
     meta, got, parts = asyncio.run(go())
     assert got["input_ids"].shape == (3, 8) and parts == ["p"]
+
+
+def test_tags_with_non_string_keys_are_refused_and_nothing_is_stored(served):
+    store, _, client = served
+    with pytest.raises(E.ShapeError, match="tag keys must be strings"):
+        client.put_samples("p", batch(), tags=[{1: "x"}, {}, {}])
+    assert store.partitions() == []
+
+
+@pytest.mark.parametrize("geometry", [7, [], ["a"], [-1], {"d": 0}])
+def test_raw_put_with_malformed_geometry_is_422_not_500(served, geometry):
+    store, http, _ = served
+    enc = encode(default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
+    tags = [{"_rlplane_wire": {"input_ids": geometry}}]
+    r = raw_put(http, "p", enc.columns, tags, ["a"])
+    assert r.status_code == 422 and r.json()["error"] == "WireFormatError" and r.json()["field"] == "input_ids"
+    assert store.partitions() == []
+
+
+def test_settings_come_from_rlplane_env_and_args_win(monkeypatch):
+    monkeypatch.setenv("RLPLANE_STORAGE_UNITS", "4")
+    monkeypatch.setenv("RLPLANE_API_TOKEN", "")
+    assert ServiceSettings().storage_units == 4 and ServiceSettings().api_token is None
+    assert ServiceSettings(storage_units=3).storage_units == 3
+    with pytest.raises(ValueError):
+        ServiceSettings(storage_unitz=3)

@@ -67,13 +67,15 @@ def server_info_to_dict(info: Any) -> dict[str, Any]:
 
 
 def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
-    """Whether the controller's request socket accepts a TCP connection within ``timeout``."""
+    """Whether the controller and every storage unit accept a TCP connection within ``timeout``."""
     try:
-        ctrl = info["controller"]
-        port = ctrl["ports"]["request_handle_socket"]
-        with socket.create_connection((ctrl["ip"], port), timeout=timeout):
-            return True
-    except (OSError, KeyError, TypeError):
+        servers = [info["controller"], *info["storage_units"].values()]
+        for server in servers:
+            for port in server["ports"].values():
+                with socket.create_connection((server["ip"], int(port)), timeout=timeout):
+                    pass
+        return True
+    except (OSError, KeyError, TypeError, ValueError, AttributeError):
         return False
 
 
@@ -188,20 +190,20 @@ class TQTransport(Transport):
         if not create and existing.size != len(ids):
             unknown = await self._unknown(partition, ids)
             raise MissingDataError(partition, {s: [] for s in unknown}, hint="put_samples them before write_columns")
-        meta = await self._meta(partition, ids, create=True) if create else existing
-        old = list(meta.custom_meta) if not create else [{} for _ in ids]
+        old = list(existing.custom_meta) if not create else [{} for _ in ids]
         sizes = {name: (col.row_numels() * col.values.element_size()).tolist() for name, col in columns.items()}
         merged = [
             merge_tags(old[i], {**tags[i], NBYTES_TAG: {name: sizes[name][i] for name in columns}})
             for i in range(len(ids))
         ]
-        meta.update_custom_meta(merged)
-        if not columns:
-            await self._client.async_set_custom_meta(meta)
-            return
         data = self._TensorDict({name: col.to_nested() for name, col in columns.items()}, batch_size=len(ids))
+        meta = await self._meta(partition, ids, create=True) if create else existing
         try:
-            await self._client.async_put(data, meta)
+            meta.update_custom_meta(merged)
+            if columns:
+                await self._client.async_put(data, meta)  # data first, then the tags that make it readable
+            else:
+                await self._client.async_set_custom_meta(meta)
         except BaseException:
             if create:  # nothing of a failed put_samples may stay behind
                 await self._client.async_clear_samples(meta)

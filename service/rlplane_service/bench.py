@@ -179,21 +179,16 @@ def run_service_bench(cfg: BenchConfig, url: str, token: str | None, console: Co
 def _raw_tq(url: str, token: str | None, work, reps: int, progress: Progress) -> list[Phase]:
     """TransferQueue's own client on the same store and the same encoded columns."""
     from tensordict import TensorDict
-    from transfer_queue.client import TransferQueueClient
-    from transfer_queue.utils.enum_utils import Role
-    from transfer_queue.utils.zmq_utils import ZMQServerInfo
 
     from rlplane.http_api import ServiceAPI
+    from rlplane.transports.tq import store_client
 
     api = ServiceAPI(url, token=token)
-    info = api.json("GET", "/v1/transport")["tq"]
-    api.close()
-
-    def server(d: dict) -> ZMQServerInfo:
-        return ZMQServerInfo(Role(d["role"]), d["id"], d["ip"], d["ports"])
-
-    client = TransferQueueClient(f"bench-raw-{os.getpid()}", server(info["controller"]))
-    client.initialize_storage_manager("SimpleStorage", {"zmq_info": {k: server(v) for k, v in info["storage_units"].items()}})
+    try:
+        info = api.json("GET", "/v1/transport")["tq"]
+    finally:
+        api.close()
+    client = store_client(info, f"bench-raw-{os.getpid()}")
     enc = encode(default_registry(), work.fields, work.lengths)
     put = Phase("raw TransferQueue put (same columns)", work.batch, enc.nbytes)
     get = Phase("raw TransferQueue get_data", work.batch, enc.nbytes)

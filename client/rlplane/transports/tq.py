@@ -79,35 +79,44 @@ def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
         return False
 
 
+def store_client(info: Mapping[str, Any], client_id: str) -> Any:
+    """TransferQueue's own client, connected to the store ``info`` describes (the ``tq``
+    entry of ``GET /v1/transport``). TransportError when the address is malformed or
+    the store does not answer.
+
+    Example: ``client = store_client(api.json("GET", "/v1/transport")["tq"], "bench")``.
+    """
+    _, TransferQueueClient, Role, ZMQServerInfo = _tq()
+
+    def server(d: Mapping[str, Any]) -> Any:
+        return ZMQServerInfo(Role(d["role"]), d["id"], d["ip"], dict(d["ports"]))
+
+    try:
+        controller = server(info["controller"])
+        units = {name: server(d) for name, d in info["storage_units"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise TransportError(f"the service's TransferQueue address is malformed ({err})") from None
+    client = TransferQueueClient(client_id, controller)
+    try:
+        client.initialize_storage_manager("SimpleStorage", {"zmq_info": units})
+    except (TimeoutError, RuntimeError, OSError, ValueError) as err:
+        client.close()
+        raise TransportError(
+            f"cannot reach the TransferQueue store at {controller.ip} ({err}); "
+            "connect with transport='http' if the storage units are not routable from here"
+        ) from err
+    return client
+
+
 class TQTransport(Transport):
     """Direct data path to a TransferQueue store (see the module docstring)."""
 
     name = "tq"
 
     def __init__(self, info: Mapping[str, Any], *, client_id: str | None = None) -> None:
-        TensorDict, TransferQueueClient, Role, ZMQServerInfo = _tq()
-        self._TensorDict = TensorDict
-
-        def server(d: Mapping[str, Any]) -> Any:
-            return ZMQServerInfo(Role(d["role"]), d["id"], d["ip"], dict(d["ports"]))
-
-        try:
-            controller = server(info["controller"])
-            units = {name: server(d) for name, d in info["storage_units"].items()}
-        except (KeyError, TypeError, ValueError) as err:
-            raise TransportError(f"the service's TransferQueue address is malformed ({err})") from None
+        self._TensorDict = _tq()[0]
         self.info = dict(info)
-        self._client = None
-        client = TransferQueueClient(client_id or f"rlplane-{os.getpid()}-{uuid.uuid4().hex[:6]}", controller)
-        try:
-            client.initialize_storage_manager("SimpleStorage", {"zmq_info": units})
-        except (TimeoutError, RuntimeError, OSError, ValueError) as err:
-            client.close()
-            raise TransportError(
-                f"cannot reach the TransferQueue store at {controller.ip} ({err}); "
-                "connect with transport='http' if the storage units are not routable from here"
-            ) from err
-        self._client = client
+        self._client = store_client(info, client_id or f"rlplane-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> TQTransport:
@@ -271,4 +280,4 @@ def _column(value: Any, name: str, rows: int) -> Column:
     return col
 
 
-__all__ = ["TQTransport", "NBYTES_TAG", "reachable", "server_info_to_dict"]
+__all__ = ["TQTransport", "NBYTES_TAG", "reachable", "server_info_to_dict", "store_client"]

@@ -137,6 +137,11 @@ class TransportError(RlplaneError, ConnectionError):
     """Moving bytes failed (service unreachable, storage unit down...)."""
 
 
+class StorageFullError(TransportError):
+    """The store has no room for the write (nothing of it was kept). Clear consumed
+    partitions, or give the store more memory (more storage units or larger segments)."""
+
+
 class AuthenticationError(RlplaneError, PermissionError):
     """The service wants ``Authorization: Bearer <token>`` and got none or a wrong one."""
 
@@ -202,6 +207,7 @@ __all__ = [
     "MissingDataError",
     "DuplicateSampleError",
     "TransportError",
+    "StorageFullError",
     "AuthenticationError",
     "PayloadTooLargeError",
     "error_payload",
@@ -214,6 +220,7 @@ _BY_NAME: dict[str, type[RlplaneError]] = {
     for cls in (
         RlplaneError, RegistryError, InvalidArgumentError, UnknownStageError, FieldValidationError,
         UnregisteredFieldError, ContainerError, DtypeError, ShapeError, WireFormatError,
-        MissingDataError, DuplicateSampleError, TransportError, AuthenticationError, PayloadTooLargeError,
+        MissingDataError, DuplicateSampleError, TransportError, StorageFullError, AuthenticationError,
+        PayloadTooLargeError,
     )
 }

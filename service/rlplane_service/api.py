@@ -44,6 +44,7 @@ _STATUS: list[tuple[type[E.RlplaneError], int]] = [
     (E.DuplicateSampleError, 409),
     (E.InvalidArgumentError, 400),
     (E.RegistryError, 400),
+    (E.StorageFullError, 507),
     (E.TransportError, 503),
 ]
 

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -45,6 +45,36 @@ class ServiceSettings(BaseSettings):
     namespace: str = Field("rlplane", description="Ray namespace of the store's named actors.")
     store_name: str = Field("rlplane", description="Prefix of the store's actor names (one store per name).")
     tq_num_threads: int = Field(2, ge=1, le=64, description="TQ_NUM_THREADS for the storage units.")
+    backend: Literal["simple", "mooncake"] = Field(
+        "simple",
+        description="Where sample bytes live: 'simple' (TransferQueue storage units, ZMQ) or "
+        "'mooncake' (Mooncake store segments, TCP or RDMA; the service runs its own mooncake_master).",
+    )
+    mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transfer protocol.")
+    mooncake_device_name: str = Field(
+        "", description="RDMA devices for Mooncake, e.g. 'mlx5_0,mlx5_1' ('' lets Mooncake pick)."
+    )
+    mooncake_hostname: str = Field(
+        "",
+        description="Address the store's Mooncake segments advertise ('' = the Ray node address; "
+        "in Kubernetes the pod IP). Clients advertise their own (RLPLANE_MOONCAKE_HOSTNAME on the client).",
+    )
+    mooncake_master_port: int = Field(0, ge=0, le=65535, description="mooncake_master RPC port (0: a free port).")
+    mooncake_metadata_port: int = Field(
+        0, ge=0, le=65535, description="mooncake_master's HTTP metadata server port (0: a free port)."
+    )
+    mooncake_metrics_port: int = Field(
+        0, ge=0, le=65535, description="mooncake_master's /metrics and /health port (0: a free port)."
+    )
+    mooncake_segment_bytes: int = Field(
+        2 << 30, ge=16 << 20, description="Memory each storage unit mounts into the Mooncake pool."
+    )
+    mooncake_buffer_bytes: int = Field(
+        64 << 20, ge=1 << 20, description="Mooncake local transfer buffer of each client (and storage unit)."
+    )
+    mooncake_master_bin: Optional[Path] = Field(
+        None, description="mooncake_master executable (default: the one beside this Python, else on PATH)."
+    )
 
     @field_validator("api_token")
     @classmethod

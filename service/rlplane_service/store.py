@@ -6,6 +6,9 @@ replica that dies and restarts finds every sample it held. Actor names derive fr
 replicas agree on one store. All actors take ``num_cpus=0``: they wait on sockets, and
 the Ray logical CPUs stay free for the user's workers.
 
+With ``backend="mooncake"`` the sample bytes live in Mooncake segments instead, and the
+store also owns a ``mooncake_master`` (see :mod:`rlplane_service.mooncake`).
+
 Example::
 
     store = Store.attach_or_create(ServiceSettings())
@@ -32,77 +35,160 @@ _PING_TIMEOUT_S = 60.0
 
 @dataclass
 class Store:
-    """Handles on the store's actors and the addresses clients reach them at."""
+    """Handles on the store's actors and the addresses clients reach them at.
 
+    ``backend`` "simple": ``units`` are TransferQueue SimpleStorageUnits (ZMQ).
+    ``backend`` "mooncake": ``units`` mount Mooncake segments and ``master`` owns the
+    ``mooncake_master`` process (see :mod:`rlplane_service.mooncake`).
+    """
+
+    backend: str
     controller: Any
     units: dict[str, Any]
     controller_info: dict[str, Any]
     unit_infos: dict[str, dict[str, Any]]
     capacity: int | None
+    master: Any = None
+    master_info: dict[str, Any] | None = None
+    settings: ServiceSettings | None = None
 
     @classmethod
     def attach_or_create(cls, settings: ServiceSettings) -> Store:
         """Attach to the store named by ``settings`` or create it (needs a connected Ray)."""
         from transfer_queue.controller import TransferQueueController
         from transfer_queue.sampler import SequentialSampler
-        from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
-        env = {"env_vars": {"TQ_NUM_THREADS": str(settings.tq_num_threads)}}
-        common = {
-            "namespace": settings.namespace,
-            "lifetime": "detached",
-            "get_if_exists": True,
-            "num_cpus": 0,
-            "runtime_env": env,
-        }
+        common = _actor_options(settings)
         prefix = settings.store_name
         controller = TransferQueueController.options(name=f"{prefix}-tq-controller", **common).remote(
             sampler=SequentialSampler, polling_mode=True
         )
-        unit_config = {
-            "total_storage_size": settings.capacity,
-            "num_data_storage_units": settings.storage_units,
-            "_run_id": uuid.uuid4().hex,
-        }
-        units = {
-            f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}", **common).remote(
-                config=unit_config
-            )
-            for i in range(settings.storage_units)
-        }
+        master = master_info = None
         try:
             controller_info = ray.get(controller.get_zmq_server_info.remote(), timeout=_PING_TIMEOUT_S)
-            unit_infos = {
-                name: ray.get(h.get_zmq_server_info.remote(), timeout=_PING_TIMEOUT_S) for name, h in units.items()
-            }
+            if settings.backend == "mooncake":
+                master, master_info, units, unit_infos = _mooncake_units(settings, common)
+            else:
+                units, unit_infos = _simple_units(settings, common)
         except (ray.exceptions.RayError, TimeoutError) as err:
-            raise TransportError(f"the store's actors did not start: {err}") from err
-        log.info("store %r: controller %s, %d storage units", prefix, controller_info, len(units))
+            raise TransportError(f"the store's actors did not start: {_cause(err)}") from err
+        log.info("store %r (%s): controller %s, %d storage units", prefix, settings.backend, controller_info, len(units))
         return cls(
+            settings.backend,
             controller,
             units,
             server_info_to_dict(controller_info),
-            {n: server_info_to_dict(i) for n, i in unit_infos.items()},
+            unit_infos,
             settings.capacity,
+            master,
+            master_info,
+            settings,
         )
 
     def transport_info(self) -> dict[str, Any]:
         """The ``tq`` entry of ``GET /v1/transport``: what TQTransport needs."""
-        return {"backend": "simple", "controller": self.controller_info, "storage_units": self.unit_infos}
+        info: dict[str, Any] = {"backend": self.backend, "controller": self.controller_info, "storage_units": self.unit_infos}
+        if self.backend == "mooncake":
+            s = self.settings or ServiceSettings()
+            info["mooncake"] = {
+                "master_address": self.master_info["master_address"],
+                "metadata_server": self.master_info["metadata_server"],
+                "protocol": s.mooncake_protocol,
+                "device_name": s.mooncake_device_name,
+                "buffer_bytes": s.mooncake_buffer_bytes,
+            }
+        return info
 
     def alive(self, timeout: float = 2.0) -> bool:
-        """Whether every actor answers within ``timeout`` seconds."""
-        refs = [self.controller.get_zmq_server_info.remote()] + [u.get_zmq_server_info.remote() for u in self.units.values()]
-        try:
-            ray.get(refs, timeout=timeout)
-            return True
-        except (ray.exceptions.RayError, TimeoutError):
-            return False
+        """Whether every actor answers within ``timeout`` seconds (and the master is healthy)."""
+        return all(self.health(timeout).values())
+
+    def health(self, timeout: float = 2.0) -> dict[str, bool]:
+        """Per component: ``controller``, each unit by name, and ``mooncake_master`` when present."""
+        out = {"controller": _answers(self.controller.get_zmq_server_info.remote(), timeout)}
+        ping = "info" if self.backend == "mooncake" else "get_zmq_server_info"
+        for name, unit in self.units.items():
+            out[name] = _answers(getattr(unit, ping).remote(), timeout)
+        if self.master is not None:
+            try:
+                out["mooncake_master"] = bool(ray.get(self.master.healthy.remote(), timeout=timeout))
+            except (ray.exceptions.RayError, TimeoutError):
+                out["mooncake_master"] = False
+        return out
 
     def destroy(self) -> None:
-        """Kill the store's actors (every sample is lost). Only for the process that owns the store."""
-        for handle in [*self.units.values(), self.controller]:
+        """Stop the store (every sample is lost): unmount the segments, stop the Mooncake
+        master by its pid, kill the actors. Only for the process that owns the store."""
+        if self.backend == "mooncake":
+            stops = [u.stop.remote() for u in self.units.values()]
+            if self.master is not None:
+                stops.append(self.master.stop.remote())
+            try:
+                ray.get(stops, timeout=30)
+            except (ray.exceptions.RayError, TimeoutError) as err:
+                log.warning("could not stop the Mooncake side cleanly: %s", err)
+        handles = [*self.units.values(), self.controller] + ([self.master] if self.master is not None else [])
+        for handle in handles:
             try:
                 ray.kill(handle, no_restart=True)
             except (ray.exceptions.RayError, ValueError) as err:
                 log.warning("could not kill a store actor: %s", err)
+
+
+def _actor_options(settings: ServiceSettings) -> dict[str, Any]:
+    return {
+        "namespace": settings.namespace,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "runtime_env": {"env_vars": {"TQ_NUM_THREADS": str(settings.tq_num_threads)}},
+    }
+
+
+def _simple_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+
+    config = {
+        "total_storage_size": settings.capacity,
+        "num_data_storage_units": settings.storage_units,
+        "_run_id": uuid.uuid4().hex,
+    }
+    prefix = settings.store_name
+    units = {
+        f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}", **common).remote(config=config)
+        for i in range(settings.storage_units)
+    }
+    infos = {name: ray.get(h.get_zmq_server_info.remote(), timeout=_PING_TIMEOUT_S) for name, h in units.items()}
+    return units, {n: server_info_to_dict(i) for n, i in infos.items()}
+
+
+def _mooncake_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[Any, dict[str, Any], dict[str, Any], dict[str, Any]]:
+    from rlplane_service.mooncake import ray_actors
+
+    MasterActor, UnitActor = ray_actors()
+    prefix = settings.store_name
+    args = settings.as_args()
+    master = MasterActor.options(name=f"{prefix}-mooncake-master", **common).remote(args)
+    master_info = ray.get(master.info.remote(), timeout=_PING_TIMEOUT_S)
+    units = {
+        f"{prefix}-mooncake-unit-{i}": UnitActor.options(name=f"{prefix}-mooncake-unit-{i}", **common).remote(args, master_info)
+        for i in range(settings.storage_units)
+    }
+    infos = {name: ray.get(h.info.remote(), timeout=_PING_TIMEOUT_S) for name, h in units.items()}
+    for info in infos.values():
+        info["segment_bytes"] = settings.mooncake_segment_bytes
+    return master, master_info, units, infos
+
+
+def _answers(ref: Any, timeout: float) -> bool:
+    try:
+        ray.get(ref, timeout=timeout)
+        return True
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+
+
+def _cause(err: BaseException) -> str:
+    """The innermost message of a Ray actor error (e.g. the master's start failure)."""
+    cause = getattr(err, "cause", None) or err.__cause__
+    return str(cause) if cause is not None else str(err)

@@ -25,18 +25,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import torch
 
 from rlplane.codec import WIRE_TAG, merge_tags
 from rlplane.column import Column
-from rlplane.errors import DuplicateSampleError, MissingDataError, TransportError, WireFormatError
+from rlplane.errors import DuplicateSampleError, MissingDataError, StorageFullError, TransportError, WireFormatError
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 
 log = logging.getLogger(__name__)
+
+#: How TransferQueue's Mooncake client reports Mooncake's NO_AVAILABLE_HANDLE (no segment has room).
+_MOONCAKE_NO_SPACE = re.compile(r"error codes \[[^\]]*-200\b")
 
 #: Per-sample bookkeeping this transport keeps in the tags: stored bytes of every field.
 NBYTES_TAG = "_rlplane_nbytes"
@@ -67,22 +73,67 @@ def server_info_to_dict(info: Any) -> dict[str, Any]:
 
 
 def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
-    """Whether the controller and every storage unit accept a TCP connection within ``timeout``."""
+    """Whether the controller and every data endpoint (the storage units' ports, or the
+    Mooncake master and metadata server) accept a TCP connection within ``timeout``."""
     try:
-        servers = [info["controller"], *info["storage_units"].values()]
-        for server in servers:
-            for port in server["ports"].values():
-                with socket.create_connection((server["ip"], int(port)), timeout=timeout):
-                    pass
+        for host, port in _endpoints(info):
+            with socket.create_connection((host, port), timeout=timeout):
+                pass
         return True
     except (OSError, KeyError, TypeError, ValueError, AttributeError):
         return False
 
 
+def _endpoints(info: Mapping[str, Any]) -> list[tuple[str, int]]:
+    controller = info["controller"]
+    out = [(controller["ip"], int(p)) for p in controller["ports"].values()]
+    if info.get("backend", "simple") == "mooncake":
+        mc = info["mooncake"]
+        out.append(_host_port(mc["master_address"]))
+        out.append(_host_port(urlsplit(mc["metadata_server"]).netloc))
+    else:
+        out += [(u["ip"], int(p)) for u in info["storage_units"].values() for p in u["ports"].values()]
+    return out
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def mooncake_config(info: Mapping[str, Any]) -> dict[str, Any]:
+    """TransferQueue's MooncakeStore config for a client of the store ``info`` describes.
+
+    The client mounts no memory (samples live in the service's segments, so a worker that
+    exits takes nothing with it) and advertises ``RLPLANE_MOONCAKE_HOSTNAME`` or else the
+    local address it reaches the master from. Mooncake gives each client engine its own
+    port, so engine names are unique per process.
+    """
+    mc = info["mooncake"]
+    hostname = os.environ.get("RLPLANE_MOONCAKE_HOSTNAME") or _local_address_towards(*_host_port(mc["master_address"]))
+    return {
+        "metadata_server": mc["metadata_server"],
+        "master_server_address": mc["master_address"],
+        "local_hostname": hostname,
+        "protocol": mc.get("protocol", "tcp"),
+        "device_name": mc.get("device_name", ""),
+        "global_segment_size": 0,
+        "local_buffer_size": int(mc.get("buffer_bytes", 64 << 20)),
+        "hard_pin": True,
+    }
+
+
+def _local_address_towards(host: str, port: int) -> str:
+    """The local IP this host would use to reach ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))
+        return str(s.getsockname()[0])
+
+
 def store_client(info: Mapping[str, Any], client_id: str) -> Any:
     """TransferQueue's own client, connected to the store ``info`` describes (the ``tq``
-    entry of ``GET /v1/transport``). TransportError when the address is malformed or
-    the store does not answer.
+    entry of ``GET /v1/transport``), with the storage manager its backend needs.
+    TransportError when the address is malformed or the store does not answer.
 
     Example: ``client = store_client(api.json("GET", "/v1/transport")["tq"], "bench")``.
     """
@@ -91,21 +142,61 @@ def store_client(info: Mapping[str, Any], client_id: str) -> Any:
     def server(d: Mapping[str, Any]) -> Any:
         return ZMQServerInfo(Role(d["role"]), d["id"], d["ip"], dict(d["ports"]))
 
+    backend = info.get("backend", "simple") if isinstance(info, Mapping) else None
     try:
         controller = server(info["controller"])
-        units = {name: server(d) for name, d in info["storage_units"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        if backend == "mooncake":
+            manager, config = "MooncakeStore", mooncake_config(info)
+            where = config["master_server_address"]
+        elif backend == "simple":
+            manager, config = "SimpleStorage", {"zmq_info": {n: server(d) for n, d in info["storage_units"].items()}}
+            where = controller.ip
+        else:
+            raise ValueError(f"unknown backend {backend!r}")
+    except (KeyError, TypeError, ValueError, AttributeError, OSError) as err:
         raise TransportError(f"the service's TransferQueue address is malformed ({err})") from None
+    if backend == "mooncake" and not reachable(info, timeout=2.0):
+        # Mooncake's own setup retries an unreachable master for ~90 s; say so at once.
+        raise TransportError(
+            f"cannot reach the Mooncake master at {where} or its metadata server "
+            f"{info['mooncake']['metadata_server']} from this host; check the service is up and "
+            "that this pod may reach the data ports (NetworkPolicy), or connect with transport='http'"
+        )
     client = TransferQueueClient(client_id, controller)
     try:
-        client.initialize_storage_manager("SimpleStorage", {"zmq_info": units})
-    except (TimeoutError, RuntimeError, OSError, ValueError) as err:
+        client.initialize_storage_manager(manager, config)
+    except (TimeoutError, RuntimeError, OSError, ValueError, ImportError) as err:
         client.close()
         raise TransportError(
-            f"cannot reach the TransferQueue store at {controller.ip} ({err}); "
-            "connect with transport='http' if the storage units are not routable from here"
+            f"cannot reach the TransferQueue store at {where} ({err}); "
+            "connect with transport='http' if the storage is not routable from here"
         ) from err
+    _no_ray_context(client.storage_manager)
     return client
+
+
+def close_store_client(client: Any) -> None:
+    """Close a :func:`store_client`, including what TransferQueue's KV managers leave open
+    (the Mooncake client that unregisters this process's engine, the thread pool)."""
+    manager = getattr(client, "storage_manager", None)
+    kv_client = getattr(manager, "storage_client", None)
+    try:
+        if kv_client is not None:
+            kv_client.close()
+    except Exception as err:  # noqa: BLE001 - closing: report, carry on
+        log.warning("closing the Mooncake client failed: %s", err)
+    pool = getattr(manager, "_multi_threads_executor", None)
+    if pool is not None:
+        pool.shutdown(wait=False)
+    client.close()
+
+
+def _no_ray_context(manager: Any) -> None:
+    """TransferQueue's KV managers size their thread pool from ``ray.get_runtime_context()``
+    on first use, which starts a local Ray cluster in a plain process. Give them their pool
+    up front so a client process never starts Ray."""
+    if getattr(manager, "_multi_threads_executor", False) is None:
+        manager._multi_threads_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rlplane-kv")
 
 
 class TQTransport(Transport):
@@ -116,6 +207,10 @@ class TQTransport(Transport):
     def __init__(self, info: Mapping[str, Any], *, client_id: str | None = None) -> None:
         self._TensorDict = _tq()[0]
         self.info = dict(info)
+        # A key-value backend (Mooncake) cannot hold a zero-byte value: there, empty rows
+        # travel as one element each and are cut back to empty on read by the byte count
+        # this transport records per row. It also clears storage by field name.
+        self._kv = self.info.get("backend") == "mooncake"
         self._client = store_client(info, client_id or f"rlplane-{os.getpid()}-{uuid.uuid4().hex[:6]}")
 
     @classmethod
@@ -163,7 +258,7 @@ class TQTransport(Transport):
     def close(self) -> None:
         client, self._client = getattr(self, "_client", None), None
         if client is not None:
-            client.close()
+            close_store_client(client)
 
     # -- implementation --------------------------------------------------------------
     def _run(self, coro: Any) -> Any:
@@ -174,6 +269,11 @@ class TQTransport(Transport):
         except (MissingDataError, DuplicateSampleError, WireFormatError):
             raise
         except (RuntimeError, OSError, ValueError, asyncio.TimeoutError) as err:
+            if self._kv and _MOONCAKE_NO_SPACE.search(str(err)):
+                raise StorageFullError(
+                    "the Mooncake pool has no room for this write (nothing of it was kept); clear "
+                    "consumed partitions, or raise RLPLANE_MOONCAKE_SEGMENT_BYTES / RLPLANE_STORAGE_UNITS"
+                ) from err
             raise TransportError(f"TransferQueue call failed: {err}") from err
 
     async def _meta(self, partition: str, ids: list[str], create: bool) -> Any:
@@ -205,7 +305,7 @@ class TQTransport(Transport):
             merge_tags(old[i], {**tags[i], NBYTES_TAG: {name: sizes[name][i] for name in columns}})
             for i in range(len(ids))
         ]
-        data = self._TensorDict({name: col.to_nested() for name, col in columns.items()}, batch_size=len(ids))
+        data = self._TensorDict({name: self._rows(col) for name, col in columns.items()}, batch_size=len(ids))
         meta = await self._meta(partition, ids, create=True) if create else existing
         try:
             meta.update_custom_meta(merged)
@@ -215,7 +315,7 @@ class TQTransport(Transport):
                 await self._client.async_set_custom_meta(meta)
         except BaseException:
             if create:  # nothing of a failed put_samples may stay behind
-                await self._client.async_clear_samples(meta)
+                await self._clear_samples(meta.add_fields(data, set_all_ready=False) if self._kv and columns else meta)
             raise
 
     async def _get(
@@ -236,8 +336,7 @@ class TQTransport(Transport):
                 missing[sid] = lacking
         if missing:
             raise MissingDataError(partition, missing)
-        for tag in tags:
-            tag.pop(NBYTES_TAG, None)
+        stored = [tag.pop(NBYTES_TAG, None) or {} for tag in tags]
         if not fields:
             return {}, tags
         got = await self._client.async_get_data(meta.select_fields(fields))
@@ -247,21 +346,57 @@ class TQTransport(Transport):
                 raise MissingDataError(
                     partition, {s: [name] for s in ids}, hint="the storage units did not return the field"
                 )
-            columns[name] = _column(got[name], name, len(ids))
+            col = _column(got[name], name, len(ids))
+            if self._kv:
+                col = _unpad(col, [int(s.get(name, -1)) for s in stored])
+            columns[name] = col
         return columns, tags
+
+    def _rows(self, col: Column) -> torch.Tensor:
+        """The column as TransferQueue takes it: a jagged NestedTensor of 1-D rows."""
+        if self._kv and col.num_rows and bool((col.row_numels() == 0).any()):
+            pad = torch.zeros(1, dtype=col.dtype)
+            col = Column.from_rows([r if r.numel() else pad for r in col.rows()], col.dtype)
+        return col.to_nested()
 
     async def _clear(self, partition: str, ids: list[str] | None) -> int:
         if ids is None:
             held = (await self._client.async_kv_list(partition)).get(partition) or {}
-            if held:
+            if not held:
+                return 0
+            meta = await self._meta(partition, list(held), create=False) if self._kv else None
+            if meta is not None and not meta.field_names:
+                await self._clear_samples(meta)
+            else:
                 await self._client.async_clear_partition(partition)
             return len(held)
         if not ids:
             return 0
         meta = await self._meta(partition, ids, create=False)
         if meta.size:
-            await self._client.async_clear_samples(meta)
+            await self._clear_samples(meta)
         return int(meta.size)
+
+    async def _clear_samples(self, meta: Any) -> None:
+        if self._kv and not meta.field_names:
+            # TransferQueue's KV managers find stored values by field name and refuse a
+            # clear without one; these samples hold tags only, so only the controller
+            # has anything to forget.
+            await self._client._mark_clearing_in_controller(meta)
+            await self._client._clear_meta_in_controller(meta)
+        else:
+            await self._client.async_clear_samples(meta)
+
+
+def _unpad(col: Column, nbytes: list[int]) -> Column:
+    """Cut the rows stored as one padding element (recorded size 0) back to empty."""
+    empty = [i for i, n in enumerate(nbytes) if n == 0]
+    if not empty:
+        return col
+    rows = col.rows()
+    for i in empty:
+        rows[i] = rows[i][:0]
+    return Column.from_rows(rows, col.dtype)
 
 
 def _column(value: Any, name: str, rows: int) -> Column:
@@ -280,4 +415,4 @@ def _column(value: Any, name: str, rows: int) -> Column:
     return col
 
 
-__all__ = ["TQTransport", "NBYTES_TAG", "reachable", "server_info_to_dict", "store_client"]
+__all__ = ["TQTransport", "NBYTES_TAG", "close_store_client", "mooncake_config", "reachable", "server_info_to_dict", "store_client"]

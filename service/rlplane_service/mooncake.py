@@ -1,0 +1,235 @@
+"""The Mooncake backend's server side: the service's own ``mooncake_master`` and the
+storage units that mount memory into the Mooncake pool.
+
+TransferQueue's own Mooncake bootstrap (``auto_init``) runs ``pkill -f mooncake_master``
+and so kills every master on the host; rlplane never uses it. Instead the store owns:
+
+* ``MooncakeMasterActor`` (detached, named ``{store}-mooncake-master``): starts one
+  ``mooncake_master`` process on ports it chooses, keeps its pid, waits for ``/health``
+  and stops that pid on :meth:`~MooncakeMasterActor.stop`. The process also gets
+  ``PR_SET_PDEATHSIG``, so it dies with the actor even when Ray kills the actor hard.
+* ``MooncakeUnitActor`` (detached, named ``{store}-mooncake-unit-{i}``): a Mooncake
+  client that mounts ``mooncake_segment_bytes`` of memory. Samples live in these
+  segments; rlplane's clients mount nothing (segment size 0), so a rollout worker that
+  exits takes no data with it.
+
+TransferQueue's controller keeps the per-sample metadata as with the simple backend.
+
+Example::
+
+    master = MooncakeMaster.start(settings, host="127.0.0.1")
+    master.info()      # {"pid": ..., "master_address": "127.0.0.1:...", ...}
+    master.stop()
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rlplane.errors import TransportError
+from rlplane_service.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_START_TIMEOUT_S = 30.0
+
+
+def master_binary(settings: ServiceSettings) -> str:
+    """The ``mooncake_master`` to run: the configured path, the one beside this Python, or PATH."""
+    if settings.mooncake_master_bin is not None:
+        candidates = [str(settings.mooncake_master_bin)]
+    else:
+        candidates = [str(Path(sys.executable).parent / "mooncake_master"), shutil.which("mooncake_master") or ""]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise TransportError(
+        "backend 'mooncake' needs the mooncake_master executable: pip install 'rlplane[mooncake]' "
+        "(or set RLPLANE_MOONCAKE_MASTER_BIN)"
+    )
+
+
+def free_port(host: str) -> int:
+    """A port that is free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class MasterInfo:
+    """Where the master listens (what clients and ``/readyz`` need)."""
+
+    pid: int
+    host: str
+    master_address: str
+    metadata_server: str
+    metrics_url: str
+    log_file: str
+
+
+class MooncakeMaster:
+    """One ``mooncake_master`` process this object started and stops (by pid)."""
+
+    def __init__(self, proc: subprocess.Popen, info: MasterInfo) -> None:
+        self._proc = proc
+        self._info = info
+
+    @classmethod
+    def start(cls, settings: ServiceSettings, host: str) -> MooncakeMaster:
+        """Start the master on ``host``; return once its ``/health`` answers (TransportError if not)."""
+        binary = master_binary(settings)
+        rpc = settings.mooncake_master_port or free_port(host)
+        meta = settings.mooncake_metadata_port or free_port(host)
+        metrics = settings.mooncake_metrics_port or free_port(host)
+        log_dir = Path(tempfile.mkdtemp(prefix=f"rlplane-{settings.store_name}-mooncake-"))
+        log_file = log_dir / "mooncake_master.log"
+        cmd = [
+            binary,
+            f"-rpc_address={host}",
+            f"-rpc_port={rpc}",
+            "-enable_http_metadata_server=true",
+            f"-http_metadata_server_host={host}",
+            f"-http_metadata_server_port={meta}",
+            f"-metrics_host={host}",
+            f"-metrics_port={metrics}",
+            # rlplane decides what is stored and for how long: nothing is evicted behind
+            # its back, and a cleared object's lease never blocks the removal for long.
+            "-eviction_high_watermark_ratio=1.0",
+            "-eviction_ratio=0.0",
+            "-allow_evict_soft_pinned_objects=false",
+            "-default_kv_lease_ttl=200",
+            "-client_ttl=30",
+        ]
+        with open(log_file, "wb") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            )
+        info = MasterInfo(
+            pid=proc.pid,
+            host=host,
+            master_address=f"{host}:{rpc}",
+            metadata_server=f"http://{host}:{meta}/metadata",
+            metrics_url=f"http://{host}:{metrics}/metrics",
+            log_file=str(log_file),
+        )
+        master = cls(proc, info)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = log_file.read_text(errors="replace")[-2000:]
+                raise TransportError(f"mooncake_master exited with {proc.returncode} at start (log {log_file}):\n{tail}")
+            if master.healthy(timeout=1.0):
+                log.info("mooncake_master pid %d: rpc %s, metadata %s", proc.pid, info.master_address, info.metadata_server)
+                return master
+            time.sleep(0.2)
+        master.stop()
+        raise TransportError(f"mooncake_master did not answer /health within {_START_TIMEOUT_S:.0f} s (log {log_file})")
+
+    def info(self) -> dict[str, Any]:
+        return asdict(self._info)
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        """Whether the process runs and its admin server says it is serving."""
+        if self._proc.poll() is not None:
+            return False
+        try:
+            r = httpx.get(self._info.metrics_url.rsplit("/", 1)[0] + "/health", timeout=timeout)
+            return r.status_code == 200 and r.json().get("status") == "ok"
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Terminate the process this object started (by pid); kill it if it lingers. Idempotent."""
+        if self._proc.poll() is not None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout)
+        log.info("mooncake_master pid %d stopped", self._proc.pid)
+
+
+def mount_segment(settings: ServiceSettings, master: dict[str, Any], hostname: str, segment_bytes: int) -> Any:
+    """A Mooncake store client that mounts ``segment_bytes`` into the pool of ``master``."""
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(
+        hostname,
+        master["metadata_server"],
+        segment_bytes,
+        settings.mooncake_buffer_bytes,
+        settings.mooncake_protocol,
+        settings.mooncake_device_name,
+        master["master_address"],
+    )
+    if rc != 0:
+        raise TransportError(f"a Mooncake storage unit could not mount its segment (code {rc}) at {master['master_address']}")
+    return store
+
+
+@functools.cache
+def ray_actors() -> tuple[Any, Any]:
+    """The Ray actor classes (defined lazily so importing this module needs no Ray)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class MooncakeMasterActor:
+        """Owns the store's ``mooncake_master`` process (see the module docstring)."""
+
+        def __init__(self, args: dict[str, Any]) -> None:
+            settings = ServiceSettings(**args)
+            host = settings.mooncake_hostname or ray.util.get_node_ip_address()
+            self._master = MooncakeMaster.start(settings, host)
+
+        def info(self) -> dict[str, Any]:
+            return self._master.info()
+
+        def healthy(self) -> bool:
+            return self._master.healthy()
+
+        def stop(self) -> None:
+            self._master.stop()
+
+    @ray.remote(num_cpus=0)
+    class MooncakeUnitActor:
+        """Mounts one segment of the Mooncake pool: the memory samples live in."""
+
+        def __init__(self, args: dict[str, Any], master: dict[str, Any]) -> None:
+            settings = ServiceSettings(**args)
+            self.hostname = settings.mooncake_hostname or ray.util.get_node_ip_address()
+            self._store = mount_segment(settings, master, self.hostname, settings.mooncake_segment_bytes)
+
+        def info(self) -> dict[str, Any]:
+            return {"hostname": self.hostname}
+
+        def stop(self) -> None:
+            self._store.close()
+
+    return MooncakeMasterActor, MooncakeUnitActor
+
+
+__all__ = ["MasterInfo", "MooncakeMaster", "free_port", "master_binary", "mount_segment"]

@@ -16,9 +16,12 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 import uuid
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 import msgpack
 import torch
@@ -27,7 +30,13 @@ from rlplane.codec import RESERVED_TAG_PREFIX, decode, encode, merge_tags
 from rlplane.errors import InvalidArgumentError, MissingDataError, ShapeError
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.meta import SampleMeta
+from rlplane.opstats import OpStats
 from rlplane.transports.base import Transport
+
+log = logging.getLogger(__name__)
+
+#: How often (at most) a tq client hands its op counts to the service's /metrics.
+REPORT_EVERY_S = 5.0
 
 
 class Client:
@@ -37,6 +46,8 @@ class Client:
         self.registry = registry
         self.transport = transport
         self._service = service  # the ServiceAPI when made by rlplane.connect; closed with the client
+        self.ops = OpStats(transport.name)
+        self._last_report = time.monotonic()
 
     # -- writing ---------------------------------------------------------------------
     def put_samples(
@@ -56,16 +67,18 @@ class Client:
 
             meta = client.put_samples("step-0", {"input_ids": ids, "input_lengths": lens})
         """
-        _check_partition(partition)
-        batch = self.registry.validate(fields)
-        ids = [str(s) for s in sample_ids] if sample_ids is not None else _new_ids(batch)
-        if len(ids) != batch:
-            raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
-        lengths = self._lengths(fields, batch)
-        user = _user_tags(tags, batch, ids)
-        enc = encode(self.registry, fields, lengths, sample_ids=ids)
-        merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
-        self.transport.put(partition, ids, enc.columns, merged, create=True)
+        with self._op("put_samples") as op:
+            _check_partition(partition)
+            batch = self.registry.validate(fields)
+            ids = [str(s) for s in sample_ids] if sample_ids is not None else _new_ids(batch)
+            if len(ids) != batch:
+                raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
+            lengths = self._lengths(fields, batch)
+            user = _user_tags(tags, batch, ids)
+            enc = encode(self.registry, fields, lengths, sample_ids=ids)
+            merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
+            self.transport.put(partition, ids, enc.columns, merged, create=True)
+            op.nbytes = enc.nbytes
         stored_lengths = lengths.tolist() if lengths is not None else [0] * batch
         return SampleMeta(partition, ids, stored_lengths, frozenset(enc.columns), merged)
 
@@ -76,14 +89,16 @@ class Client:
 
             meta = client.write_columns(shard, {"prev_logprobs": logprobs})
         """
-        lengths = torch.tensor(meta.lengths, dtype=torch.int64)
-        given = self._lengths(fields, len(meta))
-        if given is not None and not torch.equal(given, lengths):
-            raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
-        enc = encode(self.registry, fields, lengths, sample_ids=meta.sample_ids)
-        if not enc.columns:
-            return meta
-        self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
+        with self._op("write_columns") as op:
+            lengths = torch.tensor(meta.lengths, dtype=torch.int64)
+            given = self._lengths(fields, len(meta))
+            if given is not None and not torch.equal(given, lengths):
+                raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
+            enc = encode(self.registry, fields, lengths, sample_ids=meta.sample_ids)
+            if not enc.columns:
+                return meta
+            self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
+            op.nbytes = enc.nbytes
         return meta.with_fields(enc.columns, enc.tags)
 
     # -- reading ---------------------------------------------------------------------
@@ -117,29 +132,35 @@ class Client:
 
             batch = client.read_columns(shard, stage="train")
         """
-        if fields is None and stage is None:
-            raise InvalidArgumentError("read_columns needs fields=[...] or stage=...")
-        names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
-        for name in names:
-            self.registry.get(name)
-        columns, tags = self.transport.get(meta.partition, meta.sample_ids, names)
-        pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
-        return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids)
+        with self._op("read_columns") as op:
+            if fields is None and stage is None:
+                raise InvalidArgumentError("read_columns needs fields=[...] or stage=...")
+            names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
+            for name in names:
+                self.registry.get(name)
+            columns, tags = self.transport.get(meta.partition, meta.sample_ids, names)
+            op.nbytes = sum(col.nbytes for col in columns.values())
+            pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
+            return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids)
 
     # -- housekeeping ----------------------------------------------------------------
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         """Drop samples (the whole partition when ``sample_ids`` is None); returns how many."""
-        _check_partition(partition)
-        return self.transport.clear(partition, sample_ids)
+        with self._op("delete_partition" if sample_ids is None else "clear"):
+            _check_partition(partition)
+            return self.transport.clear(partition, sample_ids)
 
     def partitions(self) -> list[str]:
         """Partitions that hold samples."""
         return self.transport.partitions()
 
     def stats(self) -> dict[str, Any]:
-        """What the store holds: per partition, its sample count, fields present and bytes.
+        """What the store holds (per partition: sample count, fields present, bytes) and
+        what this client did (``ops``: per op count, errors, bytes, wall time p50/p90;
+        see :meth:`rlplane.opstats.OpStats.summary`).
 
-        Example: ``client.stats()["partitions"]["step-0"]["nbytes"]``.
+        Example: ``client.stats()["partitions"]["step-0"]["nbytes"]``,
+        ``client.stats()["ops"]["read_columns"]["p90_s"]``.
         """
         parts = {}
         for name in self.transport.partitions():
@@ -154,13 +175,38 @@ class Client:
             "partitions": parts,
             "samples": sum(p["num_samples"] for p in parts.values()),
             "nbytes": sum(p["nbytes"] for p in parts.values()),
+            "ops": self.ops.summary(),
         }
+
+    def report_ops(self) -> None:
+        """Hand the ops done since the last report to the service's ``/metrics`` (tq only:
+        the service counts http ops itself). Never raises; a failed report is retried
+        with the next one. Runs by itself every few seconds and on :meth:`close`."""
+        self._last_report = time.monotonic()
+        if self._service is None or self.transport.name != "tq":
+            return
+        events = self.ops.drain()
+        if not events:
+            return
+        try:
+            self._service.json("POST", "/v1/metrics/report", json={"events": [e.to_dict() for e in events]})
+        except Exception as err:  # noqa: BLE001 - metrics must never fail the caller's work
+            self.ops.requeue(events)
+            log.warning("could not report %d ops to the service: %s", len(events), err)
 
     def close(self) -> None:
         """Release the transport's connections (and the service connection, if any)."""
+        self.report_ops()
         self.transport.close()
         if self._service is not None:
             self._service.close()
+
+    @contextmanager
+    def _op(self, name: str) -> Iterator[Any]:
+        with self.ops.timed(name) as event:
+            yield event
+        if time.monotonic() - self._last_report >= REPORT_EVERY_S:
+            self.report_ops()
 
     # -- async twins: the same verbs, awaitable; the work runs in a worker thread ----
     async def aput_samples(self, partition: str, fields: Mapping[str, Any], **kwargs: Any) -> SampleMeta:

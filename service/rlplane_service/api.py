@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 import rlplane
@@ -32,6 +34,7 @@ from rlplane.codec import check_columns
 from rlplane.envelope import CONTENT_TYPE, pack, unpack
 from rlplane.fields import Registry
 from rlplane.transports.base import PartitionInfo, Transport
+from rlplane_service.metrics import Ledger, OpsReport, render, store_view
 from rlplane_service.settings import ServiceSettings
 
 _STATUS: list[tuple[type[E.RlplaneError], int]] = [
@@ -64,7 +67,9 @@ class ServiceState:
     registry: Registry
     transport: Transport
     transport_info: dict[str, Any] = field(default_factory=dict)
-    alive: Callable[[], bool] = lambda: True
+    health: Callable[[], dict[str, bool]] = dict  # component -> answers (Store.health)
+    ledger: Any = field(default_factory=Ledger)  # .record(events) / .snapshot(): op counters for /metrics
+    mooncake: Optional[dict[str, Any]] = None  # the store's mooncake_master (MasterInfo) when backend is mooncake
     started: float = field(default_factory=time.time)
 
 
@@ -121,16 +126,54 @@ def build_api(state: ServiceState) -> FastAPI:
 
     @api.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
-        """Ready only when the store answers: its actors respond and a listing round-trips."""
+        """Ready only when the store answers: every component (controller, storage units,
+        the Mooncake master's /health) responds and a listing round-trips."""
+        body: dict[str, Any] = {}
+        if state.mooncake is not None:
+            body["mooncake_master"] = {k: state.mooncake[k] for k in ("master_address", "metrics_url") if k in state.mooncake}
         try:
-            ok = await asyncio.wait_for(offload(state.alive), timeout=5.0)
-            if ok:
+            components = await asyncio.wait_for(offload(state.health), timeout=10.0)
+            body["components"] = components
+            down = sorted(name for name, ok in components.items() if not ok)
+            if not down:
                 await asyncio.wait_for(offload(transport.partitions), timeout=5.0)
         except (asyncio.TimeoutError, E.RlplaneError) as err:
-            return JSONResponse({"status": "not ready", "reason": str(err) or type(err).__name__}, status_code=503)
-        if not ok:
-            return JSONResponse({"status": "not ready", "reason": "store actors do not answer"}, status_code=503)
-        return JSONResponse({"status": "ready"})
+            return JSONResponse({"status": "not ready", "reason": str(err) or type(err).__name__, **body}, status_code=503)
+        if down:
+            return JSONResponse({"status": "not ready", "reason": f"not answering: {', '.join(down)}", **body}, status_code=503)
+        return JSONResponse({"status": "ready", **body})
+
+    @api.get("/metrics", tags=["health"])
+    async def metrics() -> Response:
+        """Prometheus metrics (text format): ops, bytes, latencies and errors of every
+        replica and tq client, and what the store holds now. Open like /healthz."""
+
+        def scrape() -> bytes:
+            view = store_view(
+                transport,
+                backend=str(state.transport_info.get("backend", transport.name)),
+                unit_names=list(state.transport_info.get("storage_units", {})),
+                health=state.health(),
+                capacity=state.settings.capacity,
+                mooncake_metrics_url=(state.mooncake or {}).get("metrics_url"),
+            )
+            return render(state.ledger.snapshot(), view)
+
+        return Response(await offload(scrape), media_type=CONTENT_TYPE_LATEST)
+
+    @contextmanager
+    def observed(op: str) -> Iterator[dict[str, Any]]:
+        """Count one HTTP data-path op in the ledger (set ``["nbytes"]`` on the yielded dict)."""
+        event: dict[str, Any] = {"op": op, "transport": "http", "nbytes": 0, "error": None}
+        start = time.perf_counter()
+        try:
+            yield event
+        except BaseException as err:
+            event["error"] = type(err).__name__
+            raise
+        finally:
+            event["seconds"] = time.perf_counter() - start
+            state.ledger.record([event])
 
     # -- registry --------------------------------------------------------------------
     @v1.get("/registry", tags=["registry"])
@@ -168,12 +211,14 @@ def build_api(state: ServiceState) -> FastAPI:
     @v1.delete("/partitions/{partition}", tags=["partitions"])
     async def delete_partition(partition: str) -> dict[str, Any]:
         """Drop every sample of the partition."""
-        return {"partition": partition, "cleared": await offload(transport.clear, partition, None)}
+        with observed("delete_partition"):
+            return {"partition": partition, "cleared": await offload(transport.clear, partition, None)}
 
     @v1.post("/partitions/{partition}/clear", tags=["partitions"])
     async def clear_samples(partition: str, body: ClearRequest) -> dict[str, Any]:
         """Drop the given samples of the partition."""
-        return {"partition": partition, "cleared": await offload(transport.clear, partition, body.sample_ids)}
+        with observed("clear"):
+            return {"partition": partition, "cleared": await offload(transport.clear, partition, body.sample_ids)}
 
     # -- data path -------------------------------------------------------------------
     @v1.get("/transport", tags=["data"])
@@ -192,34 +237,28 @@ def build_api(state: ServiceState) -> FastAPI:
 
         Checked against the registry first; a body that fails stores nothing.
         """
-        body = await _read_body(request, state.settings.max_request_bytes)
-
-        def check_and_store() -> int:
-            # Parsing and checking touch every byte: off the event loop, with the store call.
-            header, columns = unpack(body)
-            ids, tags = header.get("sample_ids"), header.get("tags")
-            if (
-                not isinstance(ids, list)
-                or not isinstance(tags, list)
-                or not all(isinstance(s, str) for s in ids)
-                or not all(isinstance(t, dict) for t in tags)
-            ):
-                raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
-            check_columns(registry, columns, tags, sample_ids=ids)
-            transport.put(partition, ids, columns, tags, create=create)
-            return len(ids)
-
-        stored = await offload(check_and_store)
+        with observed("put_samples" if create else "write_columns") as event:
+            body = await _read_body(request, state.settings.max_request_bytes)
+            stored, event["nbytes"] = await offload(_check_and_store, registry, transport, partition, body, create)
         return {"partition": partition, "stored": stored, "nbytes": len(body)}
 
     @v1.post("/data/{partition}/get", tags=["data"])
     async def get(partition: str, body: GetRequest) -> Response:
         """Every requested (sample, field) as an rlplane envelope, or 404 naming what is missing."""
-        for name in body.fields:
-            registry.get(name)
-        columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields)
-        payload = await offload(pack, {"tags": tags}, columns)
+        with observed("read_columns") as event:
+            for name in body.fields:
+                registry.get(name)
+            columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields)
+            payload = await offload(pack, {"tags": tags}, columns)
+            event["nbytes"] = sum(col.nbytes for col in columns.values())
         return Response(payload, media_type=CONTENT_TYPE)
+
+    @v1.post("/metrics/report", tags=["status"])
+    async def report_ops(body: OpsReport) -> dict[str, Any]:
+        """Ops a tq client did straight against the store, for ``/metrics`` (see ``Client.report_ops``)."""
+        events = [e.model_dump() for e in body.events]
+        state.ledger.record(events)
+        return {"received": len(events)}
 
     @v1.get("/status", tags=["status"])
     async def status() -> dict[str, Any]:
@@ -234,6 +273,7 @@ def build_api(state: ServiceState) -> FastAPI:
                 "backend": info.get("backend", transport.name),
                 "storage_units": len(info.get("storage_units", {})),
                 "capacity": state.settings.capacity,
+                **({"mooncake_master": state.mooncake} if state.mooncake is not None else {}),
             },
             "partitions": parts,
             "samples": sum(p["num_samples"] for p in parts),
@@ -243,6 +283,25 @@ def build_api(state: ServiceState) -> FastAPI:
 
     api.include_router(v1)
     return api
+
+
+def _check_and_store(
+    registry: Registry, transport: Transport, partition: str, body: bytearray, create: bool
+) -> tuple[int, int]:
+    """Parse, check and store one put body; returns (samples, column bytes). Parsing and
+    checking touch every byte, so this runs off the event loop, with the store call."""
+    header, columns = unpack(body)
+    ids, tags = header.get("sample_ids"), header.get("tags")
+    if (
+        not isinstance(ids, list)
+        or not isinstance(tags, list)
+        or not all(isinstance(s, str) for s in ids)
+        or not all(isinstance(t, dict) for t in tags)
+    ):
+        raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
+    check_columns(registry, columns, tags, sample_ids=ids)
+    transport.put(partition, ids, columns, tags, create=create)
+    return len(ids), sum(col.nbytes for col in columns.values())
 
 
 async def _read_body(request: Request, limit: int) -> bytearray:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import ray
 from ray import serve
 
 from rlplane.transports.tq import TQTransport
@@ -36,7 +37,9 @@ class RlplaneService:
         registry = load_registry(settings)
         store = Store.attach_or_create(settings)
         transport = TQTransport(store.transport_info(), client_id="rlplane-service")
-        self._state = ServiceState(settings, registry, transport, store.transport_info(), store.alive)
+        self._state = ServiceState(
+            settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger), store.master_info
+        )
         log.info("rlplane replica up: %d fields (registry %s)", len(registry.names()), registry.version)
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -46,6 +49,20 @@ class RlplaneService:
         state = getattr(self, "_state", None)
         if state is not None:
             state.transport.close()
+
+
+class LedgerProxy:
+    """The store's shared op ledger (a Ray actor), as :class:`ServiceState` uses it:
+    records go out without waiting; a snapshot waits for every earlier record of this replica."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    def record(self, events: list[dict[str, Any]]) -> None:
+        self._actor.record.remote(events)
+
+    def snapshot(self) -> dict[str, Any]:
+        return ray.get(self._actor.snapshot.remote(), timeout=10)
 
 
 def build_app(args: dict[str, Any] | None = None) -> Any:

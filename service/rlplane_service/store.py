@@ -51,6 +51,7 @@ class Store:
     master: Any = None
     master_info: dict[str, Any] | None = None
     settings: ServiceSettings | None = None
+    ledger: Any = None  # the op-counter actor /metrics reads (rlplane_service.metrics)
 
     @classmethod
     def attach_or_create(cls, settings: ServiceSettings) -> Store:
@@ -63,6 +64,9 @@ class Store:
         controller = TransferQueueController.options(name=f"{prefix}-tq-controller", **common).remote(
             sampler=SequentialSampler, polling_mode=True
         )
+        from rlplane_service.metrics import ledger_actor_class
+
+        ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
         master = master_info = None
         try:
             controller_info = ray.get(controller.get_zmq_server_info.remote(), timeout=_PING_TIMEOUT_S)
@@ -83,6 +87,7 @@ class Store:
             master,
             master_info,
             settings,
+            ledger,
         )
 
     def transport_info(self) -> dict[str, Any]:
@@ -127,7 +132,7 @@ class Store:
                 ray.get(stops, timeout=30)
             except (ray.exceptions.RayError, TimeoutError) as err:
                 log.warning("could not stop the Mooncake side cleanly: %s", err)
-        handles = [*self.units.values(), self.controller] + ([self.master] if self.master is not None else [])
+        handles = [*self.units.values(), self.controller] + [h for h in (self.master, self.ledger) if h is not None]
         for handle in handles:
             try:
                 ray.kill(handle, no_restart=True)

@@ -255,6 +255,19 @@ class TQTransport(Transport):
                 nbytes += int(n)
         return PartitionInfo(partition, list(keys), counts, nbytes)
 
+    def placement(self, partition: str) -> list[tuple[int, int]]:
+        """``(global index, stored bytes)`` of every sample in ``partition`` (empty when it
+        holds none). TransferQueue's SimpleStorage keeps a sample on storage unit
+        ``global_index % units``, in the order ``/v1/transport`` lists them."""
+        held = self._run(self._client.async_kv_list(partition)).get(partition) or {}
+        if not held:
+            return []
+        meta = self._run(self._meta(partition, list(held), create=False))
+        return [
+            (int(gi), sum(int(n) for n in ((tag or {}).get(NBYTES_TAG) or {}).values()))
+            for gi, tag in zip(meta.global_indexes, meta.custom_meta)
+        ]
+
     def close(self) -> None:
         client, self._client = getattr(self, "_client", None), None
         if client is not None:

@@ -1,0 +1,131 @@
+"""OpStats: what a client did — per operation counts, errors, bytes and wall time.
+
+Every :class:`~rlplane.Client` keeps one. ``summary()`` is for the trainer's own logger;
+``drain()`` hands the not-yet-reported events to the service (``POST /v1/metrics/report``)
+so that ``/metrics`` also counts the operations that went straight to the store over the
+``tq`` transport, which the service never sees.
+
+Example::
+
+    stats = OpStats()
+    with stats.timed("read_columns") as op:
+        op.nbytes = 1024
+    stats.summary()["read_columns"]["count"]    # 1
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+#: The operations a client reports (the ``op`` label of rlplane's metrics).
+OPS = ("put_samples", "write_columns", "read_columns", "clear", "delete_partition")
+
+_WINDOW = 1024  # recent durations kept per op for the percentiles
+_PENDING_LIMIT = 10_000  # events kept for the service when it cannot be reached
+
+
+@dataclass
+class OpEvent:
+    """One finished operation (JSON-able via :meth:`to_dict`)."""
+
+    op: str
+    transport: str
+    seconds: float
+    nbytes: int = 0
+    error: str | None = None
+
+    @property
+    def direction(self) -> str:
+        return "out" if self.op == "read_columns" else "in"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "transport": self.transport, "seconds": self.seconds, "nbytes": self.nbytes, "error": self.error}
+
+
+class OpStats:
+    """Thread-safe per-op counters of one client (see the module docstring)."""
+
+    def __init__(self, transport: str = "memory") -> None:
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._count: dict[str, int] = {}
+        self._errors: dict[str, int] = {}
+        self._bytes: dict[str, int] = {}
+        self._wall: dict[str, float] = {}
+        self._recent: dict[str, list[float]] = {}
+        self._pending: list[OpEvent] = []
+
+    @contextmanager
+    def timed(self, op: str) -> Iterator[OpEvent]:
+        """Time the block as one ``op``; set ``.nbytes`` on the yielded event. An exception
+        is recorded as an error of its class and re-raised."""
+        event = OpEvent(op, self.transport, 0.0)
+        start = time.perf_counter()
+        try:
+            yield event
+        except BaseException as err:
+            event.error = type(err).__name__
+            raise
+        finally:
+            event.seconds = time.perf_counter() - start
+            self.record(event)
+
+    def record(self, event: OpEvent) -> None:
+        with self._lock:
+            op = event.op
+            self._count[op] = self._count.get(op, 0) + 1
+            self._wall[op] = self._wall.get(op, 0.0) + event.seconds
+            if event.error:
+                self._errors[op] = self._errors.get(op, 0) + 1
+            else:
+                self._bytes[op] = self._bytes.get(op, 0) + event.nbytes
+            recent = self._recent.setdefault(op, [])
+            recent.append(event.seconds)
+            del recent[:-_WINDOW]
+            self._pending.append(event)
+            del self._pending[:-_PENDING_LIMIT]
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per op: ``count``, ``errors``, ``bytes`` (of the successful ones), ``wall_s``
+        (total) and ``p50_s`` / ``p90_s`` over the last 1024 calls."""
+        with self._lock:
+            out = {}
+            for op, n in self._count.items():
+                recent = sorted(self._recent[op])
+                out[op] = {
+                    "count": n,
+                    "errors": self._errors.get(op, 0),
+                    "bytes": self._bytes.get(op, 0),
+                    "wall_s": round(self._wall[op], 6),
+                    "p50_s": round(_quantile(recent, 0.5), 6),
+                    "p90_s": round(_quantile(recent, 0.9), 6),
+                }
+            return out
+
+    def drain(self) -> list[OpEvent]:
+        """The events not handed out before (oldest first), now marked as handed out."""
+        with self._lock:
+            out, self._pending = self._pending, []
+            return out
+
+    def requeue(self, events: list[OpEvent]) -> None:
+        """Put back events whose report failed (they go out with the next one)."""
+        with self._lock:
+            self._pending[:0] = events
+            del self._pending[:-_PENDING_LIMIT]
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    return statistics.quantiles(sorted_values, n=100, method="inclusive")[int(q * 100) - 1]
+
+
+__all__ = ["OPS", "OpEvent", "OpStats"]

@@ -1,0 +1,275 @@
+"""Prometheus metrics: ``GET /metrics``, the same whichever Serve replica answers.
+
+Two sources, both shared by every replica:
+
+* **Operations** (counts, bytes, latency histograms, errors) go to one :class:`Ledger`
+  per store, held by a detached named Ray actor (``{store}-metrics``). Replicas record
+  the HTTP data path themselves; ``tq`` clients move bytes straight to the store and
+  report their ops with ``POST /v1/metrics/report`` (see :meth:`rlplane.Client.report_ops`).
+* **Stored state** (partitions, samples and bytes per partition and per storage unit,
+  capacity, units up, the Mooncake master) is read from the store at scrape time.
+
+Names follow Prometheus conventions; the README lists them.
+
+Example::
+
+    ledger = Ledger()
+    ledger.record([{"op": "put_samples", "transport": "http", "seconds": 0.1, "nbytes": 10, "error": None}])
+    text = render(ledger.snapshot(), StoreView(...))
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from pydantic import BaseModel, Field
+
+import rlplane
+from rlplane.opstats import OPS
+
+#: Upper bounds (seconds) of the op latency histogram.
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TRANSPORTS = ("tq", "http")
+_ERROR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class OpReport(BaseModel):
+    """One finished operation, as a client reports it."""
+
+    op: str = Field(..., description=f"One of {', '.join(OPS)}.")
+    transport: str = Field("tq", description="tq or http.")
+    seconds: float = Field(..., ge=0, le=86_400)
+    nbytes: int = Field(0, ge=0)
+    error: str | None = Field(None, description="Error class name when the op failed.")
+
+
+class OpsReport(BaseModel):
+    events: list[OpReport] = Field(..., max_length=10_000)
+
+
+@dataclass
+class Ledger:
+    """Op counters of one store (see the module docstring). Not thread-safe: the actor
+    that holds it runs one call at a time."""
+
+    ops: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    nbytes: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    errors: dict[tuple[str, str], int] = field(default_factory=dict)
+    latency: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # bucket counts + [sum]
+
+    def record(self, events: Iterable[Mapping[str, Any]]) -> int:
+        """Count ``events`` (dicts like :class:`OpReport`); unknown ops/transports are
+        dropped. Returns how many were counted."""
+        counted = 0
+        for e in events:
+            op, transport, error = str(e.get("op")), str(e.get("transport")), e.get("error")
+            if op not in OPS or transport not in TRANSPORTS:
+                continue
+            seconds = max(0.0, float(e.get("seconds", 0.0)))
+            status = "error" if error else "ok"
+            self.ops[(op, transport, status)] = self.ops.get((op, transport, status), 0) + 1
+            if error:
+                kind = str(error) if _ERROR_NAME.match(str(error)) else "Other"
+                self.errors[(op, kind)] = self.errors.get((op, kind), 0) + 1
+            else:
+                direction = "out" if op == "read_columns" else "in"
+                key = (op, transport, direction)
+                self.nbytes[key] = self.nbytes.get(key, 0) + int(e.get("nbytes", 0))
+            hist = self.latency.setdefault((op, transport), [0.0] * (len(BUCKETS) + 2))
+            hist[bisect.bisect_left(BUCKETS, seconds)] += 1
+            hist[-1] += seconds
+            counted += 1
+        return counted
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"ops": dict(self.ops), "nbytes": dict(self.nbytes), "errors": dict(self.errors),
+                "latency": {k: list(v) for k, v in self.latency.items()}}
+
+
+@dataclass
+class StoreView:
+    """The stored state at scrape time (what :func:`store_view` reads)."""
+
+    backend: str
+    partitions: dict[str, tuple[int, int]]  # name -> (samples, bytes)
+    units: dict[str, tuple[int, int] | None]  # unit -> (samples, bytes), None where unknown
+    units_up: dict[str, bool]
+    capacity: int | None
+    mooncake_up: bool | None = None
+    mooncake: dict[str, float] = field(default_factory=dict)  # master_* gauges we re-export
+
+
+def store_view(
+    transport: Any,
+    *,
+    backend: str,
+    unit_names: list[str],
+    health: Mapping[str, bool],
+    capacity: int | None,
+    mooncake_metrics_url: str | None = None,
+) -> StoreView:
+    """Read the stored state from ``transport`` (blocking; run it off the event loop).
+
+    Per-unit samples and bytes are known for the simple backend (TransferQueue places a
+    sample by its global index); Mooncake places values itself, so there the pool's
+    allocated and total bytes come from its master instead.
+    """
+    from rlplane.errors import MissingDataError
+
+    partitions: dict[str, tuple[int, int]] = {}
+    units: dict[str, tuple[int, int] | None] = {u: None for u in unit_names}
+    by_unit = backend == "simple" and hasattr(transport, "placement") and unit_names
+    if by_unit:
+        units = {u: (0, 0) for u in unit_names}
+    for name in transport.partitions():
+        try:
+            if hasattr(transport, "placement"):
+                placed = transport.placement(name)
+                partitions[name] = (len(placed), sum(b for _, b in placed))
+                if by_unit:
+                    for gi, b in placed:
+                        unit = unit_names[gi % len(unit_names)]
+                        n, total = units[unit]  # type: ignore[misc]
+                        units[unit] = (n + 1, total + b)
+            else:
+                info = transport.describe(name)
+                partitions[name] = (info.num_samples, info.nbytes)
+        except MissingDataError:  # cleared meanwhile
+            continue
+    view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity)
+    if mooncake_metrics_url is not None:
+        view.mooncake_up = bool(health.get("mooncake_master"))
+        view.mooncake = _scrape_mooncake(mooncake_metrics_url) if view.mooncake_up else {}
+    return view
+
+
+def _scrape_mooncake(url: str) -> dict[str, float]:
+    import httpx
+
+    try:
+        return parse_mooncake_metrics(httpx.get(url, timeout=2.0).text)
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def render(ledger: Mapping[str, Any], view: StoreView) -> bytes:
+    """Prometheus text exposition of a ledger snapshot and a store view."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(ledger, view))
+    return generate_latest(registry)
+
+
+class _Collector:
+    def __init__(self, ledger: Mapping[str, Any], view: StoreView) -> None:
+        self.ledger, self.view = ledger, view
+
+    def collect(self) -> Iterable[Any]:
+        led, v = self.ledger, self.view
+        ops = CounterMetricFamily("rlplane_ops", "Operations by op, transport and status.", labels=["op", "transport", "status"])
+        for (op, transport, status), n in sorted(led["ops"].items()):
+            ops.add_metric([op, transport, status], n)
+        yield ops
+        moved = CounterMetricFamily(
+            "rlplane_transferred_bytes", "Column bytes moved by successful ops (in: written, out: read).",
+            labels=["op", "transport", "direction"],
+        )
+        for (op, transport, direction), n in sorted(led["nbytes"].items()):
+            moved.add_metric([op, transport, direction], n)
+        yield moved
+        errors = CounterMetricFamily("rlplane_errors", "Failed operations by op and error class.", labels=["op", "type"])
+        for (op, kind), n in sorted(led["errors"].items()):
+            errors.add_metric([op, kind], n)
+        yield errors
+        hist = HistogramMetricFamily(
+            "rlplane_op_duration_seconds",
+            "Wall time of an op (http: in the service; tq: in the client that did it).",
+            labels=["op", "transport"],
+        )
+        for (op, transport), counts in sorted(led["latency"].items()):
+            cumulative, buckets = 0.0, []
+            for bound, n in zip((*BUCKETS, float("inf")), counts[:-1]):
+                cumulative += n
+                buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+            hist.add_metric([op, transport], buckets, sum_value=counts[-1])
+        yield hist
+
+        yield _gauge("rlplane_partitions", "Partitions holding samples.", len(v.partitions))
+        samples = GaugeMetricFamily("rlplane_partition_samples", "Samples per partition.", labels=["partition"])
+        nbytes = GaugeMetricFamily("rlplane_partition_bytes", "Stored bytes per partition.", labels=["partition"])
+        for name, (n, b) in sorted(v.partitions.items()):
+            samples.add_metric([name], n)
+            nbytes.add_metric([name], b)
+        yield samples
+        yield nbytes
+        yield _gauge("rlplane_stored_samples", "Samples held by the store.", sum(n for n, _ in v.partitions.values()))
+        yield _gauge("rlplane_stored_bytes", "Bytes held by the store.", sum(b for _, b in v.partitions.values()))
+        if v.capacity is not None:
+            yield _gauge("rlplane_capacity_samples", "Most samples the store holds (RLPLANE_CAPACITY).", v.capacity)
+        unit_samples = GaugeMetricFamily("rlplane_storage_unit_samples", "Samples per storage unit.", labels=["unit"])
+        unit_bytes = GaugeMetricFamily("rlplane_storage_unit_bytes", "Stored bytes per storage unit.", labels=["unit"])
+        for unit, held in sorted(v.units.items()):
+            if held is not None:
+                unit_samples.add_metric([unit], held[0])
+                unit_bytes.add_metric([unit], held[1])
+        yield unit_samples
+        yield unit_bytes
+        up = GaugeMetricFamily("rlplane_storage_unit_up", "1 when the storage unit answers.", labels=["unit"])
+        for unit, ok in sorted(v.units_up.items()):
+            up.add_metric([unit], 1.0 if ok else 0.0)
+        yield up
+        if v.mooncake_up is not None:
+            yield _gauge("rlplane_mooncake_master_up", "1 when the store's mooncake_master is healthy.", float(v.mooncake_up))
+            for name, value in sorted(v.mooncake.items()):
+                yield _gauge(f"rlplane_mooncake_{name}", f"mooncake_master's {name}.", value)
+        info = GaugeMetricFamily("rlplane_build_info", "rlplane version and storage backend.", labels=["version", "backend"])
+        info.add_metric([rlplane.__version__, v.backend], 1.0)
+        yield info
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+#: mooncake_master gauges re-exported as rlplane_mooncake_<name> (pool size and use).
+MOONCAKE_GAUGES = {"master_allocated_bytes": "allocated_bytes", "master_total_capacity_bytes": "capacity_bytes",
+                   "master_key_count": "keys", "master_active_clients": "clients"}
+
+
+def parse_mooncake_metrics(text: str) -> dict[str, float]:
+    """The gauges of :data:`MOONCAKE_GAUGES` from a mooncake_master ``/metrics`` page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in MOONCAKE_GAUGES and not sample.labels:
+                out[MOONCAKE_GAUGES[sample.name]] = float(sample.value)
+    return out
+
+
+@functools.cache
+def ledger_actor_class() -> Any:
+    """The Ray actor class that holds a store's :class:`Ledger` (lazy: no Ray at import)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class LedgerActor:
+        def __init__(self) -> None:
+            self._ledger = Ledger()
+
+        def record(self, events: list[dict[str, Any]]) -> int:
+            return self._ledger.record(events)
+
+        def snapshot(self) -> dict[str, Any]:
+            return self._ledger.snapshot()
+
+    return LedgerActor
+
+
+__all__ = ["BUCKETS", "Ledger", "OpReport", "OpsReport", "StoreView", "ledger_actor_class", "parse_mooncake_metrics", "render", "store_view"]

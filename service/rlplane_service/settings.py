@@ -45,6 +45,11 @@ class ServiceSettings(BaseSettings):
     namespace: str = Field("rlplane", description="Ray namespace of the store's named actors.")
     store_name: str = Field("rlplane", description="Prefix of the store's actor names (one store per name).")
     tq_num_threads: int = Field(2, ge=1, le=64, description="TQ_NUM_THREADS for the storage units.")
+    storage_resource: Optional[str] = Field(
+        None,
+        description="Custom Ray resource each storage unit requests one of, so units run only on nodes that "
+        "offer it (the Helm chart gives its worker group 'rlplane_storage'). None: any node.",
+    )
 
     @field_validator("api_token")
     @classmethod

@@ -64,8 +64,10 @@ class Store:
             "num_data_storage_units": settings.storage_units,
             "_run_id": uuid.uuid4().hex,
         }
+        # Pinning: with a storage resource each unit takes one, so a node offering N of it hosts at most N units.
+        unit_opts = dict(common, resources={settings.storage_resource: 1}) if settings.storage_resource else common
         units = {
-            f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}", **common).remote(
+            f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}", **unit_opts).remote(
                 config=unit_config
             )
             for i in range(settings.storage_units)

@@ -20,7 +20,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[service,mooncake,dev]"
+	$(MAKE) --no-print-directory $(VENV)/bin/promtool
 	touch $(STAMP)
+
+# promtool (tests/deploy checks the alert rules with it): the static binary from Debian's
+# prometheus package, unpacked into .venv/bin without installing the server.
+$(VENV)/bin/promtool:
+	@tmp=$$(mktemp -d); cd $$tmp && SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  (apt-get download prometheus >/dev/null 2>&1 || ($$SUDO apt-get update -qq && apt-get download prometheus)) && \
+	  dpkg -x prometheus_*.deb x && install -m 755 x/usr/bin/promtool $(CURDIR)/$(VENV)/bin/promtool; \
+	  rc=$$?; rm -rf $$tmp; exit $$rc
 
 demo: $(STAMP)
 	$(VENV)/bin/rlplane demo

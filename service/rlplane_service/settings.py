@@ -75,6 +75,11 @@ class ServiceSettings(BaseSettings):
     mooncake_master_bin: Optional[Path] = Field(
         None, description="mooncake_master executable (default: the one beside this Python, else on PATH)."
     )
+    storage_resource: Optional[str] = Field(
+        None,
+        description="Custom Ray resource each storage unit requests one of, so units run only on nodes that "
+        "offer it (the Helm chart gives its worker group 'rlplane_storage'). None: any node.",
+    )
 
     @field_validator("api_token")
     @classmethod

@@ -59,13 +59,13 @@ class Store:
         from transfer_queue.controller import TransferQueueController
         from transfer_queue.sampler import SequentialSampler
 
+        from rlplane_service.metrics import ledger_actor_class
+
         common = _actor_options(settings)
         prefix = settings.store_name
         controller = TransferQueueController.options(name=f"{prefix}-tq-controller", **common).remote(
             sampler=SequentialSampler, polling_mode=True
         )
-        from rlplane_service.metrics import ledger_actor_class
-
         ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
         master = master_info = None
         try:
@@ -150,6 +150,11 @@ def _actor_options(settings: ServiceSettings) -> dict[str, Any]:
     }
 
 
+def _unit_options(settings: ServiceSettings, common: dict[str, Any]) -> dict[str, Any]:
+    """Pinning: with a storage resource each unit takes one, so a node offering N of it hosts at most N units."""
+    return dict(common, resources={settings.storage_resource: 1}) if settings.storage_resource else common
+
+
 def _simple_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
@@ -160,7 +165,7 @@ def _simple_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[di
     }
     prefix = settings.store_name
     units = {
-        f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}", **common).remote(config=config)
+        f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}", **_unit_options(settings, common)).remote(config=config)
         for i in range(settings.storage_units)
     }
     infos = {name: ray.get(h.get_zmq_server_info.remote(), timeout=_PING_TIMEOUT_S) for name, h in units.items()}
@@ -176,7 +181,9 @@ def _mooncake_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[
     master = MasterActor.options(name=f"{prefix}-mooncake-master", **common).remote(args)
     master_info = ray.get(master.info.remote(), timeout=_PING_TIMEOUT_S)
     units = {
-        f"{prefix}-mooncake-unit-{i}": UnitActor.options(name=f"{prefix}-mooncake-unit-{i}", **common).remote(args, master_info)
+        f"{prefix}-mooncake-unit-{i}": UnitActor.options(
+            name=f"{prefix}-mooncake-unit-{i}", **_unit_options(settings, common)
+        ).remote(args, master_info)
         for i in range(settings.storage_units)
     }
     infos = {name: ray.get(h.info.remote(), timeout=_PING_TIMEOUT_S) for name, h in units.items()}

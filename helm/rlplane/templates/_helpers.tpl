@@ -1,0 +1,87 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "rlplane.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels that select this release's Ray pods (head and workers). */}}
+{{- define "rlplane.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "rlplane.labels" -}}
+{{ include "rlplane.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The Secret holding the API token (key "token"). */}}
+{{- define "rlplane.secretName" -}}
+{{- default (printf "%s-token" (include "rlplane.fullname" .)) .Values.existingSecret -}}
+{{- end -}}
+
+{{- define "rlplane.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* RLPLANE_* env of every Ray container: the replica and the store read them wherever Ray places them. */}}
+{{- define "rlplane.env" -}}
+- name: RLPLANE_API_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "rlplane.secretName" . }}
+      key: token
+- name: RLPLANE_BACKEND
+  value: {{ .Values.service.backend | quote }}
+{{- if eq .Values.service.backend "mooncake" }}
+- name: RLPLANE_MOONCAKE_PROTOCOL
+  value: {{ .Values.mooncake.protocol | quote }}
+- name: RLPLANE_MOONCAKE_DEVICE_NAME
+  value: {{ .Values.mooncake.deviceName | quote }}
+- name: RLPLANE_MOONCAKE_HOSTNAME   # the address other pods reach this one at
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: RLPLANE_MOONCAKE_MASTER_PORT
+  value: {{ .Values.mooncake.masterPort | quote }}
+- name: RLPLANE_MOONCAKE_METADATA_PORT
+  value: {{ .Values.mooncake.metadataPort | quote }}
+- name: RLPLANE_MOONCAKE_METRICS_PORT
+  value: {{ .Values.mooncake.metricsPort | quote }}
+- name: RLPLANE_MOONCAKE_SEGMENT_BYTES
+  value: {{ .Values.mooncake.segmentBytes | int64 | quote }}
+- name: RLPLANE_MOONCAKE_BUFFER_BYTES
+  value: {{ .Values.mooncake.bufferBytes | int64 | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings shared by head and workers. */}}
+{{- define "rlplane.podSpecCommon" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- if .Values.hostNetwork }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+{{- with .Values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+volumes:
+  - name: dshm
+    emptyDir:
+      medium: Memory
+      sizeLimit: {{ .Values.shm.sizeLimit }}
+{{- end -}}

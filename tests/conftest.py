@@ -3,6 +3,7 @@ started only when a test asks for it and shut down at the session's end."""
 
 import os
 import socket
+from dataclasses import dataclass
 
 # Tests only: a throwaway local cluster needs no Ray token auth (the product keeps Ray's
 # secure default). Loopback everywhere: must be set before Ray is first imported.
@@ -20,6 +21,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Live:
+    """One live rlplane app: where it answers and what it runs on."""
+
+    url: str
+    token: str
+    backend: str
+    app: str  # the Serve application name
+
+
 @pytest.fixture(scope="session")
 def service():
     """The embedded service on a free loopback port, with an API token."""
@@ -32,3 +43,54 @@ def service():
         yield svc
     finally:
         svc.stop()
+
+
+MOONCAKE_ARGS = {"store_name": "mc", "backend": "mooncake", "storage_units": 2, "mooncake_segment_bytes": 1 << 30,
+                 "api_token": TOKEN}
+
+
+@pytest.fixture(scope="session")
+def mooncake_service(service):
+    """A second app in the session's cluster on the Mooncake backend (its own
+    mooncake_master, TCP on loopback), at /mc. Teardown stops the store and checks that
+    the master process it started is gone."""
+    import httpx
+    from ray import serve
+
+    from rlplane_service.app import build_app
+    from rlplane_service.settings import ServiceSettings
+    from rlplane_service.store import Store
+
+    serve.run(build_app(MOONCAKE_ARGS), name="rlplane-mc", route_prefix="/mc")
+    live = Live(f"{service.url}/mc", TOKEN, "mooncake", "rlplane-mc")
+    status = httpx.get(f"{live.url}/v1/status", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()
+    pid = status["store"]["mooncake_master"]["pid"]
+    try:
+        yield live
+    finally:
+        serve.delete("rlplane-mc")
+        Store.attach_or_create(ServiceSettings(**MOONCAKE_ARGS)).destroy()
+        assert not _pid_alive(pid), f"mooncake_master pid {pid} outlived its store"
+
+
+@pytest.fixture(scope="session")
+def pid_alive():
+    """``pid_alive(pid)``: whether a process is running (for tests that watch a pid)."""
+    return _pid_alive
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session", params=["simple", "mooncake"])
+def live(request, service):
+    """The live service on each storage backend."""
+    if request.param == "simple":
+        return Live(service.url, TOKEN, "simple", "rlplane")
+    return request.getfixturevalue("mooncake_service")

@@ -209,8 +209,7 @@ class _Collector:
         yield nbytes
         yield _gauge("rlplane_stored_samples", "Samples held by the store.", sum(n for n, _ in v.partitions.values()))
         yield _gauge("rlplane_stored_bytes", "Bytes held by the store.", sum(b for _, b in v.partitions.values()))
-        if v.capacity is not None:
-            yield _gauge("rlplane_capacity_samples", "Most samples the store holds (RLPLANE_CAPACITY).", v.capacity)
+        yield _gauge("rlplane_capacity_samples", "Most samples the store holds (RLPLANE_CAPACITY; 0: no limit).", v.capacity or 0)
         unit_samples = GaugeMetricFamily("rlplane_storage_unit_samples", "Samples per storage unit.", labels=["unit"])
         unit_bytes = GaugeMetricFamily("rlplane_storage_unit_bytes", "Stored bytes per storage unit.", labels=["unit"])
         for unit, held in sorted(v.units.items()):

@@ -176,6 +176,7 @@ def mount_segment(settings: ServiceSettings, master: dict[str, Any], hostname: s
     """A Mooncake store client that mounts ``segment_bytes`` into the pool of ``master``."""
     from mooncake.store import MooncakeDistributedStore
 
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", hostname)  # else the first interface Mooncake finds
     store = MooncakeDistributedStore()
     rc = store.setup(
         hostname,

@@ -31,6 +31,10 @@ METRICS = frozenset({
     "rlplane_stored_bytes",
     "rlplane_capacity_samples",
     "rlplane_mooncake_master_up",
+    "rlplane_mooncake_allocated_bytes",
+    "rlplane_mooncake_capacity_bytes",
+    "rlplane_mooncake_keys",
+    "rlplane_mooncake_clients",
     "rlplane_build_info",
 })
 HISTOGRAMS = frozenset({"rlplane_op_duration_seconds"})

@@ -34,8 +34,8 @@ def vlm():
 
 
 @pytest.mark.parametrize("transport", ["tq", "http"])
-def test_full_vlm_batch_round_trips_bit_exactly(service, vlm, transport):
-    with rlplane.connect(service.url, token=service.settings.token(), transport=transport) as client:
+def test_full_vlm_batch_round_trips_bit_exactly(live, vlm, transport):
+    with rlplane.connect(live.url, token=live.token, transport=transport) as client:
         assert client.transport.name == transport
         p = part()
         meta = client.put_samples(p, vlm.fields)
@@ -46,8 +46,8 @@ def test_full_vlm_batch_round_trips_bit_exactly(service, vlm, transport):
         assert client.clear(p) == 64
 
 
-def test_auto_picks_the_direct_path_when_the_store_is_reachable(service):
-    with rlplane.connect(service.url, token=service.settings.token()) as client:
+def test_auto_picks_the_direct_path_when_the_store_is_reachable(live):
+    with rlplane.connect(live.url, token=live.token) as client:
         assert client.transport.name == "tq"
 
 
@@ -70,15 +70,15 @@ PLAIN = textwrap.dedent(
 
 
 @pytest.mark.parametrize("transport", ["tq", "http"])
-def test_a_plain_process_with_only_url_and_token_can_put_and_read(service, transport, tmp_path):
+def test_a_plain_process_with_only_url_and_token_can_put_and_read(live, transport, tmp_path):
     p = part()
-    res = subprocess.run([sys.executable, "-c", PLAIN, service.url, service.settings.token(), transport, p],
+    res = subprocess.run([sys.executable, "-c", PLAIN, live.url, live.token, transport, p],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {**out, "ok": True, "transport": transport, "ray_initialized": False}
     # ...and what it wrote is there for this process to read
-    with rlplane.connect(service.url, token=service.settings.token()) as client:
+    with rlplane.connect(live.url, token=live.token) as client:
         meta = rlplane.SampleMeta.from_dict(out["meta"])
         assert client.read_columns(meta, ["input_lengths"])["input_lengths"].tolist() == [4, 2, 3]
 
@@ -94,8 +94,8 @@ def test_a_plain_process_with_only_url_and_token_can_put_and_read(service, trans
     ],
     ids=["unregistered", "dtype", "length"],
 )
-def test_bad_input_is_a_typed_error_and_stores_nothing(service, transport, fields, error, field):
-    with rlplane.connect(service.url, token=service.settings.token(), transport=transport) as client:
+def test_bad_input_is_a_typed_error_and_stores_nothing(live, transport, fields, error, field):
+    with rlplane.connect(live.url, token=live.token, transport=transport) as client:
         p = part()
         with pytest.raises(error) as err:
             client.put_samples(p, fields)
@@ -103,20 +103,20 @@ def test_bad_input_is_a_typed_error_and_stores_nothing(service, transport, field
         assert p not in client.partitions()
 
 
-def test_a_raw_http_put_that_fails_validation_is_a_4xx_naming_the_field(service):
+def test_a_raw_http_put_that_fails_validation_is_a_4xx_naming_the_field(live):
     enc = encode(rlplane.default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
     body = pack({"sample_ids": ["a"], "tags": enc.tags}, {"input_idz": enc.columns["input_ids"]})
     p = part()
-    r = httpx.post(f"{service.url}/v1/data/{p}/put", content=body,
-                   headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {service.settings.token()}"}, timeout=30)
+    r = httpx.post(f"{live.url}/v1/data/{p}/put", content=body,
+                   headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {live.token}"}, timeout=30)
     assert r.status_code == 422 and r.json()["field"] == "input_idz"
-    r = httpx.get(f"{service.url}/v1/partitions/{p}", headers={"Authorization": f"Bearer {service.settings.token()}"})
+    r = httpx.get(f"{live.url}/v1/partitions/{p}", headers={"Authorization": f"Bearer {live.token}"})
     assert r.status_code == 404
 
 
 @pytest.mark.parametrize("transport", ["tq", "http"])
-def test_reading_cleared_or_unknown_samples_raises_missing_data(service, transport):
-    with rlplane.connect(service.url, token=service.settings.token(), transport=transport) as client:
+def test_reading_cleared_or_unknown_samples_raises_missing_data(live, transport):
+    with rlplane.connect(live.url, token=live.token, transport=transport) as client:
         p = part()
         fields = {"input_ids": torch.ones(3, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 3, 2])}
         meta = client.put_samples(p, fields, sample_ids=["a", "b", "c"])
@@ -133,62 +133,64 @@ def test_reading_cleared_or_unknown_samples_raises_missing_data(service, transpo
             client.read_columns(meta.subset([0]), ["input_ids"])
 
 
-def test_v1_without_the_token_is_401_health_is_open(service):
-    assert httpx.get(f"{service.url}/healthz").status_code == 200
-    assert httpx.get(f"{service.url}/readyz").json() == {"status": "ready"}
-    r = httpx.get(f"{service.url}/v1/registry")
+def test_v1_without_the_token_is_401_health_is_open(live):
+    assert httpx.get(f"{live.url}/healthz").status_code == 200
+    ready = httpx.get(f"{live.url}/readyz").json()
+    assert ready["status"] == "ready" and all(ready["components"].values())
+    assert ("mooncake_master" in ready["components"]) == (live.backend == "mooncake")
+    r = httpx.get(f"{live.url}/v1/registry")
     assert r.status_code == 401 and r.json()["error"] == "AuthenticationError"
     with pytest.raises(E.AuthenticationError):
-        rlplane.connect(service.url, token="wrong")
-    assert httpx.get(f"{service.url}/docs").status_code == 200
+        rlplane.connect(live.url, token="wrong")
+    assert httpx.get(f"{live.url}/docs").status_code == 200
 
 
-def test_control_plane_status_and_stage_fields(service):
-    headers = {"Authorization": f"Bearer {service.settings.token()}"}
-    with rlplane.connect(service.url, token=service.settings.token()) as client:
+def test_control_plane_status_and_stage_fields(live):
+    headers = {"Authorization": f"Bearer {live.token}"}
+    with rlplane.connect(live.url, token=live.token) as client:
         p = part()
         client.put_samples(p, vlm_step(4, 64).fields)
-        st = httpx.get(f"{service.url}/v1/status", headers=headers).json()
+        st = httpx.get(f"{live.url}/v1/status", headers=headers).json()
         mine = [x for x in st["partitions"] if x["partition"] == p]
         assert st["store"]["storage_units"] == 2 and mine[0]["num_samples"] == 4 and mine[0]["nbytes"] > 0
-        stage = httpx.get(f"{service.url}/v1/registry/stages/train", params={"partition": p}, headers=headers).json()
+        stage = httpx.get(f"{live.url}/v1/registry/stages/train", params={"partition": p}, headers=headers).json()
         assert stage["fields"] == client.fields_for_stage("train", p)
         assert "pixel_values" in stage["fields"]
-        tr = httpx.get(f"{service.url}/v1/transport", headers=headers).json()
+        tr = httpx.get(f"{live.url}/v1/transport", headers=headers).json()
         assert tr["tq"]["controller"]["ip"] == "127.0.0.1" and len(tr["tq"]["storage_units"]) == 2
         client.clear(p)
 
 
-def _replica_handles():
+def _replica_handles(app):
     import ray
 
     return [
         ray.get_actor(a["name"], namespace=a["namespace"])
         for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("SERVE_REPLICA::rlplane#")
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#")
     ]
 
 
-def test_a_replica_restart_keeps_every_sample(service, vlm):
+def test_a_replica_restart_keeps_every_sample(live, vlm):
     import ray
 
-    with rlplane.connect(service.url, token=service.settings.token(), transport="tq") as client:
+    with rlplane.connect(live.url, token=live.token, transport="tq") as client:
         p = part()
         meta = client.put_samples(p, vlm.fields)
-    (replica,) = _replica_handles()
+    (replica,) = _replica_handles(live.app)
     ray.kill(replica, no_restart=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # Serve notices, starts a new replica, which re-attaches
         try:
-            handles = _replica_handles()
-            if handles and handles[0] != replica and httpx.get(f"{service.url}/readyz", timeout=5).status_code == 200:
+            handles = _replica_handles(live.app)
+            if handles and handles[0] != replica and httpx.get(f"{live.url}/readyz", timeout=5).status_code == 200:
                 break
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(1)
     else:
         pytest.fail("no new replica became ready within 120 s")
-    with rlplane.connect(service.url, token=service.settings.token(), transport="http") as client:
+    with rlplane.connect(live.url, token=live.token, transport="http") as client:
         got = client.read_columns(meta, list(vlm.fields))
         assert diff_fields(client.registry, vlm.fields, got, vlm.lengths, sample_ids=meta.sample_ids) == []
         client.clear(p)

@@ -162,6 +162,10 @@ def store_client(info: Mapping[str, Any], client_id: str) -> Any:
             f"{info['mooncake']['metadata_server']} from this host; check the service is up and "
             "that this pod may reach the data ports (NetworkPolicy), or connect with transport='http'"
         )
+    if backend == "mooncake":
+        # Mooncake's transfer engine otherwise binds its RPC socket to whichever interface
+        # it finds first; bind it where this client says it can be reached.
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", config["local_hostname"])
     client = TransferQueueClient(client_id, controller)
     try:
         client.initialize_storage_manager(manager, config)

@@ -1,0 +1,156 @@
+"""The Mooncake backend for real: the service's own mooncake_master over TCP on loopback.
+
+The suites in this folder already run every round trip on both backends (the ``live``
+fixture); this file pins what only Mooncake can get wrong: shapes of per-sample scalars,
+empty rows, a full pool, an unreachable master, and the master's lifetime.
+"""
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+
+import rlplane
+from rlplane import errors as E
+from rlplane.transports.tq import TQTransport
+from rlplane.verify import diff_fields
+
+
+def part() -> str:
+    return f"mc-{uuid.uuid4().hex[:8]}"
+
+
+def transport_info(live) -> dict:
+    return httpx.get(f"{live.url}/v1/transport", headers={"Authorization": f"Bearer {live.token}"}, timeout=30).json()["tq"]
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_per_sample_scalars_read_back_with_their_own_shape(mooncake_service, n):
+    """TransferQueue's schema says (1,) for a (B,) field while KV backends store 0-dim rows,
+    so a bare 1-D column would come back (B, 1). rlplane sends every row as 1-D data with
+    its true shape in the tags: (B,) stays (B,), for any B, with no per-field rule."""
+    fields = {
+        "input_ids": torch.arange(n * 4, dtype=torch.int64).reshape(n, 4),
+        "input_lengths": torch.arange(1, n + 1, dtype=torch.int64).clamp(max=4),
+        "sample_mask": torch.tensor([float(i % 2 == 0) for i in range(n)]),
+    }
+    with rlplane.connect(mooncake_service.url, token=mooncake_service.token, transport="tq") as client:
+        assert client.transport.info["backend"] == "mooncake"
+        p = part()
+        meta = client.put_samples(p, fields)
+        got = client.read_columns(meta, ["input_lengths", "sample_mask"])
+        client.clear(p)
+    for name in ("input_lengths", "sample_mask"):
+        assert got[name].shape == (n,) and got[name].dtype == fields[name].dtype
+        assert torch.equal(got[name], fields[name])
+
+
+def test_empty_rows_round_trip(mooncake_service):
+    """Mooncake cannot hold a zero-byte value; a text-only sample in a VLM batch has no
+    pixels. The row must come back empty, not as the padding element it travelled as."""
+    fields = {
+        "input_ids": torch.ones(3, 4, dtype=torch.int64),
+        "input_lengths": torch.tensor([4, 4, 4]),
+        "pixel_values": rlplane.PackedTensor([None, torch.full((2, 1176), 3.0), None]),
+        "image_grid_thw": rlplane.PackedTensor([None, torch.tensor([[1, 2, 1]]), None]),
+    }
+    with rlplane.connect(mooncake_service.url, token=mooncake_service.token, transport="tq") as client:
+        p = part()
+        meta = client.put_samples(p, fields)
+        got = client.read_columns(meta, list(fields))
+        assert diff_fields(client.registry, fields, got, fields["input_lengths"], sample_ids=meta.sample_ids) == []
+        empty = client.transport.get(p, meta.sample_ids, ["pixel_values"])[0]["pixel_values"]
+        assert empty.row_numels().tolist() == [0, 2 * 1176, 0]
+        client.clear(p)
+
+
+def test_dp_ranks_in_separate_processes_each_get_their_own_engine(mooncake_service):
+    """The demo: rollout and 3 DP ranks are separate plain processes, each a Mooncake client."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "rlplane_service", "demo", "--url", mooncake_service.url, "--token", mooncake_service.token,
+         "--batch", "9", "--seqlen", "128", "--dp", "3", "--transport", "tq", "--no-embedded"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "OK: every rank read exactly what was written" in res.stdout
+
+
+def test_an_unreachable_master_is_a_typed_error_within_seconds(mooncake_service):
+    info = transport_info(mooncake_service)
+    host = info["mooncake"]["master_address"].rsplit(":", 1)[0]
+    from rlplane_service.mooncake import free_port
+
+    info["mooncake"]["master_address"] = f"{host}:{free_port(host)}"  # nobody listens there
+    start = time.monotonic()
+    with pytest.raises(E.TransportError) as err:
+        TQTransport(info)
+    assert time.monotonic() - start < 10
+    assert "Mooncake master" in str(err.value) and "transport='http'" in str(err.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_mooncake(service, pid_alive):
+    """A third app with a 32 MiB pool and one storage unit, to fill up and to break."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+    from rlplane_service.settings import ServiceSettings
+    from rlplane_service.store import Store
+
+    args = {"store_name": "mc-tiny", "backend": "mooncake", "storage_units": 1, "mooncake_segment_bytes": 32 << 20}
+    serve.run(build_app(args), name="rlplane-mc-tiny", route_prefix="/mc-tiny")
+    url = f"{service.url}/mc-tiny"
+    try:
+        yield url
+    finally:
+        status = httpx.get(f"{url}/v1/status", timeout=30).json()
+        serve.delete("rlplane-mc-tiny")
+        Store.attach_or_create(ServiceSettings(**args)).destroy()
+        pid = status["store"].get("mooncake_master", {}).get("pid")
+        assert pid is None or not pid_alive(pid)
+
+
+def test_a_full_pool_is_storage_full_and_keeps_what_was_stored(tiny_mooncake):
+    with rlplane.connect(tiny_mooncake, transport="tq") as client:
+        kept = part()
+        small = {"input_ids": torch.arange(64, dtype=torch.int64).reshape(2, 32), "input_lengths": torch.tensor([32, 32])}
+        meta = client.put_samples(kept, small)
+        too_big = part()
+        big = {"input_ids": torch.ones(8, 1 << 20, dtype=torch.int64), "input_lengths": torch.full((8,), 1 << 20)}
+        start = time.monotonic()
+        with pytest.raises(E.StorageFullError) as err:
+            client.put_samples(too_big, big)
+        assert time.monotonic() - start < 15
+        assert "RLPLANE_MOONCAKE_SEGMENT_BYTES" in str(err.value)
+        assert too_big not in client.partitions()
+        assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], small["input_ids"])
+        client.clear(kept)
+    with rlplane.connect(tiny_mooncake, transport="http") as client:  # the same, as HTTP 507
+        with pytest.raises(E.StorageFullError):
+            client.put_samples(part(), big)
+
+
+def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_process(tiny_mooncake, pid_alive):
+    import ray
+
+    ready = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
+    assert ready.status_code == 200 and ready.json()["components"]["mooncake_master"] is True
+    metrics_url = ready.json()["mooncake_master"]["metrics_url"]
+    assert "master_key_count" in httpx.get(metrics_url, timeout=10).text  # scrapeable as documented
+    pid = httpx.get(f"{tiny_mooncake}/v1/status", timeout=30).json()["store"]["mooncake_master"]["pid"]
+    assert pid_alive(pid)
+
+    ray.kill(ray.get_actor("mc-tiny-mooncake-master", namespace="rlplane"), no_restart=True)  # no chance to clean up
+    deadline = time.monotonic() + 20
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not pid_alive(pid), "the master outlived the actor that started it"
+    r = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
+    assert r.status_code == 503 and r.json()["components"]["mooncake_master"] is False
+    assert "mooncake_master" in json.dumps(r.json()["reason"])

@@ -45,6 +45,11 @@ class WorkloadName(str, Enum):
     text_step = "text-step"
 
 
+class Backend(str, Enum):
+    simple = "simple"
+    mooncake = "mooncake"
+
+
 class TransportName(str, Enum):
     auto = "auto"
     tq = "tq"
@@ -71,11 +76,16 @@ def serve(
         None, "--registry", exists=True, dir_okay=False, help="YAML/JSON file of extra FieldSpecs."
     ),
     token: Optional[str] = TOKEN_OPTION,
+    backend: Optional[Backend] = typer.Option(
+        None, help="Where samples live: TransferQueue storage units (simple) or Mooncake segments (mooncake; "
+        "the service starts its own mooncake_master). Default: simple.", show_default=False,
+    ),
     num_cpus: int = typer.Option(8, "--num-cpus", min=1, help="Logical CPUs of the local Ray."),
 ) -> None:
     """Run the service on a local Ray (the embedded default) until Ctrl-C, then shut it all down.
 
-    Other RLPLANE_* environment variables (see rlplane_service.settings) apply too.
+    Other RLPLANE_* environment variables (see rlplane_service.settings) apply too, e.g.
+    RLPLANE_MOONCAKE_PROTOCOL=rdma, RLPLANE_MOONCAKE_SEGMENT_BYTES.
     """
     import signal
     import time
@@ -84,18 +94,19 @@ def serve(
     from rlplane_service.settings import ServiceSettings
 
     given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity,
-             "registry_file": registry_file, "api_token": token}
+             "registry_file": registry_file, "api_token": token, "backend": backend.value if backend else None}
     settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_* or defaults
     def on_signal(*_: object) -> None:
         raise KeyboardInterrupt
 
     service = EmbeddedService(settings, num_cpus=num_cpus, say=lambda m: console.print(f"[dim]{m}[/]"))
+    # Ctrl-C and SIGTERM (docker stop, kill) both end in the same clean shutdown, also
+    # during start-up and when started in the background (EmbeddedService keeps these
+    # handlers across ray.init).
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         service.start()
-        # After ray.init, which installs its own handlers: Ctrl-C and SIGTERM (docker stop,
-        # kill) both end in the same clean shutdown, also when started in the background.
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
         console.print(
             f"[green]rlplane serving[/] at {service.url}  (API docs {service.url}/docs; "
             f"{'token required' if settings.api_token else 'no token'}). Ctrl-C to stop."
@@ -153,6 +164,10 @@ def demo(
     layout: Layout = typer.Option(Layout.padded, help="How token fields come back."),
     seed: int = typer.Option(0, help="Seed of the generated batch."),
     embedded: bool = typer.Option(True, "--embedded/--no-embedded", help="Start the embedded service when none answers at --url."),
+    backend: Optional[Backend] = typer.Option(
+        None, help="Storage backend of the embedded service, when one is started (default: RLPLANE_BACKEND or simple).",
+        show_default=False,
+    ),
 ) -> None:
     """Run one VLM GRPO step through a live service (rollout -> logprob -> reference -> train), verified bit for bit.
 
@@ -162,7 +177,7 @@ def demo(
     from rlplane.errors import RlplaneError
     from rlplane_service.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(url, token, transport.value, batch, seqlen, dp_size, seed, text_only, layout.value, embedded)
+    cfg = DemoConfig(url, token, transport.value, batch, seqlen, dp_size, seed, text_only, layout.value, embedded, backend.value if backend else None)
     try:
         problems = run_demo(cfg, console)
     except RlplaneError as err:

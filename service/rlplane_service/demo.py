@@ -63,6 +63,7 @@ class DemoConfig:
     text_only: bool = False
     layout: str = "padded"
     start_embedded: bool = True
+    backend: str | None = None  # of the embedded service, when one is started (None: RLPLANE_BACKEND or simple)
 
 
 def make_workload(cfg: DemoConfig) -> Workload:
@@ -219,7 +220,9 @@ def run_demo(cfg: DemoConfig, console: Console) -> list[str]:
             if not cfg.start_embedded:
                 raise TransportError(f"no rlplane service answers at {cfg.url}; start one with `rlplane serve`")
             host, port = _host_port(cfg.url)
-            embedded = EmbeddedService(ServiceSettings(host=host, port=port), say=lambda m: console.print(f"[dim]{m}[/]"))
+            given = {"backend": cfg.backend} if cfg.backend else {}
+            settings = ServiceSettings(host=host, port=port, **given)
+            embedded = EmbeddedService(settings, say=lambda m: console.print(f"[dim]{m}[/]"))
             embedded.start()
         return _step(cfg, workers, ranks, console)
     finally:

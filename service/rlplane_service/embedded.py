@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -67,6 +69,9 @@ class EmbeddedService:
 
         from rlplane_service.app import build_app
         self.say(f"starting local Ray ({self.num_cpus} logical CPUs)")
+        # ray.init installs its own SIGINT/SIGTERM handlers (SIGTERM aborts the process);
+        # put back the caller's, so `rlplane serve` shuts down cleanly at any moment.
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         ray.init(
             num_cpus=self.num_cpus,
             namespace=self.settings.namespace,
@@ -75,10 +80,14 @@ class EmbeddedService:
             logging_level=logging.WARNING,
         )
         self._started_ray = True
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
         try:
             self.say(f"starting Ray Serve on {self.url}")
             serve.start(http_options={"host": self.settings.host, "port": self.settings.port}, logging_config={"log_level": "WARNING"})
-            self.say(f"deploying rlplane ({self.settings.storage_units} TransferQueue storage units)")
+            self.say(f"deploying rlplane ({self.settings.storage_units} storage units, backend {self.settings.backend})")
             serve.run(build_app(self.settings.as_args()), name="rlplane", route_prefix="/", blocking=False)
             self._wait_ready()
         except BaseException:
@@ -98,6 +107,10 @@ class EmbeddedService:
             serve.shutdown()
         except Exception as err:  # noqa: BLE001 - shutting down: report, carry on
             log.warning("serve.shutdown failed: %s", err)
+        if self.settings.backend == "mooncake":
+            from rlplane_service.mooncake import stop_master
+
+            stop_master(self.settings)  # by its pid, before Ray takes the actor down
         ray.shutdown()
         self._started_ray = False
 

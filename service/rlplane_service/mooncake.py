@@ -192,6 +192,20 @@ def mount_segment(settings: ServiceSettings, master: dict[str, Any], hostname: s
     return store
 
 
+def stop_master(settings: ServiceSettings, timeout: float = 30.0) -> None:
+    """Stop the ``mooncake_master`` of the store ``settings`` names, if it runs (needs a
+    connected Ray). The embedded service calls this before it shuts Ray down."""
+    import ray
+
+    try:
+        actor = ray.get_actor(f"{settings.store_name}-mooncake-master", namespace=settings.namespace)
+        ray.get(actor.stop.remote(), timeout=timeout)
+    except ValueError:  # no such actor: nothing to stop
+        return
+    except (ray.exceptions.RayError, TimeoutError) as err:
+        log.warning("could not stop mooncake_master cleanly (it dies with its actor): %s", err)
+
+
 @functools.cache
 def ray_actors() -> tuple[Any, Any]:
     """The Ray actor classes (defined lazily so importing this module needs no Ray)."""
@@ -233,4 +247,4 @@ def ray_actors() -> tuple[Any, Any]:
     return MooncakeMasterActor, MooncakeUnitActor
 
 
-__all__ = ["MasterInfo", "MooncakeMaster", "free_port", "master_binary", "mount_segment"]
+__all__ = ["MasterInfo", "MooncakeMaster", "free_port", "master_binary", "mount_segment", "ray_actors", "stop_master"]

@@ -12,13 +12,13 @@ def rlplane(*args, timeout=240):
                           timeout=timeout, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
 
 
-def live(service):
+def live_args(service):
     return ["--url", service.url, "--token", service.settings.token()]
 
 
 @pytest.mark.parametrize("extra", [[], ["--layout", "jagged", "--dp", "3", "--transport", "http"]])
-def test_demo_runs_a_verified_vlm_step_through_the_live_service(service, extra):
-    res = rlplane("demo", *live(service), "--batch", "12", "--seqlen", "256", "--no-embedded", *extra)
+def test_demo_runs_a_verified_vlm_step_through_the_live_service(live, extra):
+    res = rlplane("demo", "--url", live.url, "--token", live.token, "--batch", "12", "--seqlen", "256", "--no-embedded", *extra)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "OK: every rank read exactly what was written" in res.stdout
     for phase in ("rollout put_samples", "logprob read", "ref_logprob write", "driver write advantages", "train read"):
@@ -28,7 +28,7 @@ def test_demo_runs_a_verified_vlm_step_through_the_live_service(service, extra):
 
 
 def test_demo_text_only_requests_no_multimodal_field(service):
-    res = rlplane("demo", *live(service), "--batch", "8", "--seqlen", "128", "--text-only", "--no-embedded")
+    res = rlplane("demo", *live_args(service), "--batch", "8", "--seqlen", "128", "--text-only", "--no-embedded")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "pixel_values" not in res.stdout and "mm_token_type_ids" not in res.stdout
 
@@ -45,7 +45,7 @@ def test_status_shows_the_store_and_partitions(service):
 
     with connect(service.url, token=service.settings.token()) as client:
         client.put_samples("status-check", {"input_ids": torch.ones(2, 3, dtype=torch.int64), "input_lengths": torch.tensor([3, 1])})
-        res = rlplane("status", *live(service))
+        res = rlplane("status", *live_args(service))
         client.clear("status-check")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "2 storage units" in res.stdout and "status-check" in res.stdout
@@ -79,3 +79,42 @@ def test_bad_option_is_a_clear_usage_error():
 def test_import_rlplane_does_not_import_ray():
     code = "import rlplane, rlplane.client, rlplane.transports, sys; assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_serve_on_mooncake_stops_its_master_on_sigterm(tmp_path, pid_alive):
+    """`rlplane serve --backend mooncake` as an operator runs it: the master it started is
+    reported in /v1/status and is gone (by pid) once SIGTERM has shut the service down."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "rlplane_service", "serve", "--port", str(port), "--backend", "mooncake",
+                             "--storage-units", "1"], stdout=log, stderr=subprocess.STDOUT,
+                            env={"PATH": "/usr/bin:/bin", "RLPLANE_MOONCAKE_SEGMENT_BYTES": str(64 << 20),
+                                 "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline, pid = time.monotonic() + 180, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"{url}/readyz", timeout=5).status_code == 200:
+                    pid = httpx.get(f"{url}/v1/status", timeout=10).json()["store"]["mooncake_master"]["pid"]
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        assert pid is not None and pid_alive(pid), (tmp_path / "serve.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert not pid_alive(pid), "mooncake_master outlived `rlplane serve`"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        log.close()

@@ -3,7 +3,7 @@
 ``vlm_step``: B samples of S tokens, lengths uniform in [S/4, S]; per sample 0, 1 or 2
 images, each a ``[h*w, 1176]`` float32 pixel_values segment with h, w uniform in
 [16, 52] and an ``image_grid_thw`` row ``(1, h, w)`` per image. ``text_step``: the text
-fields only.
+fields only. ``small_step``: a B=8 text batch for per-operation latency.
 
 Example::
 
@@ -39,6 +39,21 @@ class Workload:
     def nbytes(self) -> int:
         """Bytes of the tensors as written (before any wire cast or cut)."""
         return fields_nbytes(self.fields)
+
+    def select(self, indices: list[int]) -> Workload:
+        """The samples at ``indices``, in that order (a new batch; packed rows keep their boundaries).
+
+        Example::
+
+            first_half = vlm_step(batch=8).select(list(range(4)))
+        """
+        fields: dict[str, Any] = {}
+        for k, v in self.fields.items():
+            if isinstance(v, (PackedTensor, torch.Tensor)):
+                fields[k] = v.select(indices) if isinstance(v, PackedTensor) else v[indices]
+            else:
+                fields[k] = [v[i] for i in indices]
+        return Workload(self.name, fields, self.lengths[indices])
 
 
 def fields_nbytes(fields: dict[str, Any]) -> int:
@@ -95,4 +110,11 @@ def vlm_step(batch: int = 64, seqlen: int = 2048, seed: int = 0, max_images: int
     return w
 
 
-WORKLOADS = {"vlm-step": vlm_step, "text-step": text_step}
+def small_step(batch: int = 8, seqlen: int = 512, seed: int = 0) -> Workload:
+    """A small text batch (B=8): per-operation latency, where fixed costs dominate bytes."""
+    w = text_step(batch, seqlen, seed)
+    w.name = "small"
+    return w
+
+
+WORKLOADS = {"vlm-step": vlm_step, "text-step": text_step, "small": small_step}

@@ -5,7 +5,7 @@ Example::
     rlplane serve                      # local Ray + the service on 127.0.0.1:8000 (Ctrl-C stops)
     rlplane demo                       # one VLM GRPO step through the service, verified bit for bit
     rlplane status
-    rlplane bench --json out/bench.json
+    rlplane bench --quick --json out/bench.json --plot out/bench.png
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Layout(str, Enum):
 class WorkloadName(str, Enum):
     vlm_step = "vlm-step"
     text_step = "text-step"
+    small = "small"
 
 
 class Backend(str, Enum):
@@ -192,27 +193,85 @@ def demo(
 
 @app.command()
 def bench(
-    workload: WorkloadName = typer.Option(WorkloadName.vlm_step, help="Reference workload (DESIGN.md)."),
-    batch: Optional[int] = typer.Option(None, "--batch", "-b", min=1, help="Override the workload's batch size."),
-    seqlen: Optional[int] = typer.Option(None, "--seqlen", "-s", min=4, help="Override the workload's sequence length."),
-    reps: int = typer.Option(5, min=1, help="Timed repetitions after one checked warm-up."),
-    quick: bool = typer.Option(False, "--quick", help="A small batch and 3 repetitions (seconds, for smoke tests)."),
+    workloads: Optional[list[WorkloadName]] = typer.Option(
+        None, "--workload", "-w", help="Workload(s) to run (repeat the flag); default: all three, and the sweeps."
+    ),
+    paths: Optional[list[str]] = typer.Option(
+        None, "--path", "-p", help="Path(s) to run (repeat): rlplane-tq, rlplane-http, raw-tq, ray-object-store, legacy-pickle."
+    ),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", min=1, help="Batch size of vlm-step / text-step (default: theirs)."),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", "-s", min=4, help="Sequence length of every workload (default: theirs)."),
+    reps: Optional[int] = typer.Option(None, min=1, help="Timed repetitions after one checked warm-up (default 5)."),
+    ops: Optional[int] = typer.Option(None, min=2, help="Operations per path for the small-batch latency (default 200)."),
+    sweep_batches: Optional[list[int]] = typer.Option(
+        None, "--sweep-batch", min=1, help="Batch sizes of the vlm-step sweep (repeat) (default 16 64 256)."
+    ),
+    writers: Optional[list[int]] = typer.Option(
+        None, "--writers", min=1, help="Concurrent writer counts (repeat) (default 1 2 4)."
+    ),
+    sweeps: bool = typer.Option(True, "--sweeps/--no-sweeps", help="Run the batch and writers sweeps."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Every path, workload and sweep on small batches, 3 reps, 50 ops (under 2 minutes on 2 cores)."
+    ),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write machine-readable results here."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of GB/s per path and of the sweeps."),
     url: Optional[str] = typer.Option(
-        None, "--url", help="Bench a live service instead: put/read per transport next to raw TransferQueue."
+        None, "--url", help="Bench this running service (default: start the embedded one on a free port, stop it after)."
     ),
     token: Optional[str] = TOKEN_OPTION,
+    codec: bool = typer.Option(False, "--codec", help="Only the codec: encode -> in-memory transport -> decode vs memcpy, no service."),
 ) -> None:
-    """Measure encode -> in-memory transport -> decode against memcpy of the same bytes
-    (or, with --url, put/read through a live service per transport next to raw TransferQueue)."""
-    from rlplane_service.bench import BenchConfig, run_codec_bench, run_service_bench, write_json
+    """Move the same batch writer process -> reader process through every path and compare.
 
-    if quick:
-        batch, seqlen, reps = batch or 8, seqlen or 512, min(reps, 3)
-    cfg = BenchConfig(workload.value, batch, seqlen, reps)
-    results = run_codec_bench(cfg, console) if url is None else run_service_bench(cfg, url, token, console)
+    Paths: rlplane with the tq transport and with the http transport (put_samples /
+    read_columns, encode and decode included); raw TransferQueue on the same store and
+    bytes; the Ray object store (ray.put / ray.get); the legacy object array pickled
+    through a Ray actor call; memcpy of the same bytes as the bound. Workloads:
+    vlm-step (DESIGN.md), text-step, small (latency p50/p99). Sweeps: vlm-step batch
+    sizes, concurrent writers (every sample checked after). Reports median and min..max
+    ms, GB/s of stored bytes, the ratio to raw TransferQueue and whether each target is
+    met. One warm-up per path is checked bit for bit; a mismatch fails the run (exit 1).
+
+    Examples: rlplane bench --quick --plot out/bench.png;
+    rlplane bench --url http://127.0.0.1:8000 --workload vlm-step --no-sweeps --json out/bench.json
+    """
+    from rlplane.errors import RlplaneError
+    from rlplane_service.bench.report import write_json
+
+    if codec:
+        from rlplane_service.bench.codec import CodecConfig, run_codec_bench
+
+        one = (workloads or [WorkloadName.vlm_step])[0].value
+        if quick:
+            batch, seqlen, reps = batch or 8, seqlen or 512, min(reps or 3, 3)
+        results = run_codec_bench(CodecConfig(one, batch, seqlen, reps or 5), console)
+    else:
+        from rlplane_service.bench.run import BenchConfig, quick_config, run_bench
+
+        given = {k: v for k, v in (("batch", batch), ("seqlen", seqlen), ("reps", reps), ("ops", ops),
+                                   ("sweep_batches", sweep_batches)) if v is not None}
+        cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+        if workloads:
+            cfg.workloads = tuple(w.value for w in workloads)
+        if paths:
+            cfg.paths = tuple(paths)
+        if writers:
+            cfg.writers = tuple(writers)
+        if not sweeps:
+            cfg.sweep_batches, cfg.writers = (), ()
+        if quick:
+            cfg = quick_config(cfg, set(given) | ({"sweep_batches"} if not sweeps else set()))
+        try:
+            results = run_bench(cfg, console, url=url, token=token)
+        except RlplaneError as err:
+            console.print(f"[red]error[/]: {err}")
+            raise typer.Exit(1)
+        if plot_path is not None:
+            from rlplane_service.bench.plot import write_plot
+
+            write_plot(results, plot_path)
+            console.print(f"chart written to {plot_path}")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
         write_json(results, json_path)
         console.print(f"results written to {json_path}")
 

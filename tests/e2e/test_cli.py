@@ -55,7 +55,7 @@ def test_status_shows_the_store_and_partitions(service):
 
 def test_bench_quick_writes_valid_json(tmp_path):
     out = tmp_path / "bench.json"
-    res = rlplane("bench", "--quick", "--batch", "4", "--seqlen", "64", "--json", str(out))
+    res = rlplane("bench", "--codec", "--quick", "--batch", "4", "--seqlen", "64", "--json", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     ops = {p["op"] for p in data["phases"]}

@@ -1,0 +1,300 @@
+"""The data paths ``rlplane bench`` compares: one small object per way of moving a batch.
+
+Every path moves the same batch from a writer process to a reader process. ``write``
+runs in the writer and returns a small handle; the driver hands it to the reader, whose
+``read`` returns what arrived; ``verify`` (untimed) says how it differs from what was
+written. Each timed call returns its own ``(start, end)`` on the host's monotonic clock
+(``time.monotonic``, one clock for every process on a Linux host), so a path whose bytes
+land in the reader before ``read`` is called (the legacy actor call) can still say when
+they left and when they arrived.
+
+Adding a path (e.g. a Mooncake backend) is one subclass and one entry in :data:`PATHS`.
+
+Example::
+
+    path = PATHS["raw-tq"](env)
+    sent = path.write(batch, "bench-0", peer=None)     # in the writer actor
+    got, t0, t1 = path.read(batch, sent.handle)        # in the reader actor
+    assert not path.verify(batch, got)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+import torch
+from rlplane.codec import Encoded, decode
+from rlplane.column import Column
+from rlplane.fields import Registry
+from rlplane.meta import SampleMeta
+from rlplane.verify import diff_fields, same_bits
+from rlplane.workloads import Workload
+
+
+@dataclass
+class WorkerEnv:
+    """What every path may need to open its clients: the service and its registry."""
+
+    url: str
+    token: str | None
+    registry: dict
+    tq_info: dict | None
+
+
+@dataclass
+class Batch:
+    """One writer's share of a workload, as the writer holds it and as it is stored."""
+
+    work: Workload
+    ids: list[str]
+    encoded: Encoded
+
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes: what every path moves and every GB/s is computed from."""
+        return self.encoded.nbytes
+
+
+@dataclass
+class Sent:
+    """What ``write`` returns: a handle for the reader and the writer's timing."""
+
+    handle: Any
+    start: float
+    end: float
+
+
+class BenchPath:
+    """A way of moving a batch from a writer process to a reader process."""
+
+    name: ClassVar[str]
+    label: ClassVar[str]
+    #: needs a peer (the reader actor's handle) in ``write``
+    needs_peer: ClassVar[bool] = False
+
+    def __init__(self, env: WorkerEnv) -> None:
+        self.env = env
+        self.registry = Registry.from_dict(env.registry)
+
+    def write(self, batch: Batch, key: str, peer: Any) -> Sent:
+        raise NotImplementedError
+
+    def read(self, batch: Batch, handle: Any) -> tuple[Any, float, float]:
+        raise NotImplementedError
+
+    def verify(self, batch: Batch, got: Any) -> list[str]:
+        """Every difference between what was written and ``got`` (empty when bit-exact)."""
+        return diff_fields(self.registry, batch.work.fields, got, batch.work.lengths, sample_ids=batch.ids)
+
+    def clear(self, key: str) -> None:
+        """Drop what ``write`` stored under ``key`` (untimed)."""
+
+    def close(self) -> None:
+        """Release clients."""
+
+
+class RlplanePath(BenchPath):
+    """rlplane's client: ``put_samples`` (validate, encode, write) and ``read_columns``
+    (fetch, check, decode), over one transport."""
+
+    transport: ClassVar[str]
+
+    def __init__(self, env: WorkerEnv) -> None:
+        super().__init__(env)
+        import rlplane
+
+        self.client = rlplane.connect(env.url, token=env.token, transport=self.transport)
+
+    def write(self, batch: Batch, key: str, peer: Any) -> Sent:
+        t0 = time.monotonic()
+        meta = self.client.put_samples(key, batch.work.fields, sample_ids=batch.ids)
+        t1 = time.monotonic()
+        return Sent(msgpack.packb(meta.to_dict(), use_bin_type=True), t0, t1)
+
+    def read(self, batch: Batch, handle: Any) -> tuple[Any, float, float]:
+        meta = SampleMeta.from_dict(msgpack.unpackb(handle, raw=False))
+        t0 = time.monotonic()
+        got = self.client.read_columns(meta, sorted(meta.fields))  # what was written: a share may hold no image
+        return got, t0, time.monotonic()
+
+    def clear(self, key: str) -> None:
+        self.client.clear(key)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RlplaneTQ(RlplanePath):
+    name = "rlplane-tq"
+    label = "rlplane (tq)"
+    transport = "tq"
+
+
+class RlplaneHTTP(RlplanePath):
+    name = "rlplane-http"
+    label = "rlplane (http)"
+    transport = "http"
+
+
+class _EncodedPath(BenchPath):
+    """A path that moves the already-encoded columns (no rlplane encode, checks or decode)."""
+
+    def verify(self, batch: Batch, got: Any) -> list[str]:
+        columns = got
+        problems = [
+            f"field {name!r}: stored bytes differ"
+            for name, col in batch.encoded.columns.items()
+            if name not in columns or not same_bits(col.values, columns[name].values)
+        ]
+        if problems:
+            return problems
+        decoded = decode(self.registry, columns, batch.encoded.tags, "padded")
+        return diff_fields(self.registry, batch.work.fields, decoded, batch.work.lengths, sample_ids=batch.ids)
+
+
+class RawTQ(_EncodedPath):
+    """TransferQueue's own client on the service's store, the way ``kv_batch_put`` /
+    ``kv_batch_get`` use it (``kv_retrieve_meta`` + ``put``; ``kv_retrieve_meta`` +
+    ``get_data``), on the same encoded columns, through the same storage units. The
+    engine beneath rlplane's ``tq`` transport, without rlplane's checks."""
+
+    name = "raw-tq"
+    label = "raw TransferQueue"
+
+    def __init__(self, env: WorkerEnv) -> None:
+        super().__init__(env)
+        from rlplane.transports.tq import store_client
+        from tensordict import TensorDict
+
+        if env.tq_info is None:
+            raise RuntimeError("the service publishes no TransferQueue address: raw-tq cannot run")
+        self._TensorDict = TensorDict
+        self.client = store_client(env.tq_info, f"bench-raw-{id(self)}")
+
+    def write(self, batch: Batch, key: str, peer: Any) -> Sent:
+        cols = batch.encoded.columns
+        t0 = time.monotonic()
+        data = self._TensorDict({k: c.to_nested() for k, c in cols.items()}, batch_size=len(batch.ids))
+        meta = self.client.kv_retrieve_meta(batch.ids, key, create=True)
+        meta.update_custom_meta(batch.encoded.tags)
+        self.client.put(data, meta)
+        t1 = time.monotonic()
+        return Sent(msgpack.packb({"partition": key, "fields": list(cols)}), t0, t1)
+
+    def read(self, batch: Batch, handle: Any) -> tuple[Any, float, float]:
+        h = msgpack.unpackb(handle, raw=False)
+        t0 = time.monotonic()
+        meta = self.client.kv_retrieve_meta(batch.ids, h["partition"], create=False)
+        got = self.client.get_data(meta.select_fields(h["fields"]))
+        t1 = time.monotonic()
+        return {k: _as_column(got[k]) for k in h["fields"]}, t0, t1
+
+    def clear(self, key: str) -> None:
+        self.client.clear_partition(key)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RayObjectStore(_EncodedPath):
+    """The Ray object store: ``ray.put`` of the encoded columns in the writer, ``ray.get``
+    in the reader (the handle is the ObjectRef, passed through the driver)."""
+
+    name = "ray-object-store"
+    label = "Ray object store"
+
+    def write(self, batch: Batch, key: str, peer: Any) -> Sent:
+        import ray
+
+        payload = {k: (c.values, c.offsets) for k, c in batch.encoded.columns.items()}
+        t0 = time.monotonic()
+        ref = ray.put(payload)
+        t1 = time.monotonic()
+        return Sent([ref], t0, t1)  # in a list, so Ray hands the reader the ref, not the value
+
+    def read(self, batch: Batch, handle: Any) -> tuple[Any, float, float]:
+        import ray
+
+        t0 = time.monotonic()
+        payload = ray.get(handle[0])
+        t1 = time.monotonic()
+        return {k: Column(v, o) for k, (v, o) in payload.items()}, t0, t1
+
+
+class LegacyRow:
+    """One sample's rows, field by field: what a pre-data-plane framework kept per
+    sample in a numpy object array (each pickled on its own)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: dict[str, torch.Tensor]) -> None:
+        self.rows = rows
+
+
+class LegacyObjectArray(_EncodedPath):
+    """The path RL frameworks used before a data plane: the batch as a numpy object array
+    of per-sample row wrappers, handed to the reader as a Ray actor call argument. Ray
+    pickles each object. Pickle is the point here (this row emulates that legacy path);
+    rlplane's own wire never pickles. The reader collates the rows back into columns.
+
+    Timing: the writer's part ends when the call's argument is serialized and stored;
+    the reader's part ends when it has collated the rows (it stamps the time in the call)."""
+
+    name = "legacy-pickle"
+    label = "legacy pickle (actor call)"
+    needs_peer = True
+
+    def write(self, batch: Batch, key: str, peer: Any) -> Sent:
+        import ray
+
+        rows = _legacy_rows(batch.encoded)  # the legacy framework already holds its batch this way
+        t0 = time.monotonic()
+        done = peer.legacy_receive.remote(key, rows)
+        t1 = time.monotonic()
+        arrived = ray.get(done)
+        return Sent({"key": key, "sent": t1, "arrived": arrived}, t0, t1)
+
+    def read(self, batch: Batch, handle: Any) -> tuple[Any, float, float]:
+        return LEGACY_INBOX.pop(handle["key"]), handle["sent"], handle["arrived"]
+
+
+#: Columns the reader's ``legacy_receive`` collated, by key, until ``read`` takes them.
+LEGACY_INBOX: dict[str, dict[str, Column]] = {}
+
+
+def legacy_collate(key: str, rows: np.ndarray) -> float:
+    """Run in the reader by the legacy actor call: rows -> columns; returns when it finished."""
+    names = list(rows[0].rows) if len(rows) else []
+    LEGACY_INBOX[key] = {n: Column.from_rows([r.rows[n] for r in rows]) for n in names}
+    return time.monotonic()
+
+
+def _legacy_rows(enc: Encoded) -> np.ndarray:
+    batch = next(iter(enc.columns.values())).num_rows if enc.columns else 0
+    per_field = {n: c.rows() for n, c in enc.columns.items()}
+    out = np.empty(batch, dtype=object)
+    for i in range(batch):
+        # own storage per row: pickling a view would pickle the whole column
+        out[i] = LegacyRow({n: rows[i].clone() for n, rows in per_field.items()})
+    return out
+
+
+def _as_column(value: Any) -> Column:
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        return Column.from_nested(value)
+    if isinstance(value, torch.Tensor):
+        return Column.uniform(value, value.size(0))
+    return Column.from_rows([torch.as_tensor(r).reshape(-1) for r in value])
+
+
+#: Every path, in table order. Raw TransferQueue is the reference every ratio divides by.
+PATHS: dict[str, type[BenchPath]] = {
+    p.name: p for p in (RlplaneTQ, RlplaneHTTP, RawTQ, RayObjectStore, LegacyObjectArray)
+}
+REFERENCE = RawTQ.name
+
+__all__ = ["PATHS", "REFERENCE", "Batch", "BenchPath", "Sent", "WorkerEnv", "legacy_collate"]

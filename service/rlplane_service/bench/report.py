@@ -1,0 +1,127 @@
+"""What ``rlplane bench`` prints and writes: rich tables, the JSON file, machine facts.
+
+Example::
+
+    print_report(results, console)
+    write_json(results, Path("out/bench.json"))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+def machine_facts() -> dict:
+    """The host and library versions a result was measured with."""
+    versions = {}
+    for dist in ("ray", "transferqueue", "rlplane"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE", "0"),
+        "memory_gb": _memory_gb(),
+        **versions,
+    }
+
+
+def write_json(results: dict, path: Path) -> None:
+    """``results`` as indented JSON at ``path`` (parent folders created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+
+
+def print_report(results: dict, console: Console) -> None:
+    """Every table of a run: per workload, latency, sweeps, targets."""
+    for w in results["workloads"]:
+        console.print(workload_table(w))
+    if results.get("latency"):
+        console.print(latency_table(results["latency"]))
+    sweeps = results.get("sweeps", {})
+    if sweeps.get("batch"):
+        console.print(batch_sweep_table(sweeps["batch"]))
+    if sweeps.get("writers"):
+        console.print(writers_table(sweeps["writers"]))
+    console.print(targets_table(results["targets"]))
+
+
+def workload_table(w: dict) -> Table:
+    """One row per (path, op): median ms, min..max, GB/s, ratio to raw TransferQueue."""
+    reps = w["paths"][0]["ops"]["put"]["reps"] if w["paths"] else 0
+    t = Table(title=f"{w['workload']} B={w['batch']} S={w['seqlen']}: {w['bytes_stored'] / 1e6:.1f} MB stored, "
+                    f"writer -> reader, median of {reps}")
+    for col in ("path", "op", "ms", "min..max ms", "GB/s", "x raw TQ"):
+        t.add_column(col, justify="left" if col in ("path", "op") else "right")
+    for r in w["paths"]:
+        for op, d in r["ops"].items():
+            ratio = (r.get("ratio_to_raw_tq") or {}).get(op)
+            t.add_row(r["label"], op, f"{d['median_ms']:.1f}", f"{d['min_ms']:.1f}..{d['max_ms']:.1f}",
+                      f"{d['gb_per_s']:.2f}", "" if ratio is None else f"{ratio:.2f}")
+    for d in w["bounds"]:
+        t.add_row(d["op"], "copy", f"{d['median_ms']:.1f}", f"{d['min_ms']:.1f}..{d['max_ms']:.1f}", f"{d['gb_per_s']:.2f}", "")
+    return t
+
+
+def latency_table(lat: dict) -> Table:
+    t = Table(title=f"{lat['workload']} B={lat['batch']} S={lat['seqlen']} ({lat['bytes_stored'] / 1e3:.0f} kB): "
+                    f"latency per op over {lat['ops']} ops")
+    for col in ("path", "put p50 ms", "put p99 ms", "get p50 ms", "get p99 ms"):
+        t.add_column(col, justify="left" if col == "path" else "right")
+    for r in lat["paths"]:
+        t.add_row(r["label"], *(f"{r[op][q]:.2f}" for op in ("put", "get") for q in ("p50_ms", "p99_ms")))
+    return t
+
+
+def batch_sweep_table(sweep: list[dict]) -> Table:
+    t = Table(title=f"{sweep[0]['workload']} batch sweep: GB/s put / get (median)")
+    t.add_column("path")
+    for w in sweep:
+        t.add_column(f"B={w['batch']} ({w['bytes_stored'] / 1e6:.0f} MB)", justify="right")
+    for i, r in enumerate(sweep[0]["paths"]):
+        cells = [f"{w['paths'][i]['ops']['put']['gb_per_s']:.2f} / {w['paths'][i]['ops']['get']['gb_per_s']:.2f}" for w in sweep]
+        t.add_row(r["label"], *cells)
+    return t
+
+
+def writers_table(sweep: list[dict]) -> Table:
+    t = Table(title=f"concurrent writers, one batch split between them ({sweep[0]['path']}, B={sweep[0]['batch']})")
+    for col in ("writers", "aggregate put ms", "GB/s", "samples verified"):
+        t.add_column(col, justify="right")
+    for w in sweep:
+        t.add_row(str(w["writers"]), f"{w['put']['median_ms']:.1f}", f"{w['put']['gb_per_s']:.2f}", str(w["verified_samples"]))
+    return t
+
+
+def targets_table(targets: list[dict]) -> Table:
+    t = Table(title="targets")
+    for col in ("target", "value", "threshold", "", "measured as"):
+        t.add_column(col, justify="right" if col in ("value", "threshold") else "left")
+    for g in targets:
+        verdict = {True: "[green]met[/]", False: "[red]missed[/]", None: "[dim]not run[/]"}[g["met"]]
+        t.add_row(g["name"], _num(g["value"]), _num(g["threshold"]), verdict, g["detail"])
+    return t
+
+
+def _num(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def _memory_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError):
+        return None

@@ -1,0 +1,301 @@
+"""``rlplane bench``: the same batch, writer process -> reader process, through every path.
+
+One invocation starts what it needs (the embedded service on a free loopback port
+unless a URL is given; a local Ray for the worker actors when the service's is not in
+this process), then per workload and path: one warm-up move checked bit for bit, then
+``reps`` timed moves (put in the writer, get in the reader). It adds the per-operation
+latency of a small batch, a batch-size sweep, a concurrent-writers sweep (every sample
+read back and checked after), memcpy of the same bytes as the bound, and the targets.
+
+Example::
+
+    results = run_bench(BenchConfig(quick=True), console)
+    print(results["targets"])
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rlplane.errors import RlplaneError
+
+from rlplane_service.bench.paths import PATHS, REFERENCE, WorkerEnv
+from rlplane_service.bench.report import machine_facts, print_report
+from rlplane_service.bench.targets import evaluate
+from rlplane_service.bench.workers import Share, start_workers
+from rlplane_service.timing import Phase, memcpy_phases
+
+THROUGHPUT_WORKLOADS = ("vlm-step", "text-step")
+LATENCY_WORKLOAD = "small"
+SWEEP_WORKLOAD = "vlm-step"
+#: The HTTP proxy moves ~0.1-0.2 GB/s (DESIGN.md): at B=256 it alone would take minutes.
+SWEEP_PATHS = tuple(p for p in PATHS if p != "rlplane-http")
+WRITERS_PATH = "rlplane-tq"
+
+
+class BenchError(RlplaneError):
+    """A path moved something other than what was written, or the bench could not run."""
+
+
+@dataclass
+class BenchConfig:
+    """What one ``rlplane bench`` run measures. ``quick`` shrinks batches, reps and ops
+    (every path, workload and sweep still runs); explicit values win over it."""
+
+    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD)
+    paths: tuple[str, ...] = tuple(PATHS)
+    batch: int | None = None
+    seqlen: int | None = None
+    reps: int = 5
+    ops: int = 200
+    sweep_batches: tuple[int, ...] = (16, 64, 256)
+    writers: tuple[int, ...] = (1, 2, 4)
+    seed: int = 0
+    quick: bool = False
+
+
+QUICK = {"batch": 8, "seqlen": 512, "reps": 3, "ops": 50, "sweep_batches": (4, 8, 16)}
+
+
+def quick_config(cfg: BenchConfig, given: set[str]) -> BenchConfig:
+    """``cfg`` with the quick values for every option the user did not give."""
+    return replace(cfg, quick=True, **{k: v for k, v in QUICK.items() if k not in given})
+
+
+@dataclass
+class _Pool:
+    reader: Any
+    writers: list[Any]
+
+    def prepare(self, actors: list[Any], shares: list[Share]) -> list[int]:
+        import ray
+
+        return ray.get([a.prepare.remote(asdict(s)) for a, s in zip(actors, shares)])
+
+
+def run_bench(cfg: BenchConfig, console: Console, *, url: str | None = None, token: str | None = None) -> dict:
+    """Run every measurement in ``cfg``; print the report; return machine-readable results."""
+    from rlplane_service.embedded import EmbeddedService
+    from rlplane_service.settings import ServiceSettings
+
+    unknown = [p for p in cfg.paths if p not in PATHS]
+    if unknown:
+        raise BenchError(f"unknown path(s) {unknown}; known: {list(PATHS)}")
+    started = time.time()
+    service = None
+    own_ray = False
+    if url is None:
+        service = EmbeddedService(ServiceSettings(port=_free_port()), say=lambda m: console.print(f"[dim]{m}[/]"))
+        service.start()
+        url, token = service.url, service.settings.token()
+    try:
+        own_ray = _ensure_ray(console)
+        results = _measure(cfg, console, url, token)
+    finally:
+        if own_ray:
+            import ray
+
+            ray.shutdown()
+        if service is not None:
+            console.print("[dim]stopping the embedded service[/]")
+            service.stop()
+    results.update(
+        config=asdict(cfg),
+        url=url,
+        embedded=service is not None,
+        date=time.strftime("%Y-%m-%d %H:%M:%S %z", time.localtime(started)),
+        wall_s=time.time() - started,
+        machine=machine_facts(),
+    )
+    results["targets"] = evaluate(results)
+    print_report(results, console)
+    return results
+
+
+def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None) -> dict:
+    import ray
+    from rlplane.http_api import ServiceAPI
+
+    api = ServiceAPI(url, token=token)
+    try:
+        env = WorkerEnv(url, token, api.json("GET", "/v1/registry"), api.json("GET", "/v1/transport").get("tq"))
+    finally:
+        api.close()
+    n_writers = max(cfg.writers, default=1)
+    with console.status(f"starting {n_writers + 1} worker processes"):
+        actors = start_workers(env, n_writers + 1)
+        pool = _Pool(actors[0], actors[1:])
+        ray.get(pool.reader.open.remote(list(cfg.paths)))
+        ray.get(pool.writers[0].open.remote(list(cfg.paths)))
+        ray.get([w.open.remote([WRITERS_PATH]) for w in pool.writers[1:]])
+    out: dict[str, Any] = {"workloads": [], "latency": None, "sweeps": {"batch": [], "writers": []}}
+    try:
+        with Progress(console=console, transient=True) as progress:
+            for name in cfg.workloads:
+                if name in THROUGHPUT_WORKLOADS:
+                    share = _share(cfg, name, cfg.batch)
+                    out["workloads"].append(_throughput(cfg, pool, share, cfg.paths, progress))
+            if LATENCY_WORKLOAD in cfg.workloads:
+                out["latency"] = _latency(cfg, pool, progress)
+            if cfg.sweep_batches and SWEEP_WORKLOAD in cfg.workloads:
+                paths = tuple(p for p in cfg.paths if p in SWEEP_PATHS)
+                for b in cfg.sweep_batches:
+                    out["sweeps"]["batch"].append(_throughput(cfg, pool, _share(cfg, SWEEP_WORKLOAD, b), paths, progress))
+            if cfg.writers and WRITERS_PATH in cfg.paths and SWEEP_WORKLOAD in cfg.workloads:
+                for n in cfg.writers:
+                    out["sweeps"]["writers"].append(_writers(cfg, pool, n, progress))
+    finally:
+        ray.get([a.close.remote() for a in actors])
+        for a in actors:
+            ray.kill(a)
+    return out
+
+
+def _share(cfg: BenchConfig, workload: str, batch: int | None) -> Share:
+    import inspect
+
+    from rlplane.workloads import WORKLOADS
+
+    defaults = inspect.signature(WORKLOADS[workload]).parameters
+    return Share(workload, batch or defaults["batch"].default, cfg.seqlen or defaults["seqlen"].default, cfg.seed)
+
+
+def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None) -> tuple[float, float]:
+    """One writer -> reader move through ``path``; (put s, get s). Raises on any difference."""
+    import ray
+
+    writer = writer or pool.writers[0]
+    peer = pool.reader if PATHS[path].needs_peer else None
+    sent = ray.get(writer.write.remote(path, key, peer))
+    got = ray.get(pool.reader.read.remote(path, sent["handle"], verify))
+    ray.get(writer.clear.remote(path, key))
+    if got["problems"]:
+        raise BenchError(f"{path}: what the reader got is not what the writer wrote: " + "; ".join(got["problems"]))
+    return sent["end"] - sent["start"], got["end"] - got["start"]
+
+
+def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, ...], progress: Progress) -> dict:
+    """Warm-up (checked) + ``reps`` timed moves of ``share`` through each path."""
+    task = progress.add_task(f"{share.workload} B={share.batch}: preparing", total=len(paths) * (cfg.reps + 1))
+    nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
+    rows = []
+    for path in paths:
+        progress.update(task, description=f"{share.workload} B={share.batch}: {PATHS[path].label}")
+        put = Phase("put", share.batch, nbytes)
+        get = Phase("get", share.batch, nbytes)
+        for rep in range(cfg.reps + 1):
+            p, g = _move(pool, path, _key(path, rep), verify=rep == 0)
+            if rep:
+                put.seconds.append(p)
+                get.seconds.append(g)
+            progress.advance(task)
+        trip = Phase("round trip", share.batch, nbytes, [a + b for a, b in zip(put.seconds, get.seconds)])
+        rows.append({"path": path, "label": PATHS[path].label, "ops": {ph.op: ph.to_dict() for ph in (put, get, trip)}})
+    progress.remove_task(task)
+    warm, fresh = memcpy_phases(nbytes, cfg.reps)
+    _ratios(rows)
+    return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
+            "paths": rows, "bounds": [warm.to_dict(), fresh.to_dict()]}
+
+
+def _ratios(rows: list[dict]) -> None:
+    ref = next((r for r in rows if r["path"] == REFERENCE), None)
+    for r in rows:
+        r["ratio_to_raw_tq"] = (
+            {op: r["ops"][op]["gb_per_s"] / ref["ops"][op]["gb_per_s"] for op in r["ops"]} if ref else None
+        )
+
+
+def _latency(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
+    """``ops`` moves of the small batch per path: p50 / p99 of put and of get."""
+    share = _share(cfg, LATENCY_WORKLOAD, None)
+    nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
+    task = progress.add_task(f"{share.workload} latency", total=len(cfg.paths) * (cfg.ops + 1))
+    rows = []
+    for path in cfg.paths:
+        progress.update(task, description=f"{share.workload} latency: {PATHS[path].label}")
+        put: list[float] = []
+        get: list[float] = []
+        for op in range(cfg.ops + 1):
+            p, g = _move(pool, path, _key(path, op), verify=op == 0)
+            if op:
+                put.append(p)
+                get.append(g)
+            progress.advance(task)
+        rows.append({"path": path, "label": PATHS[path].label, "put": _percentiles(put), "get": _percentiles(get)})
+    progress.remove_task(task)
+    return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
+            "ops": cfg.ops, "paths": rows}
+
+
+def _percentiles(seconds: list[float]) -> dict:
+    ms = sorted(s * 1e3 for s in seconds)
+    q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
+    return {"p50_ms": statistics.median(ms), "p99_ms": q[98], "min_ms": ms[0], "max_ms": ms[-1], "ops": len(ms)}
+
+
+def _writers(cfg: BenchConfig, pool: _Pool, n: int, progress: Progress) -> dict:
+    """``n`` writers put their share of one batch at once; aggregate GB/s; then the
+    reader reads every share back and checks every sample."""
+    import ray
+
+    base = _share(cfg, SWEEP_WORKLOAD, cfg.batch)
+    shares = [replace(base, part=i, parts=n) for i in range(n)]
+    writers = pool.writers[:n]
+    nbytes = sum(pool.prepare(writers, shares))
+    task = progress.add_task(f"{n} concurrent writers ({PATHS[WRITERS_PATH].label})", total=cfg.reps + 1)
+    seconds: list[float] = []
+    checked = 0
+    for rep in range(cfg.reps + 1):
+        keys = [_key(WRITERS_PATH, rep, f"w{i}") for i in range(n)]
+        sent = ray.get([w.write.remote(WRITERS_PATH, k) for w, k in zip(writers, keys)])
+        if rep:
+            seconds.append(max(s["end"] for s in sent) - min(s["start"] for s in sent))
+        else:  # every sample of every share, read back and checked
+            problems = ray.get([pool.reader.read_share.remote(WRITERS_PATH, s["handle"], asdict(sh))
+                                for s, sh in zip(sent, shares)])
+            bad = [line for lines in problems for line in lines]
+            if bad:
+                raise BenchError(f"{n} writers: " + "; ".join(bad))
+            checked = sum(len(sh.indices()) for sh in shares)
+        ray.get([w.clear.remote(WRITERS_PATH, k) for w, k in zip(writers, keys)])
+        progress.advance(task)
+    progress.remove_task(task)
+    agg = Phase(f"{n} writers put", base.batch, nbytes, seconds)
+    return {"writers": n, "path": WRITERS_PATH, "batch": base.batch, "bytes_stored": nbytes,
+            "put": agg.to_dict(), "verified_samples": checked}
+
+
+def _key(path: str, rep: int, extra: str = "") -> str:
+    return f"bench-{path}-{rep}{extra}-{uuid.uuid4().hex[:8]}"
+
+
+def _ensure_ray(console: Console) -> bool:
+    """A Ray for the worker actors: the embedded service's (this process), else a local
+    one on loopback that the bench owns. True when the bench started it."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import logging
+
+    import ray
+
+    if ray.is_initialized():
+        return False
+    console.print("[dim]starting a local Ray for the bench's worker processes[/]")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    return True
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+

@@ -1,0 +1,59 @@
+"""``rlplane bench`` run as a user runs it: every path, workload and sweep reported, the
+JSON complete, the chart written. Tiny workloads; the numbers are not checked (the
+bench reports its targets, tests do not time anything)."""
+
+import json
+import os
+import subprocess
+import sys
+
+PATHS = {"rlplane-tq", "rlplane-http", "raw-tq", "ray-object-store", "legacy-pickle"}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def bench(*args, timeout=240):
+    env = {"COLUMNS": "160", "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "RAY_AUTH_MODE": "disabled"}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return subprocess.run([sys.executable, "-m", "rlplane_service.bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_and_png(service, tmp_path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    res = bench("--quick", "--url", service.url, "--token", service.settings.token(), "--batch", "2", "--seqlen", "32",
+                "--reps", "1", "--ops", "3", "--sweep-batch", "2", "--writers", "1", "--writers", "2",
+                "--json", str(out), "--plot", str(png))
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    assert not data["embedded"] and data["config"]["quick"]
+    assert [w["workload"] for w in data["workloads"]] == ["vlm-step", "text-step"]
+    for w in data["workloads"]:
+        assert {r["path"] for r in w["paths"]} == PATHS and w["bytes_stored"] > 0
+        for r in w["paths"]:
+            assert set(r["ops"]) == {"put", "get", "round trip"} and r["ops"]["put"]["reps"] == 1
+            assert r["ratio_to_raw_tq"]["put"] > 0
+        assert {b["op"] for b in w["bounds"]} == {"memcpy (warm dst)", "memcpy (fresh dst)"}
+    lat = data["latency"]
+    assert lat["workload"] == "small" and {r["path"] for r in lat["paths"]} == PATHS
+    assert all(r[op]["ops"] == 3 and r[op]["p99_ms"] >= r[op]["p50_ms"] for r in lat["paths"] for op in ("put", "get"))
+    assert [s["batch"] for s in data["sweeps"]["batch"]] == [2]
+    assert [(s["writers"], s["verified_samples"]) for s in data["sweeps"]["writers"]] == [(1, 2), (2, 2)]
+    assert len(data["targets"]) == 7 and all(t["met"] in (True, False) for t in data["targets"])
+    assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]
+    assert png.read_bytes()[:8] == PNG
+    assert "targets" in res.stdout and "raw TransferQueue" in res.stdout
+
+
+def test_bench_in_one_invocation_starts_and_stops_its_own_service(tmp_path):
+    out = tmp_path / "bench.json"
+    res = bench("--quick", "--workload", "small", "--ops", "3", "--no-sweeps", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    data = json.loads(out.read_text())
+    assert data["embedded"] and {r["path"] for r in data["latency"]["paths"]} == PATHS
+    assert "stopping the embedded service" in res.stdout
+
+
+def test_bench_unknown_path_is_an_error_naming_the_known_ones():
+    res = bench("--url", "http://127.0.0.1:9", "--path", "carrier-pigeon")
+    assert res.returncode == 1 and "carrier-pigeon" in res.stdout and "raw-tq" in res.stdout

@@ -219,6 +219,10 @@ def bench(
         None, "--url", help="Bench this running service (default: start the embedded one on a free port, stop it after)."
     ),
     token: Optional[str] = TOKEN_OPTION,
+    mooncake_url: Optional[str] = typer.Option(
+        None, "--mooncake-url", help="With --url: an rlplane app on the Mooncake backend for the rlplane-mooncake row "
+        "(same token). Embedded runs deploy one themselves.",
+    ),
     codec: bool = typer.Option(False, "--codec", help="Only the codec: encode -> in-memory transport -> decode vs memcpy, no service."),
 ) -> None:
     """Move the same batch writer process -> reader process through every path and compare.
@@ -262,7 +266,7 @@ def bench(
         if quick:
             cfg = quick_config(cfg, set(given) | ({"sweep_batches"} if not sweeps else set()))
         try:
-            results = run_bench(cfg, console, url=url, token=token)
+            results = run_bench(cfg, console, url=url, token=token, mooncake_url=mooncake_url)
         except RlplaneError as err:
             console.print(f"[red]error[/]: {err}")
             raise typer.Exit(1)

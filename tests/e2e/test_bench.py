@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-PATHS = {"rlplane-tq", "rlplane-http", "raw-tq", "ray-object-store", "legacy-pickle"}
+PATHS = {"rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "ray-object-store", "legacy-pickle"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -19,9 +19,10 @@ def bench(*args, timeout=240):
                           timeout=timeout, env=env)
 
 
-def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_and_png(service, tmp_path):
+def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_and_png(service, mooncake_service, tmp_path):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    res = bench("--quick", "--url", service.url, "--token", service.settings.token(), "--batch", "2", "--seqlen", "32",
+    res = bench("--quick", "--url", service.url, "--token", service.settings.token(), "--mooncake-url", mooncake_service.url,
+                "--batch", "2", "--seqlen", "32",
                 "--reps", "1", "--ops", "3", "--sweep-batch", "2", "--writers", "1", "--writers", "2",
                 "--json", str(out), "--plot", str(png))
     assert res.returncode == 0, res.stdout + res.stderr

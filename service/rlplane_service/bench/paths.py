@@ -43,6 +43,7 @@ class WorkerEnv:
     token: str | None
     registry: dict
     tq_info: dict | None
+    mooncake_url: str | None = None  # an rlplane app on the Mooncake backend (same token)
 
 
 @dataclass
@@ -107,7 +108,10 @@ class RlplanePath(BenchPath):
         super().__init__(env)
         import rlplane
 
-        self.client = rlplane.connect(env.url, token=env.token, transport=self.transport)
+        self.client = rlplane.connect(self.service_url(env), token=env.token, transport=self.transport)
+
+    def service_url(self, env: WorkerEnv) -> str:
+        return env.url
 
     def write(self, batch: Batch, key: str, peer: Any) -> Sent:
         t0 = time.monotonic()
@@ -140,6 +144,20 @@ class RlplaneHTTP(RlplanePath):
     transport = "http"
 
 
+class RlplaneMooncake(RlplanePath):
+    """rlplane's ``tq`` transport to a service on the Mooncake backend (TCP here; RDMA
+    on a cluster): the bytes go into the service's Mooncake segments."""
+
+    name = "rlplane-mooncake"
+    label = "rlplane (tq, mooncake)"
+    transport = "tq"
+
+    def service_url(self, env: WorkerEnv) -> str:
+        if env.mooncake_url is None:
+            raise RuntimeError("no Mooncake-backed service: pass --mooncake-url (the bench starts one when it embeds)")
+        return env.mooncake_url
+
+
 class _EncodedPath(BenchPath):
     """A path that moves the already-encoded columns (no rlplane encode, checks or decode)."""
 
@@ -167,13 +185,14 @@ class RawTQ(_EncodedPath):
 
     def __init__(self, env: WorkerEnv) -> None:
         super().__init__(env)
-        from rlplane.transports.tq import store_client
+        from rlplane.transports.tq import close_store_client, store_client
         from tensordict import TensorDict
 
         if env.tq_info is None:
             raise RuntimeError("the service publishes no TransferQueue address: raw-tq cannot run")
         self._TensorDict = TensorDict
         self.client = store_client(env.tq_info, f"bench-raw-{id(self)}")
+        self._close = close_store_client
 
     def write(self, batch: Batch, key: str, peer: Any) -> Sent:
         cols = batch.encoded.columns
@@ -197,7 +216,7 @@ class RawTQ(_EncodedPath):
         self.client.clear_partition(key)
 
     def close(self) -> None:
-        self.client.close()
+        self._close(self.client)
 
 
 class RayObjectStore(_EncodedPath):
@@ -293,7 +312,7 @@ def _as_column(value: Any) -> Column:
 
 #: Every path, in table order. Raw TransferQueue is the reference every ratio divides by.
 PATHS: dict[str, type[BenchPath]] = {
-    p.name: p for p in (RlplaneTQ, RlplaneHTTP, RawTQ, RayObjectStore, LegacyObjectArray)
+    p.name: p for p in (RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, RayObjectStore, LegacyObjectArray)
 }
 REFERENCE = RawTQ.name
 

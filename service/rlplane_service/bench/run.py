@@ -80,8 +80,24 @@ class _Pool:
         return ray.get([a.prepare.remote(asdict(s)) for a, s in zip(actors, shares)])
 
 
-def run_bench(cfg: BenchConfig, console: Console, *, url: str | None = None, token: str | None = None) -> dict:
-    """Run every measurement in ``cfg``; print the report; return machine-readable results."""
+#: The Mooncake-backed app the embedded bench deploys next to the default one.
+MOONCAKE_APP = {"name": "rlplane-bench-mooncake", "route_prefix": "/bench-mooncake",
+                "args": {"store_name": "bench-mooncake", "backend": "mooncake", "mooncake_segment_bytes": 3 << 30}}
+
+
+def run_bench(
+    cfg: BenchConfig,
+    console: Console,
+    *,
+    url: str | None = None,
+    token: str | None = None,
+    mooncake_url: str | None = None,
+) -> dict:
+    """Run every measurement in ``cfg``; print the report; return machine-readable results.
+
+    Embedded (no ``url``), the bench also deploys a Mooncake-backed app for the
+    ``rlplane-mooncake`` row; against a running service that row needs ``mooncake_url``
+    and is left out without it."""
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
@@ -96,8 +112,13 @@ def run_bench(cfg: BenchConfig, console: Console, *, url: str | None = None, tok
         service.start()
         url, token = service.url, service.settings.token()
     try:
+        if service is not None and "rlplane-mooncake" in cfg.paths:
+            mooncake_url = _deploy_mooncake(service, console)
+        if mooncake_url is None and "rlplane-mooncake" in cfg.paths:
+            console.print("[yellow]no --mooncake-url: the rlplane-mooncake row is left out[/]")
+            cfg = replace(cfg, paths=tuple(p for p in cfg.paths if p != "rlplane-mooncake"))
         own_ray = _ensure_ray(console)
-        results = _measure(cfg, console, url, token)
+        results = _measure(cfg, console, url, token, mooncake_url)
     finally:
         if own_ray:
             import ray
@@ -105,6 +126,10 @@ def run_bench(cfg: BenchConfig, console: Console, *, url: str | None = None, tok
             ray.shutdown()
         if service is not None:
             console.print("[dim]stopping the embedded service[/]")
+            if mooncake_url is not None:
+                from rlplane_service.mooncake import stop_master
+
+                stop_master(ServiceSettings(**MOONCAKE_APP["args"]))
             service.stop()
     results.update(
         config=asdict(cfg),
@@ -119,13 +144,27 @@ def run_bench(cfg: BenchConfig, console: Console, *, url: str | None = None, tok
     return results
 
 
-def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None) -> dict:
+def _deploy_mooncake(service: Any, console: Console) -> str:
+    """Deploy the Mooncake-backed app in the embedded service's cluster; return its URL."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+
+    args = dict(MOONCAKE_APP["args"], api_token=service.settings.token())
+    with console.status("deploying a Mooncake-backed rlplane (its own mooncake_master, TCP)"):
+        serve.run(build_app(args), name=MOONCAKE_APP["name"], route_prefix=MOONCAKE_APP["route_prefix"])
+    return service.url + MOONCAKE_APP["route_prefix"]
+
+
+def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mooncake_url: str | None) -> dict:
     import ray
     from rlplane.http_api import ServiceAPI
 
     api = ServiceAPI(url, token=token)
     try:
-        env = WorkerEnv(url, token, api.json("GET", "/v1/registry"), api.json("GET", "/v1/transport").get("tq"))
+        env = WorkerEnv(
+            url, token, api.json("GET", "/v1/registry"), api.json("GET", "/v1/transport").get("tq"), mooncake_url
+        )
     finally:
         api.close()
     n_writers = max(cfg.writers, default=1)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlplane.errors import TransportError
 from rlplane.transports.tq import server_info_to_dict
@@ -178,7 +179,10 @@ def _mooncake_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[
     MasterActor, UnitActor = ray_actors()
     prefix = settings.store_name
     args = settings.as_args()
-    master = MasterActor.options(name=f"{prefix}-mooncake-master", **common).remote(args)
+    # Next to the process creating the store (the Serve replica: the Ray head in the Helm
+    # chart), so the master's metrics port is where the chart's PodMonitor looks.
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    master = MasterActor.options(name=f"{prefix}-mooncake-master", scheduling_strategy=here, **common).remote(args)
     master_info = ray.get(master.info.remote(), timeout=_PING_TIMEOUT_S)
     units = {
         f"{prefix}-mooncake-unit-{i}": UnitActor.options(

@@ -114,11 +114,11 @@ class MooncakeMaster:
             f"-metrics_host={host}",
             f"-metrics_port={metrics}",
             # rlplane decides what is stored and for how long: nothing is evicted behind
-            # its back, and a cleared object's lease never blocks the removal for long.
+            # its back. A read holds its objects for the lease; clears force past it.
             "-eviction_high_watermark_ratio=1.0",
             "-eviction_ratio=0.0",
             "-allow_evict_soft_pinned_objects=false",
-            "-default_kv_lease_ttl=200",
+            f"-default_kv_lease_ttl={settings.mooncake_lease_ttl_ms}",
             "-client_ttl=30",
         ]
         with open(log_file, "wb") as out:

@@ -72,6 +72,9 @@ class ServiceSettings(BaseSettings):
     mooncake_buffer_bytes: int = Field(
         64 << 20, ge=1 << 20, description="Mooncake local transfer buffer of each client (and storage unit)."
     )
+    mooncake_lease_ttl_ms: int = Field(
+        60_000, ge=100, description="How long a read holds the objects it reads (Mooncake's kv lease); a read slower than this fails."
+    )
     mooncake_master_bin: Optional[Path] = Field(
         None, description="mooncake_master executable (default: the one beside this Python, else on PATH)."
     )

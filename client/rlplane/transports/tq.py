@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 #: How TransferQueue's Mooncake client reports Mooncake's NO_AVAILABLE_HANDLE (no segment has room).
 _MOONCAKE_NO_SPACE = re.compile(r"error codes \[[^\]]*-200\b")
+#: ...and a read that outlived its objects' lease (LEASE_EXPIRED).
+_MOONCAKE_LEASE = re.compile(r"error codes \[[^\]]*-707\b")
 
 #: Per-sample bookkeeping this transport keeps in the tags: stored bytes of every field.
 NBYTES_TAG = "_rlplane_nbytes"
@@ -290,6 +292,11 @@ class TQTransport(Transport):
                 raise StorageFullError(
                     "the Mooncake pool has no room for this write (nothing of it was kept); clear "
                     "consumed partitions, or raise RLPLANE_MOONCAKE_SEGMENT_BYTES / RLPLANE_STORAGE_UNITS"
+                ) from err
+            if self._kv and _MOONCAKE_LEASE.search(str(err)):
+                raise TransportError(
+                    "a Mooncake read took longer than the lease on its objects and was refused; read fewer "
+                    "samples per call, or raise RLPLANE_MOONCAKE_LEASE_TTL_MS on the service"
                 ) from err
             raise TransportError(f"TransferQueue call failed: {err}") from err
 

@@ -1,0 +1,49 @@
+"""How TQTransport names Mooncake's failures (the live ones are in tests/service/test_mooncake.py;
+a lease running out mid-read cannot be provoked reliably on a loaded 2-core machine)."""
+
+import pytest
+
+from rlplane import errors as E
+from rlplane.transports.tq import TQTransport
+
+
+class _Failing:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def _run_coroutine(self, coro):
+        coro.close()
+        raise RuntimeError(self.message)
+
+
+async def _noop():
+    return None
+
+
+def transport(kv: bool, message: str) -> TQTransport:
+    t = TQTransport.__new__(TQTransport)  # no store: only the error mapping is under test
+    t._kv, t._client = kv, _Failing(message)
+    return t
+
+
+@pytest.mark.parametrize(
+    "message, error, says",
+    [
+        ("batch_upsert_from failed for keys ['7@x'] with error codes [-200, -200] after retrying 3 times.",
+         E.StorageFullError, "RLPLANE_MOONCAKE_SEGMENT_BYTES"),
+        ("batch_get_into failed for keys ['64@pixel_values'] with error codes [-707, -707] after retrying 3 times.",
+         E.TransportError, "RLPLANE_MOONCAKE_LEASE_TTL_MS"),
+        ("batch_get_into failed for keys ['1@x'] with error codes [-1] after retrying 3 times.",
+         E.TransportError, "TransferQueue call failed"),
+    ],
+)
+def test_mooncake_failures_become_errors_that_say_what_to_do(message, error, says):
+    with pytest.raises(error) as err:
+        transport(True, message)._run(_noop())
+    assert says in str(err.value)
+
+
+def test_the_simple_backend_never_reports_a_full_mooncake_pool():
+    with pytest.raises(E.TransportError) as err:
+        transport(False, "with error codes [-200] after retrying")._run(_noop())
+    assert not isinstance(err.value, E.StorageFullError)

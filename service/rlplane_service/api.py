@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from contextlib import contextmanager
+import inspect
+import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -36,6 +38,8 @@ from rlplane.fields import Registry
 from rlplane.transports.base import PartitionInfo, Transport
 from rlplane_service.metrics import Ledger, OpsReport, render, store_view
 from rlplane_service.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
 
 _STATUS: list[tuple[type[E.RlplaneError], int]] = [
     (E.AuthenticationError, 401),
@@ -161,9 +165,10 @@ def build_api(state: ServiceState) -> FastAPI:
 
         return Response(await offload(scrape), media_type=CONTENT_TYPE_LATEST)
 
-    @contextmanager
-    def observed(op: str) -> Iterator[dict[str, Any]]:
-        """Count one HTTP data-path op in the ledger (set ``["nbytes"]`` on the yielded dict)."""
+    @asynccontextmanager
+    async def observed(op: str) -> AsyncIterator[dict[str, Any]]:
+        """Count one HTTP data-path op in the ledger (set ``["nbytes"]`` on the yielded dict);
+        the answer goes out once it is counted, so a scrape after it sees it."""
         event: dict[str, Any] = {"op": op, "transport": "http", "nbytes": 0, "error": None}
         start = time.perf_counter()
         try:
@@ -173,7 +178,7 @@ def build_api(state: ServiceState) -> FastAPI:
             raise
         finally:
             event["seconds"] = time.perf_counter() - start
-            state.ledger.record([event])
+            await _counted(state.ledger.record([event]))
 
     # -- registry --------------------------------------------------------------------
     @v1.get("/registry", tags=["registry"])
@@ -211,13 +216,13 @@ def build_api(state: ServiceState) -> FastAPI:
     @v1.delete("/partitions/{partition}", tags=["partitions"])
     async def delete_partition(partition: str) -> dict[str, Any]:
         """Drop every sample of the partition."""
-        with observed("delete_partition"):
+        async with observed("delete_partition"):
             return {"partition": partition, "cleared": await offload(transport.clear, partition, None)}
 
     @v1.post("/partitions/{partition}/clear", tags=["partitions"])
     async def clear_samples(partition: str, body: ClearRequest) -> dict[str, Any]:
         """Drop the given samples of the partition."""
-        with observed("clear"):
+        async with observed("clear"):
             return {"partition": partition, "cleared": await offload(transport.clear, partition, body.sample_ids)}
 
     # -- data path -------------------------------------------------------------------
@@ -237,7 +242,7 @@ def build_api(state: ServiceState) -> FastAPI:
 
         Checked against the registry first; a body that fails stores nothing.
         """
-        with observed("put_samples" if create else "write_columns") as event:
+        async with observed("put_samples" if create else "write_columns") as event:
             body = await _read_body(request, state.settings.max_request_bytes)
             stored, event["nbytes"] = await offload(_check_and_store, registry, transport, partition, body, create)
         return {"partition": partition, "stored": stored, "nbytes": len(body)}
@@ -245,7 +250,7 @@ def build_api(state: ServiceState) -> FastAPI:
     @v1.post("/data/{partition}/get", tags=["data"])
     async def get(partition: str, body: GetRequest) -> Response:
         """Every requested (sample, field) as an rlplane envelope, or 404 naming what is missing."""
-        with observed("read_columns") as event:
+        async with observed("read_columns") as event:
             for name in body.fields:
                 registry.get(name)
             columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields)
@@ -257,7 +262,7 @@ def build_api(state: ServiceState) -> FastAPI:
     async def report_ops(body: OpsReport) -> dict[str, Any]:
         """Ops a tq client did straight against the store, for ``/metrics`` (see ``Client.report_ops``)."""
         events = [e.model_dump() for e in body.events]
-        state.ledger.record(events)
+        await _counted(state.ledger.record(events))
         return {"received": len(events)}
 
     @v1.get("/status", tags=["status"])
@@ -302,6 +307,17 @@ def _check_and_store(
     check_columns(registry, columns, tags, sample_ids=ids)
     transport.put(partition, ids, columns, tags, create=create)
     return len(ids), sum(col.nbytes for col in columns.values())
+
+
+async def _counted(pending: Any) -> None:
+    """Wait for a ledger record when it is asynchronous (the Ray actor's ObjectRef);
+    metrics never fail a request."""
+    if pending is None or not inspect.isawaitable(pending):
+        return
+    try:
+        await asyncio.wait_for(pending, timeout=5.0)
+    except Exception as err:  # noqa: BLE001 - a lost count must not fail the caller's op
+        log.warning("an op was not counted in the metrics ledger: %s", err)
 
 
 async def _read_body(request: Request, limit: int) -> bytearray:

@@ -53,13 +53,13 @@ class RlplaneService:
 
 class LedgerProxy:
     """The store's shared op ledger (a Ray actor), as :class:`ServiceState` uses it:
-    records go out without waiting; a snapshot waits for every earlier record of this replica."""
+    ``record`` returns the call's ObjectRef (the API awaits it), ``snapshot`` blocks."""
 
     def __init__(self, actor: Any) -> None:
         self._actor = actor
 
-    def record(self, events: list[dict[str, Any]]) -> None:
-        self._actor.record.remote(events)
+    def record(self, events: list[dict[str, Any]]) -> Any:
+        return self._actor.record.remote(events)
 
     def snapshot(self) -> dict[str, Any]:
         return ray.get(self._actor.snapshot.remote(), timeout=10)

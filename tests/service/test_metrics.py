@@ -131,3 +131,33 @@ def test_every_metric_the_dashboard_and_rules_query_is_exported(service, mooncak
     assert "rlplane_storage_unit_samples" in simple and "rlplane_storage_unit_samples" not in mooncake  # see store_view
     assert simple | mooncake == set(METRICS)
     assert dashboard_metric_names(ROOT / "deploy" / "grafana" / "rlplane.json") <= simple | mooncake
+
+
+@pytest.fixture(scope="module")
+def two_replicas(service):
+    """An app with two Serve replicas over one store (no token)."""
+    from ray import serve
+
+    from rlplane_service.app import RlplaneService
+
+    serve.run(RlplaneService.options(num_replicas=2).bind({"store_name": "two", "storage_units": 1}),
+              name="rlplane-two", route_prefix="/two")
+    try:
+        yield f"{service.url}/two"
+    finally:
+        serve.delete("rlplane-two")
+
+
+def test_every_replica_reports_the_same_counts(two_replicas):
+    """Ops are counted in one ledger per store, not per replica: however Serve spreads the
+    puts and the scrapes over the two replicas, every scrape sees all of them."""
+    p = f"m-{uuid.uuid4().hex[:8]}"
+    before = value(scrape(two_replicas), "rlplane_ops_total", op="put_samples", transport="http", status="ok")
+    with rlplane.connect(two_replicas, transport="http") as client:
+        for i in range(6):
+            client.put_samples(p, batch(1), sample_ids=[f"s{i}"])
+    seen = {value(scrape(two_replicas), "rlplane_ops_total", op="put_samples", transport="http", status="ok") - before
+            for _ in range(10)}
+    assert seen == {6}
+    with rlplane.connect(two_replicas, transport="http") as client:
+        client.clear(p)

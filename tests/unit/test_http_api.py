@@ -190,3 +190,29 @@ def test_settings_come_from_rlplane_env_and_args_win(monkeypatch):
     assert ServiceSettings(storage_units=3).storage_units == 3
     with pytest.raises(ValueError):
         ServiceSettings(storage_unitz=3)
+
+
+def test_metrics_count_http_ops_and_reported_tq_ops_in_process(served):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, http, client = served
+    fields = batch()
+    meta = client.put_samples("p", fields)
+    with pytest.raises(E.MissingDataError):
+        client.read_columns(meta, ["prev_logprobs"])
+    report = {"events": [{"op": "read_columns", "transport": "tq", "seconds": 0.2, "nbytes": 7, "error": None}]}
+    bare = TestClient(http.app, base_url="http://rlplane.test")
+    assert bare.post("/v1/metrics/report", json=report).status_code == 401  # reports need the token; /metrics does not
+    assert http.post("/v1/metrics/report", json=report).json() == {"received": 1}
+    text = bare.get("/metrics").text
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    nbytes = encode(default_registry(), fields, fields["input_lengths"]).nbytes
+    assert got[("rlplane_ops_total", (("op", "put_samples"), ("status", "ok"), ("transport", "http")))] == 1
+    assert got[("rlplane_ops_total", (("op", "read_columns"), ("status", "error"), ("transport", "http")))] == 1
+    assert got[("rlplane_transferred_bytes_total", (("direction", "in"), ("op", "put_samples"), ("transport", "http")))] == nbytes
+    assert got[("rlplane_transferred_bytes_total", (("direction", "out"), ("op", "read_columns"), ("transport", "tq")))] == 7
+    assert got[("rlplane_op_duration_seconds_bucket", (("le", "0.25"), ("op", "read_columns"), ("transport", "tq")))] == 1
+    assert got[("rlplane_op_duration_seconds_bucket", (("le", "0.1"), ("op", "read_columns"), ("transport", "tq")))] == 0
+    assert got[("rlplane_errors_total", (("op", "read_columns"), ("type", "MissingDataError")))] == 1
+    assert got[("rlplane_partition_samples", (("partition", "p"),))] == 3
+    assert got[("rlplane_partition_bytes", (("partition", "p"),))] == nbytes

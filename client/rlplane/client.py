@@ -31,6 +31,7 @@ from rlplane.errors import InvalidArgumentError, MissingDataError, ShapeError
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.meta import SampleMeta
 from rlplane.opstats import OpStats
+from rlplane.scratch import Scratch
 from rlplane.transports.base import Transport
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,12 @@ REPORT_EVERY_S = 5.0
 class Client:
     """Put and read declared fields through a transport (see the module docstring)."""
 
-    def __init__(self, registry: Registry, transport: Transport, *, service: Any = None) -> None:
+    def __init__(self, registry: Registry, transport: Transport, *, service: Any = None, reuse_buffers: bool = True) -> None:
         self.registry = registry
         self.transport = transport
+        # Encode buffers kept from one put to the next (see rlplane.scratch): the second and
+        # later puts skip the page faults of fresh memory. reuse_buffers=False frees them.
+        self._scratch = Scratch() if reuse_buffers else None
         self._service = service  # the ServiceAPI when made by rlplane.connect; closed with the client
         self.ops = OpStats(transport.name)
         self._last_report = time.monotonic()
@@ -75,10 +79,11 @@ class Client:
                 raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
             lengths = self._lengths(fields, batch)
             user = _user_tags(tags, batch, ids)
-            enc = encode(self.registry, fields, lengths, sample_ids=ids)
-            merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
-            self.transport.put(partition, ids, enc.columns, merged, create=True)
-            op.nbytes = enc.nbytes
+            with self._buffers() as alloc:
+                enc = encode(self.registry, fields, lengths, sample_ids=ids, alloc=alloc)
+                merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
+                self.transport.put(partition, ids, enc.columns, merged, create=True)
+                op.nbytes = enc.nbytes
         stored_lengths = lengths.tolist() if lengths is not None else [0] * batch
         return SampleMeta(partition, ids, stored_lengths, frozenset(enc.columns), merged)
 
@@ -94,11 +99,12 @@ class Client:
             given = self._lengths(fields, len(meta))
             if given is not None and not torch.equal(given, lengths):
                 raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
-            enc = encode(self.registry, fields, lengths, sample_ids=meta.sample_ids)
-            if not enc.columns:
-                return meta
-            self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
-            op.nbytes = enc.nbytes
+            with self._buffers() as alloc:
+                enc = encode(self.registry, fields, lengths, sample_ids=meta.sample_ids, alloc=alloc)
+                if not enc.columns:
+                    return meta
+                self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
+                op.nbytes = enc.nbytes
         return meta.with_fields(enc.columns, enc.tags)
 
     # -- reading ---------------------------------------------------------------------
@@ -200,6 +206,14 @@ class Client:
         self.transport.close()
         if self._service is not None:
             self._service.close()
+
+    @contextmanager
+    def _buffers(self) -> Iterator[Any]:
+        if self._scratch is None:
+            yield None
+        else:
+            with self._scratch.lease() as alloc:
+                yield alloc
 
     @contextmanager
     def _op(self, name: str) -> Iterator[Any]:

@@ -37,6 +37,7 @@ from rlplane.errors import (
 )
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry
 from rlplane.packed import PackedTensor
+from rlplane.scratch import Alloc
 
 #: Reserved key in each sample's tags: ``{field: geometry}`` for every field written.
 #: Geometry is a shape list for dense and object fields and
@@ -86,12 +87,14 @@ def encode(
     lengths: Sequence[int] | torch.Tensor | None = None,
     *,
     sample_ids: Sequence[Any] | None = None,
+    alloc: Alloc | None = None,
 ) -> Encoded:
     """Validate ``fields`` against ``registry`` and encode them for the wire.
 
     ``lengths`` (one per sample) is required when a token field is present. ``None``
     values and packed fields whose rows are all empty are not written. ``sample_ids``
-    only name samples in errors. Columns may share memory with the inputs.
+    only name samples in errors. Columns may share memory with the inputs. ``alloc``
+    supplies the buffers packed fields are copied into (:class:`rlplane.scratch.Scratch`).
 
     Example::
 
@@ -109,7 +112,7 @@ def encode(
         if value is None:
             continue
         spec = registry.get(name)
-        out = _ENCODERS[(spec.alignment, spec.container)](spec, value, lens, batch, ids)
+        out = _ENCODERS[(spec.alignment, spec.container)](spec, value, lens, batch, ids, alloc)
         if out is None:
             continue
         columns[name], geoms[name] = out
@@ -157,13 +160,15 @@ def _cast(spec: FieldSpec, t: torch.Tensor) -> torch.Tensor:
     return t if target == t.dtype else t.to(target)
 
 
-def _encode_sample_dense(spec: FieldSpec, value: torch.Tensor, lens, batch: int, ids) -> tuple[Column, list[Any]]:
+def _encode_sample_dense(spec: FieldSpec, value: torch.Tensor, lens, batch: int, ids, alloc) -> tuple[Column, list[Any]]:
     shape = list(value.shape[1:])
     col = Column.uniform(_cast(spec, value), batch)
     return col, [list(shape) for _ in range(batch)]
 
 
-def _encode_token_dense(spec: FieldSpec, value: torch.Tensor, lens: torch.Tensor, batch: int, ids) -> tuple[Column, list[Any]]:
+def _encode_token_dense(
+    spec: FieldSpec, value: torch.Tensor, lens: torch.Tensor, batch: int, ids, alloc
+) -> tuple[Column, list[Any]]:
     rest = list(value.shape[2:])
     if value.is_nested:
         offsets = value.offsets().to("cpu", torch.int64)
@@ -204,8 +209,9 @@ def _encode_token_dense(spec: FieldSpec, value: torch.Tensor, lens: torch.Tensor
     return col, [[n, *rest] for n in lens.tolist()]
 
 
-def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids) -> tuple[Column, list[Any]] | None:
-    values, row_numels, shapes = value.flatten(spec.wire_dtype)
+def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids, alloc) -> tuple[Column, list[Any]] | None:
+    into = (lambda numel, dtype: alloc(spec.name, numel, dtype)) if alloc is not None else None
+    values, row_numels, shapes = value.flatten(spec.wire_dtype, alloc=into)
     if values is None:
         return None  # every row empty: nothing to write
     col = Column(values, offsets_from_numels(row_numels))
@@ -213,7 +219,7 @@ def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int,
     return col, [{"d": d, "p": p, "s": s} for s in shapes]
 
 
-def _encode_sample_object(spec: FieldSpec, value: list[Any], lens, batch: int, ids) -> tuple[Column, list[Any]]:
+def _encode_sample_object(spec: FieldSpec, value: list[Any], lens, batch: int, ids, alloc) -> tuple[Column, list[Any]]:
     blobs = []
     for i, item in enumerate(value):
         try:

@@ -17,7 +17,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -194,11 +194,15 @@ class PackedTensor:
         return torch.cat(segs, dim=d)
 
     # -- wire form -------------------------------------------------------------------
-    def flatten(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, list[int], Shapes]:
+    def flatten(
+        self, dtype: torch.dtype | None = None, *, alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor | None, list[int], Shapes]:
         """One contiguous 1-D buffer of every row's flattened segments, in one copy.
 
         Returns ``(values, row_numels, shapes)``; ``values`` is None when every row is
         empty. Floating segments are cast to ``dtype`` (when given) in the same pass.
+        ``alloc(numel, dtype)`` supplies the buffer (e.g. a reused one; see
+        :class:`rlplane.codec.Scratch`); default: a new tensor.
         """
         shapes = self.shapes()
         row_numels = [sum(s.numel() for s in row) for row in self._rows]
@@ -206,7 +210,10 @@ class PackedTensor:
         if not segs:
             return None, row_numels, shapes
         out_dtype = dtype if dtype is not None and segs[0].is_floating_point() else segs[0].dtype
-        values = torch.empty(sum(row_numels), dtype=out_dtype, device=segs[0].device)
+        if alloc is not None and segs[0].device.type == "cpu":
+            values = alloc(sum(row_numels), out_dtype)
+        else:
+            values = torch.empty(sum(row_numels), dtype=out_dtype, device=segs[0].device)
         # One copy_ per segment (each vectorised and threaded): measured 1.5x faster than
         # torch.cat(out=) when the copy also casts (24 vs 36 ms on vlm-step pixel_values).
         offset = 0

@@ -46,6 +46,17 @@ def test_full_vlm_batch_round_trips_bit_exactly(live, vlm, transport):
         assert client.clear(p) == 64
 
 
+@pytest.mark.parametrize("transport", ["tq", "http"])
+def test_a_client_reusing_its_encode_buffers_never_changes_what_it_stored(live, transport):
+    with rlplane.connect(live.url, token=live.token, transport=transport) as client:
+        metas = [client.put_samples(part(), vlm_step(4, 64, seed=seed).fields) for seed in (1, 2)]
+        for meta, seed in zip(metas, (1, 2)):
+            w = vlm_step(4, 64, seed=seed)
+            got = client.read_columns(meta, list(w.fields))
+            assert diff_fields(client.registry, w.fields, got, w.lengths, sample_ids=meta.sample_ids) == []
+            client.clear(meta.partition)
+
+
 def test_auto_picks_the_direct_path_when_the_store_is_reachable(live):
     with rlplane.connect(live.url, token=live.token) as client:
         assert client.transport.name == "tq"

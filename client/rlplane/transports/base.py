@@ -56,7 +56,9 @@ class Transport(ABC):
         *,
         create: bool,
     ) -> None:
-        """Store ``columns`` (one row per sample id) and merge ``tags`` into each sample's tags."""
+        """Store ``columns`` (one row per sample id) and merge ``tags`` into each sample's tags.
+
+        Keeps no reference to ``columns`` once it returns (the client reuses their buffers)."""
 
     @abstractmethod
     def get(

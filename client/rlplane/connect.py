@@ -40,12 +40,14 @@ def connect(
     token: str | None = None,
     transport: str = "auto",
     timeout: float = 300.0,
+    reuse_buffers: bool = True,
 ) -> Client:
     """A :class:`~rlplane.client.Client` for the service at ``url`` (see the module docstring).
 
     ``token`` defaults to the ``RLPLANE_API_TOKEN`` environment variable. Raises
     TransportError when the service is unreachable or the asked-for transport is not
-    available, AuthenticationError on a missing or wrong token.
+    available, AuthenticationError on a missing or wrong token. ``reuse_buffers``: see
+    :class:`~rlplane.client.Client` (encode buffers kept between puts).
 
     Example::
 
@@ -65,7 +67,7 @@ def connect(
         api.close()
         raise
     log.info("connected to %s: %d fields, transport %s", url, len(registry.names()), chosen.name)
-    return Client(registry, chosen, service=api)
+    return Client(registry, chosen, service=api, reuse_buffers=reuse_buffers)
 
 
 def _transport(api: ServiceAPI, described: dict, wanted: str) -> Transport:

@@ -50,6 +50,29 @@ class ServiceAPI:
             return response
         raise self._error(response, f"{method} {path}")
 
+    def read_into(self, method: str, path: str, **kwargs: Any) -> bytearray:
+        """A data call whose answer is streamed into one writable buffer (sized by the
+        answer's Content-Length: no joining of chunks, no second copy)."""
+        try:
+            with self._http.stream(method, path, **kwargs) as response:
+                if not response.is_success:
+                    response.read()
+                    raise self._error(response, f"{method} {path}")
+                size = response.headers.get("content-length")
+                out = bytearray(int(size)) if size and size.isdigit() else bytearray()
+                pos = 0
+                for chunk in response.iter_raw():
+                    if pos + len(chunk) > len(out):
+                        out[pos:] = chunk  # longer than declared (or undeclared): grow
+                    else:
+                        out[pos : pos + len(chunk)] = chunk
+                    pos += len(chunk)
+        except httpx.HTTPError as err:
+            raise TransportError(f"{method} {self.url}{path} failed: {err}. Is the service running (rlplane serve)?") from err
+        if pos != len(out):
+            raise TransportError(f"{method} {path}: the answer ended after {pos} of {len(out)} bytes")
+        return out
+
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         """A control-plane call; returns the decoded JSON."""
         return self.request(method, path, **kwargs).json()

@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
 
 import rlplane
 from rlplane import errors as E
 from rlplane.codec import check_columns
-from rlplane.envelope import CONTENT_TYPE, pack, unpack
+from rlplane.envelope import CONTENT_TYPE, pack_parts, unpack
 from rlplane.fields import Registry
 from rlplane.transports.base import PartitionInfo, Transport
 from rlplane_service.metrics import Ledger, OpsReport, render, store_view
@@ -254,9 +254,11 @@ def build_api(state: ServiceState) -> FastAPI:
             for name in body.fields:
                 registry.get(name)
             columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields)
-            payload = await offload(pack, {"tags": tags}, columns)
+            parts = await offload(pack_parts, {"tags": tags}, columns)
             event["nbytes"] = sum(col.nbytes for col in columns.values())
-        return Response(payload, media_type=CONTENT_TYPE)
+        # Streamed in pieces: no joined copy of the whole answer in fresh memory.
+        size = sum(len(p) for p in parts)
+        return StreamingResponse(_chunks(parts), media_type=CONTENT_TYPE, headers={"Content-Length": str(size)})
 
     @v1.post("/metrics/report", tags=["status"])
     async def report_ops(body: OpsReport) -> dict[str, Any]:
@@ -307,6 +309,15 @@ def _check_and_store(
     check_columns(registry, columns, tags, sample_ids=ids)
     transport.put(partition, ids, columns, tags, create=create)
     return len(ids), sum(col.nbytes for col in columns.values())
+
+
+async def _chunks(parts: list[Any], chunk: int = 4 << 20) -> AsyncIterator[bytes]:
+    """The answer in pieces of at most ``chunk`` bytes. Bytes, not views: Ray Serve pickles
+    each streamed piece on its way to the proxy, and a memoryview does not pickle."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), chunk):
+            yield bytes(view[start : start + chunk])
 
 
 async def _counted(pending: Any) -> None:

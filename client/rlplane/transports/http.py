@@ -13,14 +13,28 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 from urllib.parse import quote
 
 from rlplane.column import Column
-from rlplane.envelope import CONTENT_TYPE, pack, unpack
+from rlplane.envelope import CONTENT_TYPE, pack_parts, unpack
 from rlplane.errors import MissingDataError, WireFormatError
 from rlplane.http_api import ServiceAPI
 from rlplane.transports.base import PartitionInfo, Transport, check_put
+
+
+#: Body pieces handed to the HTTP client at most this big. httpx sends a ``bytes`` body by
+#: re-slicing what is left after every socket send (a copy each time: quadratic in the
+#: body size; a 168 MB put spent >50% of its 1.3 s there); views of 1 MiB keep that small.
+_CHUNK = 1 << 20
+
+
+def _chunks(parts: Sequence[bytes | memoryview]) -> Iterator[memoryview]:
+    """The body as views of at most ``_CHUNK`` bytes (no copy of the columns)."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), _CHUNK):
+            yield view[start : start + _CHUNK]
 
 
 def _p(partition: str) -> str:
@@ -45,22 +59,22 @@ class HttpTransport(Transport):
         create: bool,
     ) -> None:
         check_put(sample_ids, columns, tags)
-        body = pack({"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}, columns)
+        parts = pack_parts({"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}, columns)
         self.api.request(
             "POST",
             f"/v1/data/{_p(partition)}/put",
             params={"create": "true" if create else "false"},
-            content=body,
-            headers={"Content-Type": CONTENT_TYPE},
+            content=_chunks(parts),
+            headers={"Content-Type": CONTENT_TYPE, "Content-Length": str(sum(len(p) for p in parts))},
         )
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
-        response = self.api.request(
+        body = self.api.read_into(
             "POST", f"/v1/data/{_p(partition)}/get", json={"sample_ids": list(sample_ids), "fields": list(fields)}
         )
-        header, columns = unpack(bytearray(response.content))
+        header, columns = unpack(body)
         tags = header.get("tags")
         if not isinstance(tags, list) or len(tags) != len(sample_ids):
             raise WireFormatError(f"the service returned tags for {len(tags or [])} of {len(sample_ids)} samples")

@@ -221,20 +221,24 @@ def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None) ->
 
 
 def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, ...], progress: Progress) -> dict:
-    """Warm-up (checked) + ``reps`` timed moves of ``share`` through each path."""
+    """A checked warm-up move through every path, then ``reps`` rounds of one timed move
+    per path. Rounds, not one path after the other: whichever path ran first used to
+    pay for the machine settling (its reads were 2-3x slower, whichever path it was)."""
     task = progress.add_task(f"{share.workload} B={share.batch}: preparing", total=len(paths) * (cfg.reps + 1))
     nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
-    rows = []
-    for path in paths:
-        progress.update(task, description=f"{share.workload} B={share.batch}: {PATHS[path].label}")
-        put = Phase("put", share.batch, nbytes)
-        get = Phase("get", share.batch, nbytes)
-        for rep in range(cfg.reps + 1):
+    puts = {path: Phase("put", share.batch, nbytes) for path in paths}
+    gets = {path: Phase("get", share.batch, nbytes) for path in paths}
+    for rep in range(cfg.reps + 1):
+        progress.update(task, description=f"{share.workload} B={share.batch}: {'warm-up' if rep == 0 else f'round {rep}'}")
+        for path in paths:
             p, g = _move(pool, path, _key(path, rep), verify=rep == 0)
             if rep:
-                put.seconds.append(p)
-                get.seconds.append(g)
+                puts[path].seconds.append(p)
+                gets[path].seconds.append(g)
             progress.advance(task)
+    rows = []
+    for path in paths:
+        put, get = puts[path], gets[path]
         trip = Phase("round trip", share.batch, nbytes, [a + b for a, b in zip(put.seconds, get.seconds)])
         rows.append({"path": path, "label": PATHS[path].label, "ops": {ph.op: ph.to_dict() for ph in (put, get, trip)}})
     progress.remove_task(task)
@@ -257,18 +261,17 @@ def _latency(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     share = _share(cfg, LATENCY_WORKLOAD, None)
     nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
     task = progress.add_task(f"{share.workload} latency", total=len(cfg.paths) * (cfg.ops + 1))
-    rows = []
-    for path in cfg.paths:
-        progress.update(task, description=f"{share.workload} latency: {PATHS[path].label}")
-        put: list[float] = []
-        get: list[float] = []
-        for op in range(cfg.ops + 1):
+    put: dict[str, list[float]] = {path: [] for path in cfg.paths}
+    get: dict[str, list[float]] = {path: [] for path in cfg.paths}
+    for op in range(cfg.ops + 1):  # in rounds, like _throughput
+        for path in cfg.paths:
             p, g = _move(pool, path, _key(path, op), verify=op == 0)
             if op:
-                put.append(p)
-                get.append(g)
+                put[path].append(p)
+                get[path].append(g)
             progress.advance(task)
-        rows.append({"path": path, "label": PATHS[path].label, "put": _percentiles(put), "get": _percentiles(get)})
+    rows = [{"path": path, "label": PATHS[path].label, "put": _percentiles(put[path]), "get": _percentiles(get[path])}
+            for path in cfg.paths]
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
             "ops": cfg.ops, "paths": rows}

@@ -19,7 +19,7 @@ Example::
 from __future__ import annotations
 
 import struct
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import msgpack
 import torch
@@ -78,6 +78,18 @@ def pack_parts(header: Mapping[str, Any], columns: Mapping[str, Column] | None =
     for raw in buffers:
         parts += [raw, bytes(_pad(raw.nbytes))]
     return parts
+
+
+def chunked(parts: Sequence[bytes | memoryview], size: int) -> Iterator[memoryview]:
+    """``parts`` (e.g. :func:`pack_parts`) as views of at most ``size`` bytes, no copy:
+    for streaming a body in pieces.
+
+    Example: ``b"".join(chunked([b"abc", b"de"], 2)) == b"abcde"``.
+    """
+    for part in parts:
+        view = memoryview(part).cast("B")
+        for start in range(0, len(view), size):
+            yield view[start : start + size]
 
 
 def unpack(body: bytearray | memoryview | bytes) -> tuple[dict[str, Any], dict[str, Column]]:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 import rlplane
 from rlplane import errors as E
 from rlplane.codec import check_columns
-from rlplane.envelope import CONTENT_TYPE, pack_parts, unpack
+from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
 from rlplane.transports.base import PartitionInfo, Transport
 from rlplane_service.metrics import Ledger, OpsReport, render, store_view
@@ -314,10 +314,8 @@ def _check_and_store(
 async def _chunks(parts: list[Any], chunk: int = 4 << 20) -> AsyncIterator[bytes]:
     """The answer in pieces of at most ``chunk`` bytes. Bytes, not views: Ray Serve pickles
     each streamed piece on its way to the proxy, and a memoryview does not pickle."""
-    for part in parts:
-        view = memoryview(part).cast("B")
-        for start in range(0, len(view), chunk):
-            yield bytes(view[start : start + chunk])
+    for view in chunked(parts, chunk):
+        yield bytes(view)
 
 
 async def _counted(pending: Any) -> None:

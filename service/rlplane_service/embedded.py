@@ -135,6 +135,15 @@ class EmbeddedService:
         self.stop()
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free on ``host`` right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def _answers(url: str) -> bool:
     try:
         httpx.get(f"{url}/healthz", timeout=1.0)

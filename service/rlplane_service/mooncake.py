@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from typing import Any
 import httpx
 
 from rlplane.errors import TransportError
+from rlplane_service.embedded import free_port
 from rlplane_service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -63,13 +63,6 @@ def master_binary(settings: ServiceSettings) -> str:
         "backend 'mooncake' needs the mooncake_master executable: pip install 'rlplane[mooncake]' "
         "(or set RLPLANE_MOONCAKE_MASTER_BIN)"
     )
-
-
-def free_port(host: str) -> int:
-    """A port that is free on ``host`` right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -247,4 +240,4 @@ def ray_actors() -> tuple[Any, Any]:
     return MooncakeMasterActor, MooncakeUnitActor
 
 
-__all__ = ["MasterInfo", "MooncakeMaster", "free_port", "master_binary", "mount_segment", "ray_actors", "stop_master"]
+__all__ = ["MasterInfo", "MooncakeMaster", "master_binary", "mount_segment", "ray_actors", "stop_master"]

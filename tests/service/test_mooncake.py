@@ -84,7 +84,7 @@ def test_dp_ranks_in_separate_processes_each_get_their_own_engine(mooncake_servi
 def test_an_unreachable_master_is_a_typed_error_within_seconds(mooncake_service):
     info = transport_info(mooncake_service)
     host = info["mooncake"]["master_address"].rsplit(":", 1)[0]
-    from rlplane_service.mooncake import free_port
+    from rlplane_service.embedded import free_port
 
     info["mooncake"]["master_address"] = f"{host}:{free_port(host)}"  # nobody listens there
     start = time.monotonic()

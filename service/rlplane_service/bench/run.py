@@ -98,7 +98,7 @@ def run_bench(
     Embedded (no ``url``), the bench also deploys a Mooncake-backed app for the
     ``rlplane-mooncake`` row; against a running service that row needs ``mooncake_url``
     and is left out without it."""
-    from rlplane_service.embedded import EmbeddedService
+    from rlplane_service.embedded import EmbeddedService, free_port
     from rlplane_service.settings import ServiceSettings
 
     unknown = [p for p in cfg.paths if p not in PATHS]
@@ -108,7 +108,7 @@ def run_bench(
     service = None
     own_ray = False
     if url is None:
-        service = EmbeddedService(ServiceSettings(port=_free_port()), say=lambda m: console.print(f"[dim]{m}[/]"))
+        service = EmbeddedService(ServiceSettings(port=free_port()), say=lambda m: console.print(f"[dim]{m}[/]"))
         service.start()
         url, token = service.url, service.settings.token()
     try:
@@ -334,10 +334,4 @@ def _ensure_ray(console: Console) -> bool:
     return True
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 

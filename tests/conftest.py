@@ -30,10 +30,15 @@ class Live:
     backend: str
     app: str  # the Serve application name
 
+    @property
+    def direct(self) -> str:
+        """The name of this backend's direct transport."""
+        return "native" if self.backend == "native" else "tq"
+
 
 @pytest.fixture(scope="session")
 def service():
-    """The embedded service on a free loopback port, with an API token."""
+    """The embedded service (default backend: native) on a free loopback port, with an API token."""
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
@@ -43,6 +48,26 @@ def service():
         yield svc
     finally:
         svc.stop()
+
+
+SIMPLE_ARGS = {"store_name": "tq", "backend": "simple", "storage_units": 2, "api_token": TOKEN}
+
+
+@pytest.fixture(scope="session")
+def simple_service(service):
+    """A second app in the session's cluster on the TransferQueue backend, at /tq."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+    from rlplane_service.settings import ServiceSettings
+    from rlplane_service.store import Store
+
+    serve.run(build_app(SIMPLE_ARGS), name="rlplane-tq", route_prefix="/tq")
+    try:
+        yield Live(f"{service.url}/tq", TOKEN, "simple", "rlplane-tq")
+    finally:
+        serve.delete("rlplane-tq")
+        Store.attach_or_create(ServiceSettings(**SIMPLE_ARGS)).destroy()
 
 
 MOONCAKE_ARGS = {"store_name": "mc", "backend": "mooncake", "storage_units": 2, "mooncake_segment_bytes": 1 << 30,
@@ -88,9 +113,9 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="session", params=["simple", "mooncake"])
+@pytest.fixture(scope="session", params=["native", "simple", "mooncake"])
 def live(request, service):
     """The live service on each storage backend."""
-    if request.param == "simple":
-        return Live(service.url, TOKEN, "simple", "rlplane")
-    return request.getfixturevalue("mooncake_service")
+    if request.param == "native":
+        return Live(service.url, TOKEN, "native", "rlplane")
+    return request.getfixturevalue(f"{request.param}_service")

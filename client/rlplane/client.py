@@ -185,11 +185,11 @@ class Client:
         }
 
     def report_ops(self) -> None:
-        """Hand the ops done since the last report to the service's ``/metrics`` (tq only:
-        the service counts http ops itself). Never raises; a failed report is retried
+        """Hand the ops done since the last report to the service's ``/metrics`` (direct
+        transports only: the service counts http ops itself). Never raises; a failed report is retried
         with the next one. Runs by itself every few seconds and on :meth:`close`."""
         self._last_report = time.monotonic()
-        if self._service is None or self.transport.name != "tq":
+        if self._service is None or self.transport.name not in ("native", "tq"):
             return
         events = self.ops.drain()
         if not events:

@@ -3,11 +3,17 @@
 The client fetches the service's field registry, asks how to reach the data path
 (``GET /v1/transport``) and picks a transport:
 
-- ``"tq"``: straight to the TransferQueue storage units over ZMQ (bulk bytes never
-  touch the HTTP proxy). Needs the ``transfer_queue`` package and a route to the units.
+- ``"native"``: straight to the native engine's controller and storage units over ZMQ
+  (the default backend; needs only ``pyzmq`` and a route to the units).
+- ``"tq"``: straight to TransferQueue storage units or Mooncake (backends ``simple`` and
+  ``mooncake``). Needs the ``transfer_queue`` package and a route to the store.
+- ``"direct"``: whichever of those two the service publishes.
 - ``"http"``: through the service's binary data endpoints. Works wherever the URL does.
-- ``"auto"`` (default): ``tq`` when it is installed and the store answers within a
-  second, else ``http``. ``client.transport.name`` says which was chosen.
+- ``"auto"`` (default): the direct path when its package is installed and the store
+  answers within a second, else ``http``. ``client.transport.name`` says which was chosen.
+
+Bulk bytes never touch the HTTP proxy on a direct path. Every call has a deadline
+(``timeout``, seconds).
 
 No Ray cluster and no ``ray.init`` are needed in the calling process.
 
@@ -19,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 
@@ -30,7 +37,9 @@ from rlplane.transports.base import Transport
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "tq", "http")
+TRANSPORTS = ("auto", "direct", "native", "tq", "http")
+#: Direct data paths a service may publish at /v1/transport: key -> (module with ``reachable``, package it needs).
+DIRECT = {"native": ("rlplane.transports.native", "zmq"), "tq": ("rlplane.transports.tq", "transfer_queue")}
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
@@ -39,7 +48,7 @@ def connect(
     *,
     token: str | None = None,
     transport: str = "auto",
-    timeout: float = 300.0,
+    timeout: float = 60.0,
     reuse_buffers: bool = True,
 ) -> Client:
     """A :class:`~rlplane.client.Client` for the service at ``url`` (see the module docstring).
@@ -62,7 +71,7 @@ def connect(
     try:
         registry = Registry.from_dict(api.json("GET", "/v1/registry"))
         described = api.json("GET", "/v1/transport")
-        chosen = _transport(api, described, transport)
+        chosen = _transport(api, described, transport, timeout)
     except BaseException:
         api.close()
         raise
@@ -70,27 +79,41 @@ def connect(
     return Client(registry, chosen, service=api, reuse_buffers=reuse_buffers)
 
 
-def _transport(api: ServiceAPI, described: dict, wanted: str) -> Transport:
+def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float) -> Transport:
     from rlplane.transports.http import HttpTransport
 
-    tq_info = described.get("tq")
     if wanted == "http":
         return HttpTransport(api)
-    if wanted == "tq" and not tq_info:
-        raise TransportError("this service publishes no TransferQueue address; connect with transport='http'")
+    published = [k for k in DIRECT if described.get(k)]
+    if wanted in DIRECT and wanted not in published:
+        raise TransportError(f"this service publishes no {wanted!r} data path (it offers {published or 'http only'}); "
+                             "connect with transport='direct' or 'http'")
+    kind = wanted if wanted in DIRECT else (published[0] if published else None)
+    if kind is None:
+        if wanted == "direct":
+            raise TransportError("this service publishes no direct data path; connect with transport='http'")
+        return HttpTransport(api)
+    info = described[kind]
     if wanted == "auto":
-        from rlplane.transports.tq import reachable
-
-        if not tq_info or not _importable("transfer_queue") or not reachable(tq_info):
+        module, package = DIRECT[kind]
+        if not _importable(package) or not importlib.import_module(module).reachable(info):
             return HttpTransport(api)
-    from rlplane.transports.tq import TQTransport
-
     try:
-        return TQTransport(tq_info)
+        return _open(kind, info, timeout)
     except TransportError:
         if wanted == "auto":
             return HttpTransport(api)
         raise
+
+
+def _open(kind: str, info: dict, timeout: float) -> Transport:
+    if kind == "native":
+        from rlplane.transports.native import NativeTransport
+
+        return NativeTransport(info, timeout=timeout)
+    from rlplane.transports.tq import TQTransport
+
+    return TQTransport(info)
 
 
 def _importable(module: str) -> bool:

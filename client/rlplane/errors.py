@@ -137,9 +137,31 @@ class TransportError(RlplaneError, ConnectionError):
     """Moving bytes failed (service unreachable, storage unit down...)."""
 
 
+class UnavailableError(TransportError):
+    """A component of the store (a storage unit, the controller) does not answer: it died,
+    or it is out of reach. ``component`` names it. Calls that need it fail within seconds
+    instead of hanging; check ``/readyz`` and the service's logs."""
+
+    def __init__(self, message: str, *, component: str | None = None) -> None:
+        super().__init__(message)
+        self.component = component
+
+
 class StorageFullError(TransportError):
     """The store has no room for the write (nothing of it was kept). Clear consumed
     partitions, or give the store more memory (more storage units or larger segments)."""
+
+
+class NotReadyError(RlplaneError, TimeoutError):
+    """A claim found fewer ready samples than it needs before its deadline; nothing was claimed."""
+
+
+class LeaseError(RlplaneError, ValueError):
+    """An ack/nack/commit for a lease or reservation that expired or was never granted."""
+
+
+class IntegrityError(RlplaneError, ValueError):
+    """Bytes read back differ from what the writer stored (checksum mismatch)."""
 
 
 class AuthenticationError(RlplaneError, PermissionError):
@@ -155,7 +177,7 @@ class PayloadTooLargeError(InvalidArgumentError):
 # the HTTP client rebuilds the same typed error, so a caller catches the same classes
 # whichever transport moved the bytes.
 
-_ATTRS = ("field", "sample", "partition", "missing", "sample_ids", "stage", "known")
+_ATTRS = ("field", "sample", "partition", "missing", "sample_ids", "stage", "known", "component")
 
 
 def error_payload(err: RlplaneError) -> dict[str, Any]:
@@ -207,7 +229,11 @@ __all__ = [
     "MissingDataError",
     "DuplicateSampleError",
     "TransportError",
+    "UnavailableError",
     "StorageFullError",
+    "NotReadyError",
+    "LeaseError",
+    "IntegrityError",
     "AuthenticationError",
     "PayloadTooLargeError",
     "error_payload",
@@ -220,7 +246,7 @@ _BY_NAME: dict[str, type[RlplaneError]] = {
     for cls in (
         RlplaneError, RegistryError, InvalidArgumentError, UnknownStageError, FieldValidationError,
         UnregisteredFieldError, ContainerError, DtypeError, ShapeError, WireFormatError,
-        MissingDataError, DuplicateSampleError, TransportError, StorageFullError, AuthenticationError,
-        PayloadTooLargeError,
+        MissingDataError, DuplicateSampleError, TransportError, UnavailableError, StorageFullError,
+        NotReadyError, LeaseError, IntegrityError, AuthenticationError, PayloadTooLargeError,
     )
 }

@@ -49,6 +49,9 @@ _STATUS: list[tuple[type[E.RlplaneError], int]] = [
     (E.MissingDataError, 404),
     (E.UnknownStageError, 404),
     (E.DuplicateSampleError, 409),
+    (E.LeaseError, 409),
+    (E.IntegrityError, 502),
+    (E.NotReadyError, 408),
     (E.InvalidArgumentError, 400),
     (E.RegistryError, 400),
     (E.StorageFullError, 507),
@@ -75,6 +78,7 @@ class ServiceState:
     ledger: Any = field(default_factory=Ledger)  # .record(events) / .snapshot(): op counters for /metrics
     mooncake: Optional[dict[str, Any]] = None  # the store's mooncake_master (MasterInfo) when backend is mooncake
     started: float = field(default_factory=time.time)
+    publish_key: str = "tq"  # /v1/transport publishes transport_info under this key (the backend's data path)
 
 
 class ClearRequest(BaseModel):
@@ -228,10 +232,12 @@ def build_api(state: ServiceState) -> FastAPI:
     # -- data path -------------------------------------------------------------------
     @v1.get("/transport", tags=["data"])
     async def transport_description() -> dict[str, Any]:
-        """How a client reaches the data path: the store's direct address (``tq``) and the HTTP fallback."""
+        """How a client reaches the data path: the store's direct address (``native`` or ``tq``,
+        by backend; ``native`` carries the data-path secret) and the HTTP fallback."""
         return {
             "registry_version": registry.version,
-            "tq": state.transport_info or None,
+            "backend": state.transport_info.get("backend", transport.name),
+            state.publish_key: state.transport_info or None,
             "http": {"put": "/v1/data/{partition}/put", "get": "/v1/data/{partition}/get",
                      "content_type": CONTENT_TYPE, "max_request_bytes": state.settings.max_request_bytes},
         }

@@ -1,9 +1,9 @@
 """The Ray Serve application: ``rlplane_service.app:app``.
 
 One deployment with a FastAPI ingress (:func:`rlplane_service.api.build_api`). Its
-replica attaches to (or creates) the TransferQueue store (:class:`~rlplane_service.store.Store`)
+replica attaches to (or creates) the store of the configured backend (:mod:`rlplane_service.backends`)
 and serves the registry, the control plane and the HTTP data path; clients that can
-reach the storage units move bulk bytes there directly (``GET /v1/transport``).
+reach the store move bulk bytes there directly (``GET /v1/transport``).
 
 Configure with ``RLPLANE_*`` environment variables or the app's args::
 
@@ -19,10 +19,9 @@ from typing import Any
 import ray
 from ray import serve
 
-from rlplane.transports.tq import TQTransport
 from rlplane_service.api import ServiceState, build_api
+from rlplane_service.backends import open_store
 from rlplane_service.settings import ServiceSettings, load_registry
-from rlplane_service.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +34,11 @@ class RlplaneService:
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         settings = ServiceSettings(**(args or {}))
         registry = load_registry(settings)
-        store = Store.attach_or_create(settings)
-        transport = TQTransport(store.transport_info(), client_id="rlplane-service")
+        store = open_store(settings)
+        transport = store.service_transport()
         self._state = ServiceState(
-            settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger), store.master_info
+            settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger),
+            store.master_info, publish_key=store.publish_key,
         )
         log.info("rlplane replica up: %d fields (registry %s)", len(registry.names()), registry.version)
 

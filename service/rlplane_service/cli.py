@@ -47,6 +47,7 @@ class WorkloadName(str, Enum):
 
 
 class Backend(str, Enum):
+    native = "native"
     simple = "simple"
     mooncake = "mooncake"
 
@@ -78,8 +79,8 @@ def serve(
     ),
     token: Optional[str] = TOKEN_OPTION,
     backend: Optional[Backend] = typer.Option(
-        None, help="Where samples live: TransferQueue storage units (simple) or Mooncake segments (mooncake; "
-        "the service starts its own mooncake_master). Default: simple.", show_default=False,
+        None, help="Where samples live: rlplane's own block engine (native), TransferQueue storage units (simple) "
+        "or Mooncake segments (mooncake; the service starts its own mooncake_master). Default: native.", show_default=False,
     ),
     num_cpus: int = typer.Option(8, "--num-cpus", min=1, help="Logical CPUs of the local Ray."),
 ) -> None:
@@ -166,7 +167,7 @@ def demo(
     seed: int = typer.Option(0, help="Seed of the generated batch."),
     embedded: bool = typer.Option(True, "--embedded/--no-embedded", help="Start the embedded service when none answers at --url."),
     backend: Optional[Backend] = typer.Option(
-        None, help="Storage backend of the embedded service, when one is started (default: RLPLANE_BACKEND or simple).",
+        None, help="Storage backend of the embedded service, when one is started (default: RLPLANE_BACKEND or native).",
         show_default=False,
     ),
 ) -> None:

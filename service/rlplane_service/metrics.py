@@ -35,7 +35,7 @@ from rlplane.opstats import OPS
 
 #: Upper bounds (seconds) of the op latency histogram.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-TRANSPORTS = ("tq", "http")
+TRANSPORTS = ("native", "tq", "http")
 _ERROR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
@@ -43,7 +43,7 @@ class OpReport(BaseModel):
     """One finished operation, as a client reports it."""
 
     op: str = Field(..., description=f"One of {', '.join(OPS)}.")
-    transport: str = Field("tq", description="tq or http.")
+    transport: str = Field("tq", description="native, tq or http.")
     seconds: float = Field(..., ge=0, le=86_400)
     nbytes: int = Field(0, ge=0)
     error: str | None = Field(None, description="Error class name when the op failed.")
@@ -127,7 +127,10 @@ def store_view(
     by_unit = backend == "simple" and hasattr(transport, "placement") and unit_names
     if by_unit:
         units = {u: (0, 0) for u in unit_names}
-    for name in transport.partitions():
+    if hasattr(transport, "list"):  # one call for every partition (native)
+        for d in transport.list():
+            partitions[d["partition"]] = (int(d["num_samples"]), int(d["nbytes"]))
+    for name in [] if hasattr(transport, "list") else transport.partitions():
         try:
             if hasattr(transport, "placement"):
                 placed = transport.placement(name)

@@ -29,7 +29,7 @@ class ServiceSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="HTTP bind address of the embedded server (rlplane serve).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
-    storage_units: int = Field(2, ge=1, le=256, description="TransferQueue storage units.")
+    storage_units: int = Field(2, ge=1, le=256, description="Storage units (actors holding sample bytes).")
     capacity: Optional[int] = Field(
         None, ge=1, description="Most samples held across all storage units (None: no limit)."
     )
@@ -45,10 +45,18 @@ class ServiceSettings(BaseSettings):
     namespace: str = Field("rlplane", description="Ray namespace of the store's named actors.")
     store_name: str = Field("rlplane", description="Prefix of the store's actor names (one store per name).")
     tq_num_threads: int = Field(2, ge=1, le=64, description="TQ_NUM_THREADS for the storage units.")
-    backend: Literal["simple", "mooncake"] = Field(
-        "simple",
-        description="Where sample bytes live: 'simple' (TransferQueue storage units, ZMQ) or "
-        "'mooncake' (Mooncake store segments, TCP or RDMA; the service runs its own mooncake_master).",
+    backend: Literal["native", "simple", "mooncake"] = Field(
+        "native",
+        description="Where sample bytes live: 'native' (rlplane's own columnar block engine, ZMQ), 'simple' "
+        "(TransferQueue storage units) or 'mooncake' (Mooncake store segments, TCP or RDMA; the service runs "
+        "its own mooncake_master).",
+    )
+    native_host: str = Field(
+        "", description="Address the native engine's controller and units bind and advertise ('' = the Ray node address)."
+    )
+    put_lease_s: float = Field(
+        60.0, gt=0, le=3600,
+        description="native: how long a put's reserved ids wait for its commit; a writer that dies frees them after this.",
     )
     mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transfer protocol.")
     mooncake_device_name: str = Field(

@@ -53,6 +53,7 @@ class Store:
     master_info: dict[str, Any] | None = None
     settings: ServiceSettings | None = None
     ledger: Any = None  # the op-counter actor /metrics reads (rlplane_service.metrics)
+    publish_key: str = "tq"  # /v1/transport publishes transport_info() under this key
 
     @classmethod
     def attach_or_create(cls, settings: ServiceSettings) -> Store:
@@ -104,6 +105,12 @@ class Store:
                 "buffer_bytes": s.mooncake_buffer_bytes,
             }
         return info
+
+    def service_transport(self) -> Any:
+        """The transport the service itself uses to reach this store."""
+        from rlplane.transports.tq import TQTransport
+
+        return TQTransport(self.transport_info(), client_id="rlplane-service")
 
     def alive(self, timeout: float = 2.0) -> bool:
         """Whether every actor answers within ``timeout`` seconds (and the master is healthy)."""

@@ -38,7 +38,7 @@ def batch(n: int = 3):
     }
 
 
-@pytest.mark.parametrize("transport", ["tq", "http"])
+@pytest.mark.parametrize("transport", ["direct", "http"])
 def test_counters_move_by_exactly_what_a_put_and_a_read_did(live, transport):
     p = f"m-{uuid.uuid4().hex[:8]}"
     fields = batch()
@@ -55,7 +55,7 @@ def test_counters_move_by_exactly_what_a_put_and_a_read_did(live, transport):
     def delta(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
 
-    t = transport
+    t = live.direct if transport == "direct" else transport
     assert delta("rlplane_ops_total", op="put_samples", transport=t, status="ok") == 1
     assert delta("rlplane_ops_total", op="read_columns", transport=t, status="ok") == 1
     assert delta("rlplane_ops_total", op="read_columns", transport=t, status="error") == 1

@@ -33,10 +33,10 @@ def vlm():
     return vlm_step()  # the reference workload: B=64, S=2048
 
 
-@pytest.mark.parametrize("transport", ["tq", "http"])
+@pytest.mark.parametrize("transport", ["direct", "http"])
 def test_full_vlm_batch_round_trips_bit_exactly(live, vlm, transport):
     with rlplane.connect(live.url, token=live.token, transport=transport) as client:
-        assert client.transport.name == transport
+        assert client.transport.name == (live.direct if transport == "direct" else transport)
         p = part()
         meta = client.put_samples(p, vlm.fields)
         got = client.read_columns(meta, list(vlm.fields))
@@ -46,7 +46,7 @@ def test_full_vlm_batch_round_trips_bit_exactly(live, vlm, transport):
         assert client.clear(p) == 64
 
 
-@pytest.mark.parametrize("transport", ["tq", "http"])
+@pytest.mark.parametrize("transport", ["direct", "http"])
 def test_a_client_reusing_its_encode_buffers_never_changes_what_it_stored(live, transport):
     with rlplane.connect(live.url, token=live.token, transport=transport) as client:
         metas = [client.put_samples(part(), vlm_step(4, 64, seed=seed).fields) for seed in (1, 2)]
@@ -59,7 +59,7 @@ def test_a_client_reusing_its_encode_buffers_never_changes_what_it_stored(live, 
 
 def test_auto_picks_the_direct_path_when_the_store_is_reachable(live):
     with rlplane.connect(live.url, token=live.token) as client:
-        assert client.transport.name == "tq"
+        assert client.transport.name == live.direct
 
 
 PLAIN = textwrap.dedent(
@@ -80,21 +80,21 @@ PLAIN = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("transport", ["tq", "http"])
+@pytest.mark.parametrize("transport", ["direct", "http"])
 def test_a_plain_process_with_only_url_and_token_can_put_and_read(live, transport, tmp_path):
     p = part()
     res = subprocess.run([sys.executable, "-c", PLAIN, live.url, live.token, transport, p],
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out == {**out, "ok": True, "transport": transport, "ray_initialized": False}
+    assert out == {**out, "ok": True, "transport": live.direct if transport == "direct" else transport, "ray_initialized": False}
     # ...and what it wrote is there for this process to read
     with rlplane.connect(live.url, token=live.token) as client:
         meta = rlplane.SampleMeta.from_dict(out["meta"])
         assert client.read_columns(meta, ["input_lengths"])["input_lengths"].tolist() == [4, 2, 3]
 
 
-@pytest.mark.parametrize("transport", ["tq", "http"])
+@pytest.mark.parametrize("transport", ["direct", "http"])
 @pytest.mark.parametrize(
     "fields, error, field",
     [
@@ -125,7 +125,7 @@ def test_a_raw_http_put_that_fails_validation_is_a_4xx_naming_the_field(live):
     assert r.status_code == 404
 
 
-@pytest.mark.parametrize("transport", ["tq", "http"])
+@pytest.mark.parametrize("transport", ["direct", "http"])
 def test_reading_cleared_or_unknown_samples_raises_missing_data(live, transport):
     with rlplane.connect(live.url, token=live.token, transport=transport) as client:
         p = part()
@@ -168,7 +168,10 @@ def test_control_plane_status_and_stage_fields(live):
         assert stage["fields"] == client.fields_for_stage("train", p)
         assert "pixel_values" in stage["fields"]
         tr = httpx.get(f"{live.url}/v1/transport", headers=headers).json()
-        assert tr["tq"]["controller"]["ip"] == "127.0.0.1" and len(tr["tq"]["storage_units"]) == 2
+        direct = tr[live.direct]
+        assert tr["backend"] == live.backend and len(direct["storage_units"]) == 2
+        controller = direct["controller"] if live.backend == "native" else f"tcp://{direct['controller']['ip']}:0"
+        assert controller.startswith("tcp://127.0.0.1:")
         client.clear(p)
 
 
@@ -185,7 +188,7 @@ def _replica_handles(app):
 def test_a_replica_restart_keeps_every_sample(live, vlm):
     import ray
 
-    with rlplane.connect(live.url, token=live.token, transport="tq") as client:
+    with rlplane.connect(live.url, token=live.token, transport="direct") as client:
         p = part()
         meta = client.put_samples(p, vlm.fields)
     (replica,) = _replica_handles(live.app)

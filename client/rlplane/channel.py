@@ -1,0 +1,184 @@
+"""Channel: one request/reply connection to a native-engine server, with a deadline.
+
+A ZMQ DEALER socket to one endpoint (the controller or a storage unit) plus a monitor
+socket that reports the connection's fate, so a call never hangs:
+
+- the peer never completes a handshake within ``connect_timeout`` -> UnavailableError;
+- the connection drops while a reply is awaited (the unit's process died) -> UnavailableError
+  at once; a silent peer is caught by ZMQ heartbeats within seconds;
+- the handshake is refused (wrong or missing data secret) -> AuthenticationError;
+- no reply before the call's deadline -> TransportError.
+
+After any of these the channel closes itself; a late reply can never be taken for the
+answer to a later request (each request carries an id). Authentication is ZMQ's PLAIN
+mechanism checked by the server's ZAP handler: a peer without the secret cannot hand
+the server a single message.
+
+Not thread-safe: :class:`ChannelPool` gives each thread its own channels.
+
+Example::
+
+    ch = Channel("tcp://127.0.0.1:5555", "unit-0", secret=b"...")
+    header, columns, extra = ch.call({"op": "stats"}, timeout=5.0)
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Mapping, Sequence
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from rlplane.column import Column
+from rlplane.errors import AuthenticationError, TransportError, UnavailableError, error_from_payload
+from rlplane.wire import RawColumn, pack_message, unpack_message
+
+#: The PLAIN user name every rlplane data connection presents (the secret is the password).
+PLAIN_USER = b"rlplane"
+#: How long a peer may take to accept a connection before it counts as unavailable.
+CONNECT_TIMEOUT_S = 5.0
+_HEARTBEAT_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 4000
+_AUTH_FAILED = {getattr(zmq, n) for n in ("EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_FAILED_PROTOCOL",
+                                          "EVENT_HANDSHAKE_FAILED_NO_DETAIL")}
+_rids = itertools.count(1)
+
+
+class Channel:
+    """A deadline-bound request/reply connection (see the module docstring)."""
+
+    def __init__(self, endpoint: str, name: str, *, secret: bytes | None = None,
+                 context: zmq.Context | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+        self.endpoint, self.name = endpoint, name
+        self.connect_timeout = connect_timeout
+        ctx = context or zmq.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.heartbeat_ivl = _HEARTBEAT_MS
+        self._sock.heartbeat_timeout = _HEARTBEAT_TIMEOUT_MS
+        self._sock.reconnect_ivl = 100
+        if secret is not None:
+            self._sock.plain_username = PLAIN_USER
+            self._sock.plain_password = secret
+        self._monitor = self._sock.get_monitor_socket()
+        self._created = time.monotonic()
+        self._up = False
+        self._pending: set[int] = set()
+        self._stash: dict[int, Any] = {}
+        self._sock.connect(endpoint)
+        self.closed = False
+
+    def call(self, header: Mapping[str, Any], columns: Mapping[str, Column | RawColumn] | None = None,
+             buffers: Sequence[Any] = (), *, timeout: float) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
+        """Send one request and wait for its reply; raise the reply's typed error if it is one."""
+        deadline = time.monotonic() + timeout
+        return self.receive(self.send(header, columns, buffers), deadline)
+
+    def send(self, header: Mapping[str, Any], columns: Mapping[str, Column | RawColumn] | None = None,
+             buffers: Sequence[Any] = ()) -> int:
+        """Queue one request; returns its id for :meth:`receive` (for requests in flight to several peers)."""
+        if self.closed:
+            raise TransportError(f"channel to {self.name} is closed")
+        rid = next(_rids)
+        self._sock.send_multipart(pack_message({**header, "rid": rid}, columns, buffers), copy=False)
+        self._pending.add(rid)
+        return rid
+
+    def receive(self, rid: int, deadline: float) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
+        """The reply to request ``rid`` (sent on this channel) by ``deadline`` (a monotonic time)."""
+        try:
+            while True:
+                if rid in self._stash:
+                    reply, cols, extra = self._stash.pop(rid)
+                else:
+                    reply, cols, extra = unpack_message(self._wait(deadline))
+                    got = reply.get("rid")
+                    if got != rid:
+                        if isinstance(got, int) and got in self._pending:
+                            self._stash[got] = (reply, cols, extra)
+                        continue  # else a late answer to a request given up on
+                self._pending.discard(rid)
+                if not reply.get("ok"):
+                    raise error_from_payload(reply.get("error"))
+                return reply, cols, extra
+        except (UnavailableError, AuthenticationError):
+            self.close()  # a typed error in a reply leaves the channel usable; these do not
+            raise
+
+    def _wait(self, deadline: float) -> list[Any]:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                self.close()
+                raise TransportError(f"{self.name} ({self.endpoint}) did not answer before the call's deadline; "
+                                     "raise connect(timeout=...) for bigger batches, or check the service's /readyz")
+            if not self._up and now - self._created > self.connect_timeout:
+                raise UnavailableError(f"cannot reach {self.name} at {self.endpoint} (no connection within "
+                                       f"{self.connect_timeout:.0f} s); it may have died: check the service's /readyz",
+                                       component=self.name)
+            ready = dict(poller.poll(timeout=max(1, int(min(deadline - now, 0.5) * 1000))))
+            if self._monitor in ready:
+                self._drain_monitor()
+            if self._sock in ready:
+                return self._sock.recv_multipart(copy=False)
+
+    def _drain_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._up = True
+            elif event in _AUTH_FAILED:
+                raise AuthenticationError(
+                    f"{self.name} at {self.endpoint} refused this connection's credentials; the data path needs "
+                    "the secret the service hands out under its API token (connect with the right token=)")
+            elif event == zmq.EVENT_DISCONNECTED and self._up:
+                raise UnavailableError(f"{self.name} at {self.endpoint} dropped the connection mid-call "
+                                       "(its process died or restarted); check the service's /readyz",
+                                       component=self.name)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+
+class ChannelPool:
+    """Per-thread channels to named endpoints; a channel that failed is replaced on next use."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self.secret = secret
+        self._local = threading.local()
+        self._all: list[Channel] = []
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: str, name: str) -> Channel:
+        chans = getattr(self._local, "chans", None)
+        if chans is None:
+            chans = self._local.chans = {}
+        ch = chans.get(endpoint)
+        if ch is None or ch.closed:
+            ch = chans[endpoint] = Channel(endpoint, name, secret=self.secret)
+            with self._lock:
+                self._all = [c for c in self._all if not c.closed] + [ch]
+        return ch
+
+    def close(self) -> None:
+        with self._lock:
+            chans, self._all = self._all, []
+        for ch in chans:
+            ch.close()
+
+
+__all__ = ["Channel", "ChannelPool", "PLAIN_USER", "CONNECT_TIMEOUT_S"]

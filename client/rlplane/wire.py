@@ -1,0 +1,185 @@
+"""The native engine's messages: a msgpack header frame followed by raw buffer frames.
+
+Every message between a client, the controller and the storage units is a ZMQ
+multipart message ``[header, buffer, buffer, ...]``. The header is a msgpack map (plain
+values only: str, int, float, bool, None, bytes, lists, maps); it names the operation
+(``op``), a request id (``rid``) and lists the columns that follow as
+``[name, dtype, rows]``: each column is two frames, its values and its int64 offsets.
+Replies carry ``ok`` and, on failure, the typed error's payload (``rlplane.errors``).
+
+No pickle, no callables, no paths: nothing in a message is ever executed or opened.
+Parsing is strict and raises WireFormatError on anything else, so a server answers
+garbage with an error frame and keeps serving.
+
+Example::
+
+    frames = pack_message({"op": "write", "rid": 1}, {"input_ids": col})
+    header, columns = unpack_message(frames)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+import torch
+
+from rlplane.column import Column
+from rlplane.dtypes import dtype_from_name, dtype_name
+from rlplane.errors import WireFormatError
+
+VERSION = 1
+#: Largest header frame a peer accepts (ids and tags of a big batch fit easily).
+MAX_HEADER_BYTES = 256 << 20
+
+_NP_BY_TORCH = {
+    torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+    torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16, torch.float32: np.float32,
+    torch.float64: np.float64,
+}
+
+
+def raw(t: torch.Tensor | np.ndarray) -> memoryview:
+    """The bytes of a contiguous 1-D tensor or array (bf16 included), without a copy."""
+    if isinstance(t, np.ndarray):
+        return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).numpy())
+
+
+def ints(a: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
+    """An int64 array as bytes for a header (see :func:`int_array`)."""
+    if isinstance(a, torch.Tensor):
+        a = a.numpy()
+    return np.ascontiguousarray(a, dtype="<i8").tobytes()
+
+
+def int_array(b: Any, what: str = "array") -> np.ndarray:
+    """The int64 array a header carries as bytes (a read-only view)."""
+    if not isinstance(b, (bytes, bytearray, memoryview)) or len(b) % 8:
+        raise WireFormatError(f"{what} must be int64 bytes")
+    return np.frombuffer(b, dtype="<i8")
+
+
+def pack_message(header: Mapping[str, Any], columns: Mapping[str, Column | RawColumn] | None = None,
+                 buffers: Sequence[Any] = ()) -> list[Any]:
+    """Frames of one message: the header, then per column its values and offsets, then
+    any extra ``buffers`` (their count is in the header as ``nbuf``)."""
+    frames: list[Any] = [b""]
+    layout = []
+    for name, col in (columns or {}).items():
+        dname = col.dtype if isinstance(col, RawColumn) else dtype_name(col.dtype)
+        layout.append([name, dname, col.num_rows])
+        frames += [raw(col.values), raw(col.offsets)]
+    frames += list(buffers)
+    frames[0] = msgpack.packb({**header, "v": VERSION, "c": layout, "nbuf": len(buffers)}, use_bin_type=True)
+    return frames
+
+
+def unpack_header(frame: Any) -> dict[str, Any]:
+    """The header map of a message (WireFormatError unless it is one)."""
+    view = memoryview(frame)
+    if view.nbytes > MAX_HEADER_BYTES:
+        raise WireFormatError(f"message header of {view.nbytes} bytes is over the limit of {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as err:
+        raise WireFormatError(f"message header is not msgpack ({type(err).__name__})") from None
+    if not isinstance(header, dict) or header.get("v") != VERSION:
+        raise WireFormatError(f"not an rlplane engine message of version {VERSION}")
+    return header
+
+
+@dataclass(frozen=True)
+class RawColumn:
+    """A column as it arrived: numpy views of the received frames (read-only), its wire
+    dtype name, values as the numpy type of the same width, int64 offsets."""
+
+    dtype: str
+    values: np.ndarray
+    offsets: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.size - 1
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes
+
+    def to_column(self, copy: bool = True) -> Column:
+        """A torch Column (copied into writable memory unless ``copy=False`` and it already is)."""
+        values, offsets = self.values, self.offsets
+        if copy or not values.flags.writeable:
+            values = values.copy()
+        if copy or not offsets.flags.writeable:
+            offsets = offsets.copy()
+        return Column(torch.from_numpy(values).view(dtype_from_name(self.dtype)), torch.from_numpy(offsets))
+
+    @classmethod
+    def of(cls, col: Column) -> RawColumn:
+        """A torch Column as numpy views (no copy)."""
+        values = col.values.detach().cpu().contiguous()
+        np_values = values.view(torch.int16).numpy() if values.dtype == torch.bfloat16 else values.numpy()
+        return cls(dtype_name(col.dtype), np_values, col.offsets.numpy())
+
+
+def unpack_message(frames: Sequence[Any]) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
+    """Inverse of :func:`pack_message`: header, columns (read-only numpy views of the
+    frames) and the extra buffers. Offsets are checked (rise from 0 to the values' length)."""
+    if not frames:
+        raise WireFormatError("empty message")
+    header = unpack_header(frames[0])
+    layout, nbuf = header.get("c"), header.get("nbuf")
+    if not isinstance(layout, list) or not isinstance(nbuf, int) or nbuf < 0:
+        raise WireFormatError("message header lacks its column layout")
+    if len(frames) != 1 + 2 * len(layout) + nbuf:
+        raise WireFormatError(f"message has {len(frames)} frames; its header announces {1 + 2 * len(layout) + nbuf}")
+    columns: dict[str, RawColumn] = {}
+    for k, entry in enumerate(layout):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and isinstance(entry[1], str) and isinstance(entry[2], int) and entry[2] >= 0):
+            raise WireFormatError(f"bad column entry {entry!r}")
+        name, dname, rows = entry
+        try:
+            np_dtype = numpy_dtype(dtype_from_name(dname))
+        except ValueError as err:
+            raise WireFormatError(str(err), field=name) from None
+        values = _view(frames[1 + 2 * k], np_dtype, name)
+        offsets = _view(frames[2 + 2 * k], np.dtype("<i8"), name)
+        check_offsets(offsets, values.size, rows, name)
+        columns[name] = RawColumn(dname, values, offsets)
+    extra = [memoryview(f) for f in frames[1 + 2 * len(layout):]]
+    return header, columns, extra
+
+
+def check_offsets(offsets: np.ndarray, size: int, rows: int, name: str) -> None:
+    """WireFormatError unless ``offsets`` has ``rows + 1`` entries rising from 0 to ``size``."""
+    if offsets.size != rows + 1:
+        raise WireFormatError(f"{offsets.size} offsets for {rows} rows", field=name)
+    if offsets[0] != 0 or offsets[-1] != size or (rows and bool((offsets[1:] < offsets[:-1]).any())):
+        raise WireFormatError(f"offsets must rise from 0 to {size} (the values' length)", field=name)
+
+
+def _view(frame: Any, dtype: Any, name: str) -> np.ndarray:
+    view = memoryview(frame).cast("B")
+    dtype = np.dtype(dtype)
+    if view.nbytes % dtype.itemsize:
+        raise WireFormatError(f"{view.nbytes} bytes is not a whole number of {dtype} elements", field=name)
+    return np.frombuffer(view, dtype=dtype)
+
+
+def numpy_dtype(dtype: torch.dtype) -> Any:
+    """The numpy dtype of the same width (bfloat16 travels as its 16-bit pattern)."""
+    return np.int16 if dtype == torch.bfloat16 else _NP_BY_TORCH[dtype]
+
+
+__all__ = ["VERSION", "RawColumn", "pack_message", "unpack_message", "unpack_header", "check_offsets",
+           "ints", "int_array", "raw", "numpy_dtype"]

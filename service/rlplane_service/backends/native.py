@@ -1,0 +1,127 @@
+"""Backend ``native``: rlplane's own engine (:mod:`rlplane_service.native`) as Ray actors.
+
+The store is a detached, named controller actor (``{store}-native-controller``) and
+storage-unit actors (``{store}-native-unit-{i}``), all ``num_cpus=0``; a Serve replica
+that restarts re-attaches to them by name. With an API token configured, every data
+connection authenticates with a secret derived from the token and the store's name
+(HMAC-SHA256), which ``/v1/transport`` hands out only under the token: the API token
+itself never crosses a data port. Rotating the token needs a store restart.
+
+Example::
+
+    store = NativeStore.attach_or_create(ServiceSettings())
+    store.transport_info()   # {"backend": "native", "controller": "tcp://...", ...}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from rlplane.errors import TransportError
+from rlplane.transports.native import NativeTransport
+from rlplane_service.settings import ServiceSettings
+
+log = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 60.0
+
+
+def data_secret(settings: ServiceSettings) -> str | None:
+    """The data-path secret of a store: None without an API token."""
+    token = settings.token()
+    if token is None:
+        return None
+    return hmac.new(token.encode(), f"rlplane-data:{settings.store_name}".encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass
+class NativeStore:
+    """Handles on the native store's actors (see the module docstring)."""
+
+    settings: ServiceSettings
+    controller: Any
+    units: dict[str, Any]
+    info: dict[str, Any]
+    ledger: Any = None
+    master_info: Any = None
+    backend: str = "native"
+    publish_key: str = "native"
+    _unit_endpoints: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def attach_or_create(cls, settings: ServiceSettings) -> NativeStore:
+        from rlplane_service.metrics import ledger_actor_class
+        from rlplane_service.native.controller import controller_actor_class
+        from rlplane_service.native.unit import unit_actor_class
+        from rlplane_service.store import _actor_options, _unit_options
+
+        common = _actor_options(settings)
+        prefix, secret = settings.store_name, data_secret(settings)
+        host = settings.native_host or None
+        ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
+        Unit, Controller = unit_actor_class(), controller_actor_class()
+        units = {
+            f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **_unit_options(settings, common))
+            .remote(f"{prefix}-native-unit-{i}", host, secret)
+            for i in range(settings.storage_units)
+        }
+        try:
+            unit_infos = ray.get([u.info.remote() for u in units.values()], timeout=_START_TIMEOUT_S)
+            controller = Controller.options(name=f"{prefix}-native-controller", **common).remote(
+                host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
+                settings.put_lease_s, 1)
+            cinfo = ray.get(controller.info.remote(), timeout=_START_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError) as err:
+            raise TransportError(f"the native store's actors did not start: {err}") from err
+        # A store that existed keeps the units it was created with.
+        units = {name: ray.get_actor(name, namespace=settings.namespace) for name, _ in cinfo["units"]}
+        info = {
+            "backend": "native",
+            "controller": cinfo["endpoint"],
+            "secret": cinfo["secret"],
+            "storage_units": {name: {"endpoint": ep} for name, ep in cinfo["units"]},
+            "units": [list(u) for u in cinfo["units"]],
+        }
+        log.info("native store %r: controller %s, %d storage units", prefix, cinfo["endpoint"], len(units))
+        return cls(settings, controller, units, info, ledger)
+
+    def transport_info(self) -> dict[str, Any]:
+        """What ``GET /v1/transport`` publishes under ``native``."""
+        return dict(self.info)
+
+    def service_transport(self) -> NativeTransport:
+        return NativeTransport(self.info, timeout=60.0)
+
+    def health(self, timeout: float = 2.0) -> dict[str, bool]:
+        """Per component: ``controller`` and each storage unit by name."""
+        refs = {"controller": self.controller.info.remote(), **{n: u.info.remote() for n, u in self.units.items()}}
+        out = {}
+        for name, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout)
+                out[name] = True
+            except (ray.exceptions.RayError, TimeoutError):
+                out[name] = False
+        return out
+
+    def alive(self, timeout: float = 2.0) -> bool:
+        return all(self.health(timeout).values())
+
+    def destroy(self) -> None:
+        """Kill the store's actors (every sample is lost). Only for the process that owns the store."""
+        for handle in [*self.units.values(), self.controller, self.ledger]:
+            if handle is None:
+                continue
+            try:
+                ray.kill(handle, no_restart=True)
+            except (ray.exceptions.RayError, ValueError) as err:
+                log.warning("could not kill a store actor: %s", err)
+
+
+__all__ = ["NativeStore", "data_secret"]

@@ -1,0 +1,507 @@
+"""The controller of the native engine: the sample index, id reservation, placement.
+
+Per partition the index is a set of arrays over *slots* (one slot per sample id):
+its state (free / reserved / committed) and, per field, the block and row holding the
+sample's bytes, the row's byte count and its wire geometry; plus the samples' user tags.
+No per-sample Python object beyond the id map and the tags themselves.
+
+A put is two-phase:
+
+1. ``reserve``: the ids are checked and taken atomically (the controller serves one
+   request at a time, so of concurrent puts of the same new ids exactly one wins; the
+   others get DuplicateSampleError). The answer places the rows: blocks (fresh ids,
+   never reused) on storage units.
+2. the client sends each block to its unit(s), then ``commit``: the samples become
+   visible. ``abort``, or a reservation that outlives its lease (the writer died), frees
+   the ids and tells the units to drop the blocks: nothing of a failed put is visible.
+
+Reads ``locate`` samples (which unit, block and row holds each requested field) and get
+the tags back; clients then read the units directly. Blocks whose rows are all cleared
+are freed on their units; rows cleared from a block that still holds live rows keep
+their memory until the rest goes (``stats`` reports those bytes as ``retained_bytes``).
+
+Example::
+
+    core = ControllerCore(units=[("unit-0", "tcp://127.0.0.1:5001")], secret=None)
+    Server(core).start()
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from rlplane import errors as E
+from rlplane.channel import ChannelPool
+from rlplane.wire import RawColumn, int_array, ints
+
+log = logging.getLogger(__name__)
+
+FREE, RESERVED, COMMITTED = 0, 1, 2
+#: Rows of one put go to one unit until the put is this big; then they are split over units.
+CHUNK_BYTES = 8 << 20
+
+
+def _objects(items: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(items), dtype=object)
+    for i, x in enumerate(items):  # numpy would turn lists of lists into a 2-D array
+        out[i] = x
+    return out
+
+
+@dataclass
+class FieldIndex:
+    """Where one field of every slot lives."""
+
+    block: np.ndarray
+    row: np.ndarray
+    nbytes: np.ndarray
+    geom: np.ndarray
+
+    @classmethod
+    def empty(cls, cap: int) -> FieldIndex:
+        return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object))
+
+    def grow(self, cap: int) -> None:
+        for name, fill in (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None)):
+            old = getattr(self, name)
+            new = np.full(cap, fill, dtype=old.dtype) if fill is not None else np.empty(cap, dtype=object)
+            new[: old.size] = old
+            setattr(self, name, new)
+
+
+@dataclass
+class Partition:
+    """The index of one partition (see the module docstring)."""
+
+    ids: dict[str, int] = field(default_factory=dict)
+    names: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
+    user: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    fields: dict[str, FieldIndex] = field(default_factory=dict)
+    used: int = 0  # slots handed out so far
+
+    def take(self, ids: list[str]) -> np.ndarray:
+        n = len(ids)
+        need = self.used + n
+        if need > self.state.size:
+            cap = max(need, 2 * self.state.size, 64)
+            self.names = _grow(self.names, cap)
+            self.state = _grow(self.state, cap)
+            self.user = _grow(self.user, cap)
+            for fi in self.fields.values():
+                fi.grow(cap)
+        slots = np.arange(self.used, need, dtype=np.int64)
+        self.names[self.used : need] = _objects(ids)
+        self.state[self.used : need] = RESERVED
+        self.ids.update(zip(ids, range(self.used, need)))
+        self.used = need
+        return slots
+
+    def field_index(self, name: str) -> FieldIndex:
+        fi = self.fields.get(name)
+        if fi is None:
+            fi = self.fields[name] = FieldIndex.empty(self.state.size)
+        return fi
+
+    def committed(self) -> np.ndarray:
+        return np.flatnonzero(self.state[: self.used] == COMMITTED)
+
+
+def _grow(a: np.ndarray, cap: int) -> np.ndarray:
+    new = np.zeros(cap, dtype=a.dtype) if a.dtype != object else np.empty(cap, dtype=object)
+    new[: a.size] = a
+    return new
+
+
+@dataclass
+class Reservation:
+    rid: int
+    partition: str
+    slots: np.ndarray
+    create: bool
+    fields: list[str]
+    blocks: list[tuple[int, tuple[int, ...], int, int]]  # (block id, units, first row, end row)
+    deadline: float
+
+
+class ControllerCore:
+    """The index and its operations (called by :class:`~rlplane_service.native.server.Server`)."""
+
+    def __init__(self, units: Sequence[tuple[str, str]], *, secret: bytes | None = None, capacity: int | None = None,
+                 lease_s: float = 60.0, replicas: int = 1) -> None:
+        self.units = list(units)
+        self.capacity = capacity
+        self.lease_s = lease_s
+        self.replicas = max(1, min(replicas, len(self.units)))
+        self._parts: dict[str, Partition] = {}
+        self._res: dict[int, Reservation] = {}
+        self._block_units: dict[int, tuple[int, ...]] = {}
+        self._block_refs: dict[int, int] = {}  # (slot, field) pairs pointing at the block
+        self._block_bytes: dict[int, list[int]] = {}  # [bytes written, bytes still referenced]
+        self._ids = itertools.count(1)
+        self._cursor = 0
+        self._lock = threading.RLock()
+        self._pool = ChannelPool(secret)
+        self._frees: queue.Queue[tuple[int, list[int]] | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._reap, name="rlplane-reaper", daemon=True),
+                         threading.Thread(target=self._free_loop, name="rlplane-free", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- puts ----------------------------------------------------------------------------
+    def op_hello(self, header: dict, columns: dict, extra: list) -> Any:
+        """The topology a client needs: the storage units and the reservation lease."""
+        return {"units": [list(u) for u in self.units], "lease_s": self.lease_s, "replicas": self.replicas}, {}, []
+
+    def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
+        p, ids = _partition(header), _strs(header.get("ids"), "ids")
+        create, fields = bool(header.get("create")), _strs(header.get("fields"), "fields")
+        nbytes = int(header.get("nbytes") or 0)
+        with self._lock:
+            part = self._parts.get(p)
+            if create:
+                held = part.ids.keys() & set(ids) if part is not None else set()
+                if held:
+                    taken = [s for s in ids if s in held]
+                    pending = [s for s in taken if part.state[part.ids[s]] == RESERVED]
+                    err = E.DuplicateSampleError(p, taken)
+                    if pending:
+                        err.args = (f"{err} ({len(pending)} of them are being written by another put right now)",)
+                    raise err
+                if self.capacity is not None and self._held() + len(ids) > self.capacity:
+                    raise E.StorageFullError(
+                        f"the store holds {self._held()} samples and its capacity is {self.capacity}; nothing of this "
+                        "put was kept: clear consumed partitions or raise RLPLANE_CAPACITY")
+                if part is None:
+                    part = self._parts[p] = Partition()
+                slots = part.take(ids)
+            else:
+                slots = self._slots(p, part, ids)
+            res = Reservation(next(self._ids), p, slots, create, fields, self._place(len(ids), nbytes),
+                              time.monotonic() + self.lease_s)
+            self._res[res.rid] = res
+        blocks = [[b, list(u), a, z] for b, u, a, z in res.blocks]
+        return {"res": res.rid, "blocks": blocks, "lease_s": self.lease_s}, {}, []
+
+    def op_commit(self, header: dict, columns: dict, extra: list) -> Any:
+        geoms, user, sizes = header.get("g"), header.get("user"), header.get("nb")
+        if not isinstance(geoms, dict) or not isinstance(sizes, dict):
+            raise E.WireFormatError("commit needs 'g' (geometry per field) and 'nb' (row bytes per field)")
+        with self._lock:
+            res = self._res.get(header.get("res"))  # type: ignore[arg-type]
+            if res is None:
+                raise E.LeaseError("this put's reservation expired before it committed (the put took longer than "
+                                   f"the service's lease of {self.lease_s:.0f} s, RLPLANE_PUT_LEASE_S); nothing was "
+                                   "stored: retry it")
+            n = res.slots.size
+            if set(geoms) != set(res.fields) or set(sizes) != set(res.fields):
+                raise E.WireFormatError("commit must describe exactly the reserved fields")
+            if res.create and (not isinstance(user, list) or len(user) != n):
+                raise E.WireFormatError("commit of new samples needs 'user': one tag map per sample")
+            part = self._parts[res.partition]
+            if not res.create and bool((part.state[res.slots] != COMMITTED).any()):
+                self._abort(res)
+                gone = part.names[res.slots[part.state[res.slots] != COMMITTED]].tolist()
+                raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
+            bid_of_row = np.empty(n, np.int64)
+            row_in_block = np.empty(n, np.int64)
+            for b, _, a, z in res.blocks:
+                bid_of_row[a:z] = b
+                row_in_block[a:z] = np.arange(z - a)
+            for name in res.fields:
+                g, nb = geoms[name], int_array(sizes[name], "row bytes")
+                if not isinstance(g, list) or len(g) != n or nb.size != n:
+                    raise E.WireFormatError(f"commit describes {len(g) if isinstance(g, list) else '?'} rows of {n}", field=name)
+            for name in res.fields:
+                fi = part.field_index(name)
+                self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
+                nb = int_array(sizes[name])
+                fi.block[res.slots] = bid_of_row
+                fi.row[res.slots] = row_in_block
+                fi.nbytes[res.slots] = nb
+                fi.geom[res.slots] = _objects(geoms[name])
+                for b, _, a, z in res.blocks:
+                    self._block_refs[b] = self._block_refs.get(b, 0) + (z - a)
+                    live = int(nb[a:z].sum())
+                    tot = self._block_bytes.setdefault(b, [0, 0])
+                    tot[0] += live
+                    tot[1] += live
+            if res.create:
+                part.user[res.slots] = _objects(user)  # type: ignore[arg-type]
+                part.state[res.slots] = COMMITTED
+            elif isinstance(user, list) and len(user) == n:  # user tags added by a later write
+                for s, extra_tags in zip(res.slots.tolist(), user):
+                    if isinstance(extra_tags, dict) and extra_tags:
+                        part.user[s] = {**(part.user[s] or {}), **extra_tags}
+            for b, _, _, _ in res.blocks:  # a block no field row points at (nothing to store) is dropped
+                if self._block_refs.get(b, 0) == 0:
+                    self._drop_blocks([b])
+            del self._res[res.rid]
+        return {"committed": n}, {}, []
+
+    def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
+        with self._lock:
+            res = self._res.get(header.get("res"))  # type: ignore[arg-type]
+            if res is not None:
+                self._abort(res)
+        return {"aborted": res is not None}, {}, []
+
+    # -- reads ---------------------------------------------------------------------------
+    def op_locate(self, header: dict, columns: dict, extra: list) -> Any:
+        p, ids, fields = _partition(header), _strs(header.get("ids"), "ids"), _strs(header.get("fields"), "fields")
+        with self._lock:
+            part = self._parts.get(p)
+            slots = self._slots(p, part, ids)
+            assert part is not None
+            missing: dict[str, list[str]] = {}
+            per_unit: dict[int, list[list[Any]]] = {}
+            geoms = {}
+            for name in fields:
+                fi = part.fields.get(name)
+                blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
+                lacking = np.flatnonzero(blk < 0)
+                for i in lacking.tolist():
+                    missing.setdefault(ids[i], []).append(name)
+                if lacking.size or fi is None:
+                    continue
+                rows = fi.row[slots]
+                unit_of = np.array([self._block_units[b][0] for b in np.unique(blk).tolist()], np.int64)
+                unit_of = unit_of[np.searchsorted(np.unique(blk), blk)]
+                for u in np.unique(unit_of).tolist():
+                    pos = np.flatnonzero(unit_of == u)
+                    per_unit.setdefault(u, []).append([name, ints(blk[pos]), ints(rows[pos]), ints(pos)])
+                geoms[name] = fi.geom[slots].tolist()
+            if missing:
+                raise E.MissingDataError(p, missing)
+            user = part.user[slots].tolist()
+        return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms}, {}, []
+
+    # -- housekeeping --------------------------------------------------------------------
+    def op_clear(self, header: dict, columns: dict, extra: list) -> Any:
+        p = _partition(header)
+        ids = header.get("ids")
+        with self._lock:
+            part = self._parts.get(p)
+            if part is None:
+                return {"cleared": 0}, {}, []
+            if ids is None:
+                slots = part.committed()
+            else:
+                got = [part.ids.get(s, -1) for s in _strs(ids, "ids")]
+                slots = np.asarray([s for s in got if s >= 0], np.int64)
+                slots = slots[part.state[slots] == COMMITTED] if slots.size else slots
+            for fi in part.fields.values():
+                self._release(fi.block[slots], fi.nbytes[slots])
+                fi.block[slots] = -1
+                fi.geom[slots] = None
+            part.state[slots] = FREE
+            part.user[slots] = None
+            for name in part.names[slots].tolist():
+                del part.ids[name]
+            part.names[slots] = None
+            if not part.ids:
+                del self._parts[p]
+        return {"cleared": int(slots.size)}, {}, []
+
+    def op_list(self, header: dict, columns: dict, extra: list) -> Any:
+        with self._lock:
+            out = [self._describe(name, part, with_ids=False) for name, part in sorted(self._parts.items())]
+        return {"partitions": [d for d in out if d["num_samples"]]}, {}, []
+
+    def op_describe(self, header: dict, columns: dict, extra: list) -> Any:
+        p = _partition(header)
+        with self._lock:
+            part = self._parts.get(p)
+            d = self._describe(p, part, with_ids=True) if part is not None else None
+        if d is None or not d["num_samples"]:
+            raise E.MissingDataError(p, {}, hint="the partition holds no samples")
+        return d, {}, []
+
+    def op_stats(self, header: dict, columns: dict, extra: list) -> Any:
+        return self.stats(), {}, []
+
+    def op_ping(self, header: dict, columns: dict, extra: list) -> Any:
+        return {}, {}, []
+
+    def stats(self) -> dict[str, Any]:
+        """Samples, blocks and bytes: live, and retained by partial clears."""
+        with self._lock:
+            written = sum(b[0] for b in self._block_bytes.values())
+            live = sum(b[1] for b in self._block_bytes.values())
+            per_unit: dict[str, dict[str, int]] = {name: {"blocks": 0, "bytes": 0} for name, _ in self.units}
+            for b, units in self._block_units.items():
+                for u in units:
+                    per_unit[self.units[u][0]]["blocks"] += 1
+                    per_unit[self.units[u][0]]["bytes"] += self._block_bytes.get(b, [0, 0])[0]
+            return {
+                "partitions": len(self._parts),
+                "samples": self._held(committed_only=True),
+                "reservations": len(self._res),
+                "blocks": len(self._block_units),
+                "live_bytes": live,
+                "retained_bytes": written - live,
+                "units": per_unit,
+            }
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._frees.put(None)
+        self._pool.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _held(self, committed_only: bool = False) -> int:
+        if committed_only:
+            return sum(int((p.state[: p.used] == COMMITTED).sum()) for p in self._parts.values())
+        return sum(len(p.ids) for p in self._parts.values())
+
+    def _slots(self, p: str, part: Partition | None, ids: list[str]) -> np.ndarray:
+        """Slots of committed samples ``ids``; MissingDataError naming the unknown ones."""
+        if part is None:
+            raise E.MissingDataError(p, {s: [] for s in ids})
+        got = [part.ids.get(s, -1) for s in ids]
+        slots = np.asarray(got, np.int64)
+        bad = slots < 0
+        if slots.size and not bad.all():
+            bad |= part.state[np.where(bad, 0, slots)] != COMMITTED
+        if bad.any():
+            raise E.MissingDataError(p, {ids[i]: [] for i in np.flatnonzero(bad).tolist()})
+        return slots
+
+    def _place(self, n: int, nbytes: int) -> list[tuple[int, tuple[int, ...], int, int]]:
+        """Blocks for ``n`` rows: one unit per block, split over units when the put is big."""
+        chunks = max(1, min(len(self.units), n, -(-nbytes // CHUNK_BYTES) if nbytes else 1))
+        bounds = np.linspace(0, n, chunks + 1).astype(np.int64).tolist()
+        out = []
+        for k in range(chunks):
+            units = tuple((self._cursor + r) % len(self.units) for r in range(self.replicas))
+            self._cursor = (self._cursor + 1) % len(self.units)
+            bid = next(self._ids)
+            self._block_units[bid] = units
+            self._block_refs[bid] = 0
+            out.append((bid, units, bounds[k], bounds[k + 1]))
+        return out
+
+    def _release(self, blocks: np.ndarray, nbytes: np.ndarray) -> None:
+        """Drop references from rows to blocks; free blocks nothing points at any more."""
+        held = blocks >= 0
+        if not held.any():
+            return
+        uniq, counts = np.unique(blocks[held], return_counts=True)
+        freed_bytes = np.bincount(np.searchsorted(uniq, blocks[held]), weights=nbytes[held], minlength=uniq.size)
+        dead = []
+        for b, c, nb in zip(uniq.tolist(), counts.tolist(), freed_bytes.tolist()):
+            self._block_refs[b] -= c
+            self._block_bytes[b][1] -= int(nb)
+            if self._block_refs[b] <= 0:
+                dead.append(b)
+        self._drop_blocks(dead)
+
+    def _drop_blocks(self, bids: list[int]) -> None:
+        by_unit: dict[int, list[int]] = {}
+        for b in bids:
+            for u in self._block_units.pop(b, ()):
+                by_unit.setdefault(u, []).append(b)
+            self._block_refs.pop(b, None)
+            self._block_bytes.pop(b, None)
+        for u, bs in by_unit.items():
+            self._frees.put((u, bs))
+
+    def _abort(self, res: Reservation) -> None:
+        self._res.pop(res.rid, None)
+        part = self._parts.get(res.partition)
+        if res.create and part is not None:
+            part.state[res.slots] = FREE
+            for name in part.names[res.slots].tolist():
+                part.ids.pop(name, None)
+            part.names[res.slots] = None
+            if not part.ids:
+                del self._parts[res.partition]
+        self._drop_blocks([b for b, _, _, _ in res.blocks])
+
+    def _describe(self, name: str, part: Partition, *, with_ids: bool) -> dict[str, Any]:
+        live = part.state[: part.used] == COMMITTED
+        fields, nbytes = {}, 0
+        for fname, fi in part.fields.items():
+            has = live & (fi.block[: part.used] >= 0)
+            count = int(has.sum())
+            if count:
+                fields[fname] = count
+                nbytes += int(fi.nbytes[: part.used][has].sum())
+        out = {"partition": name, "num_samples": int(live.sum()), "fields": fields, "nbytes": nbytes}
+        if with_ids:
+            out["sample_ids"] = part.names[: part.used][live].tolist()
+        return out
+
+    def _reap(self) -> None:
+        """Abort reservations whose writer never committed (it died, or hangs)."""
+        while not self._stop.wait(0.5):
+            now = time.monotonic()
+            with self._lock:
+                for res in [r for r in self._res.values() if r.deadline < now]:
+                    log.warning("put into %r of %d samples never committed; its reservation lapsed",
+                                res.partition, res.slots.size)
+                    self._abort(res)
+
+    def _free_loop(self) -> None:
+        while True:
+            item = self._frees.get()
+            if item is None:
+                return
+            u, bids = item
+            name, endpoint = self.units[u]
+            try:
+                self._pool.get(endpoint, name).call({"op": "free", "b": ints(bids)}, timeout=10.0)
+            except E.RlplaneError as err:
+                log.warning("could not free %d blocks on %s: %s", len(bids), name, err)
+
+
+def _partition(header: dict) -> str:
+    p = header.get("p")
+    if not isinstance(p, str) or not p:
+        raise E.WireFormatError("request needs a partition name 'p'")
+    return p
+
+
+def _strs(x: Any, what: str) -> list[str]:
+    if not isinstance(x, list) or not all(isinstance(s, str) for s in x):
+        raise E.WireFormatError(f"'{what}' must be a list of strings")
+    return x
+
+
+def controller_actor_class() -> Any:
+    """The Ray actor class of the controller (lazy: no Ray at import)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class NativeControllerActor:
+        """Hosts a :class:`ControllerCore` and its server thread."""
+
+        def __init__(self, host: str | None, secret: str | None, units: list[tuple[str, str]], capacity: int | None,
+                     lease_s: float, replicas: int) -> None:
+            from rlplane_service.native.server import Server
+
+            key = secret.encode() if secret else None
+            self._core = ControllerCore(units, secret=key, capacity=capacity, lease_s=lease_s, replicas=replicas)
+            bind = host or ray.util.get_node_ip_address()
+            self._server = Server(self._core, host=bind, secret=key, name="controller").start()
+            self._secret = secret
+
+        def info(self) -> dict[str, Any]:
+            return {"endpoint": self._server.endpoint, "secret": self._secret, "units": self._core.units}
+
+        def stats(self) -> dict[str, Any]:
+            return self._core.stats()
+
+    return NativeControllerActor
+
+
+__all__ = ["ControllerCore", "controller_actor_class", "RawColumn"]

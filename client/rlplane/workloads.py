@@ -117,4 +117,10 @@ def small_step(batch: int = 8, seqlen: int = 512, seed: int = 0) -> Workload:
     return w
 
 
-WORKLOADS = {"vlm-step": vlm_step, "text-step": text_step, "small": small_step}
+def text_scale(batch: int = 4096, seqlen: int = 1024, seed: int = 0) -> Workload:
+    """"text-scale": the text fields at S=1024 for a sweep over B (64 .. 8192): the cost
+    per sample must stay flat as B grows."""
+    return text_step(batch, seqlen, seed)
+
+
+WORKLOADS = {"vlm-step": vlm_step, "text-step": text_step, "small": small_step, "text-scale": text_scale}

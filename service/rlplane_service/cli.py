@@ -44,6 +44,7 @@ class WorkloadName(str, Enum):
     vlm_step = "vlm-step"
     text_step = "text-step"
     small = "small"
+    text_scale = "text-scale"
 
 
 class Backend(str, Enum):
@@ -195,15 +196,20 @@ def demo(
 @app.command()
 def bench(
     workloads: Optional[list[WorkloadName]] = typer.Option(
-        None, "--workload", "-w", help="Workload(s) to run (repeat the flag); default: all three, and the sweeps."
+        None, "--workload", "-w", help="Workload(s) to run (repeat the flag); default: all, and the sweeps "
+        "(text-scale is the sweep over B at S=1024)."
     ),
     paths: Optional[list[str]] = typer.Option(
-        None, "--path", "-p", help="Path(s) to run (repeat): rlplane-tq, rlplane-http, raw-tq, ray-object-store, legacy-pickle."
+        None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native, rlplane-tq, rlplane-http, rlplane-mooncake, raw-tq, "
+        "ray-object-store, legacy-pickle."
     ),
     batch: Optional[int] = typer.Option(None, "--batch", "-b", min=1, help="Batch size of vlm-step / text-step (default: theirs)."),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", "-s", min=4, help="Sequence length of every workload (default: theirs)."),
     reps: Optional[int] = typer.Option(None, min=1, help="Timed repetitions after one checked warm-up (default 5)."),
     ops: Optional[int] = typer.Option(None, min=2, help="Operations per path for the small-batch latency (default 200)."),
+    scale_batches: Optional[list[int]] = typer.Option(
+        None, "--scale-batch", min=1, help="Batch sizes of the text-scale sweep (repeat) (default 64 256 1024 4096 8192)."
+    ),
     sweep_batches: Optional[list[int]] = typer.Option(
         None, "--sweep-batch", min=1, help="Batch sizes of the vlm-step sweep (repeat) (default 16 64 256)."
     ),
@@ -224,16 +230,20 @@ def bench(
         None, "--mooncake-url", help="With --url: an rlplane app on the Mooncake backend for the rlplane-mooncake row "
         "(same token). Embedded runs deploy one themselves.",
     ),
+    tq_url: Optional[str] = typer.Option(
+        None, "--tq-url", help="With --url: an rlplane app on the TransferQueue backend (simple) for the rlplane-tq and "
+        "raw-tq rows (same token; default: --url itself when it publishes one). Embedded runs deploy one themselves.",
+    ),
     codec: bool = typer.Option(False, "--codec", help="Only the codec: encode -> in-memory transport -> decode vs memcpy, no service."),
 ) -> None:
     """Move the same batch writer process -> reader process through every path and compare.
 
-    Paths: rlplane with the tq transport and with the http transport (put_samples /
-    read_columns, encode and decode included); raw TransferQueue on the same store and
-    bytes; the Ray object store (ray.put / ray.get); the legacy object array pickled
+    Paths: rlplane on its native engine (the default), on TransferQueue (tq), over HTTP
+    and on Mooncake (put_samples / read_columns, encode and decode included); raw
+    TransferQueue on the same store and bytes; the Ray object store (ray.put / ray.get); the legacy object array pickled
     through a Ray actor call; memcpy of the same bytes as the bound. Workloads:
-    vlm-step (DESIGN.md), text-step, small (latency p50/p99). Sweeps: vlm-step batch
-    sizes, concurrent writers (every sample checked after). Reports median and min..max
+    vlm-step (DESIGN.md), text-step, small (latency p50/p99), text-scale (µs per sample
+    as B grows). Sweeps: vlm-step batch sizes, concurrent writers (every sample checked after). Reports median and min..max
     ms, GB/s of stored bytes, the ratio to raw TransferQueue and whether each target is
     met. One warm-up per path is checked bit for bit; a mismatch fails the run (exit 1).
 
@@ -254,7 +264,7 @@ def bench(
         from rlplane_service.bench.run import BenchConfig, quick_config, run_bench
 
         given = {k: v for k, v in (("batch", batch), ("seqlen", seqlen), ("reps", reps), ("ops", ops),
-                                   ("sweep_batches", sweep_batches)) if v is not None}
+                                   ("sweep_batches", sweep_batches), ("scale_batches", scale_batches)) if v is not None}
         cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
         if workloads:
             cfg.workloads = tuple(w.value for w in workloads)
@@ -263,11 +273,11 @@ def bench(
         if writers:
             cfg.writers = tuple(writers)
         if not sweeps:
-            cfg.sweep_batches, cfg.writers = (), ()
+            cfg.sweep_batches, cfg.writers, cfg.scale_batches = (), (), ()
         if quick:
-            cfg = quick_config(cfg, set(given) | ({"sweep_batches"} if not sweeps else set()))
+            cfg = quick_config(cfg, set(given) | ({"sweep_batches", "scale_batches"} if not sweeps else set()))
         try:
-            results = run_bench(cfg, console, url=url, token=token, mooncake_url=mooncake_url)
+            results = run_bench(cfg, console, url=url, token=token, mooncake_url=mooncake_url, tq_url=tq_url)
         except RlplaneError as err:
             console.print(f"[red]error[/]: {err}")
             raise typer.Exit(1)

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-PATHS = {"rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "ray-object-store", "legacy-pickle"}
+PATHS = {"rlplane-native", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "ray-object-store", "legacy-pickle"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -19,10 +19,12 @@ def bench(*args, timeout=240):
                           timeout=timeout, env=env)
 
 
-def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_and_png(service, mooncake_service, tmp_path):
+def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_and_png(
+    service, mooncake_service, simple_service, tmp_path
+):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     res = bench("--quick", "--url", service.url, "--token", service.settings.token(), "--mooncake-url", mooncake_service.url,
-                "--batch", "2", "--seqlen", "32",
+                "--tq-url", simple_service.url, "--batch", "2", "--seqlen", "32", "--scale-batch", "4", "--scale-batch", "8",
                 "--reps", "1", "--ops", "3", "--sweep-batch", "2", "--writers", "1", "--writers", "2",
                 "--json", str(out), "--plot", str(png))
     assert res.returncode == 0, res.stdout + res.stderr
@@ -40,7 +42,11 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert all(r[op]["ops"] == 3 and r[op]["p99_ms"] >= r[op]["p50_ms"] for r in lat["paths"] for op in ("put", "get"))
     assert [s["batch"] for s in data["sweeps"]["batch"]] == [2]
     assert [(s["writers"], s["verified_samples"]) for s in data["sweeps"]["writers"]] == [(1, 2), (2, 2)]
-    assert len(data["targets"]) == 7 and all(t["met"] in (True, False) for t in data["targets"])
+    scale = data["sweeps"]["scale"]
+    assert [(s["workload"], s["batch"], s["seqlen"]) for s in scale] == [("text-scale", 4, 1024), ("text-scale", 8, 1024)]
+    assert {r["path"] for r in scale[0]["paths"]} == {"rlplane-native", "rlplane-tq", "raw-tq", "ray-object-store"}
+    assert len(data["targets"]) == 13 and all(t["met"] in (True, False) for t in data["targets"])
+    assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]
     assert png.read_bytes()[:8] == PNG
     assert "targets" in res.stdout and "raw TransferQueue" in res.stdout

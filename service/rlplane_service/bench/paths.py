@@ -42,8 +42,9 @@ class WorkerEnv:
     url: str
     token: str | None
     registry: dict
-    tq_info: dict | None
+    tq_info: dict | None  # the TransferQueue store of the tq_url app (raw-tq runs on it)
     mooncake_url: str | None = None  # an rlplane app on the Mooncake backend (same token)
+    tq_url: str | None = None  # an rlplane app on the TransferQueue backend 'simple' (same token)
 
 
 @dataclass
@@ -132,10 +133,25 @@ class RlplanePath(BenchPath):
         self.client.close()
 
 
+class RlplaneNative(RlplanePath):
+    """rlplane's default: the native engine, straight to its controller and units."""
+
+    name = "rlplane-native"
+    label = "rlplane (native)"
+    transport = "native"
+
+
 class RlplaneTQ(RlplanePath):
+    """rlplane's ``tq`` transport to a service on the TransferQueue backend (``simple``)."""
+
     name = "rlplane-tq"
     label = "rlplane (tq)"
     transport = "tq"
+
+    def service_url(self, env: WorkerEnv) -> str:
+        if env.tq_url is None:
+            raise RuntimeError("no TransferQueue-backed service: pass --tq-url (the bench starts one when it embeds)")
+        return env.tq_url
 
 
 class RlplaneHTTP(RlplanePath):
@@ -312,7 +328,7 @@ def _as_column(value: Any) -> Column:
 
 #: Every path, in table order. Raw TransferQueue is the reference every ratio divides by.
 PATHS: dict[str, type[BenchPath]] = {
-    p.name: p for p in (RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, RayObjectStore, LegacyObjectArray)
+    p.name: p for p in (RlplaneNative, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, RayObjectStore, LegacyObjectArray)
 }
 REFERENCE = RawTQ.name
 

@@ -54,6 +54,8 @@ def print_report(results: dict, console: Console) -> None:
     sweeps = results.get("sweeps", {})
     if sweeps.get("batch"):
         console.print(batch_sweep_table(sweeps["batch"]))
+    if sweeps.get("scale"):
+        console.print(scale_table(sweeps["scale"]))
     if sweeps.get("writers"):
         console.print(writers_table(sweeps["writers"]))
     console.print(targets_table(results["targets"]))
@@ -94,6 +96,25 @@ def batch_sweep_table(sweep: list[dict]) -> Table:
     for i, r in enumerate(sweep[0]["paths"]):
         cells = [f"{w['paths'][i]['ops']['put']['gb_per_s']:.2f} / {w['paths'][i]['ops']['get']['gb_per_s']:.2f}" for w in sweep]
         t.add_row(r["label"], *cells)
+    return t
+
+
+def per_sample_us(w: dict, path: str, op: str) -> float | None:
+    """Median µs per sample of ``op`` through ``path`` in one throughput result."""
+    row = next((r for r in w["paths"] if r["path"] == path), None)
+    return None if row is None else row["ops"][op]["median_ms"] * 1e3 / w["batch"]
+
+
+def scale_table(sweep: list[dict]) -> Table:
+    t = Table(title=f"{sweep[0]['workload']} S={sweep[0]['seqlen']}: µs per sample, put / get (median); "
+                    "flat across a row is the goal")
+    t.add_column("path")
+    for w in sweep:
+        t.add_column(f"B={w['batch']} ({w['bytes_stored'] / 1e6:.0f} MB)", justify="right")
+    for r in sweep[0]["paths"]:
+        cells = [f"{per_sample_us(w, r['path'], 'put'):.1f} / {per_sample_us(w, r['path'], 'get'):.1f}" for w in sweep]
+        t.add_row(r["label"], *cells)
+    t.add_row("memcpy", *[f"{w['bounds'][0]['median_ms'] * 1e3 / w['batch']:.2f}" for w in sweep])
     return t
 
 

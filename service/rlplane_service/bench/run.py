@@ -37,7 +37,10 @@ LATENCY_WORKLOAD = "small"
 SWEEP_WORKLOAD = "vlm-step"
 #: The HTTP proxy moves ~0.1-0.2 GB/s (DESIGN.md): at B=256 it alone would take minutes.
 SWEEP_PATHS = tuple(p for p in PATHS if p != "rlplane-http")
-WRITERS_PATH = "rlplane-tq"
+WRITERS_PATH = "rlplane-native"
+#: text-scale: the text fields at S=1024 over growing B, through these paths (cost per sample).
+SCALE_WORKLOAD = "text-scale"
+SCALE_PATHS = ("rlplane-native", "rlplane-tq", "raw-tq", "ray-object-store")
 
 
 class BenchError(RlplaneError):
@@ -49,19 +52,20 @@ class BenchConfig:
     """What one ``rlplane bench`` run measures. ``quick`` shrinks batches, reps and ops
     (every path, workload and sweep still runs); explicit values win over it."""
 
-    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD)
+    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD, SCALE_WORKLOAD)
     paths: tuple[str, ...] = tuple(PATHS)
     batch: int | None = None
     seqlen: int | None = None
     reps: int = 5
     ops: int = 200
     sweep_batches: tuple[int, ...] = (16, 64, 256)
+    scale_batches: tuple[int, ...] = (64, 256, 1024, 4096, 8192)
     writers: tuple[int, ...] = (1, 2, 4)
     seed: int = 0
     quick: bool = False
 
 
-QUICK = {"batch": 8, "seqlen": 512, "reps": 3, "ops": 50, "sweep_batches": (4, 8, 16)}
+QUICK = {"batch": 8, "seqlen": 512, "reps": 3, "ops": 50, "sweep_batches": (4, 8, 16), "scale_batches": (16, 64)}
 
 
 def quick_config(cfg: BenchConfig, given: set[str]) -> BenchConfig:
@@ -80,9 +84,11 @@ class _Pool:
         return ray.get([a.prepare.remote(asdict(s)) for a, s in zip(actors, shares)])
 
 
-#: The Mooncake-backed app the embedded bench deploys next to the default one.
+#: The apps the embedded bench deploys next to the default (native) one, for the rows that need them.
 MOONCAKE_APP = {"name": "rlplane-bench-mooncake", "route_prefix": "/bench-mooncake",
                 "args": {"store_name": "bench-mooncake", "backend": "mooncake", "mooncake_segment_bytes": 3 << 30}}
+TQ_APP = {"name": "rlplane-bench-tq", "route_prefix": "/bench-tq", "args": {"store_name": "bench-tq", "backend": "simple"}}
+TQ_ROWS = ("rlplane-tq", "raw-tq")
 
 
 def run_bench(
@@ -92,6 +98,7 @@ def run_bench(
     url: str | None = None,
     token: str | None = None,
     mooncake_url: str | None = None,
+    tq_url: str | None = None,
 ) -> dict:
     """Run every measurement in ``cfg``; print the report; return machine-readable results.
 
@@ -113,12 +120,19 @@ def run_bench(
         url, token = service.url, service.settings.token()
     try:
         if service is not None and "rlplane-mooncake" in cfg.paths:
-            mooncake_url = _deploy_mooncake(service, console)
+            mooncake_url = _deploy(service, console, MOONCAKE_APP, "a Mooncake-backed rlplane (its own mooncake_master, TCP)")
+        if service is not None and any(p in cfg.paths for p in TQ_ROWS):
+            tq_url = _deploy(service, console, TQ_APP, "a TransferQueue-backed rlplane (backend simple)")
+        if tq_url is None and any(p in cfg.paths for p in TQ_ROWS):
+            tq_url = url if _publishes(url, token, "tq") else None
+        if tq_url is None and any(p in cfg.paths for p in TQ_ROWS):
+            console.print("[yellow]no --tq-url: the rlplane-tq and raw-tq rows are left out[/]")
+            cfg = replace(cfg, paths=tuple(p for p in cfg.paths if p not in TQ_ROWS))
         if mooncake_url is None and "rlplane-mooncake" in cfg.paths:
             console.print("[yellow]no --mooncake-url: the rlplane-mooncake row is left out[/]")
             cfg = replace(cfg, paths=tuple(p for p in cfg.paths if p != "rlplane-mooncake"))
         own_ray = _ensure_ray(console)
-        results = _measure(cfg, console, url, token, mooncake_url)
+        results = _measure(cfg, console, url, token, mooncake_url, tq_url)
     finally:
         if own_ray:
             import ray
@@ -126,7 +140,7 @@ def run_bench(
             ray.shutdown()
         if service is not None:
             console.print("[dim]stopping the embedded service[/]")
-            if mooncake_url is not None:
+            if mooncake_url is not None and "rlplane-mooncake" in cfg.paths:
                 from rlplane_service.mooncake import stop_master
 
                 stop_master(ServiceSettings(**MOONCAKE_APP["args"]))
@@ -144,29 +158,46 @@ def run_bench(
     return results
 
 
-def _deploy_mooncake(service: Any, console: Console) -> str:
-    """Deploy the Mooncake-backed app in the embedded service's cluster; return its URL."""
+def _deploy(service: Any, console: Console, app: dict, what: str) -> str:
+    """Deploy ``app`` in the embedded service's cluster (same token); return its URL."""
     from ray import serve
 
     from rlplane_service.app import build_app
 
-    args = dict(MOONCAKE_APP["args"], api_token=service.settings.token())
-    with console.status("deploying a Mooncake-backed rlplane (its own mooncake_master, TCP)"):
-        serve.run(build_app(args), name=MOONCAKE_APP["name"], route_prefix=MOONCAKE_APP["route_prefix"])
-    return service.url + MOONCAKE_APP["route_prefix"]
+    args = dict(app["args"], api_token=service.settings.token())
+    with console.status(f"deploying {what}"):
+        serve.run(build_app(args), name=app["name"], route_prefix=app["route_prefix"])
+    return service.url + app["route_prefix"]
 
 
-def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mooncake_url: str | None) -> dict:
+def _publishes(url: str, token: str | None, key: str) -> bool:
+    from rlplane.http_api import ServiceAPI
+
+    api = ServiceAPI(url, token=token)
+    try:
+        return bool(api.json("GET", "/v1/transport").get(key))
+    finally:
+        api.close()
+
+
+def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mooncake_url: str | None,
+             tq_url: str | None) -> dict:
     import ray
     from rlplane.http_api import ServiceAPI
 
     api = ServiceAPI(url, token=token)
     try:
-        env = WorkerEnv(
-            url, token, api.json("GET", "/v1/registry"), api.json("GET", "/v1/transport").get("tq"), mooncake_url
-        )
+        registry = api.json("GET", "/v1/registry")
     finally:
         api.close()
+    tq_info = None
+    if tq_url is not None:
+        api = ServiceAPI(tq_url, token=token)
+        try:
+            tq_info = api.json("GET", "/v1/transport").get("tq")
+        finally:
+            api.close()
+    env = WorkerEnv(url, token, registry, tq_info, mooncake_url, tq_url)
     n_writers = max(cfg.writers, default=1)
     with console.status(f"starting {n_writers + 1} worker processes"):
         actors = start_workers(env, n_writers + 1)
@@ -174,7 +205,7 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
         ray.get(pool.reader.open.remote(list(cfg.paths)))
         ray.get(pool.writers[0].open.remote(list(cfg.paths)))
         ray.get([w.open.remote([WRITERS_PATH]) for w in pool.writers[1:]])
-    out: dict[str, Any] = {"workloads": [], "latency": None, "sweeps": {"batch": [], "writers": []}}
+    out: dict[str, Any] = {"workloads": [], "latency": None, "sweeps": {"batch": [], "writers": [], "scale": []}}
     try:
         with Progress(console=console, transient=True) as progress:
             for name in cfg.workloads:
@@ -187,6 +218,10 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
                 paths = tuple(p for p in cfg.paths if p in SWEEP_PATHS)
                 for b in cfg.sweep_batches:
                     out["sweeps"]["batch"].append(_throughput(cfg, pool, _share(cfg, SWEEP_WORKLOAD, b), paths, progress))
+            if cfg.scale_batches and SCALE_WORKLOAD in cfg.workloads:
+                paths = tuple(p for p in cfg.paths if p in SCALE_PATHS)
+                for b in cfg.scale_batches:
+                    out["sweeps"]["scale"].append(_throughput(cfg, pool, _share(cfg, SCALE_WORKLOAD, b, 1024), paths, progress))
             if cfg.writers and WRITERS_PATH in cfg.paths and SWEEP_WORKLOAD in cfg.workloads:
                 for n in cfg.writers:
                     out["sweeps"]["writers"].append(_writers(cfg, pool, n, progress))
@@ -197,13 +232,13 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
     return out
 
 
-def _share(cfg: BenchConfig, workload: str, batch: int | None) -> Share:
+def _share(cfg: BenchConfig, workload: str, batch: int | None, seqlen: int | None = None) -> Share:
     import inspect
 
     from rlplane.workloads import WORKLOADS
 
     defaults = inspect.signature(WORKLOADS[workload]).parameters
-    return Share(workload, batch or defaults["batch"].default, cfg.seqlen or defaults["seqlen"].default, cfg.seed)
+    return Share(workload, batch or defaults["batch"].default, seqlen or cfg.seqlen or defaults["seqlen"].default, cfg.seed)
 
 
 def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None) -> tuple[float, float]:

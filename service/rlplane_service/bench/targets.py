@@ -13,22 +13,70 @@ from typing import Any
 
 from rlplane_service.bench.paths import REFERENCE
 
-#: rlplane's tq put and read keep at least this share of raw TransferQueue's GB/s on vlm-step.
+#: rlplane's put and read keep at least this share of raw TransferQueue's GB/s on vlm-step.
 TQ_SHARE_OF_RAW = 0.9
 #: The HTTP transport moves at least this many GB/s each way on vlm-step.
 HTTP_MIN_GBPS = 0.5
-#: A small-batch put may cost at most this much more than raw TransferQueue's (p50).
-SMALL_PUT_OVERHEAD_MS = 1.0
+#: A small-batch put or read may cost at most this much more than the Ray object store's (p50).
+SMALL_OVERHEAD_MS = 1.0
+#: text-scale: µs per sample at the biggest B at most this multiple of the one at B=256.
+SCALE_FLAT = 1.2
+#: text-scale B=4096: the round trip at most this multiple of a memcpy of its bytes.
+MEMCPY_MULTIPLE = 40.0
+#: text-step: the round trip at most this multiple of the Ray object store's.
+TEXT_VS_RAY = 1.5
 TARGET_WORKLOAD = "vlm-step"
+NATIVE = "rlplane-native"
+RAY = "ray-object-store"
 
 
 def evaluate(results: dict) -> list[dict]:
     """One entry per target: ``name``, ``met`` (None when its rows did not run), ``value``,
     ``threshold``, ``detail``."""
     out: list[dict] = []
-    vlm = next((w for w in results.get("workloads", []) if w["workload"] == TARGET_WORKLOAD), None)
+    work = {w["workload"]: w for w in results.get("workloads", [])}
+    vlm, text = work.get(TARGET_WORKLOAD), work.get("text-step")
     gbps = _gbps(vlm) if vlm else {}
+    lat = {r["path"]: r for r in (results.get("latency") or {}).get("paths", [])}
+    scale = {w["batch"]: w for w in results.get("sweeps", {}).get("scale", [])}
 
+    # -- the native engine (the default backend) ------------------------------------------
+    if scale:
+        from rlplane_service.bench.report import per_sample_us
+
+        small_b = 256 if 256 in scale else min(scale)
+        big_b = 8192 if 8192 in scale else max(scale)
+        trip = {b: per_sample_us(w, NATIVE, "round trip") for b, w in scale.items()}
+        lo, hi = trip.get(small_b), trip.get(big_b)
+        out.append(_target(f"text-scale: native µs/sample at B={big_b} <= {SCALE_FLAT}x at B={small_b}",
+                           None if lo is None or hi is None else hi / lo, SCALE_FLAT,
+                           lo is not None and hi is not None and hi / lo <= SCALE_FLAT, "round trip µs/sample ratio"))
+        b4k = 4096 if 4096 in scale else big_b
+        w = scale[b4k]
+        ours, copy = _median(w, NATIVE, "round trip"), w["bounds"][0]["median_ms"]
+        out.append(_target(f"text-scale B={b4k}: native round trip <= {MEMCPY_MULTIPLE}x memcpy",
+                           None if ours is None else ours / copy, MEMCPY_MULTIPLE,
+                           ours is not None and ours / copy <= MEMCPY_MULTIPLE, "round trip ms / memcpy ms of its bytes"))
+    ours, ray = _median(text, NATIVE, "round trip"), _median(text, RAY, "round trip")
+    out.append(_target(f"text-step: native round trip <= {TEXT_VS_RAY}x the Ray object store's",
+                       None if ours is None or not ray else ours / ray, TEXT_VS_RAY,
+                       ours is not None and bool(ray) and ours / ray <= TEXT_VS_RAY, "put+get ms ratio (median)"))
+    for op in ("put", "get"):
+        ours_p50 = lat.get(NATIVE, {}).get(op, {}).get("p50_ms")
+        ray_p50 = lat.get(RAY, {}).get(op, {}).get("p50_ms")
+        limit = ray_p50 + SMALL_OVERHEAD_MS if ray_p50 is not None else None
+        out.append(_target(f"small: native {op} p50 <= Ray object store p50 + {SMALL_OVERHEAD_MS:g} ms", ours_p50, limit,
+                           ours_p50 is not None and limit is not None and ours_p50 <= limit, f"ms, p50 of {op}"))
+    ours, ref = _median(vlm, NATIVE, "round trip"), _median(vlm, REFERENCE, "round trip")
+    out.append(_target(f"{TARGET_WORKLOAD}: native round trip <= raw TransferQueue's", ours, ref,
+                       ours is not None and ref is not None and ours <= ref, "put+get ms (median)"))
+    for op in ("put", "get"):
+        mine, theirs = gbps.get((NATIVE, op)), gbps.get((REFERENCE, op))
+        value = mine / theirs if mine is not None and theirs else None
+        out.append(_target(f"{TARGET_WORKLOAD}: native {op} >= {TQ_SHARE_OF_RAW}x raw TQ", value, TQ_SHARE_OF_RAW,
+                           value is not None and value >= TQ_SHARE_OF_RAW, f"GB/s ratio of {op}"))
+
+    # -- rlplane on TransferQueue and over HTTP ---------------------------------------------
     def ratio_target(name: str, op: str) -> None:
         ours, ref = gbps.get(("rlplane-tq", op)), gbps.get((REFERENCE, op))
         value = ours / ref if ours is not None and ref else None
@@ -37,28 +85,14 @@ def evaluate(results: dict) -> list[dict]:
 
     ratio_target(f"{TARGET_WORKLOAD}: rlplane tq put >= {TQ_SHARE_OF_RAW}x raw TQ", "put")
     ratio_target(f"{TARGET_WORKLOAD}: rlplane tq read >= {TQ_SHARE_OF_RAW}x raw TQ", "get")
-
-    ours, ray = _median(vlm, "rlplane-tq", "round trip"), _median(vlm, "ray-object-store", "round trip")
-    out.append(_target(
-        f"{TARGET_WORKLOAD}: rlplane round trip faster than the Ray object store",
-        ours, ray, ours is not None and ray is not None and ours < ray,
-        "rlplane tq put+get ms vs ray.put+ray.get ms (median)",
-    ))
     for op in ("put", "get"):
         v = gbps.get(("rlplane-http", op))
         out.append(_target(f"{TARGET_WORKLOAD}: http transport {op} >= {HTTP_MIN_GBPS} GB/s", v, HTTP_MIN_GBPS,
                            v is not None and v >= HTTP_MIN_GBPS, "GB/s through the Serve HTTP proxy"))
 
-    lat = {r["path"]: r for r in (results.get("latency") or {}).get("paths", [])}
-    ours_p50 = lat.get("rlplane-tq", {}).get("put", {}).get("p50_ms")
-    ref_p50 = lat.get(REFERENCE, {}).get("put", {}).get("p50_ms")
-    limit = ref_p50 + SMALL_PUT_OVERHEAD_MS if ref_p50 is not None else None
-    out.append(_target(f"small: rlplane tq put p50 <= raw TQ p50 + {SMALL_PUT_OVERHEAD_MS:g} ms", ours_p50, limit,
-                       ours_p50 is not None and limit is not None and ours_p50 <= limit, "ms, p50 of put"))
-
     by_n = {w["writers"]: w["put"]["gb_per_s"] for w in results.get("sweeps", {}).get("writers", [])}
     one, most = by_n.get(1), by_n.get(max(by_n)) if by_n else None
-    out.append(_target(f"{max(by_n) if by_n else 'N'} writers aggregate >= 1 writer", most, one,
+    out.append(_target(f"{max(by_n) if by_n else 'N'} writers aggregate >= 1 writer (native)", most, one,
                        most is not None and one is not None and most >= one, "aggregate put GB/s"))
     return out
 

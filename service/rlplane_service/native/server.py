@@ -27,7 +27,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from rlplane import errors as E
 from rlplane.channel import PLAIN_USER
-from rlplane.wire import pack_message, unpack_message
+from rlplane.wire import pack_message, unpack_header, unpack_message
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ class Server:
     def _handle(self, frames: list[Any]) -> list[Any]:
         rid = None
         try:
+            rid = unpack_header(frames[0]).get("rid")  # first, so that even a bad body gets its answer
             header, columns, extra = unpack_message(frames)
-            rid = header.get("rid")
             op = header.get("op")
             fn: Callable[..., Reply] | None = getattr(self.handler, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
             if fn is None:

@@ -1,0 +1,229 @@
+"""The native engine for real: what only it can get wrong or must get right.
+
+Concurrent puts of the same new ids, a writer killed between reserve and commit, a
+storage unit killed under load, garbage and pickles sent to every data port, wrong
+secrets. The round trips themselves run on every backend in test_service.py.
+"""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+import zmq
+
+import rlplane
+from rlplane import errors as E
+from rlplane.channel import PLAIN_USER
+from rlplane.transports.native import NativeTransport
+from rlplane.wire import pack_message, unpack_message
+
+TOKEN = "native-test-token"
+ARGS = {"store_name": "nat", "backend": "native", "storage_units": 2, "put_lease_s": 2.0, "api_token": TOKEN}
+
+
+def part() -> str:
+    return f"n-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def nat(service):
+    """An app of its own (a 2 s put lease, units this module may kill), at /nat."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+    from rlplane_service.backends.native import NativeStore
+    from rlplane_service.settings import ServiceSettings
+
+    serve.run(build_app(ARGS), name="rlplane-nat", route_prefix="/nat")
+    try:
+        yield f"{service.url}/nat"
+    finally:
+        serve.delete("rlplane-nat")
+        NativeStore.attach_or_create(ServiceSettings(**ARGS)).destroy()
+
+
+def info(url: str) -> dict:
+    r = httpx.get(f"{url}/v1/transport", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
+    return r.json()["native"]
+
+
+def batch(n: int, value: int) -> dict:
+    return {"input_ids": torch.full((n, 8), value, dtype=torch.int64), "input_lengths": torch.full((n,), 8)}
+
+
+def test_concurrent_puts_of_the_same_new_ids_have_exactly_one_winner(nat):
+    clients = [rlplane.connect(nat, token=TOKEN, transport="native") for _ in range(8)]
+    try:
+        for rep in range(20):
+            p, ids = part(), [f"s{i}" for i in range(16)]
+            barrier = threading.Barrier(8)
+            outcome: dict[int, object] = {}
+
+            def put(k: int) -> None:
+                barrier.wait(timeout=30)
+                try:
+                    clients[k].put_samples(p, batch(16, k), sample_ids=ids)
+                    outcome[k] = "ok"
+                except E.DuplicateSampleError as err:
+                    outcome[k] = err
+
+            threads = [threading.Thread(target=put, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            winners = [k for k, v in outcome.items() if v == "ok"]
+            assert len(outcome) == 8 and len(winners) == 1, (rep, outcome)
+            meta = rlplane.SampleMeta(p, ids, [8] * 16)
+            got = clients[0].read_columns(meta, ["input_ids"])["input_ids"]
+            assert torch.equal(got, batch(16, winners[0])["input_ids"]), "rows of a loser mixed in"
+            assert clients[0].clear(p) == 16
+    finally:
+        for c in clients:
+            c.close()
+
+
+KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, time, torch, rlplane
+    from rlplane.transports.native import NativeTransport
+    url, token, partition = sys.argv[1:4]
+    original = NativeTransport._write_blocks
+    def write_then_hang(self, *args, **kwargs):
+        original(self, *args, **kwargs)     # reserved, and the bytes are on the units...
+        print("reserved", flush=True)
+        time.sleep(600)                     # ...but the commit never comes
+    NativeTransport._write_blocks = write_then_hang
+    client = rlplane.connect(url, token=token, transport="native")
+    client.put_samples(partition, {"input_ids": torch.ones(4, 8, dtype=torch.int64),
+                                   "input_lengths": torch.full((4,), 8)}, sample_ids=["a", "b", "c", "d"])
+    """
+)
+
+
+def test_a_writer_killed_between_reserve_and_commit_leaves_nothing_and_its_retry_succeeds(nat):
+    p = part()
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, nat, TOKEN, p], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "reserved"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    with rlplane.connect(nat, token=TOKEN, transport="native") as client:
+        assert p not in client.partitions()
+        with pytest.raises(E.MissingDataError):
+            client.read_columns(rlplane.SampleMeta(p, ["a"], [8]), ["input_ids"])
+        deadline = time.monotonic() + ARGS["put_lease_s"] + 10
+        while True:  # refused while the dead writer's reservation holds, then accepted
+            try:
+                meta = client.put_samples(p, batch(4, 7), sample_ids=["a", "b", "c", "d"])
+                break
+            except E.DuplicateSampleError as err:
+                assert "being written by another put" in str(err)
+                assert time.monotonic() < deadline, "the dead writer's reservation never lapsed"
+                time.sleep(0.2)
+        assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], batch(4, 7)["input_ids"])
+        stats = client.transport.stats()
+        assert stats["reservations"] == 0
+        client.clear(p)
+
+
+def test_a_wrong_or_missing_secret_is_an_authentication_error_at_once(nat):
+    good = info(nat)
+    for secret in ("wrong", None):
+        start = time.monotonic()
+        with pytest.raises(E.AuthenticationError):
+            NativeTransport({**good, "secret": secret})
+        assert time.monotonic() - start < 5
+    with pytest.raises(E.AuthenticationError):
+        rlplane.connect(nat, token="wrong", transport="native")
+
+
+class Evil:
+    """Unpickling this would create the marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_garbage_and_pickles_sent_to_every_data_port_execute_nothing(nat, tmp_path):
+    good = info(nat)
+    endpoints = [good["controller"]] + [ep for _, ep in good["units"]]
+    marker = tmp_path / "executed"
+    payload = pickle.dumps(Evil(str(marker)))
+    bodies = [[payload], [b"", payload], [b"TQ_STORAGE_x", b"\x00pickle", payload], [b"\xff" * 64], [os.urandom(4096)],
+              pack_message({"op": "__init__"}), pack_message({"op": "write", "b": "x"})]
+    ctx = zmq.Context.instance()
+    for ep in endpoints:
+        for secret in (good["secret"].encode(), None):  # authenticated peers get an error; others not even that
+            sock = ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            if secret is not None:
+                sock.plain_username, sock.plain_password = PLAIN_USER, secret
+            sock.connect(ep)
+            for body in bodies:
+                if secret is None:
+                    time.sleep(0.2)  # give the handshake its chance to fail
+                try:
+                    sock.send_multipart(body, flags=zmq.NOBLOCK)
+                except zmq.Again:  # no authenticated peer to queue the message for: fine
+                    assert secret is None
+                    continue
+                if secret is not None:
+                    assert sock.poll(5000), f"{ep} stopped answering after {body[:1]!r}"
+                    reply = unpack_message(sock.recv_multipart())[0]
+                    assert reply["ok"] is False and reply["error"]["error"] == "WireFormatError"
+                else:
+                    assert not sock.poll(300), f"{ep} answered a peer without the secret"
+            sock.close()
+    time.sleep(0.5)
+    assert not marker.exists(), "a pickle sent to a data port was executed"
+    with rlplane.connect(nat, token=TOKEN, transport="native") as client:  # and every port still serves
+        p = part()
+        meta = client.put_samples(p, batch(64, 3))
+        assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], batch(64, 3)["input_ids"])
+        client.clear(p)
+
+
+def test_a_killed_unit_is_unavailable_within_seconds_and_readyz_names_it(nat):
+    """Last in this module: it leaves the app without one of its units."""
+    import ray
+
+    with rlplane.connect(nat, token=TOKEN, transport="native") as client:
+        metas = [client.put_samples(part(), batch(4, k)) for k in range(4)]  # round-robin over both units
+        unit = ray.get_actor("nat-native-unit-1", namespace="rlplane")
+        ray.kill(unit, no_restart=True)  # asynchronous: wait until it is gone
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(unit.info.remote(), timeout=30)
+        failed = 0
+        for meta in metas:
+            start = time.monotonic()
+            try:
+                client.read_columns(meta, ["input_ids"])
+            except E.UnavailableError as err:
+                failed += 1
+                assert "nat-native-unit-1" in str(err) and err.component == "nat-native-unit-1"
+            assert time.monotonic() - start < 10
+        assert failed == 2
+        for k in range(4):  # puts: the ones placed on the dead unit fail fast, the rest work
+            start = time.monotonic()
+            try:
+                client.put_samples(part(), batch(4, k))
+            except E.UnavailableError:
+                pass
+            assert time.monotonic() - start < 10
+    r = httpx.get(f"{nat}/readyz", timeout=30)
+    assert r.status_code == 503 and r.json()["components"]["nat-native-unit-1"] is False
+    assert "nat-native-unit-1" in r.json()["reason"]

@@ -1,0 +1,151 @@
+"""The native engine in one process (no Ray): controller and units served on loopback,
+a NativeTransport and a Client in front, the same semantics as every transport."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane.channel import Channel
+from rlplane.transports.native import NativeTransport
+from rlplane.verify import diff_fields
+from rlplane.wire import RawColumn, int_array, ints, pack_message, unpack_message
+from rlplane.workloads import vlm_step
+from rlplane_service.native.controller import ControllerCore
+from rlplane_service.native.server import Server
+from rlplane_service.native.unit import UnitCore
+
+SECRET = b"unit-test-secret"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    units = [Server(UnitCore(f"u{i}"), secret=SECRET, name=f"u{i}").start() for i in range(3)]
+    core = ControllerCore([(f"u{i}", u.endpoint) for i, u in enumerate(units)], secret=SECRET, lease_s=30)
+    ctrl = Server(core, secret=SECRET, name="controller").start()
+    yield {"controller": ctrl.endpoint, "secret": SECRET.decode(), "core": core, "units": units}
+    ctrl.stop()
+    core.stop()
+    for u in units:
+        u.stop()
+
+
+@pytest.fixture()
+def client(engine):
+    c = Client(default_registry(), NativeTransport({"controller": engine["controller"], "secret": engine["secret"]}, timeout=30))
+    yield c
+    c.close()
+
+
+def test_vlm_batch_round_trips_bit_exactly_and_shards_read_their_rows(client):
+    w = vlm_step(12, 256, seed=3)
+    meta = client.put_samples("vlm", w.fields)
+    got = client.read_columns(meta, list(w.fields))
+    assert diff_fields(client.registry, w.fields, got, w.lengths, sample_ids=meta.sample_ids) == []
+    for idx in ([11, 0, 5], [3], list(range(1, 12, 2))):  # out of order, one row, every other row
+        sub = meta.subset(idx)
+        got = client.read_columns(sub, ["input_ids", "pixel_values"])
+        want = w.select(idx)
+        assert diff_fields(client.registry, {k: want.fields[k] for k in ("input_ids", "pixel_values")}, got,
+                           want.lengths, sample_ids=sub.sample_ids) == []
+    assert client.clear("vlm") == 12
+
+
+def test_write_columns_replaces_and_partial_clears_report_what_they_keep(client, engine):
+    fields = {"input_ids": torch.arange(32).reshape(4, 8), "input_lengths": torch.full((4,), 8)}
+    meta = client.put_samples("wc", fields, sample_ids=list("abcd"))
+    client.write_columns(meta, {"prev_logprobs": torch.ones(4, 8)})
+    client.write_columns(meta.subset([1]), {"prev_logprobs": torch.full((1, 8), 5.0)})
+    got = client.read_columns(meta, ["prev_logprobs"])["prev_logprobs"]
+    assert got[:, 0].tolist() == [1.0, 5.0, 1.0, 1.0]
+    client.clear("wc", ["a"])
+    stats = client.transport.stats()
+    assert stats["retained_bytes"] > 0  # a's rows stay in blocks that still hold b, c, d
+    client.clear("wc")
+    stats = client.transport.stats()
+    assert stats["live_bytes"] == 0 and stats["retained_bytes"] == 0 and stats["blocks"] == 0
+    assert "wc" not in client.partitions()
+
+
+def test_missing_samples_and_fields_are_named(client):
+    meta = client.put_samples("miss", {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 2])},
+                              sample_ids=["x", "y"])
+    with pytest.raises(E.MissingDataError) as err:
+        client.read_columns(meta, ["prev_logprobs"])
+    assert err.value.missing == {"x": ["prev_logprobs"], "y": ["prev_logprobs"]}
+    with pytest.raises(E.MissingDataError) as err:
+        client.write_columns(meta.subset([0]).__class__("miss", ["z"], [4]), {"prev_logprobs": torch.zeros(1, 4)})
+    assert list(err.value.missing) == ["z"]
+    with pytest.raises(E.DuplicateSampleError):
+        client.put_samples("miss", {"input_ids": torch.ones(1, 4, dtype=torch.int64), "input_lengths": torch.tensor([4])},
+                           sample_ids=["y"])
+    client.clear("miss")
+
+
+def test_a_failed_put_aborts_its_reservation(client, engine, monkeypatch):
+    def boom(*args, **kwargs):
+        raise E.TransportError("the network went away")
+
+    monkeypatch.setattr(NativeTransport, "_write_blocks", boom)
+    with pytest.raises(E.TransportError):
+        client.put_samples("ab", {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])},
+                           sample_ids=["a", "b"])
+    monkeypatch.undo()
+    assert engine["core"].stats()["reservations"] == 0
+    meta = client.put_samples("ab", {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])},
+                              sample_ids=["a", "b"])
+    assert client.read_columns(meta, ["input_lengths"])["input_lengths"].tolist() == [4, 4]
+    client.clear("ab")
+
+
+def test_garbage_gets_an_error_reply_and_the_server_keeps_serving(engine):
+    ep = engine["units"][0].endpoint
+    ch = Channel(ep, "u0", secret=SECRET)
+    with pytest.raises(E.WireFormatError):
+        ch.call({"op": "nope"}, timeout=5)
+    with pytest.raises(E.WireFormatError):
+        ch.call({"op": "read", "f": [["x", b"abc", b""]]}, timeout=5)
+    with pytest.raises(E.MissingDataError):
+        ch.call({"op": "read", "f": [["x", ints([10**9]), ints([0])]]}, timeout=5)
+    with pytest.raises(E.WireFormatError):
+        bad = RawColumn("int64", np.arange(3), np.array([0, 5], np.int64))  # offsets past the values
+        ch.call({"op": "write", "b": 10**12}, {"x": bad}, timeout=5)
+    assert ch.call({"op": "ping"}, timeout=5)[0]["unit"] == "u0"
+    ch.close()
+
+
+def test_wire_refuses_what_is_not_a_message():
+    for frames in ([], [b"\x00\x01"], [b"\x80"], pack_message({"op": "x"})[:1] + [b"extra"]):
+        with pytest.raises(E.WireFormatError):
+            unpack_message(frames)
+    assert int_array(ints([1, 2])).tolist() == [1, 2]
+    with pytest.raises(E.WireFormatError):
+        int_array(b"123")
+
+
+def test_concurrent_puts_of_the_same_ids_in_one_process(engine):
+    transports = [NativeTransport({"controller": engine["controller"], "secret": engine["secret"]}) for _ in range(6)]
+    clients = [Client(default_registry(), t) for t in transports]
+    wins, barrier = [], threading.Barrier(6)
+
+    def put(k):
+        barrier.wait(timeout=10)
+        try:
+            clients[k].put_samples("race", {"input_ids": torch.full((3, 4), k), "input_lengths": torch.full((3,), 4)},
+                                   sample_ids=["a", "b", "c"])
+            wins.append(k)
+        except E.DuplicateSampleError:
+            pass
+
+    threads = [threading.Thread(target=put, args=(k,)) for k in range(6)]
+    [t.start() for t in threads]
+    [t.join(timeout=30) for t in threads]
+    assert len(wins) == 1
+    meta = clients[0].put_samples.__self__.transport.describe("race")
+    assert sorted(meta.sample_ids) == ["a", "b", "c"]
+    clients[0].clear("race")
+    for c in clients:
+        c.close()

@@ -55,6 +55,8 @@ class Backend(str, Enum):
 
 class TransportName(str, Enum):
     auto = "auto"
+    direct = "direct"
+    native = "native"
     tq = "tq"
     http = "http"
 
@@ -159,7 +161,7 @@ def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: 
 def demo(
     url: str = URL_OPTION,
     token: Optional[str] = TOKEN_OPTION,
-    transport: TransportName = typer.Option(TransportName.auto, help="Data path: direct to the storage units (tq), HTTP, or auto."),
+    transport: TransportName = typer.Option(TransportName.auto, help="Data path: straight to the store (direct: native or tq, whichever the service offers), HTTP, or auto."),
     batch: int = typer.Option(64, "--batch", "-b", min=1, help="Samples in the step (reference: 64)."),
     seqlen: int = typer.Option(2048, "--seqlen", "-s", min=4, help="Max sequence length (reference: 2048)."),
     dp_size: int = typer.Option(2, "--dp", min=1, help="Data-parallel ranks per stage."),

@@ -145,6 +145,8 @@ def store_view(
                 partitions[name] = (info.num_samples, info.nbytes)
         except MissingDataError:  # cleared meanwhile
             continue
+    if hasattr(transport, "unit_usage"):  # native: the controller knows what each unit holds
+        units.update({u: held for u, held in transport.unit_usage().items() if u in units})
     view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity)
     if mooncake_metrics_url is not None:
         view.mooncake_up = bool(health.get("mooncake_master"))

@@ -24,7 +24,7 @@ def test_demo_runs_a_verified_vlm_step_through_the_live_service(live, extra):
     for phase in ("rollout put_samples", "logprob read", "ref_logprob write", "driver write advantages", "train read"):
         assert phase in res.stdout
     assert "pixel_values" in res.stdout
-    assert f"transport {'http' if 'http' in extra else 'tq'}" in res.stdout
+    assert f"transport {'http' if 'http' in extra else live.direct}" in res.stdout
 
 
 def test_demo_text_only_requests_no_multimodal_field(service):

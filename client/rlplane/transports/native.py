@@ -37,6 +37,8 @@ from rlplane.gather import gather
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.wire import RawColumn, int_array, ints
 
+#: Keys every reply header carries besides the operation's answer.
+_ENVELOPE_KEYS = {"ok", "rid", "v", "c", "nbuf"}
 #: How long an abort of a failed put may take before the reservation is left to lapse.
 _ABORT_TIMEOUT_S = 5.0
 
@@ -139,7 +141,12 @@ class NativeTransport(Transport):
 
     def stats(self) -> dict[str, Any]:
         """The controller's view: samples, blocks, live and retained bytes, per unit."""
-        return self._ctrl().call({"op": "stats"}, timeout=self.timeout)[0]
+        reply = self._ctrl().call({"op": "stats"}, timeout=self.timeout)[0]
+        return {k: v for k, v in reply.items() if k not in _ENVELOPE_KEYS}
+
+    def unit_usage(self) -> dict[str, tuple[int, int]]:
+        """Per storage unit: (samples with a row there, live bytes there)."""
+        return {name: (int(u["samples"]), int(u["live_bytes"])) for name, u in self.stats()["units"].items()}
 
     def close(self) -> None:
         self._pool.close()

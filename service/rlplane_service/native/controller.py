@@ -333,15 +333,18 @@ class ControllerCore:
         return {}, {}, []
 
     def stats(self) -> dict[str, Any]:
-        """Samples, blocks and bytes: live, and retained by partial clears."""
+        """Samples, blocks and bytes: live, and retained by partial clears; per unit its
+        blocks, the bytes they hold (``bytes``), the live bytes and the samples with a row there."""
         with self._lock:
             written = sum(b[0] for b in self._block_bytes.values())
             live = sum(b[1] for b in self._block_bytes.values())
-            per_unit: dict[str, dict[str, int]] = {name: {"blocks": 0, "bytes": 0} for name, _ in self.units}
+            per_unit: dict[str, dict[str, int]] = {name: {"blocks": 0, "bytes": 0, "live_bytes": 0, "samples": 0}
+                                                   for name, _ in self.units}
             for b, units in self._block_units.items():
                 for u in units:
                     per_unit[self.units[u][0]]["blocks"] += 1
                     per_unit[self.units[u][0]]["bytes"] += self._block_bytes.get(b, [0, 0])[0]
+            self._unit_usage(per_unit)
             return {
                 "partitions": len(self._parts),
                 "samples": self._held(committed_only=True),
@@ -351,6 +354,34 @@ class ControllerCore:
                 "retained_bytes": written - live,
                 "units": per_unit,
             }
+
+    def _unit_usage(self, per_unit: dict[str, dict[str, int]]) -> None:
+        """Add each unit's live bytes and the samples with a row there (vectorized per field)."""
+        if not self._block_units:
+            return
+        bids = np.fromiter(self._block_units, np.int64, len(self._block_units))
+        order = np.argsort(bids)
+        bids = bids[order]
+        lists = list(self._block_units.values())
+        for r in range(self.replicas):
+            unit_of = np.asarray([units[r] if r < len(units) else -1 for units in lists], np.int64)[order]
+            for part in self._parts.values():
+                live = part.state[: part.used] == COMMITTED
+                seen = np.full((len(self.units), part.used), False)
+                for fi in part.fields.values():
+                    blk = fi.block[: part.used]
+                    has = live & (blk >= 0)
+                    if not has.any():
+                        continue
+                    u = unit_of[np.searchsorted(bids, blk[has])]
+                    slots = np.flatnonzero(has)
+                    ok = u >= 0
+                    seen[u[ok], slots[ok]] = True
+                    nb = np.bincount(u[ok], weights=fi.nbytes[: part.used][has][ok], minlength=len(self.units))
+                    for k, (name, _) in enumerate(self.units):
+                        per_unit[name]["live_bytes"] += int(nb[k])
+                for k, (name, _) in enumerate(self.units):
+                    per_unit[name]["samples"] += int(seen[k].sum())
 
     def stop(self) -> None:
         self._stop.set()

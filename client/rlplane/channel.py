@@ -27,14 +27,17 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from rlplane.column import Column
-from rlplane.errors import AuthenticationError, TransportError, UnavailableError, error_from_payload
-from rlplane.wire import RawColumn, pack_message, unpack_message
+from rlplane.errors import AuthenticationError, TransportError, UnavailableError, WireFormatError, error_from_payload
+from rlplane.wire import RawColumn, pack_message, unpack_header, unpack_message
+
+#: ``sink(reply header, k)``: a writable buffer for the reply's ``k``-th data frame, or None.
+Sink = Callable[[dict[str, Any], int], Any]
 
 #: The PLAIN user name every rlplane data connection presents (the secret is the password).
 PLAIN_USER = b"rlplane"
@@ -45,6 +48,20 @@ _HEARTBEAT_TIMEOUT_MS = 4000
 _AUTH_FAILED = {getattr(zmq, n) for n in ("EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_FAILED_PROTOCOL",
                                           "EVENT_HANDSHAKE_FAILED_NO_DETAIL")}
 _rids = itertools.count(1)
+#: ZMQ I/O threads of a client process: one per storage unit read in parallel, up to this.
+IO_THREADS = 4
+_ctx_lock = threading.Lock()
+_ctx: zmq.Context | None = None
+
+
+def _context() -> zmq.Context:
+    """The process's ZMQ context for channels (several I/O threads: a read from two units
+    moves both shares at once instead of through one thread)."""
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None or _ctx.closed:
+            _ctx = zmq.Context(io_threads=IO_THREADS)
+        return _ctx
 
 
 class Channel:
@@ -54,7 +71,7 @@ class Channel:
                  context: zmq.Context | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self.endpoint, self.name = endpoint, name
         self.connect_timeout = connect_timeout
-        ctx = context or zmq.Context.instance()
+        ctx = context or _context()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.linger = 0
         self._sock.heartbeat_ivl = _HEARTBEAT_MS
@@ -87,14 +104,19 @@ class Channel:
         self._pending.add(rid)
         return rid
 
-    def receive(self, rid: int, deadline: float) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
-        """The reply to request ``rid`` (sent on this channel) by ``deadline`` (a monotonic time)."""
+    def receive(self, rid: int, deadline: float, sink: Sink | None = None
+                ) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
+        """The reply to request ``rid`` (sent on this channel) by ``deadline`` (a monotonic time).
+
+        ``sink(header, k)`` may name a writable buffer for the reply's ``k``-th data frame
+        (its exact size): the frame is received straight into it, with no copy after."""
         try:
             while True:
                 if rid in self._stash:
                     reply, cols, extra = self._stash.pop(rid)
                 else:
-                    reply, cols, extra = unpack_message(self._wait(deadline))
+                    self._wait(deadline)
+                    reply, cols, extra = unpack_message(self._read(rid, sink))
                     got = reply.get("rid")
                     if got != rid:
                         if isinstance(got, int) and got in self._pending:
@@ -108,7 +130,7 @@ class Channel:
             self.close()  # a typed error in a reply leaves the channel usable; these do not
             raise
 
-    def _wait(self, deadline: float) -> list[Any]:
+    def _wait(self, deadline: float) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
@@ -126,7 +148,34 @@ class Channel:
             if self._monitor in ready:
                 self._drain_monitor()
             if self._sock in ready:
-                return self._sock.recv_multipart(copy=False)
+                return
+
+    def _read(self, rid: int, sink: Sink | None) -> list[Any]:
+        """One whole message; data frames of the reply to ``rid`` go where ``sink`` says."""
+        head = self._sock.recv(copy=True)
+        frames: list[Any] = [head]
+        header = None
+        if sink is not None:
+            try:
+                header = unpack_header(head)
+            except WireFormatError:
+                header = None
+            if header is not None and header.get("rid") != rid:
+                header = None
+        k = 0
+        while self._sock.rcvmore:
+            dest = sink(header, k) if header is not None and sink is not None else None
+            if dest is None:
+                frames.append(self._sock.recv(copy=False))
+            else:
+                got = self._sock.recv_into(dest)
+                if got != len(dest):
+                    while self._sock.rcvmore:  # keep the socket in step before refusing the message
+                        self._sock.recv(copy=False)
+                    raise WireFormatError(f"{self.name} sent a frame of {got} bytes where {len(dest)} were announced")
+                frames.append(dest)
+            k += 1
+        return frames
 
     def _drain_monitor(self) -> None:
         while self._monitor.poll(0):

@@ -200,7 +200,7 @@ def _encode_token_dense(
             values = value
         else:
             mask = torch.arange(seq, device=value.device) < lens.to(value.device)[:, None]
-            values = value[mask]
+            values = _masked_select(value, mask)
         values = _cast(spec, values).reshape(-1)
         if not values.is_contiguous():
             values = values.contiguous()
@@ -433,8 +433,33 @@ def _decode_token_dense(spec: FieldSpec, col: Column, geoms: list[Any], layout: 
     out = torch.full((batch, width, *rest), spec.pad_value, dtype=col.dtype, device=col.values.device)
     if rows.numel():
         mask = torch.arange(width, device=rows.device) < lens_t.to(rows.device)[:, None]
-        out[mask] = rows
+        _masked_assign(out, mask, rows)
     return out
+
+
+def _as_numpy(t: torch.Tensor) -> Any:
+    """A CPU tensor as a numpy view (bfloat16 as its 16-bit pattern)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def _masked_select(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``value[mask]``: the rows of a [B, S, ...] tensor where the [B, S] mask holds. On
+    CPU through numpy, which does it ~10x faster than torch (0.7 vs 7.4 ms for 8 MB)."""
+    if value.device.type != "cpu" or value.dtype not in _NUMPY_OK:
+        return value[mask]
+    return torch.from_numpy(_as_numpy(value)[mask.numpy()]).view(value.dtype)
+
+
+def _masked_assign(out: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out[mask] = rows`` (numpy on CPU, ~5x faster than torch's)."""
+    if out.device.type != "cpu" or out.dtype not in _NUMPY_OK:
+        out[mask] = rows
+        return
+    _as_numpy(out)[mask.numpy()] = _as_numpy(rows)
+
+
+_NUMPY_OK = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+             torch.bfloat16, torch.float32, torch.float64}
 
 
 def _decode_media_packed(spec: FieldSpec, col: Column, geoms: list[Any], layout, pad, ids) -> PackedTensor:

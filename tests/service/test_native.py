@@ -97,12 +97,12 @@ KILLED_WRITER = textwrap.dedent(
     import sys, time, torch, rlplane
     from rlplane.transports.native import NativeTransport
     url, token, partition = sys.argv[1:4]
-    original = NativeTransport._write_blocks
+    original = NativeTransport._wait_blocks
     def write_then_hang(self, *args, **kwargs):
         original(self, *args, **kwargs)     # reserved, and the bytes are on the units...
         print("reserved", flush=True)
         time.sleep(600)                     # ...but the commit never comes
-    NativeTransport._write_blocks = write_then_hang
+    NativeTransport._wait_blocks = write_then_hang
     client = rlplane.connect(url, token=token, transport="native")
     client.put_samples(partition, {"input_ids": torch.ones(4, 8, dtype=torch.int64),
                                    "input_lengths": torch.full((4,), 8)}, sample_ids=["a", "b", "c", "d"])

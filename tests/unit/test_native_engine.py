@@ -89,7 +89,7 @@ def test_a_failed_put_aborts_its_reservation(client, engine, monkeypatch):
     def boom(*args, **kwargs):
         raise E.TransportError("the network went away")
 
-    monkeypatch.setattr(NativeTransport, "_write_blocks", boom)
+    monkeypatch.setattr(NativeTransport, "_wait_blocks", boom)
     with pytest.raises(E.TransportError):
         client.put_samples("ab", {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])},
                            sample_ids=["a", "b"])
@@ -149,3 +149,19 @@ def test_concurrent_puts_of_the_same_ids_in_one_process(engine):
     clients[0].clear("race")
     for c in clients:
         c.close()
+
+
+def test_reserve_refuses_blocks_that_do_not_cover_the_rows_or_reuse_an_id(engine):
+    ch = Channel(engine["controller"], "controller", secret=SECRET)
+    bad = [[[7, [0], 0, 2]], [[7, [0], 1, 3]], [[7, [9], 0, 3]], [[7, [0, 0], 0, 3]], [[0, [0], 0, 3]], "x"]
+    for blocks in bad:
+        with pytest.raises(E.WireFormatError):
+            ch.call({"op": "reserve", "p": "b", "ids": ["a", "b", "c"], "create": True, "fields": ["x"], "blocks": blocks},
+                    timeout=5)
+    ok = {"op": "reserve", "p": "b", "ids": ["a", "b", "c"], "create": True, "fields": ["x"], "blocks": [[77, [0], 0, 3]]}
+    res = ch.call(ok, timeout=5)[0]["res"]
+    with pytest.raises(E.WireFormatError):  # block 77 is taken by the reservation above
+        ch.call({**ok, "ids": ["d", "e", "f"]}, timeout=5)
+    ch.call({"op": "abort", "res": res}, timeout=5)
+    assert engine["core"].stats()["reservations"] == 0
+    ch.close()

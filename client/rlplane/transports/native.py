@@ -7,7 +7,7 @@ token: no Ray, no pickle. Messages per put or read: one to the controller, one p
 storage unit involved, one more to the controller; never one per sample.
 
 - ``put``: reserve the ids (atomic: concurrent puts of the same new ids, exactly one
-  wins), send each block to its unit(s), commit. Anything failing in between aborts the
+  wins) while the blocks travel to their units, then commit. Anything failing in between aborts the
   reservation; nothing is visible until the commit.
 - ``get``: locate the rows, read each unit's share (one column per field), put the rows
   back in the order asked. Every (sample, field) or MissingDataError.
@@ -23,22 +23,26 @@ Example::
 
 from __future__ import annotations
 
+import secrets
 import socket
 import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch
 
 from rlplane.channel import Channel, ChannelPool
 from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
 from rlplane.column import Column
-from rlplane.errors import MissingDataError, TransportError, WireFormatError
-from rlplane.gather import gather
+from rlplane.dtypes import dtype_from_name
+from rlplane.errors import MissingDataError, ShapeError, TransportError, WireFormatError
 from rlplane.transports.base import PartitionInfo, Transport, check_put
-from rlplane.wire import RawColumn, int_array, ints
+from rlplane.wire import RawColumn, int_array, ints, numpy_dtype
 
 #: Keys every reply header carries besides the operation's answer.
 _ENVELOPE_KEYS = {"ok", "rid", "v", "c", "nbuf"}
+#: Rows of one put go to one unit until the put is this big; then they are split over units.
+CHUNK_BYTES = 8 << 20
 #: How long an abort of a failed put may take before the reservation is left to lapse.
 _ABORT_TIMEOUT_S = 5.0
 
@@ -72,6 +76,8 @@ class NativeTransport(Transport):
         self._pool = ChannelPool(secret.encode() if secret else None)
         hello = self._ctrl().call({"op": "hello"}, timeout=min(timeout, 10.0))[0]
         self.units: list[tuple[str, str]] = [(str(n), str(e)) for n, e in hello["units"]]
+        self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
+        self._cursor = secrets.randbelow(max(1, len(self.units)))
 
     # -- the Transport verbs ---------------------------------------------------------
     def put(
@@ -93,13 +99,19 @@ class NativeTransport(Transport):
         for f, g in geoms.items():
             if any(x is None for x in g):
                 raise WireFormatError("a row carries no wire geometry (encode it with rlplane's codec)", field=f)
-        nbytes = sum(c.nbytes for c in columns.values())
+        blocks = self._place(len(ids), sum(c.nbytes for c in columns.values())) if names else []
         ctrl = self._ctrl()
-        res = ctrl.call({"op": "reserve", "p": partition, "ids": ids, "create": create, "fields": names,
-                         "nbytes": nbytes}, timeout=self._left(deadline))[0]
+        # The reservation and the blocks travel at once; the commit waits for both.
+        rid = ctrl.send({"op": "reserve", "p": partition, "ids": ids, "create": create, "fields": names,
+                         "blocks": blocks})
+        writes = self._send_blocks(blocks, columns)
         try:
-            if names:
-                self._write_blocks(res["blocks"], columns, deadline)
+            res = ctrl.receive(rid, deadline)[0]
+        except BaseException:
+            self._drop_blocks(writes, blocks, deadline)
+            raise
+        try:
+            self._wait_blocks(writes, deadline)
             commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": geoms,
                                       "nb": {f: ints(c.row_numels() * c.values.element_size()) for f, c in columns.items()}}
             if create or any(user):
@@ -167,36 +179,94 @@ class NativeTransport(Transport):
             raise TransportError(f"the call ran past its deadline of {self.timeout:.0f} s (connect(timeout=...))")
         return left
 
-    def _write_blocks(self, blocks: list[list[Any]], columns: Mapping[str, Column], deadline: float) -> None:
+    def _place(self, n: int, nbytes: int) -> list[list[Any]]:
+        """Blocks for ``n`` rows: one unit per block, split over units when the put is big
+        (so the shares move in parallel); fresh random ids; units taken in turn."""
+        chunks = max(1, min(len(self.units), n, -(-nbytes // CHUNK_BYTES) if nbytes else 1))
+        bounds = np.linspace(0, n, chunks + 1).astype(np.int64).tolist()
+        out = []
+        for k in range(chunks):
+            units = [(self._cursor + r) % len(self.units) for r in range(self.replicas)]
+            self._cursor = (self._cursor + 1) % len(self.units)
+            out.append([secrets.randbits(62) + 1, units, bounds[k], bounds[k + 1]])
+        return out
+
+    def _send_blocks(self, blocks: list[list[Any]], columns: Mapping[str, Column]) -> list[tuple[Channel, int]]:
         sent = []
         for bid, units, a, z in blocks:
             part = {f: _rows(c, a, z) for f, c in columns.items()}
             for u in units:
                 ch = self._unit(u)
                 sent.append((ch, ch.send({"op": "write", "b": bid}, part)))
+        return sent
+
+    def _wait_blocks(self, sent: list[tuple[Channel, int]], deadline: float) -> None:
         for ch, rid in sent:
             ch.receive(rid, deadline)
+
+    def _drop_blocks(self, sent: list[tuple[Channel, int]], blocks: list[list[Any]], deadline: float) -> None:
+        """After a refused reservation: let the writes land, then free what they stored."""
+        try:
+            self._wait_blocks(sent, min(deadline, time.monotonic() + _ABORT_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - a write that failed stored nothing
+            pass
+        for bid, units, _, _ in blocks:
+            for u in units:
+                try:
+                    self._unit(u).call({"op": "free", "b": ints([bid])}, timeout=_ABORT_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - best effort; the unit may be gone
+                    pass
 
     def _get(self, partition: str, ids: list[str], fields: list[str]) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
         loc = self._ctrl().call({"op": "locate", "p": partition, "ids": ids, "fields": fields},
                                 timeout=self._left(deadline))[0]
+        n = len(ids)
+        # Each field's rows land in one buffer sized from the row bytes the controller
+        # recorded; a unit's share of contiguous rows is received straight into its place.
+        row_bytes = {f: int_array(loc["nb"][f], "row bytes") for f in fields}
+        starts = {f: np.concatenate([[0], np.cumsum(row_bytes[f])]) for f in fields}
+        shares: dict[str, int] = {}
+        for _, entries in loc["units"]:
+            for e in entries:
+                shares[e[0]] = shares.get(e[0], 0) + 1
+        # A field one unit holds whole is used as it arrives (the received frame, no copy).
+        out = {f: np.empty(int(starts[f][-1]) if shares.get(f, 0) > 1 else 0, np.uint8) for f in fields}
         sent = []
         for u, entries in loc["units"]:
             ch = self._unit(u)
-            sent.append((entries, ch, ch.send({"op": "read", "p": partition, "f": [e[:3] for e in entries]})))
-        parts: dict[str, list[tuple[RawColumn, np.ndarray]]] = {f: [] for f in fields}
-        for entries, ch, rid in sent:
-            cols = ch.receive(rid, deadline)[1]
+            sinks = {}
+            for name, _, _, pos in entries:
+                p = int_array(pos, "positions")
+                if shares[name] > 1 and p.size and p[-1] - p[0] + 1 == p.size:  # contiguous rows of the request
+                    sinks[name] = memoryview(out[name])[int(starts[name][p[0]]) : int(starts[name][p[-1] + 1])]
+            sent.append((entries, ch, ch.send({"op": "read", "p": partition, "f": [e[:3] for e in entries]}), sinks))
+        parts: dict[str, list[tuple[RawColumn, np.ndarray, bool]]] = {f: [] for f in fields}
+        for entries, ch, rid, sinks in sent:
+            cols = ch.receive(rid, deadline, _sink(sinks))[1]
             for name, _, _, pos in entries:
                 if name not in cols:
                     raise WireFormatError("a storage unit did not return a requested field", field=name)
-                parts[name].append((cols[name], int_array(pos, "positions")))
-        n = len(ids)
-        columns = {f: _assemble(f, parts[f], n) for f in fields}
+                parts[name].append((cols[name], int_array(pos, "positions"), name in sinks))
+        columns = {f: _assemble(f, parts[f], n, out[f], row_bytes[f]) for f in fields}
         geoms, user = loc["g"], loc["user"]
         tags = [{**user[i], WIRE_TAG: {f: geoms[f][i] for f in fields}} for i in range(n)]
         return columns, tags
+
+
+def _sink(sinks: dict[str, memoryview]) -> Any:
+    """Where a read reply's frames go: each named column's values into its slot of the output."""
+    if not sinks:
+        return None
+
+    def where(header: dict[str, Any], k: int) -> memoryview | None:
+        layout = header.get("c")
+        if k % 2 or not isinstance(layout, list) or k // 2 >= len(layout):
+            return None
+        entry = layout[k // 2]
+        return sinks.get(entry[0]) if isinstance(entry, list) and entry else None
+
+    return where
 
 
 def _rows(col: Column, a: int, z: int) -> Column:
@@ -207,27 +277,52 @@ def _rows(col: Column, a: int, z: int) -> Column:
     return Column(col.values[int(off[0]) : int(off[-1])], off - off[0])
 
 
-def _assemble(name: str, parts: list[tuple[RawColumn, np.ndarray]], n: int) -> Column:
-    """One field's rows from each unit's share, in request order, in writable memory."""
+def _assemble(name: str, parts: list[tuple[RawColumn, np.ndarray, bool]], n: int, out: np.ndarray,
+              row_bytes: np.ndarray) -> Column:
+    """One field's rows in request order, in ``out`` (the shares received in place are
+    there already; any other is copied in)."""
     if not parts:
         return Column.empty(torch_uint8())
-    dtypes = {p.dtype for p, _ in parts}
+    dtypes = {p.dtype for p, _, _ in parts}
     if len(dtypes) > 1:
-        from rlplane.errors import ShapeError
-
         raise ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
-    for col, pos in parts:
+    dtype = dtypes.pop()
+    itemsize = np.dtype(numpy_dtype(dtype_from_name(dtype))).itemsize
+    if out.size % itemsize or bool((row_bytes % itemsize).any()):
+        raise WireFormatError(f"row sizes are not whole {dtype} elements", field=name)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(row_bytes // itemsize, out=offsets[1:])
+    if len(parts) == 1 and parts[0][1].size == n and bool((parts[0][1] == np.arange(n)).all()):
+        col = parts[0][0]  # one unit held every row, in order: its frame is the column
+        if not np.array_equal(col.offsets, offsets):
+            raise WireFormatError("a storage unit returned rows of other sizes than the controller recorded", field=name)
+        values = col.values if col.values.flags.writeable else col.values.copy()
+        return Column(torch.from_numpy(values).view(dtype_from_name(dtype)), torch.from_numpy(offsets))
+    values = out.view(numpy_dtype(dtype_from_name(dtype)))
+    covered = 0
+    for col, pos, in_place in parts:
         if col.num_rows != pos.size:
             raise WireFormatError(f"a storage unit returned {col.num_rows} rows for {pos.size}", field=name)
-    if len(parts) == 1 and parts[0][1].size == n and bool((parts[0][1] == np.arange(n)).all()):
-        return parts[0][0].to_column(copy=True)
-    which = np.empty(n, np.int64)
-    rows = np.empty(n, np.int64)
-    for k, (_, pos) in enumerate(parts):
-        which[pos] = k
-        rows[pos] = np.arange(pos.size)
-    values, offsets = gather([(c.values, c.offsets) for c, _ in parts], which, rows)
-    return RawColumn(parts[0][0].dtype, values, offsets).to_column(copy=not values.flags.writeable)
+        want = offsets[pos + 1] - offsets[pos]
+        if not np.array_equal(np.diff(col.offsets), want):
+            raise WireFormatError("a storage unit returned rows of other sizes than the controller recorded", field=name)
+        covered += pos.size
+        if in_place:
+            continue
+        _scatter(values, offsets, pos, col.values, col.offsets)
+    if covered != n:
+        raise WireFormatError(f"storage units returned {covered} of {n} rows", field=name)
+    return Column(torch.from_numpy(values).view(dtype_from_name(dtype)), torch.from_numpy(offsets))
+
+
+def _scatter(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray, src: np.ndarray, src_offsets: np.ndarray) -> None:
+    """Rows ``k`` of ``src`` into rows ``pos[k]`` of ``values`` (vectorized)."""
+    lens = src_offsets[1:] - src_offsets[:-1]
+    total = int(lens.sum())
+    if not total:
+        return
+    within = np.arange(total, dtype=np.int64) - np.repeat(src_offsets[:-1], lens)
+    values[np.repeat(offsets[pos], lens) + within] = src[:total]
 
 
 def torch_uint8() -> Any:

@@ -11,7 +11,10 @@ A put is two-phase:
    request at a time, so of concurrent puts of the same new ids exactly one wins; the
    others get DuplicateSampleError). The answer places the rows: blocks (fresh ids,
    never reused) on storage units.
-2. the client sends each block to its unit(s), then ``commit``: the samples become
+   The client places its rows itself (blocks with fresh random ids on units it picks)
+   and sends the blocks to the units while the reservation is on its way, so a put
+   costs two round trips, not three.
+2. once the units and the controller have answered, ``commit``: the samples become
    visible. ``abort``, or a reservation that outlives its lease (the writer died), frees
    the ids and tells the units to drop the blocks: nothing of a failed put is visible.
 
@@ -45,8 +48,6 @@ from rlplane.wire import RawColumn, int_array, ints
 log = logging.getLogger(__name__)
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
-#: Rows of one put go to one unit until the put is this big; then they are split over units.
-CHUNK_BYTES = 8 << 20
 
 
 def _objects(items: Sequence[Any]) -> np.ndarray:
@@ -159,13 +160,14 @@ class ControllerCore:
 
     # -- puts ----------------------------------------------------------------------------
     def op_hello(self, header: dict, columns: dict, extra: list) -> Any:
-        """The topology a client needs: the storage units and the reservation lease."""
+        """The topology a client needs to place its blocks: the storage units, how many
+        copies of a block to write, and the reservation lease."""
         return {"units": [list(u) for u in self.units], "lease_s": self.lease_s, "replicas": self.replicas}, {}, []
 
     def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
         p, ids = _partition(header), _strs(header.get("ids"), "ids")
         create, fields = bool(header.get("create")), _strs(header.get("fields"), "fields")
-        nbytes = int(header.get("nbytes") or 0)
+        blocks = self._blocks_of(header.get("blocks"), len(ids))
         with self._lock:
             part = self._parts.get(p)
             if create:
@@ -186,11 +188,15 @@ class ControllerCore:
                 slots = part.take(ids)
             else:
                 slots = self._slots(p, part, ids)
-            res = Reservation(next(self._ids), p, slots, create, fields, self._place(len(ids), nbytes),
-                              time.monotonic() + self.lease_s)
+            taken = [b for b, _, _, _ in blocks if b in self._block_units]
+            if taken:
+                raise E.WireFormatError(f"block id(s) {taken[:3]} are already in use; a client must draw fresh ones")
+            for b, units, _, _ in blocks:
+                self._block_units[b] = units
+                self._block_refs[b] = 0
+            res = Reservation(next(self._ids), p, slots, create, fields, blocks, time.monotonic() + self.lease_s)
             self._res[res.rid] = res
-        blocks = [[b, list(u), a, z] for b, u, a, z in res.blocks]
-        return {"res": res.rid, "blocks": blocks, "lease_s": self.lease_s}, {}, []
+        return {"res": res.rid, "lease_s": self.lease_s}, {}, []
 
     def op_commit(self, header: dict, columns: dict, extra: list) -> Any:
         geoms, user, sizes = header.get("g"), header.get("user"), header.get("nb")
@@ -264,7 +270,7 @@ class ControllerCore:
             assert part is not None
             missing: dict[str, list[str]] = {}
             per_unit: dict[int, list[list[Any]]] = {}
-            geoms = {}
+            geoms, sizes = {}, {}
             for name in fields:
                 fi = part.fields.get(name)
                 blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
@@ -280,10 +286,11 @@ class ControllerCore:
                     pos = np.flatnonzero(unit_of == u)
                     per_unit.setdefault(u, []).append([name, ints(blk[pos]), ints(rows[pos]), ints(pos)])
                 geoms[name] = fi.geom[slots].tolist()
+                sizes[name] = ints(fi.nbytes[slots])
             if missing:
                 raise E.MissingDataError(p, missing)
             user = part.user[slots].tolist()
-        return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms}, {}, []
+        return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes}, {}, []
 
     # -- housekeeping --------------------------------------------------------------------
     def op_clear(self, header: dict, columns: dict, extra: list) -> Any:
@@ -407,18 +414,23 @@ class ControllerCore:
             raise E.MissingDataError(p, {ids[i]: [] for i in np.flatnonzero(bad).tolist()})
         return slots
 
-    def _place(self, n: int, nbytes: int) -> list[tuple[int, tuple[int, ...], int, int]]:
-        """Blocks for ``n`` rows: one unit per block, split over units when the put is big."""
-        chunks = max(1, min(len(self.units), n, -(-nbytes // CHUNK_BYTES) if nbytes else 1))
-        bounds = np.linspace(0, n, chunks + 1).astype(np.int64).tolist()
-        out = []
-        for k in range(chunks):
-            units = tuple((self._cursor + r) % len(self.units) for r in range(self.replicas))
-            self._cursor = (self._cursor + 1) % len(self.units)
-            bid = next(self._ids)
-            self._block_units[bid] = units
-            self._block_refs[bid] = 0
-            out.append((bid, units, bounds[k], bounds[k + 1]))
+    def _blocks_of(self, given: Any, n: int) -> list[tuple[int, tuple[int, ...], int, int]]:
+        """The blocks a put announces: ``[[block id, [units], first row, end row], ...]``
+        covering rows ``0..n`` in order, on distinct existing units, with fresh ids."""
+        if not isinstance(given, list):
+            raise E.WireFormatError("reserve needs 'blocks': [[block id, [units], first row, end row], ...]")
+        out, at = [], 0
+        for entry in given:
+            ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], int) and entry[0] > 0
+                  and isinstance(entry[1], list) and entry[1] and len(set(entry[1])) == len(entry[1])
+                  and all(isinstance(u, int) and 0 <= u < len(self.units) for u in entry[1])
+                  and entry[2] == at and isinstance(entry[3], int) and entry[3] > at)
+            if not ok:
+                raise E.WireFormatError(f"bad block entry {entry!r} (rows must follow on from {at})")
+            out.append((entry[0], tuple(entry[1]), entry[2], entry[3]))
+            at = entry[3]
+        if at != n and not (n == 0 and not out):
+            raise E.WireFormatError(f"the blocks cover {at} of {n} rows")
         return out
 
     def _release(self, blocks: np.ndarray, nbytes: np.ndarray) -> None:

@@ -26,6 +26,7 @@ from typing import Callable
 import httpx
 
 from rlplane.errors import TransportError
+from rlplane_service.net import free_port  # noqa: F401 - re-exported: rlplane_service.embedded.free_port
 from rlplane_service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -107,10 +108,9 @@ class EmbeddedService:
             serve.shutdown()
         except Exception as err:  # noqa: BLE001 - shutting down: report, carry on
             log.warning("serve.shutdown failed: %s", err)
-        if self.settings.backend == "mooncake":
-            from rlplane_service.mooncake import stop_master
+        from rlplane_service.backends import store_class
 
-            stop_master(self.settings)  # by its pid, before Ray takes the actor down
+        store_class(self.settings.backend).stop_processes(self.settings)  # by pid, before Ray takes the actors down
         ray.shutdown()
         self._started_ray = False
 
@@ -133,15 +133,6 @@ class EmbeddedService:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free on ``host`` right now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _answers(url: str) -> bool:

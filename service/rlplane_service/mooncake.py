@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from rlplane.errors import TransportError
-from rlplane_service.embedded import free_port
+from rlplane_service.net import free_port
 from rlplane_service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)

@@ -106,6 +106,15 @@ class Store:
             }
         return info
 
+    @staticmethod
+    def stop_processes(settings: ServiceSettings) -> None:
+        """Stop the processes the store runs outside Ray (Mooncake's master, by its pid);
+        the embedded service calls this before Ray goes down."""
+        if settings.backend == "mooncake":
+            from rlplane_service.mooncake import stop_master
+
+            stop_master(settings)
+
     def service_transport(self) -> Any:
         """The transport the service itself uses to reach this store."""
         from rlplane.transports.tq import TQTransport

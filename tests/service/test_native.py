@@ -8,6 +8,7 @@ secrets. The round trips themselves run on every backend in test_service.py.
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -204,9 +205,18 @@ def test_a_killed_unit_is_unavailable_within_seconds_and_readyz_names_it(nat):
     with rlplane.connect(nat, token=TOKEN, transport="native") as client:
         metas = [client.put_samples(part(), batch(4, k)) for k in range(4)]  # round-robin over both units
         unit = ray.get_actor("nat-native-unit-1", namespace="rlplane")
-        ray.kill(unit, no_restart=True)  # asynchronous: wait until it is gone
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(unit.info.remote(), timeout=30)
+        endpoint = dict(info(nat)["units"])["nat-native-unit-1"]
+        ray.kill(unit, no_restart=True)  # asynchronous: wait until its port is closed
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                time.sleep(0.1)
+            except OSError:
+                break
+        else:
+            pytest.fail("the killed unit's port still accepts connections after 30 s")
         failed = 0
         for meta in metas:
             start = time.monotonic()

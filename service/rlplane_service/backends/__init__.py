@@ -8,7 +8,8 @@ A backend's store object offers what the service needs and nothing more:
   that key for clients' direct data path (``backend`` and ``storage_units`` included);
 - ``service_transport()``: the Transport the service itself uses (HTTP relay, listings);
 - ``health(timeout)`` per component, ``destroy()``, ``ledger`` (the metrics actor) and
-  ``master_info`` (extra components to report, e.g. Mooncake's master; None otherwise).
+  ``master_info`` (extra components to report, e.g. Mooncake's master; None otherwise);
+- ``stop_processes(settings)`` (static): stop what the store runs outside Ray, by pid.
 
 Adding a backend is one module and one line in :data:`BACKENDS`.
 

@@ -91,6 +91,10 @@ class NativeStore:
         log.info("native store %r: controller %s, %d storage units", prefix, cinfo["endpoint"], len(units))
         return cls(settings, controller, units, info, ledger)
 
+    @staticmethod
+    def stop_processes(settings: ServiceSettings) -> None:
+        """Nothing runs outside Ray: the actors go with it."""
+
     def transport_info(self) -> dict[str, Any]:
         """What ``GET /v1/transport`` publishes under ``native``."""
         return dict(self.info)

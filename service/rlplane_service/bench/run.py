@@ -141,9 +141,9 @@ def run_bench(
         if service is not None:
             console.print("[dim]stopping the embedded service[/]")
             if mooncake_url is not None and "rlplane-mooncake" in cfg.paths:
-                from rlplane_service.mooncake import stop_master
+                from rlplane_service.backends import store_class
 
-                stop_master(ServiceSettings(**MOONCAKE_APP["args"]))
+                store_class("mooncake").stop_processes(ServiceSettings(**MOONCAKE_APP["args"]))
             service.stop()
     results.update(
         config=asdict(cfg),

@@ -33,6 +33,8 @@ def dtype_from_name(name: str | torch.dtype) -> torch.dtype:
         if name not in _BY_DTYPE:
             raise ValueError(f"dtype {name} is not supported on the wire; use one of {sorted(_BY_NAME)}")
         return name
+    if not isinstance(name, str):
+        raise ValueError(f"a dtype name must be a string like 'float32', got {name!r}")
     key = name.removeprefix("torch.")
     try:
         return _BY_NAME[key]

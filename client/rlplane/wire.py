@@ -123,13 +123,6 @@ class RawColumn:
             offsets = offsets.copy()
         return Column(torch.from_numpy(values).view(dtype_from_name(self.dtype)), torch.from_numpy(offsets))
 
-    @classmethod
-    def of(cls, col: Column) -> RawColumn:
-        """A torch Column as numpy views (no copy)."""
-        values = col.values.detach().cpu().contiguous()
-        np_values = values.view(torch.int16).numpy() if values.dtype == torch.bfloat16 else values.numpy()
-        return cls(dtype_name(col.dtype), np_values, col.offsets.numpy())
-
 
 def unpack_message(frames: Sequence[Any]) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
     """Inverse of :func:`pack_message`: header, columns (read-only numpy views of the

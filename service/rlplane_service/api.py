@@ -295,7 +295,51 @@ def build_api(state: ServiceState) -> FastAPI:
         }
 
     api.include_router(v1)
+    api.add_middleware(Guard, token=token, limit=state.settings.max_request_bytes)
     return api
+
+
+class Guard:
+    """Raw ASGI middleware: refuse a ``/v1`` request without the right token, and any body
+    announced over the limit, *before* a byte of the body is read (FastAPI reads the body
+    before its dependencies run). The route's own ``authorize`` check stays as a second line."""
+
+    def __init__(self, app: Any, *, token: str | None, limit: int) -> None:
+        self.app, self.limit = app, limit
+        self.expected = f"Bearer {token}".encode() if token is not None else None
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if self.expected is not None and path.startswith("/v1") and not hmac.compare_digest(
+            headers.get(b"authorization", b""), self.expected
+        ):
+            err = E.AuthenticationError("this rlplane service needs 'Authorization: Bearer <token>'; "
+                                        "pass token= to rlplane.connect (or set RLPLANE_API_TOKEN)")
+            return await _refuse(send, 401, err, {"WWW-Authenticate": "Bearer"})
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            err = E.PayloadTooLargeError(
+                f"request body is over this service's limit of {self.limit} bytes; put fewer samples per call "
+                "(or raise RLPLANE_MAX_REQUEST_BYTES), or use a direct transport")
+            return await _refuse(send, 413, err)
+        return await self.app(scope, receive, send)
+
+
+async def _refuse(send: Any, code: int, err: E.RlplaneError, headers: dict[str, str] | None = None) -> None:
+    """Answer with the typed error's JSON without reading the request body."""
+    import json
+
+    body = json.dumps(E.error_payload(err)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+           (b"connection", b"close")] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": code, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _check_and_store(

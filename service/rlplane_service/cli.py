@@ -218,7 +218,8 @@ def bench(
     writers: Optional[list[int]] = typer.Option(
         None, "--writers", min=1, help="Concurrent writer counts (repeat) (default 1 2 4)."
     ),
-    sweeps: bool = typer.Option(True, "--sweeps/--no-sweeps", help="Run the batch and writers sweeps."),
+    sweeps: bool = typer.Option(True, "--sweeps/--no-sweeps", help="Run the batch, writers and text-scale sweeps "
+                                "(an explicit --scale-batch still runs its sweep)."),
     quick: bool = typer.Option(
         False, "--quick", help="Every path, workload and sweep on small batches, 3 reps, 50 ops (under 2 minutes on 2 cores)."
     ),
@@ -275,7 +276,9 @@ def bench(
         if writers:
             cfg.writers = tuple(writers)
         if not sweeps:
-            cfg.sweep_batches, cfg.writers, cfg.scale_batches = (), (), ()
+            cfg.sweep_batches, cfg.writers = (), ()
+            if "scale_batches" not in given:
+                cfg.scale_batches = ()
         if quick:
             cfg = quick_config(cfg, set(given) | ({"sweep_batches", "scale_batches"} if not sweeps else set()))
         try:

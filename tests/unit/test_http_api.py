@@ -216,3 +216,58 @@ def test_metrics_count_http_ops_and_reported_tq_ops_in_process(served):
     assert got[("rlplane_errors_total", (("op", "read_columns"), ("type", "MissingDataError")))] == 1
     assert got[("rlplane_partition_samples", (("partition", "p"),))] == 3
     assert got[("rlplane_partition_bytes", (("partition", "p"),))] == nbytes
+
+
+def _asgi(app, path, headers, body_len):
+    """One raw ASGI request whose body must never be read; returns (status, receive calls)."""
+    import asyncio
+
+    calls, sent = [], []
+
+    async def receive():
+        calls.append(1)
+        return {"type": "http.request", "body": b"x" * 10, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "", "query_string": b"",
+             "headers": [(b"content-length", str(body_len).encode()), *headers], "http_version": "1.1",
+             "scheme": "http", "server": ("rlplane.test", 80), "client": ("127.0.0.1", 1)}
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], len(calls)
+
+
+def test_the_token_and_the_size_limit_are_checked_before_any_body_is_read(served):
+    _, http, _ = served
+    app = http.app
+    status, reads = _asgi(app, "/v1/data/p/get", [], 256 << 20)
+    assert (status, reads) == (401, 0)
+    status, reads = _asgi(app, "/v1/data/p/put", [(b"authorization", b"Bearer wrong")], 10)
+    assert (status, reads) == (401, 0)
+    status, reads = _asgi(app, "/v1/data/p/put", [(b"authorization", f"Bearer {TOKEN}".encode())], 256 << 20)
+    assert (status, reads) == (413, 0)
+
+
+@pytest.mark.parametrize("dtype", [7, None, ["int64"], {"a": 1}])
+def test_a_column_dtype_that_is_not_a_name_is_a_422_not_a_500(served, dtype):
+    import struct
+
+    import msgpack
+
+    _, http, _ = served
+    enc = encode(default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
+    body = bytearray(pack({"sample_ids": ["a"], "tags": enc.tags}, enc.columns))
+    # rewrite the column's dtype in the msgpack header, keeping the rest of the body
+    magic, version, head_len = struct.unpack_from("<4sIQ", body)
+    head = msgpack.unpackb(bytes(body[16 : 16 + head_len]), raw=False)
+    head["c"][0][1] = dtype
+    new_head = msgpack.packb(head, use_bin_type=True)
+    start = 16 + len(new_head)
+    pad = (-start) % 64
+    old_start = 16 + head_len
+    rest = body[old_start + ((-old_start) % 64):]
+    new_body = struct.pack("<4sIQ", magic, version, len(new_head)) + new_head + bytes(pad) + bytes(rest)
+    r = http.post("/v1/data/p/put", content=new_body,
+                  headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 422 and r.json()["error"] == "WireFormatError"

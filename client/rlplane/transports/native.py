@@ -282,7 +282,7 @@ def _assemble(name: str, parts: list[tuple[RawColumn, np.ndarray, bool]], n: int
     """One field's rows in request order, in ``out`` (the shares received in place are
     there already; any other is copied in)."""
     if not parts:
-        return Column.empty(torch_uint8())
+        return Column.empty(torch.uint8)
     dtypes = {p.dtype for p, _, _ in parts}
     if len(dtypes) > 1:
         raise ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
@@ -323,12 +323,6 @@ def _scatter(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray, src: np.n
         return
     within = np.arange(total, dtype=np.int64) - np.repeat(src_offsets[:-1], lens)
     values[np.repeat(offsets[pos], lens) + within] = src[:total]
-
-
-def torch_uint8() -> Any:
-    import torch
-
-    return torch.uint8
 
 
 __all__ = ["NativeTransport", "reachable"]

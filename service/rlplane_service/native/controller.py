@@ -266,8 +266,8 @@ class ControllerCore:
         p, ids, fields = _partition(header), _strs(header.get("ids"), "ids"), _strs(header.get("fields"), "fields")
         with self._lock:
             part = self._parts.get(p)
-            slots = self._slots(p, part, ids)
-            assert part is not None
+            slots = self._slots(p, part, ids)  # MissingDataError unless the partition holds them all
+            part = self._parts[p]
             missing: dict[str, list[str]] = {}
             per_unit: dict[int, list[list[Any]]] = {}
             geoms, sizes = {}, {}

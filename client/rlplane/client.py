@@ -72,7 +72,7 @@ class Client:
             meta = client.put_samples("step-0", {"input_ids": ids, "input_lengths": lens})
         """
         with self._op("put_samples") as op:
-            _check_partition(partition)
+            check_partition(partition)
             batch = self.registry.validate(fields)
             ids = [str(s) for s in sample_ids] if sample_ids is not None else _new_ids(batch)
             if len(ids) != batch:
@@ -153,7 +153,7 @@ class Client:
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         """Drop samples (the whole partition when ``sample_ids`` is None); returns how many."""
         with self._op("delete_partition" if sample_ids is None else "clear"):
-            _check_partition(partition)
+            check_partition(partition)
             return self.transport.clear(partition, sample_ids)
 
     def partitions(self) -> list[str]:
@@ -282,7 +282,9 @@ class Client:
 _PARTITION = re.compile(r"[A-Za-z0-9_.:@=+\-]{1,200}")
 
 
-def _check_partition(partition: str) -> None:
+def check_partition(partition: str) -> None:
+    """InvalidArgumentError unless ``partition`` is a legal partition name (the client and
+    the service check the same rule). Example: ``check_partition("step-0")``."""
     if not isinstance(partition, str) or not _PARTITION.fullmatch(partition):
         raise InvalidArgumentError(
             f"partition name {partition!r} must be 1-200 characters of letters, digits and _ . : @ = + -"

@@ -32,6 +32,7 @@ from pydantic import BaseModel, Field
 
 import rlplane
 from rlplane import errors as E
+from rlplane.client import check_partition
 from rlplane.codec import check_columns
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
@@ -249,6 +250,7 @@ def build_api(state: ServiceState) -> FastAPI:
         Checked against the registry first; a body that fails stores nothing.
         """
         async with observed("put_samples" if create else "write_columns") as event:
+            check_partition(partition)
             body = await _read_body(request, state.settings.max_request_bytes)
             stored, event["nbytes"] = await offload(_check_and_store, registry, transport, partition, body, create)
         return {"partition": partition, "stored": stored, "nbytes": len(body)}

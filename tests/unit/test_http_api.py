@@ -271,3 +271,13 @@ def test_a_column_dtype_that_is_not_a_name_is_a_422_not_a_500(served, dtype):
     r = http.post("/v1/data/p/put", content=new_body,
                   headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 422 and r.json()["error"] == "WireFormatError"
+
+
+def test_the_service_refuses_a_partition_name_the_client_would_refuse(served):
+    _, http, _ = served
+    enc = encode(default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
+    body = pack({"sample_ids": ["a"], "tags": enc.tags}, enc.columns)
+    r = http.post("/v1/data/bad%20name%21/put", content=body,
+                  headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and r.json()["error"] == "InvalidArgumentError"
+    assert http.get("/v1/partitions", headers={"Authorization": f"Bearer {TOKEN}"}).json()["partitions"] == []

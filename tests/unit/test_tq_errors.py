@@ -8,12 +8,12 @@ from rlplane.transports.tq import TQTransport
 
 
 class _Failing:
-    def __init__(self, message: str) -> None:
-        self.message = message
+    def __init__(self, message: str, error: type = RuntimeError) -> None:
+        self.message, self.error = message, error
 
     def _run_coroutine(self, coro):
         coro.close()
-        raise RuntimeError(self.message)
+        raise self.error(self.message)
 
 
 async def _noop():
@@ -47,3 +47,13 @@ def test_the_simple_backend_never_reports_a_full_mooncake_pool():
     with pytest.raises(E.TransportError) as err:
         transport(False, "with error codes [-200] after retrying")._run(_noop())
     assert not isinstance(err.value, E.StorageFullError)
+
+
+def test_transferqueues_bare_key_error_is_missing_data():
+    """TransferQueue's StorageKeyNotFoundError is a KeyError (a clear racing a read); it
+    must reach the caller as MissingDataError, not as an untyped KeyError (HTTP 500)."""
+    t = transport(False, "")
+    t._client = _Failing("7@input_ids", KeyError)
+    with pytest.raises(E.MissingDataError) as err:
+        t._run(_noop())
+    assert "cleared while this call ran" in str(err.value)

@@ -287,6 +287,11 @@ class TQTransport(Transport):
             return self._client._run_coroutine(coro)
         except (MissingDataError, DuplicateSampleError, WireFormatError):
             raise
+        except KeyError as err:  # TransferQueue's StorageKeyNotFoundError: a clear raced this call
+            raise MissingDataError(
+                "(this call's partition)", {},
+                hint=f"TransferQueue no longer holds {err}: the samples were cleared while this call ran",
+            ) from err
         except (RuntimeError, OSError, ValueError, asyncio.TimeoutError) as err:
             if self._kv and _MOONCAKE_NO_SPACE.search(str(err)):
                 raise StorageFullError(

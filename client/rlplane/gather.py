@@ -17,8 +17,8 @@ from typing import Sequence
 import numpy as np
 
 #: Copy run by run while there are at most this many runs (or runs are big on average).
-_MAX_RUNS = 64
-_BIG_RUN = 256  # elements: shorter runs on average go through one index gather
+MAX_RUNS = 64
+BIG_RUN = 256  # elements: shorter runs on average go through one index gather
 
 
 def gather(
@@ -63,7 +63,7 @@ def gather(
         k, s = int(which[0]), int(starts[0])
         return sources[k][0][s : s + total], out_offsets
     out = np.empty(total, dtype=dtype)
-    if run_at.size <= _MAX_RUNS or total >= _BIG_RUN * run_at.size:
+    if run_at.size <= MAX_RUNS or total >= BIG_RUN * run_at.size:
         run_end = np.append(run_at[1:], n)
         src0 = starts[run_at].tolist()
         dst0 = out_offsets[run_at].tolist()
@@ -85,4 +85,4 @@ def gather(
     return out, out_offsets
 
 
-__all__ = ["gather"]
+__all__ = ["gather", "MAX_RUNS", "BIG_RUN"]

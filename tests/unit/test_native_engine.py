@@ -165,3 +165,22 @@ def test_reserve_refuses_blocks_that_do_not_cover_the_rows_or_reuse_an_id(engine
     ch.call({"op": "abort", "res": res}, timeout=5)
     assert engine["core"].stats()["reservations"] == 0
     ch.close()
+
+
+@pytest.mark.parametrize("order", ["shard", "reversed", "every other"])
+def test_a_batch_split_over_units_reads_back_in_any_order(client, order):
+    """38 MB: the put is split over the three units; reads of any subset and order come
+    back row for row (shares received in place, or scattered run by run)."""
+    n, s = 24, 200_000
+    lens = torch.randint(s // 2, s + 1, (n,), generator=torch.Generator().manual_seed(1))
+    fields = {"input_ids": torch.randint(0, 1 << 40, (n, s)), "input_lengths": lens}
+    meta = client.put_samples(f"split-{order.replace(' ', '-')}", fields)
+    assert len({b for b, *_ in client.transport._place(n, 38 << 20)}) == 3
+    idx = {"shard": meta.shard(2, balance="seqlen")[1].sample_ids, "reversed": meta.sample_ids[::-1],
+           "every other": meta.sample_ids[::2]}[order]
+    sub = meta.subset([meta.sample_ids.index(i) for i in idx])
+    got = client.read_columns(sub, ["input_ids"], layout="jagged")["input_ids"].unbind()
+    for row, sid in zip(got, sub.sample_ids):
+        i = meta.sample_ids.index(sid)
+        assert torch.equal(row, fields["input_ids"][i, : lens[i]])
+    client.clear(meta.partition)

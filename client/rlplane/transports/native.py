@@ -37,6 +37,8 @@ from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name
 from rlplane.errors import MissingDataError, ShapeError, TransportError, WireFormatError
 from rlplane.transports.base import PartitionInfo, Transport, check_put
+from rlplane.gather import BIG_RUN as _BIG_RUN
+from rlplane.gather import MAX_RUNS as _MAX_RUNS
 from rlplane.wire import RawColumn, int_array, ints, numpy_dtype
 
 #: Keys every reply header carries besides the operation's answer.
@@ -316,10 +318,21 @@ def _assemble(name: str, parts: list[tuple[RawColumn, np.ndarray, bool]], n: int
 
 
 def _scatter(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray, src: np.ndarray, src_offsets: np.ndarray) -> None:
-    """Rows ``k`` of ``src`` into rows ``pos[k]`` of ``values`` (vectorized)."""
+    """Rows ``k`` of ``src`` into rows ``pos[k]`` of ``values``: run by run where rows follow
+    one another (big rows, e.g. a seqlen-balanced DP shard's images), else one index copy."""
     lens = src_offsets[1:] - src_offsets[:-1]
     total = int(lens.sum())
     if not total:
+        return
+    breaks = np.ones(pos.size, dtype=bool)
+    breaks[1:] = pos[1:] != pos[:-1] + 1
+    run_at = np.flatnonzero(breaks)
+    if run_at.size <= _MAX_RUNS or total >= _BIG_RUN * run_at.size:
+        run_end = np.append(run_at[1:], pos.size)
+        for k0, k1 in zip(run_at.tolist(), run_end.tolist()):
+            s0, s1 = int(src_offsets[k0]), int(src_offsets[k1])
+            d0 = int(offsets[pos[k0]])
+            values[d0 : d0 + (s1 - s0)] = src[s0:s1]
         return
     within = np.arange(total, dtype=np.int64) - np.repeat(src_offsets[:-1], lens)
     values[np.repeat(offsets[pos], lens) + within] = src[:total]

@@ -27,6 +27,7 @@ import torch
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.errors import WireFormatError
+from rlplane.wire import raw as _raw  # the bytes of a tensor without a copy, shared with the engine's wire
 
 MAGIC = b"RLPL"
 VERSION = 1
@@ -37,14 +38,6 @@ _ALIGN = 64
 
 def _pad(n: int) -> int:
     return (-n) % _ALIGN
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous 1-D CPU tensor, any dtype (bf16 included), without a copy."""
-    t = t.detach().cpu().contiguous()
-    if t.numel() == 0:
-        return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
 
 
 def pack(header: Mapping[str, Any], columns: Mapping[str, Column] | None = None) -> bytes:

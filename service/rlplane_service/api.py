@@ -120,10 +120,7 @@ def build_api(state: ServiceState) -> FastAPI:
             return
         got = request.headers.get("authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-            raise E.AuthenticationError(
-                "this rlplane service needs 'Authorization: Bearer <token>'; "
-                "pass token= to rlplane.connect (or set RLPLANE_API_TOKEN)"
-            )
+            raise _unauthorized()
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
@@ -321,16 +318,25 @@ class Guard:
         if self.expected is not None and path.startswith("/v1") and not hmac.compare_digest(
             headers.get(b"authorization", b""), self.expected
         ):
-            err = E.AuthenticationError("this rlplane service needs 'Authorization: Bearer <token>'; "
-                                        "pass token= to rlplane.connect (or set RLPLANE_API_TOKEN)")
-            return await _refuse(send, 401, err, {"WWW-Authenticate": "Bearer"})
+            return await _refuse(send, 401, _unauthorized(), {"WWW-Authenticate": "Bearer"})
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            err = E.PayloadTooLargeError(
-                f"request body is over this service's limit of {self.limit} bytes; put fewer samples per call "
-                "(or raise RLPLANE_MAX_REQUEST_BYTES), or use a direct transport")
-            return await _refuse(send, 413, err)
+            return await _refuse(send, 413, _too_big(self.limit))
         return await self.app(scope, receive, send)
+
+
+def _unauthorized() -> E.AuthenticationError:
+    return E.AuthenticationError(
+        "this rlplane service needs 'Authorization: Bearer <token>'; "
+        "pass token= to rlplane.connect (or set RLPLANE_API_TOKEN)"
+    )
+
+
+def _too_big(limit: int) -> E.PayloadTooLargeError:
+    return E.PayloadTooLargeError(
+        f"request body is over this service's limit of {limit} bytes; put fewer samples per call "
+        "(or raise RLPLANE_MAX_REQUEST_BYTES), or use a direct transport (transport='direct')"
+    )
 
 
 async def _refuse(send: Any, code: int, err: E.RlplaneError, headers: dict[str, str] | None = None) -> None:
@@ -384,10 +390,7 @@ async def _counted(pending: Any) -> None:
 async def _read_body(request: Request, limit: int) -> bytearray:
     """The request body as a writable buffer; 413 (PayloadTooLargeError) past ``limit`` bytes."""
     declared = request.headers.get("content-length")
-    too_big = E.PayloadTooLargeError(
-        f"request body is over this service's limit of {limit} bytes; put fewer samples per call "
-        "(or raise RLPLANE_MAX_REQUEST_BYTES), or use transport='tq'"
-    )
+    too_big = _too_big(limit)
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_big
     body = bytearray()

@@ -43,7 +43,7 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
-from rlplane.wire import RawColumn, int_array, ints
+from rlplane.wire import int_array, ints
 
 log = logging.getLogger(__name__)
 
@@ -280,8 +280,8 @@ class ControllerCore:
                 if lacking.size or fi is None:
                     continue
                 rows = fi.row[slots]
-                unit_of = np.array([self._block_units[b][0] for b in np.unique(blk).tolist()], np.int64)
-                unit_of = unit_of[np.searchsorted(np.unique(blk), blk)]
+                uniq, which = np.unique(blk, return_inverse=True)
+                unit_of = np.array([self._block_units[b][0] for b in uniq.tolist()], np.int64)[which]
                 for u in np.unique(unit_of).tolist():
                     pos = np.flatnonzero(unit_of == u)
                     per_unit.setdefault(u, []).append([name, ints(blk[pos]), ints(rows[pos]), ints(pos)])
@@ -547,4 +547,4 @@ def controller_actor_class() -> Any:
     return NativeControllerActor
 
 
-__all__ = ["ControllerCore", "controller_actor_class", "RawColumn"]
+__all__ = ["ControllerCore", "controller_actor_class"]

@@ -230,4 +230,40 @@ class ChannelPool:
             ch.close()
 
 
-__all__ = ["Channel", "ChannelPool", "PLAIN_USER", "CONNECT_TIMEOUT_S"]
+async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: bytes | None,
+                timeout: float) -> dict[str, Any]:
+    """One request/reply from asyncio code, on a socket of its own (for calls that may wait
+    long on the server, such as a parked claim, without holding a thread). Header-only
+    replies; raises the reply's typed error, or TransportError at the deadline.
+
+    Example: ``await acall(ep, "controller", {"op": "ping"}, secret=None, timeout=5)``
+    """
+    import asyncio
+
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    if secret is not None:
+        sock.plain_username = PLAIN_USER
+        sock.plain_password = secret
+    try:
+        sock.connect(endpoint)
+        rid = next(_rids)
+        await sock.send_multipart(pack_message({**header, "rid": rid}))
+        try:
+            while True:
+                reply = unpack_message(await asyncio.wait_for(sock.recv_multipart(), timeout))[0]
+                if reply.get("rid") == rid:
+                    break
+        except asyncio.TimeoutError:
+            raise UnavailableError(f"{name} at {endpoint} did not answer within {timeout:.0f} s (it may have died, or "
+                                   "refused this connection's credentials)", component=name) from None
+        if not reply.get("ok"):
+            raise error_from_payload(reply.get("error"))
+        return reply
+    finally:
+        sock.close(linger=0)
+
+
+__all__ = ["Channel", "ChannelPool", "PLAIN_USER", "CONNECT_TIMEOUT_S", "acall"]

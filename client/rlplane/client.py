@@ -21,14 +21,17 @@ import re
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import msgpack
 import torch
 
-from rlplane.codec import RESERVED_TAG_PREFIX, decode, encode, merge_tags
-from rlplane.errors import InvalidArgumentError, MissingDataError, ShapeError
+from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, decode, encode, merge_tags
+from rlplane.errors import (InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
+                            TransportError)
 from rlplane.fields import LENGTHS_FIELD, Registry
+from rlplane.ledger import MAX_WAIT_S, ClaimRequest
 from rlplane.meta import SampleMeta
 from rlplane.opstats import OpStats
 from rlplane.scratch import Scratch
@@ -149,6 +152,115 @@ class Client:
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
             return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids)
 
+    # -- streaming -------------------------------------------------------------------
+    def claim(
+        self,
+        partition: str,
+        task: str,
+        *,
+        batch_size: int,
+        stage: str | None = None,
+        fields: Sequence[str] | None = None,
+        timeout: float | None = None,
+        min_batch: int | None = None,
+        group_key: str | None = None,
+        current_version: int | None = None,
+        max_staleness: int | None = None,
+        lease_s: float | None = None,
+    ) -> SampleMeta:
+        """Up to ``batch_size`` samples of ``partition`` that are ready for ``stage`` (or hold
+        ``fields``) and that ``task`` has not claimed, oldest first; exactly once per task
+        across every claimer. Waits up to ``timeout`` seconds (None: for ever; 0: not at all)
+        for a full batch, then returns at least ``min_batch`` or raises NotReadyError.
+        ``group_key`` hands out whole groups (tag ``group_size`` says how big); with
+        ``current_version``/``max_staleness`` samples whose ``policy_version`` tag is older
+        are expired for this task. The samples are leased for ``lease_s``: ``ack`` them when
+        done, ``nack`` to give them back; an unacked lease lapses and they come back.
+
+        Example::
+
+            meta = client.claim("step-0", "train", batch_size=64, stage="train", timeout=30)
+            batch = client.read_columns(meta, stage="train")
+            client.ack(meta, "train")
+        """
+        with self._op("claim"):
+            check_partition(partition)
+            if not isinstance(task, str) or not task:
+                raise InvalidArgumentError(f"task must be a non-empty string, got {task!r}")
+            if fields is None and stage is None:
+                raise InvalidArgumentError("claim needs fields=[...] or stage=... (what makes a sample ready)")
+            names = list(fields) if fields is not None else self.registry.fields_for_stage(stage)  # type: ignore[arg-type]
+            for name in names:
+                self.registry.get(name)
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+                raise InvalidArgumentError(f"batch_size must be an int, got {batch_size!r}")
+            want = ClaimRequest(partition, task, batch_size, tuple(names), float(timeout or 0.0),
+                                batch_size if min_batch is None else int(min_batch), group_key, current_version,
+                                max_staleness, lease_s)
+            want.check()
+            reply = self._claim(want, timeout)
+        tags = reply["tags"]
+        lengths = self._stored_lengths(tags)
+        return SampleMeta(partition, reply["ids"], lengths, frozenset(reply["fields"]), tags,
+                          pad_to_seqlen=max(lengths) if lengths and max(lengths) > 0 else None, lease=int(reply["lease"]))
+
+    def _claim(self, want: ClaimRequest, timeout: float | None) -> dict[str, Any]:
+        """Ask the ledger in waits of at most MAX_WAIT_S; only the last may return a short batch."""
+        streams = self._streams()
+        deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        while True:
+            left = MAX_WAIT_S if deadline is None else max(0.0, deadline - time.monotonic())
+            last = deadline is not None and left <= MAX_WAIT_S
+            req = replace(want, wait_s=min(left, MAX_WAIT_S), min_batch=want.min_batch if last else want.batch_size)
+            try:
+                return streams.claim(req)
+            except NotReadyError:
+                if last:
+                    raise
+
+    def ack(self, meta: SampleMeta, task: str) -> int:
+        """Mark the claimed samples of ``meta`` (a claim's meta, or a shard of it) consumed by
+        ``task``; LeaseError when the lease expired (they went back to the task). Example:
+        ``client.ack(meta, "train")``."""
+        with self._op("ack"):
+            return self._streams().ack(meta.partition, task, self._lease(meta), meta.sample_ids)
+
+    def nack(self, meta: SampleMeta, task: str) -> int:
+        """Give the claimed samples of ``meta`` back to ``task`` at once (another claimer gets
+        them). Example: ``client.nack(meta, "train")``."""
+        with self._op("nack"):
+            return self._streams().nack(meta.partition, task, self._lease(meta), meta.sample_ids)
+
+    def consumption(self, partition: str, task: str) -> dict[str, int]:
+        """How ``task`` stands on ``partition``: ``samples``, ``ready``, ``claimed`` (leased,
+        not acked), ``acked``, ``expired`` (stale), ``pending`` (ready, never claimed) and
+        ``redelivered``. Example: ``client.consumption("step-0", "train")["pending"]``."""
+        check_partition(partition)
+        return self._streams().consumption(partition, task)
+
+    def _streams(self) -> Any:
+        if self.transport.streams is None:
+            raise TransportError(f"the {self.transport.name!r} transport cannot reach a consumption ledger; "
+                                 "connect to an rlplane service (rlplane.connect) to claim samples")
+        return self.transport.streams
+
+    @staticmethod
+    def _lease(meta: SampleMeta) -> int:
+        if meta.lease is None:
+            raise LeaseError("this meta holds no lease: only a meta from client.claim (or a shard of it) can be "
+                             "acked or nacked")
+        return meta.lease
+
+    def _stored_lengths(self, tags: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Each sample's length, from the wire geometry of its token fields."""
+        token = [s.name for s in self.registry.specs() if s.alignment == "token"]
+        out = []
+        for tag in tags:
+            wire = tag.get(WIRE_TAG) or {}
+            g = next((wire[f] for f in token if isinstance(wire.get(f), list) and wire[f]), None)
+            out.append(int(g[0]) if g is not None else 0)
+        return out
+
     # -- housekeeping ----------------------------------------------------------------
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         """Drop samples (the whole partition when ``sample_ids`` is None); returns how many."""
@@ -250,6 +362,22 @@ class Client:
     async def astats(self) -> dict[str, Any]:
         """Awaitable :meth:`stats`."""
         return await asyncio.to_thread(self.stats)
+
+    async def aclaim(self, partition: str, task: str, **kwargs: Any) -> SampleMeta:
+        """Awaitable :meth:`claim`, e.g. ``await client.aclaim("step-0", "train", batch_size=64, stage="train")``."""
+        return await asyncio.to_thread(self.claim, partition, task, **kwargs)
+
+    async def aack(self, meta: SampleMeta, task: str) -> int:
+        """Awaitable :meth:`ack`."""
+        return await asyncio.to_thread(self.ack, meta, task)
+
+    async def anack(self, meta: SampleMeta, task: str) -> int:
+        """Awaitable :meth:`nack`."""
+        return await asyncio.to_thread(self.nack, meta, task)
+
+    async def aconsumption(self, partition: str, task: str) -> dict[str, int]:
+        """Awaitable :meth:`consumption`."""
+        return await asyncio.to_thread(self.consumption, partition, task)
 
     async def aclose(self) -> None:
         """Awaitable :meth:`close`."""

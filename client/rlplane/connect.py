@@ -113,7 +113,7 @@ def _open(kind: str, info: dict, timeout: float) -> Transport:
         return NativeTransport(info, timeout=timeout)
     from rlplane.transports.tq import TQTransport
 
-    return TQTransport(info)
+    return TQTransport(info, timeout=timeout)
 
 
 def _importable(module: str) -> bool:

@@ -43,6 +43,8 @@ class SampleMeta:
     fields: frozenset[str] = field(default_factory=frozenset)
     tags: list[dict[str, Any]] = field(default_factory=list)
     pad_to_seqlen: int | None = None
+    #: The claim lease these samples are held under (``client.claim``); ``ack``/``nack`` need it.
+    lease: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.sample_ids)
@@ -106,6 +108,7 @@ class SampleMeta:
         if len(partitions) > 1:
             raise InvalidArgumentError(f"cannot concat metas of different partitions {sorted(partitions)}")
         pads = [m.pad_to_seqlen for m in parts if m.pad_to_seqlen is not None]
+        leases = {m.lease for m in parts}
         return cls(
             partition=parts[0].partition,
             sample_ids=[s for m in parts for s in m.sample_ids],
@@ -113,6 +116,7 @@ class SampleMeta:
             fields=frozenset.intersection(*(m.fields for m in parts)),
             tags=[t for m in parts for t in m.tags],
             pad_to_seqlen=max(pads) if pads else None,
+            lease=leases.pop() if len(leases) == 1 else None,
         )
 
     def shard(self, dp_size: int, balance: str = "seqlen") -> list[SampleMeta]:
@@ -154,6 +158,7 @@ class SampleMeta:
             "fields": sorted(self.fields),
             "tags": list(self.tags),
             "pad_to_seqlen": self.pad_to_seqlen,
+            "lease": self.lease,
         }
 
     @classmethod
@@ -167,6 +172,7 @@ class SampleMeta:
                 fields=frozenset(data.get("fields") or ()),
                 tags=data.get("tags") or [],
                 pad_to_seqlen=data.get("pad_to_seqlen"),
+                lease=data.get("lease"),
             )
         except (KeyError, TypeError) as err:
             raise WireFormatError(f"not a SampleMeta dict: {err}") from None

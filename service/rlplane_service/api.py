@@ -36,6 +36,7 @@ from rlplane.client import check_partition
 from rlplane.codec import check_columns
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
+from rlplane.ledger import MAX_WAIT_S, ClaimRequest
 from rlplane.transports.base import PartitionInfo, Transport
 from rlplane_service.metrics import Ledger, OpsReport, render, store_view
 from rlplane_service.settings import ServiceSettings
@@ -80,6 +81,7 @@ class ServiceState:
     mooncake: Optional[dict[str, Any]] = None  # the store's mooncake_master (MasterInfo) when backend is mooncake
     started: float = field(default_factory=time.time)
     publish_key: str = "tq"  # /v1/transport publishes transport_info under this key (the backend's data path)
+    streams: Optional[Callable[[], dict[str, Any]]] = None  # every task's consumption, for /metrics (Store.streams)
 
 
 class ClearRequest(BaseModel):
@@ -89,6 +91,33 @@ class ClearRequest(BaseModel):
 class GetRequest(BaseModel):
     sample_ids: list[str]
     fields: list[str]
+
+
+_NAME = dict(min_length=1, max_length=200)
+
+
+class ClaimBody(BaseModel):
+    """``POST /v1/partitions/{id}/claim``: what ``client.claim`` sends (see its docstring)."""
+
+    task: str = Field(..., **_NAME, description="The consuming task; each task sees every sample once.")
+    batch_size: int = Field(..., ge=1, le=1_000_000)
+    stage: Optional[str] = Field(None, max_length=200, description="Ready = the stage's required fields are written.")
+    fields: Optional[list[str]] = Field(None, max_length=1000, description="Ready = these fields are written.")
+    timeout: float = Field(0.0, ge=0, le=MAX_WAIT_S, description=f"Seconds to wait for a full batch (at most {MAX_WAIT_S:.0f}; "
+                           "wait longer by asking again).")
+    min_batch: Optional[int] = Field(None, ge=1, le=1_000_000)
+    group_key: Optional[str] = Field(None, max_length=200)
+    current_version: Optional[int] = None
+    max_staleness: Optional[int] = Field(None, ge=0)
+    lease_s: Optional[float] = Field(None, gt=0, le=86400)
+
+
+class LeaseBody(BaseModel):
+    """``POST /v1/partitions/{id}/ack`` and ``/nack``."""
+
+    task: str = Field(..., **_NAME)
+    lease: int
+    sample_ids: Optional[list[str]] = Field(None, description="The samples of the lease to settle (default: all).")
 
 
 def _info(p: PartitionInfo) -> dict[str, Any]:
@@ -226,6 +255,57 @@ def build_api(state: ServiceState) -> FastAPI:
         """Drop the given samples of the partition."""
         async with observed("clear"):
             return {"partition": partition, "cleared": await offload(transport.clear, partition, body.sample_ids)}
+
+    # -- streaming -------------------------------------------------------------------
+    def ledger() -> Any:
+        streams = getattr(transport, "streams", None)
+        if streams is None or not hasattr(streams, "acall"):
+            raise E.TransportError("this store keeps no consumption ledger; claims need the native, simple or "
+                                   "mooncake backend")
+        return streams
+
+    @v1.post("/partitions/{partition}/claim", tags=["streaming"])
+    async def claim(partition: str, body: ClaimBody) -> dict[str, Any]:
+        """Claim up to ``batch_size`` ready samples for ``task`` (exactly once per task, oldest
+        first), waiting up to ``timeout`` s: the answer names the samples, their tags and the
+        lease to ack. 408 NotReadyError when fewer than ``min_batch`` were ready in time.
+        A waiting claim holds no server thread."""
+        async with observed("claim"):
+            check_partition(partition)
+            if body.fields is None and body.stage is None:
+                raise E.InvalidArgumentError("claim needs fields=[...] or stage=...")
+            names = list(body.fields) if body.fields is not None else registry.fields_for_stage(body.stage)  # type: ignore[arg-type]
+            for name in names:
+                registry.get(name)
+            req = ClaimRequest(partition, body.task, body.batch_size, tuple(names), body.timeout,
+                               body.min_batch or body.batch_size, body.group_key, body.current_version,
+                               body.max_staleness, body.lease_s)
+            req.check()
+            out = await ledger().acall({"op": "claim", **req.to_header()}, req.wait_s)
+        return {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
+                "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"]}
+
+    @v1.post("/partitions/{partition}/ack", tags=["streaming"])
+    async def ack(partition: str, body: LeaseBody) -> dict[str, Any]:
+        """Mark a lease's samples consumed by the task (409 LeaseError once the lease expired)."""
+        async with observed("ack"):
+            out = await ledger().acall({"op": "ack", "p": partition, "task": body.task, "lease": body.lease,
+                                        "ids": body.sample_ids})
+        return {"acked": out["acked"]}
+
+    @v1.post("/partitions/{partition}/nack", tags=["streaming"])
+    async def nack(partition: str, body: LeaseBody) -> dict[str, Any]:
+        """Give a lease's samples back to the task at once."""
+        async with observed("nack"):
+            out = await ledger().acall({"op": "nack", "p": partition, "task": body.task, "lease": body.lease,
+                                        "ids": body.sample_ids})
+        return {"nacked": out["nacked"]}
+
+    @v1.get("/partitions/{partition}/consumption", tags=["streaming"])
+    async def consumption(partition: str, task: str = Query(..., min_length=1, max_length=200)) -> dict[str, Any]:
+        """How ``task`` stands: samples, ready, claimed, acked, expired, pending, redelivered."""
+        out = await ledger().acall({"op": "consumption", "p": partition, "task": task})
+        return {k: out[k] for k in ("samples", "ready", "claimed", "acked", "expired", "pending", "redelivered")}
 
     # -- data path -------------------------------------------------------------------
     @v1.get("/transport", tags=["data"])

@@ -38,7 +38,7 @@ class RlplaneService:
         transport = store.service_transport()
         self._state = ServiceState(
             settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger),
-            store.master_info, publish_key=store.publish_key,
+            store.master_info, publish_key=store.publish_key, streams=store.streams,
         )
         log.info("rlplane replica up: %d fields (registry %s)", len(registry.names()), registry.version)
 

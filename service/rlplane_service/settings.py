@@ -58,6 +58,11 @@ class ServiceSettings(BaseSettings):
         60.0, gt=0, le=3600,
         description="native: how long a put's reserved ids wait for its commit; a writer that dies frees them after this.",
     )
+    claim_lease_s: float = Field(
+        300.0, gt=0, le=86400,
+        description="How long a claim's samples stay leased to its consumer without an ack; then they go back to the "
+        "task (a claim's lease_s= overrides it).",
+    )
     mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transfer protocol.")
     mooncake_device_name: str = Field(
         "", description="RDMA devices for Mooncake, e.g. 'mlx5_0,mlx5_1' ('' lets Mooncake pick)."

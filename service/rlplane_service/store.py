@@ -54,6 +54,8 @@ class Store:
     settings: ServiceSettings | None = None
     ledger: Any = None  # the op-counter actor /metrics reads (rlplane_service.metrics)
     publish_key: str = "tq"  # /v1/transport publishes transport_info() under this key
+    stream_actor: Any = None  # the consumption ledger (rlplane_service.native.stream): TransferQueue keeps none
+    streams_info: dict[str, Any] | None = None
 
     @classmethod
     def attach_or_create(cls, settings: ServiceSettings) -> Store:
@@ -68,9 +70,15 @@ class Store:
         controller = TransferQueueController.options(name=f"{prefix}-tq-controller", **common).remote(
             sampler=SequentialSampler, polling_mode=True
         )
+        from rlplane_service.backends.native import data_secret
+        from rlplane_service.native.stream import stream_actor_class
+
         ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
+        streams = stream_actor_class().options(name=f"{prefix}-streams", **common).remote(
+            settings.native_host or None, data_secret(settings), settings.claim_lease_s)
         master = master_info = None
         try:
+            streams_info = ray.get(streams.info.remote(), timeout=_PING_TIMEOUT_S)
             controller_info = ray.get(controller.get_zmq_server_info.remote(), timeout=_PING_TIMEOUT_S)
             if settings.backend == "mooncake":
                 master, master_info, units, unit_infos = _mooncake_units(settings, common)
@@ -90,11 +98,14 @@ class Store:
             master_info,
             settings,
             ledger,
+            stream_actor=streams,
+            streams_info=streams_info,
         )
 
     def transport_info(self) -> dict[str, Any]:
         """The ``tq`` entry of ``GET /v1/transport``: what TQTransport needs."""
-        info: dict[str, Any] = {"backend": self.backend, "controller": self.controller_info, "storage_units": self.unit_infos}
+        info: dict[str, Any] = {"backend": self.backend, "controller": self.controller_info, "storage_units": self.unit_infos,
+                                "streams": self.streams_info}
         if self.backend == "mooncake":
             s = self.settings or ServiceSettings()
             info["mooncake"] = {
@@ -121,6 +132,10 @@ class Store:
 
         return TQTransport(self.transport_info(), client_id="rlplane-service")
 
+    def streams(self, timeout: float = 5.0) -> dict[str, Any]:
+        """Every (partition, task)'s consumption and the claim-wait histogram (for /metrics)."""
+        return ray.get(self.stream_actor.streams.remote(), timeout=timeout)
+
     def alive(self, timeout: float = 2.0) -> bool:
         """Whether every actor answers within ``timeout`` seconds (and the master is healthy)."""
         return all(self.health(timeout).values())
@@ -128,6 +143,8 @@ class Store:
     def health(self, timeout: float = 2.0) -> dict[str, bool]:
         """Per component: ``controller``, each unit by name, and ``mooncake_master`` when present."""
         out = {"controller": _answers(self.controller.get_zmq_server_info.remote(), timeout)}
+        if self.stream_actor is not None:
+            out["streams"] = _answers(self.stream_actor.info.remote(), timeout)
         ping = "info" if self.backend == "mooncake" else "get_zmq_server_info"
         for name, unit in self.units.items():
             out[name] = _answers(getattr(unit, ping).remote(), timeout)
@@ -149,7 +166,8 @@ class Store:
                 ray.get(stops, timeout=30)
             except (ray.exceptions.RayError, TimeoutError) as err:
                 log.warning("could not stop the Mooncake side cleanly: %s", err)
-        handles = [*self.units.values(), self.controller] + [h for h in (self.master, self.ledger) if h is not None]
+        handles = [*self.units.values(), self.controller] + [
+            h for h in (self.master, self.ledger, self.stream_actor) if h is not None]
         for handle in handles:
             try:
                 ray.kill(handle, no_restart=True)

@@ -45,6 +45,9 @@ class Transport(ABC):
     """Moves encoded columns to and from a store (see the module docstring)."""
 
     name: str = "transport"
+    #: How this transport reaches the store's consumption ledger (claim/ack/nack); None
+    #: when it cannot (see :mod:`rlplane.streams`).
+    streams: Any = None
 
     @abstractmethod
     def put(

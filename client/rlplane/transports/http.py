@@ -20,6 +20,7 @@ from rlplane.column import Column
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.errors import MissingDataError, WireFormatError
 from rlplane.http_api import ServiceAPI
+from rlplane.ledger import ClaimRequest
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 
 
@@ -40,6 +41,7 @@ class HttpTransport(Transport):
 
     def __init__(self, api: ServiceAPI) -> None:
         self.api = api
+        self.streams = HttpStreams(api)
 
     def put(
         self,
@@ -92,4 +94,38 @@ class HttpTransport(Transport):
         self.api.close()
 
 
-__all__ = ["HttpTransport"]
+class HttpStreams:
+    """Claims, acks and consumption through ``/v1/partitions/{id}/...`` (the same methods
+    as :class:`rlplane.streams.DirectStreams`). A waiting claim is one HTTP request per
+    ``wait_s``; the service parks it without holding a thread."""
+
+    def __init__(self, api: ServiceAPI, *, timeout: float = 60.0) -> None:
+        self.api, self.timeout = api, timeout
+
+    def claim(self, req: ClaimRequest) -> dict[str, Any]:
+        out = self.api.json("POST", f"/v1/partitions/{_p(req.partition)}/claim", json=_claim_body(req),
+                            timeout=req.wait_s + self.timeout)
+        return {**out, "ids": out["sample_ids"]}
+
+    def ack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None) -> int:
+        body = {"task": task, "lease": lease, "sample_ids": None if ids is None else list(ids)}
+        return int(self.api.json("POST", f"/v1/partitions/{_p(partition)}/ack", json=body)["acked"])
+
+    def nack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None) -> int:
+        body = {"task": task, "lease": lease, "sample_ids": None if ids is None else list(ids)}
+        return int(self.api.json("POST", f"/v1/partitions/{_p(partition)}/nack", json=body)["nacked"])
+
+    def consumption(self, partition: str, task: str) -> dict[str, int]:
+        return dict(self.api.json("GET", f"/v1/partitions/{_p(partition)}/consumption", params={"task": task}))
+
+    def close(self) -> None:
+        """Nothing of its own: the transport closes the API."""
+
+
+def _claim_body(req: ClaimRequest) -> dict[str, Any]:
+    return {"task": req.task, "batch_size": req.batch_size, "fields": list(req.fields), "timeout": req.wait_s,
+            "min_batch": req.min_batch, "group_key": req.group_key, "current_version": req.current_version,
+            "max_staleness": req.max_staleness, "lease_s": req.lease_s}
+
+
+__all__ = ["HttpTransport", "HttpStreams"]

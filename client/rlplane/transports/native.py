@@ -37,6 +37,7 @@ from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name
 from rlplane.errors import MissingDataError, ShapeError, TransportError, WireFormatError
 from rlplane.transports.base import PartitionInfo, Transport, check_put
+from rlplane.streams import DirectStreams
 from rlplane.gather import BIG_RUN as _BIG_RUN
 from rlplane.gather import MAX_RUNS as _MAX_RUNS
 from rlplane.wire import RawColumn, int_array, ints, numpy_dtype
@@ -76,6 +77,7 @@ class NativeTransport(Transport):
         self.info = dict(info)
         self.timeout = timeout
         self._pool = ChannelPool(secret.encode() if secret else None)
+        self.streams = DirectStreams({"endpoint": self.controller, "secret": secret}, timeout=timeout, name="controller")
         hello = self._ctrl().call({"op": "hello"}, timeout=min(timeout, 10.0))[0]
         self.units: list[tuple[str, str]] = [(str(n), str(e)) for n, e in hello["units"]]
         self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
@@ -164,6 +166,7 @@ class NativeTransport(Transport):
 
     def close(self) -> None:
         self._pool.close()
+        self.streams.close()
 
     # -- implementation --------------------------------------------------------------
     def _ctrl(self) -> Channel:

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import torch
 
 from rlplane.codec import WIRE_TAG, merge_tags
+from rlplane.streams import DirectStreams
 from rlplane.column import Column
 from rlplane.errors import DuplicateSampleError, MissingDataError, StorageFullError, TransportError, WireFormatError
 from rlplane.transports.base import PartitionInfo, Transport, check_put
@@ -210,7 +211,7 @@ class TQTransport(Transport):
 
     name = "tq"
 
-    def __init__(self, info: Mapping[str, Any], *, client_id: str | None = None) -> None:
+    def __init__(self, info: Mapping[str, Any], *, client_id: str | None = None, timeout: float = 60.0) -> None:
         self._TensorDict = _tq()[0]
         self.info = dict(info)
         # A key-value backend (Mooncake) cannot hold a zero-byte value: there, empty rows
@@ -218,6 +219,10 @@ class TQTransport(Transport):
         # this transport records per row. It also clears storage by field name.
         self._kv = self.info.get("backend") == "mooncake"
         self._client = store_client(info, client_id or f"rlplane-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        # TransferQueue has no consumption state of its own: the store runs a ledger that
+        # this transport tells what it wrote and cleared (claims go there too).
+        streams = self.info.get("streams")
+        self.streams = DirectStreams(streams, timeout=timeout) if streams else None
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> TQTransport:
@@ -236,6 +241,8 @@ class TQTransport(Transport):
     ) -> None:
         check_put(sample_ids, columns, tags)
         self._run(self._put(partition, list(sample_ids), columns, tags, create))
+        if self.streams is not None:
+            self.streams.record(partition, list(sample_ids), list(columns), tags, create=create)
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
@@ -243,7 +250,11 @@ class TQTransport(Transport):
         return self._run(self._get(partition, list(sample_ids), list(fields)))
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
-        return self._run(self._clear(partition, None if sample_ids is None else list(sample_ids)))
+        ids = None if sample_ids is None else list(sample_ids)
+        cleared = self._run(self._clear(partition, ids))
+        if self.streams is not None:
+            self.streams.drop(partition, ids)
+        return cleared
 
     def partitions(self) -> list[str]:
         listing = self._run(self._client.async_kv_list(None))
@@ -276,6 +287,8 @@ class TQTransport(Transport):
 
     def close(self) -> None:
         client, self._client = getattr(self, "_client", None), None
+        if self.streams is not None:
+            self.streams.close()
         if client is not None:
             close_store_client(client)
 

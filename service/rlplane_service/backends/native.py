@@ -75,7 +75,7 @@ class NativeStore:
             unit_infos = ray.get([u.info.remote() for u in units.values()], timeout=_START_TIMEOUT_S)
             controller = Controller.options(name=f"{prefix}-native-controller", **common).remote(
                 host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
-                settings.put_lease_s, 1)
+                settings.put_lease_s, 1, settings.claim_lease_s)
             cinfo = ray.get(controller.info.remote(), timeout=_START_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as err:
             raise TransportError(f"the native store's actors did not start: {err}") from err
@@ -87,6 +87,7 @@ class NativeStore:
             "secret": cinfo["secret"],
             "storage_units": {name: {"endpoint": ep} for name, ep in cinfo["units"]},
             "units": [list(u) for u in cinfo["units"]],
+            "streams": {"endpoint": cinfo["endpoint"], "secret": cinfo["secret"]},  # the controller keeps consumption
         }
         log.info("native store %r: controller %s, %d storage units", prefix, cinfo["endpoint"], len(units))
         return cls(settings, controller, units, info, ledger)
@@ -101,6 +102,10 @@ class NativeStore:
 
     def service_transport(self) -> NativeTransport:
         return NativeTransport(self.info, timeout=60.0)
+
+    def streams(self, timeout: float = 5.0) -> dict[str, Any]:
+        """Every (partition, task)'s consumption and the claim-wait histogram (for /metrics)."""
+        return ray.get(self.controller.streams.remote(), timeout=timeout)
 
     def health(self, timeout: float = 2.0) -> dict[str, bool]:
         """Per component: ``controller`` and each storage unit by name."""

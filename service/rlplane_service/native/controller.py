@@ -43,7 +43,10 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
+from rlplane.ledger import Ledger
+from rlplane.tags import WIRE_TAG
 from rlplane.wire import int_array, ints
+from rlplane_service.native.stream import StreamOps
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,25 @@ class Partition:
     def committed(self) -> np.ndarray:
         return np.flatnonzero(self.state[: self.used] == COMMITTED)
 
+    # -- the ledger's view (rlplane.ledger.Index) -----------------------------------------
+    def live(self) -> np.ndarray:
+        return self.state[: self.used] == COMMITTED
+
+    def has(self, name: str) -> np.ndarray:
+        fi = self.fields.get(name)
+        return fi.block[: self.used] >= 0 if fi is not None else np.zeros(self.used, bool)
+
+    def field_names(self) -> list[str]:
+        return list(self.fields)
+
+    def ids_of(self, slots: np.ndarray) -> list[str]:
+        return self.names[slots].tolist()
+
+    def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
+        geoms = {name: (fi.block[slots] >= 0, fi.geom[slots].tolist()) for name, fi in self.fields.items()}
+        return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]}}
+                for i, u in enumerate(self.user[slots].tolist())]
+
 
 def _grow(a: np.ndarray, cap: int) -> np.ndarray:
     new = np.zeros(cap, dtype=a.dtype) if a.dtype != object else np.empty(cap, dtype=object)
@@ -133,11 +155,12 @@ class Reservation:
     deadline: float
 
 
-class ControllerCore:
-    """The index and its operations (called by :class:`~rlplane_service.native.server.Server`)."""
+class ControllerCore(StreamOps):
+    """The index and its operations (called by :class:`~rlplane_service.native.server.Server`);
+    streaming (claim/ack/nack/consumption) comes from :class:`StreamOps` over the same index."""
 
     def __init__(self, units: Sequence[tuple[str, str]], *, secret: bytes | None = None, capacity: int | None = None,
-                 lease_s: float = 60.0, replicas: int = 1) -> None:
+                 lease_s: float = 60.0, replicas: int = 1, claim_lease_s: float = 300.0) -> None:
         self.units = list(units)
         self.capacity = capacity
         self.lease_s = lease_s
@@ -150,6 +173,7 @@ class ControllerCore:
         self._ids = itertools.count(1)
         self._cursor = 0
         self._lock = threading.RLock()
+        self.ledger = Ledger(self._parts.get, lease_s=claim_lease_s)
         self._pool = ChannelPool(secret)
         self._frees: queue.Queue[tuple[int, list[int]] | None] = queue.Queue()
         self._stop = threading.Event()
@@ -252,6 +276,7 @@ class ControllerCore:
                 if self._block_refs.get(b, 0) == 0:
                     self._drop_blocks([b])
             del self._res[res.rid]
+            self.ledger.dirty = True  # parked claims may be ready now
         return {"committed": n}, {}, []
 
     def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
@@ -529,11 +554,12 @@ def controller_actor_class() -> Any:
         """Hosts a :class:`ControllerCore` and its server thread."""
 
         def __init__(self, host: str | None, secret: str | None, units: list[tuple[str, str]], capacity: int | None,
-                     lease_s: float, replicas: int) -> None:
+                     lease_s: float, replicas: int, claim_lease_s: float = 300.0) -> None:
             from rlplane_service.native.server import Server
 
             key = secret.encode() if secret else None
-            self._core = ControllerCore(units, secret=key, capacity=capacity, lease_s=lease_s, replicas=replicas)
+            self._core = ControllerCore(units, secret=key, capacity=capacity, lease_s=lease_s, replicas=replicas,
+                                        claim_lease_s=claim_lease_s)
             bind = host or ray.util.get_node_ip_address()
             self._server = Server(self._core, host=bind, secret=key, name="controller").start()
             self._secret = secret
@@ -543,6 +569,10 @@ def controller_actor_class() -> Any:
 
         def stats(self) -> dict[str, Any]:
             return self._core.stats()
+
+        def streams(self) -> dict[str, Any]:
+            with self._core._lock:
+                return self._core.ledger.snapshot()
 
     return NativeControllerActor
 

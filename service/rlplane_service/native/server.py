@@ -6,6 +6,12 @@ parses it, calls the handler's ``op_<name>(header, columns, extra)`` and answers
 reply: an rlplane error keeps its type; anything else (a bug) is logged and answered as
 a TransportError. Malformed frames get a WireFormatError reply and the loop goes on.
 
+A handler may *park* a request (a claim waiting for samples) by raising :class:`Park`
+with a deadline: the loop keeps it, without a thread, and runs it again whenever the
+handler's ``wake()`` says something changed, and once more, marked final
+(``header["_final"]``), when its deadline passes. Headers carry ``_t0``, when the
+request arrived; keys starting with ``_`` from the network are dropped.
+
 With a secret, the socket is a ZMQ PLAIN server and a ZAP handler admits only peers
 that present it: unauthenticated peers cannot deliver a single message.
 
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 import zmq
@@ -35,6 +42,14 @@ log = logging.getLogger(__name__)
 Reply = tuple[dict[str, Any], dict[str, Any], list[Any]]
 #: Largest frame a server accepts (bounds what one message can make it allocate).
 MAX_FRAME_BYTES = 16 << 30
+
+
+class Park(Exception):
+    """Raised by a handler op: answer this request later (see the module docstring)."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__(deadline)
+        self.deadline = deadline
 
 
 class Server:
@@ -62,6 +77,7 @@ class Server:
             self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._stop = threading.Event()
+        self._parked: list[tuple[Any, list[Any], float, float]] = []  # (identity, frames, arrival, deadline)
         self._thread = threading.Thread(target=self._loop, name=f"rlplane-{name}", daemon=True)
 
     def start(self) -> Server:
@@ -71,30 +87,57 @@ class Server:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        wake = getattr(self.handler, "wake", None)
         while not self._stop.is_set():
-            if not poller.poll(200):
-                continue
-            frames = self._sock.recv_multipart(copy=False)
-            if len(frames) < 2:
-                continue  # not even an identity and a header: nothing to answer
-            ident, body = frames[0], frames[1:]
-            reply = self._handle(body)
-            try:
-                self._sock.send_multipart([ident, *reply], copy=False)
-            except zmq.ZMQError as err:
-                log.warning("%s: could not answer a peer: %s", self.name, err)
+            wait_ms = 200
+            if self._parked:
+                first = min(p[3] for p in self._parked)
+                wait_ms = max(0, min(wait_ms, int((first - time.monotonic()) * 1000) + 1))
+            if poller.poll(wait_ms):
+                frames = self._sock.recv_multipart(copy=False)
+                if len(frames) >= 2:  # else not even an identity and a header: nothing to answer
+                    self._answer(frames[0], frames[1:], time.monotonic(), final=False)
+            changed = bool(wake()) if wake is not None else False
+            if self._parked:
+                self._rerun(changed)
 
-    def _handle(self, frames: list[Any]) -> list[Any]:
+    def _rerun(self, changed: bool) -> None:
+        """Run parked requests again: all when the handler says something changed, else
+        only those whose deadline passed (their final run)."""
+        now = time.monotonic()
+        parked, self._parked = self._parked, []
+        for ident, body, t0, deadline in parked:
+            if changed or deadline <= now:
+                self._answer(ident, body, t0, final=deadline <= now)
+            else:
+                self._parked.append((ident, body, t0, deadline))
+
+    def _answer(self, ident: Any, body: list[Any], t0: float, *, final: bool) -> None:
+        try:
+            reply = self._handle(body, t0, final)
+        except Park as park:
+            self._parked.append((ident, body, t0, park.deadline))
+            return
+        try:
+            self._sock.send_multipart([ident, *reply], copy=False)
+        except zmq.ZMQError as err:
+            log.warning("%s: could not answer a peer: %s", self.name, err)
+
+    def _handle(self, frames: list[Any], t0: float = 0.0, final: bool = False) -> list[Any]:
         rid = None
         try:
             rid = unpack_header(frames[0]).get("rid")  # first, so that even a bad body gets its answer
             header, columns, extra = unpack_message(frames)
+            header = {k: v for k, v in header.items() if not (isinstance(k, str) and k.startswith("_"))}
+            header["_t0"], header["_final"] = t0, final
             op = header.get("op")
             fn: Callable[..., Reply] | None = getattr(self.handler, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
             if fn is None:
                 raise E.WireFormatError(f"unknown operation {op!r}")
             out, cols, bufs = fn(header, columns, extra)
             return pack_message({**out, "ok": True, "rid": rid}, cols, bufs)
+        except Park:
+            raise
         except E.RlplaneError as err:
             return pack_message({"ok": False, "rid": rid, "error": _payload(err)})
         except Exception as err:  # noqa: BLE001 - a bug in one request must not stop the server
@@ -120,4 +163,4 @@ def _payload(err: E.RlplaneError) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Server", "Reply"]
+__all__ = ["Server", "Reply", "Park"]

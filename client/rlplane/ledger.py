@@ -1,0 +1,496 @@
+"""The consumption ledger: which task has claimed, acked or expired which sample.
+
+Streaming consumers *claim* ready samples instead of being handed a meta. The ledger
+decides what a claim gets; it runs wherever the store's index lives (the native
+controller; a ledger actor beside TransferQueue-based stores) and serves one request
+at a time, which is what makes a claim exactly-once per task across any number of
+concurrent claimers.
+
+It reads the partition through a small :class:`Index` view (slot order = commit
+order, so "oldest first" is slot order) and keeps, per (partition, task), one int8
+state per slot: unseen, leased, acked or expired. Everything a claim computes is
+numpy over slots; the only per-sample Python work is done once per sample (its
+``policy_version`` and group tags, cached on first use).
+
+Example::
+
+    ledger = Ledger(index.get, lease_s=60)
+    reply = ledger.claim(ClaimRequest.parse({"p": "step-0", "task": "train", "n": 64, "fields": ["input_ids"]}),
+                         final=True)
+    ledger.ack("step-0", "train", reply["lease"], reply["ids"])
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import numpy as np
+
+from rlplane import errors as E
+from rlplane.tags import merge_tags
+
+UNSEEN, LEASED, ACKED, EXPIRED = 0, 1, 2, 3
+#: Tags the ledger reads (besides the claim's ``group_key``).
+VERSION_TAG, GROUP_SIZE_TAG = "policy_version", "group_size"
+#: ``policy_version`` of a sample without one: never stale.
+NO_VERSION = np.iinfo(np.int64).max
+#: Upper bounds (seconds) of the claim-wait histogram's buckets.
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0)
+#: Longest a server parks one claim; a client waiting longer asks again.
+MAX_WAIT_S = 30.0
+
+
+class Index(Protocol):
+    """What the ledger reads of one partition (the native controller's Partition, or
+    :class:`SimpleIndex`)."""
+
+    used: int  # slots handed out so far; slot order is commit order
+
+    def live(self) -> np.ndarray:
+        """Bool per slot < used: the sample is stored and visible."""
+
+    def has(self, field: str) -> np.ndarray:
+        """Bool per slot < used: the sample holds ``field``."""
+
+    def field_names(self) -> list[str]:
+        """Every field some sample of the partition holds."""
+
+    def ids_of(self, slots: np.ndarray) -> list[str]:
+        """Sample ids of ``slots``."""
+
+    def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
+        """Each slot's tags as written (user tags and wire geometry)."""
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """One claim, as it crosses the wire (short keys) and as the ledger reads it."""
+
+    partition: str
+    task: str
+    batch_size: int
+    fields: tuple[str, ...]
+    wait_s: float  # how long the server may park it (the client's timeout, capped)
+    min_batch: int
+    group_key: str | None = None
+    current_version: int | None = None
+    max_staleness: int | None = None
+    lease_s: float | None = None
+
+    def to_header(self) -> dict[str, Any]:
+        return {"p": self.partition, "task": self.task, "n": self.batch_size, "fields": list(self.fields),
+                "wait": self.wait_s, "min": self.min_batch, "group": self.group_key, "version": self.current_version,
+                "stale": self.max_staleness, "lease_s": self.lease_s}
+
+    @classmethod
+    def parse(cls, h: Mapping[str, Any]) -> ClaimRequest:
+        """Checked request from a header; InvalidArgumentError/WireFormatError names what is wrong."""
+        try:
+            p, task = h["p"], h["task"]
+            n = h["n"]
+            fields = h.get("fields") or []
+            if not (isinstance(p, str) and p and isinstance(task, str) and task and isinstance(fields, list)
+                    and all(isinstance(f, str) for f in fields)):
+                raise E.WireFormatError("claim needs partition 'p', 'task' and a list of 'fields'")
+            req = cls(p, task, int(n), tuple(fields), float(h.get("wait") or 0.0), int(h.get("min") or n),
+                      _opt(h.get("group"), str), _opt(h.get("version"), int), _opt(h.get("stale"), int),
+                      _opt(h.get("lease_s"), float))
+        except (KeyError, TypeError, ValueError) as err:
+            raise E.WireFormatError(f"malformed claim request ({err})") from None
+        req.check()
+        return req
+
+    def check(self) -> None:
+        """InvalidArgumentError for a claim that can never be answered."""
+        if self.batch_size < 1:
+            raise E.InvalidArgumentError(f"batch_size must be at least 1, got {self.batch_size}")
+        if not 1 <= self.min_batch <= self.batch_size:
+            raise E.InvalidArgumentError(f"min_batch must be between 1 and batch_size={self.batch_size}, got {self.min_batch}")
+        if not self.fields:
+            raise E.InvalidArgumentError("a claim needs the fields that make a sample ready (fields=[...] or stage=...)")
+        if (self.current_version is None) != (self.max_staleness is None):
+            raise E.InvalidArgumentError("current_version and max_staleness go together")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise E.InvalidArgumentError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.lease_s is not None and not 0 < self.lease_s <= 86400:
+            raise E.InvalidArgumentError(f"lease_s must be in (0, 86400], got {self.lease_s}")
+        if self.wait_s < 0:
+            raise E.InvalidArgumentError(f"timeout must be >= 0, got {self.wait_s}")
+
+
+def _opt(x: Any, kind: type) -> Any:
+    return None if x is None else kind(x)
+
+
+@dataclass
+class TaskState:
+    """One task's view of one partition: a state per slot and where unseen slots start."""
+
+    state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
+    lease: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    cursor: int = 0  # every slot below it is not UNSEEN
+    fields: tuple[str, ...] = ()  # what this task's last claim asked for ("ready" in consumption())
+    redelivered: int = 0
+
+    def fit(self, n: int) -> None:
+        if self.state.size < n:
+            cap = max(n, 2 * self.state.size, 64)
+            self.state = np.concatenate([self.state, np.zeros(cap - self.state.size, np.int8)])
+            self.lease = np.concatenate([self.lease, np.zeros(cap - self.lease.size, np.int64)])
+
+
+@dataclass
+class PartState:
+    """Consumption of one partition: its tasks, and per-slot tag caches."""
+
+    index: Any
+    tasks: dict[str, TaskState] = field(default_factory=dict)
+    version: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    groups: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # key -> (code, size)
+    codes: dict[str, dict[Any, int]] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)  # how many slots each cache covers
+
+    def versions(self) -> np.ndarray:
+        """``policy_version`` per slot (NO_VERSION when absent), filled for new slots only."""
+        n, done = self.index.used, self.cached.get(VERSION_TAG, 0)
+        if done < n:
+            new = np.array([_version(t) for t in self.index.tags_of(np.arange(done, n))], np.int64)
+            self.version = np.concatenate([self.version[:done], new])
+            self.cached[VERSION_TAG] = n
+        return self.version[:n]
+
+    def group_of(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(group code, declared group size) per slot for tag ``key``; code -1 without one."""
+        n, done = self.index.used, self.cached.get(key, 0)
+        code, size = self.groups.get(key, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        if done < n:
+            ids = self.codes.setdefault(key, {})
+            tags = self.index.tags_of(np.arange(done, n))
+            new_code = np.array([ids.setdefault(_hashable(t.get(key)), len(ids)) if t.get(key) is not None else -1
+                                 for t in tags], np.int64)
+            new_size = np.array([_int(t.get(GROUP_SIZE_TAG), 1) for t in tags], np.int64)
+            code, size = np.concatenate([code[:done], new_code]), np.concatenate([size[:done], new_size])
+            self.groups[key] = (code, size)
+            self.cached[key] = n
+        return code[:n], size[:n]
+
+
+def _version(tags: Mapping[str, Any] | None) -> int:
+    v = (tags or {}).get(VERSION_TAG)
+    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else int(NO_VERSION)
+
+
+def _int(x: Any, default: int) -> int:
+    return int(x) if isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0 else default
+
+
+def _hashable(x: Any) -> Any:
+    return x if isinstance(x, (str, int, float, bool, bytes)) else repr(x)
+
+
+@dataclass
+class Lease:
+    lid: int
+    partition: str
+    task: str
+    state: TaskState
+    slots: np.ndarray
+    deadline: float
+
+
+class Ledger:
+    """Claims, leases and acks over partitions found through ``index_of`` (see the module docstring).
+
+    Not thread-safe: its host serves one request at a time (or holds a lock)."""
+
+    def __init__(self, index_of: Callable[[str], Any], *, lease_s: float = 300.0) -> None:
+        self.index_of = index_of
+        self.lease_s = lease_s
+        self._parts: dict[str, PartState] = {}
+        self._leases: dict[int, Lease] = {}
+        self._ids = itertools.count(1)
+        self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
+        self.wait_sum = 0.0
+        self.dirty = False  # something a parked claim may be waiting for happened
+
+    # -- claiming --------------------------------------------------------------------
+    def claim(self, req: ClaimRequest, *, final: bool, now: float | None = None) -> dict[str, Any] | None:
+        """The claim's answer, or None when it should wait (never None when ``final``).
+
+        Raises NotReadyError when ``final`` and fewer than ``min_batch`` are ready."""
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        ps = self._part(req.partition)
+        if ps is None:
+            return self._not_ready(req, 0, final)
+        idx, n = ps.index, ps.index.used
+        ts = ps.tasks.setdefault(req.task, TaskState())
+        ts.fit(n)
+        ts.fields = req.fields
+        lo = ts.cursor
+        live = idx.live()[lo:n]
+        st = ts.state[lo:n]
+        if req.max_staleness is not None:
+            stale = (ps.versions()[lo:n] < req.current_version - req.max_staleness) & live & (st == UNSEEN)  # type: ignore[operator]
+            st[stale] = EXPIRED
+        ready = live & (st == UNSEEN)
+        for f in req.fields:
+            ready &= idx.has(f)[lo:n]
+        cand = np.flatnonzero(ready) + lo
+        if req.group_key is None:
+            take = cand[: req.batch_size]
+            full = take.size == req.batch_size
+        else:
+            take, full = self._whole_groups(ps, req, cand)
+        if full or (final and take.size >= req.min_batch):
+            lid = next(self._ids)
+            ts.state[take] = LEASED
+            ts.lease[take] = lid
+        unseen = np.flatnonzero(ts.state[lo:n] == UNSEEN)
+        ts.cursor = lo + (int(unseen[0]) if unseen.size else n - lo)
+        if not full and not (final and take.size >= req.min_batch):
+            return self._not_ready(req, int(take.size), final)
+        lease_s = req.lease_s or self.lease_s
+        self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s)
+        return {"lease": lid, "lease_s": lease_s, "ids": idx.ids_of(take), "tags": idx.tags_of(take),
+                "fields": [f for f in idx.field_names() if bool(idx.has(f)[take].all())]}
+
+    def _whole_groups(self, ps: PartState, req: ClaimRequest, cand: np.ndarray) -> tuple[np.ndarray, bool]:
+        """Complete groups among ``cand``, oldest first, as many as fit in the batch."""
+        code, size = ps.group_of(req.group_key)  # type: ignore[arg-type]
+        c = code[cand]
+        if (c < 0).any():
+            sid = ps.index.ids_of(cand[c < 0][:1])[0]
+            raise E.InvalidArgumentError(f"sample {sid!r} has no tag {req.group_key!r} (group_key); every sample of a "
+                                         "grouped claim needs one")
+        if not cand.size:
+            return cand, False
+        uniq, first, counts = np.unique(c, return_index=True, return_counts=True)
+        complete = counts >= size[cand[first]]
+        too_big = complete & (counts > req.batch_size)
+        if too_big.any():
+            raise E.InvalidArgumentError(f"a group of {int(counts[too_big][0])} samples does not fit in batch_size="
+                                         f"{req.batch_size}; claim at least a whole group")
+        order = np.argsort(first[complete], kind="stable")
+        sizes = counts[complete][order]
+        fits = np.cumsum(sizes) <= req.batch_size
+        chosen = set(uniq[complete][order][fits].tolist())
+        take = cand[np.isin(c, list(chosen))] if chosen else cand[:0]
+        full = take.size == req.batch_size or bool((~fits).any())
+        return take, full
+
+    def _not_ready(self, req: ClaimRequest, ready: int, final: bool) -> None:
+        if not final:
+            return None
+        raise E.NotReadyError(f"{ready} of {req.batch_size} samples of partition {req.partition!r} were ready for task "
+                              f"{req.task!r} (min_batch={req.min_batch}) when the claim's timeout passed; nothing was "
+                              "claimed")
+
+    def observe_wait(self, seconds: float) -> None:
+        """Count one answered claim's wait in the histogram."""
+        self.wait_counts[int(np.searchsorted(WAIT_BUCKETS, seconds))] += 1
+        self.wait_sum += seconds
+
+    # -- leases ----------------------------------------------------------------------
+    def ack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None = None) -> int:
+        """Mark the lease's samples (or those of ``ids``) consumed; LeaseError if it expired."""
+        le, slots = self._lease(partition, task, lease, ids, "ack")
+        le.state.state[slots] = ACKED
+        self._settle(le, slots)
+        return int(slots.size)
+
+    def nack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None = None) -> int:
+        """Give the lease's samples (or those of ``ids``) back to the task at once."""
+        le, slots = self._lease(partition, task, lease, ids, "nack")
+        self._release(le.state, slots)
+        self._settle(le, slots)
+        return int(slots.size)
+
+    def expire(self, now: float | None = None) -> int:
+        """Return the samples of lapsed leases to their tasks; how many leases lapsed."""
+        now = time.monotonic() if now is None else now
+        gone = [le for le in self._leases.values() if le.deadline <= now]
+        for le in gone:
+            del self._leases[le.lid]
+            held = le.slots[(le.state.state[le.slots] == LEASED) & (le.state.lease[le.slots] == le.lid)]
+            le.state.redelivered += int(held.size)
+            self._release(le.state, held)
+        return len(gone)
+
+    def next_deadline(self) -> float | None:
+        return min((le.deadline for le in self._leases.values()), default=None)
+
+    def _lease(self, partition: str, task: str, lid: int, ids: Sequence[str] | None, verb: str) -> tuple[Lease, np.ndarray]:
+        self.expire()
+        le = self._leases.get(lid)
+        if le is None or le.partition != partition or le.task != task:
+            raise E.LeaseError(f"cannot {verb}: lease {lid} of task {task!r} on partition {partition!r} expired or was "
+                               "never granted (its samples went back to the task; they will be claimed again)")
+        slots = le.slots[le.state.lease[le.slots] == lid]
+        slots = slots[le.state.state[slots] == LEASED]
+        if ids is not None:
+            ps = self._part(partition)
+            mine = dict(zip(ps.index.ids_of(slots), slots.tolist())) if ps is not None and ps.index is not None else {}
+            unknown = [s for s in ids if s not in mine]
+            if unknown:
+                raise E.LeaseError(f"cannot {verb}: samples {unknown[:5]} are not held by lease {lid}")
+            slots = np.asarray([mine[s] for s in ids], np.int64)
+        return le, slots
+
+    def _settle(self, le: Lease, slots: np.ndarray) -> None:
+        if not bool((le.state.state[le.slots] == LEASED).any()):
+            self._leases.pop(le.lid, None)
+
+    def _release(self, ts: TaskState, slots: np.ndarray) -> None:
+        if slots.size:
+            ts.state[slots] = UNSEEN
+            ts.lease[slots] = 0
+            ts.cursor = min(ts.cursor, int(slots.min()))
+            self.dirty = True
+
+    # -- reporting -------------------------------------------------------------------
+    def consumption(self, partition: str, task: str) -> dict[str, int]:
+        """``samples``, ``ready``, ``claimed``, ``acked``, ``expired``, ``pending``, ``redelivered``."""
+        ps = self._part(partition)
+        ts = ps.tasks.get(task) if ps is not None else None
+        if ps is None:
+            return dict.fromkeys(("samples", "ready", "claimed", "acked", "expired", "pending", "redelivered"), 0)
+        idx, n = ps.index, ps.index.used
+        live = idx.live()[:n]
+        ready = live.copy()
+        state = np.zeros(n, np.int8)
+        if ts is not None:
+            ts.fit(n)
+            state = ts.state[:n]
+            for f in ts.fields:
+                ready &= idx.has(f)[:n]
+        return {"samples": int(live.sum()), "ready": int(ready.sum()),
+                "claimed": int((live & (state == LEASED)).sum()), "acked": int((live & (state == ACKED)).sum()),
+                "expired": int((live & (state == EXPIRED)).sum()), "pending": int((ready & (state == UNSEEN)).sum()),
+                "redelivered": ts.redelivered if ts is not None else 0}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every (partition, task)'s consumption and the claim-wait histogram (for /metrics)."""
+        tasks = []
+        for p in list(self._parts):
+            ps = self._part(p)
+            if ps is not None:
+                tasks += [{"partition": p, "task": t, **self.consumption(p, t)} for t in ps.tasks]
+        return {"tasks": tasks, "wait_buckets": list(WAIT_BUCKETS), "wait_counts": list(self.wait_counts),
+                "wait_sum": self.wait_sum, "leases": len(self._leases)}
+
+    def _part(self, partition: str) -> PartState | None:
+        """The partition's consumption state; reset when the partition was dropped and made anew."""
+        index = self.index_of(partition)
+        ps = self._parts.get(partition)
+        if index is None:
+            self._parts.pop(partition, None)
+            return None
+        if ps is None or ps.index is not index:
+            ps = self._parts[partition] = PartState(index)
+        return ps
+
+
+class SimpleIndex:
+    """An :class:`Index` kept by the ledger itself, for stores that have no index of their
+    own to share (TransferQueue-based ones): the store's writers ``record`` what they
+    wrote and ``drop`` what they cleared.
+
+    Example::
+
+        parts = SimpleIndexes()
+        parts.record("step-0", ["a", "b"], ["input_ids"], [{}, {}], create=True)
+    """
+
+    def __init__(self) -> None:
+        self.used = 0
+        self.slot: dict[str, int] = {}
+        self.names = np.empty(0, object)
+        self.alive = np.zeros(0, bool)
+        self.present: dict[str, np.ndarray] = {}
+        self.tags = np.empty(0, object)
+
+    def live(self) -> np.ndarray:
+        return self.alive[: self.used]
+
+    def has(self, name: str) -> np.ndarray:
+        got = self.present.get(name)
+        return got[: self.used] if got is not None else np.zeros(self.used, bool)
+
+    def field_names(self) -> list[str]:
+        return list(self.present)
+
+    def ids_of(self, slots: np.ndarray) -> list[str]:
+        return self.names[slots].tolist()
+
+    def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
+        return [dict(t or {}) for t in self.tags[slots].tolist()]
+
+    def record(self, ids: Sequence[str], fields: Sequence[str], tags: Sequence[Mapping[str, Any]], *, create: bool) -> None:
+        if create:
+            n = len(ids)
+            need = self.used + n
+            if need > self.alive.size:
+                cap = max(need, 2 * self.alive.size, 64)
+                self.names = _grown(self.names, cap)
+                self.alive = _grown(self.alive, cap)
+                self.tags = _grown(self.tags, cap)
+                self.present = {f: _grown(a, cap) for f, a in self.present.items()}
+            slots = np.arange(self.used, need)
+            for i, s in enumerate(ids):
+                self.names[self.used + i] = s
+                self.tags[self.used + i] = dict(tags[i]) if i < len(tags) else {}
+            self.slot.update(zip(ids, range(self.used, need)))
+            self.alive[slots] = True
+            self.used = need
+        else:
+            got = [self.slot.get(s, -1) for s in ids]
+            keep = [i for i, s in enumerate(got) if s >= 0]
+            slots = np.asarray([got[i] for i in keep], np.int64)
+            for i in keep:
+                if i < len(tags) and tags[i]:
+                    self.tags[got[i]] = merge_tags(self.tags[got[i]] or {}, tags[i])
+        for f in fields:
+            if f not in self.present:
+                self.present[f] = np.zeros(self.alive.size, bool)
+            self.present[f][slots] = True
+
+    def drop(self, ids: Sequence[str] | None) -> None:
+        slots = np.flatnonzero(self.alive[: self.used]) if ids is None else np.asarray(
+            [s for s in (self.slot.pop(i, -1) for i in ids) if s >= 0], np.int64)
+        if ids is None:
+            self.slot.clear()
+        self.alive[slots] = False
+        self.tags[slots] = None
+
+
+def _grown(a: np.ndarray, cap: int) -> np.ndarray:
+    new = np.zeros(cap, dtype=a.dtype) if a.dtype != object else np.empty(cap, dtype=object)
+    new[: a.size] = a
+    return new
+
+
+class SimpleIndexes(dict):
+    """Partition name -> :class:`SimpleIndex`; ``record``/``drop`` keep them current."""
+
+    def record(self, partition: str, ids: Sequence[str], fields: Sequence[str], tags: Sequence[Mapping[str, Any]], *,
+               create: bool) -> None:
+        if create:
+            self.setdefault(partition, SimpleIndex()).record(ids, fields, tags, create=True)
+        elif partition in self:
+            self[partition].record(ids, fields, tags, create=False)
+
+    def drop(self, partition: str, ids: Sequence[str] | None) -> None:
+        index = self.get(partition)
+        if index is None:
+            return
+        index.drop(ids)
+        if not index.slot:
+            del self[partition]
+
+
+__all__ = ["Ledger", "ClaimRequest", "SimpleIndex", "SimpleIndexes", "Index", "UNSEEN", "LEASED", "ACKED", "EXPIRED",
+           "MAX_WAIT_S", "WAIT_BUCKETS"]

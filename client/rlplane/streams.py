@@ -1,0 +1,84 @@
+"""How a client reaches the store's consumption ledger (claim, ack, nack, consumption).
+
+:class:`DirectStreams` talks to the ledger's server over the rlplane wire (the native
+controller, or the ledger actor beside a TransferQueue-based store), with the address
+and data secret ``GET /v1/transport`` publishes under ``streams``. The HTTP transport
+has its own (:class:`rlplane.transports.http.HttpStreams`) with the same methods.
+
+A claim request carries how long the server may park it (``wait_s``, at most
+:data:`rlplane.ledger.MAX_WAIT_S`); the client's deadline for the reply is that plus
+the transport timeout. Longer waits are several requests (see ``Client.claim``).
+
+Example::
+
+    streams = DirectStreams(info["streams"], timeout=60)
+    reply = streams.claim(ClaimRequest("step-0", "train", 64, ("input_ids",), 5.0, 64))
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from rlplane.channel import ChannelPool, acall
+from rlplane.errors import TransportError
+from rlplane.ledger import ClaimRequest
+
+
+class DirectStreams:
+    """The ledger over the rlplane wire (see the module docstring)."""
+
+    def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, name: str = "ledger") -> None:
+        try:
+            self.endpoint = str(info["endpoint"])
+            secret = info.get("secret")
+        except (KeyError, TypeError) as err:
+            raise TransportError(f"the service's streams address is malformed ({err})") from None
+        self.secret = secret.encode() if secret else None
+        self.timeout, self.name = timeout, name
+        self._pool = ChannelPool(self.secret)
+
+    def _call(self, header: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        ch = self._pool.get(self.endpoint, self.name)
+        return ch.call(header, timeout=timeout or self.timeout)[0]
+
+    def claim(self, req: ClaimRequest) -> dict[str, Any]:
+        """The ledger's answer: ``lease``, ``lease_s``, ``ids``, ``tags``, ``fields``."""
+        return self._call({"op": "claim", **req.to_header()}, req.wait_s + self.timeout)
+
+    def ack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None) -> int:
+        return int(self._call({"op": "ack", "p": partition, "task": task, "lease": lease, "ids": _ids(ids)})["acked"])
+
+    def nack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None) -> int:
+        return int(self._call({"op": "nack", "p": partition, "task": task, "lease": lease, "ids": _ids(ids)})["nacked"])
+
+    def consumption(self, partition: str, task: str) -> dict[str, int]:
+        out = self._call({"op": "consumption", "p": partition, "task": task})
+        return {k: v for k, v in out.items() if k not in ("ok", "rid", "v", "c", "nbuf")}
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every (partition, task)'s consumption and the claim-wait histogram."""
+        return self._call({"op": "streams"})
+
+    def record(self, partition: str, ids: Sequence[str], fields: Sequence[str], tags: Sequence[Mapping[str, Any]], *,
+               create: bool) -> None:
+        """Tell a ledger that keeps its own index what a put stored (TransferQueue-based stores)."""
+        self._call({"op": "record", "p": partition, "ids": list(ids), "fields": list(fields),
+                    "tags": [dict(t) for t in tags], "create": create})
+
+    def drop(self, partition: str, ids: Sequence[str] | None) -> None:
+        """Tell such a ledger what a clear removed."""
+        self._call({"op": "drop", "p": partition, "ids": _ids(ids)})
+
+    async def acall(self, header: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
+        """Any op from asyncio code (the service's HTTP endpoints), holding no thread while it waits."""
+        return await acall(self.endpoint, self.name, header, secret=self.secret, timeout=wait_s + self.timeout)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def _ids(ids: Sequence[str] | None) -> list[str] | None:
+    return None if ids is None else [str(s) for s in ids]
+
+
+__all__ = ["DirectStreams"]

@@ -1,0 +1,139 @@
+"""Streaming operations served next to a store's index: claim, ack, nack, consumption.
+
+:class:`StreamOps` is the request side of a :class:`rlplane.ledger.Ledger`; the native
+controller mixes it in (its index is the ledger's), and :class:`LedgerCore` serves it
+for the TransferQueue-based backends, whose writers ``record`` what they committed and
+``drop`` what they cleared. A claim that has to wait is parked by the server (no
+thread per waiter) and answered as soon as a commit makes it ready, or at its deadline.
+
+Example::
+
+    core = LedgerCore(lease_s=300)
+    Server(core, secret=b"...").start()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rlplane import errors as E
+from rlplane.ledger import MAX_WAIT_S, ClaimRequest, Ledger, SimpleIndexes
+from rlplane_service.native.server import Park
+
+
+class StreamOps:
+    """Ops over ``self.ledger``, each under ``self._lock``."""
+
+    ledger: Ledger
+    _lock: threading.RLock
+
+    def op_claim(self, header: dict, columns: dict, extra: list) -> Any:
+        req = ClaimRequest.parse(header)
+        t0 = float(header.get("_t0") or time.monotonic())
+        final = bool(header.get("_final")) or req.wait_s <= 0
+        with self._lock:
+            out = self.ledger.claim(req, final=final)
+            if out is None:
+                raise Park(t0 + min(req.wait_s, MAX_WAIT_S))
+            self.ledger.observe_wait(time.monotonic() - t0)
+        return out, {}, []
+
+    def op_ack(self, header: dict, columns: dict, extra: list) -> Any:
+        p, task, lease, ids = _lease_args(header)
+        with self._lock:
+            return {"acked": self.ledger.ack(p, task, lease, ids)}, {}, []
+
+    def op_nack(self, header: dict, columns: dict, extra: list) -> Any:
+        p, task, lease, ids = _lease_args(header)
+        with self._lock:
+            return {"nacked": self.ledger.nack(p, task, lease, ids)}, {}, []
+
+    def op_consumption(self, header: dict, columns: dict, extra: list) -> Any:
+        p, task = header.get("p"), header.get("task")
+        if not isinstance(p, str) or not isinstance(task, str):
+            raise E.WireFormatError("consumption needs partition 'p' and 'task'")
+        with self._lock:
+            return self.ledger.consumption(p, task), {}, []
+
+    def op_streams(self, header: dict, columns: dict, extra: list) -> Any:
+        with self._lock:
+            return self.ledger.snapshot(), {}, []
+
+    def wake(self) -> bool:
+        """Whether parked claims should look again (a commit, a nack, a lapsed lease)."""
+        with self._lock:
+            lapsed = self.ledger.expire()
+            changed, self.ledger.dirty = self.ledger.dirty, False
+        return changed or lapsed > 0
+
+
+def _lease_args(header: dict) -> tuple[str, str, int, list[str] | None]:
+    p, task, lease, ids = header.get("p"), header.get("task"), header.get("lease"), header.get("ids")
+    if not (isinstance(p, str) and isinstance(task, str) and isinstance(lease, int)
+            and (ids is None or (isinstance(ids, list) and all(isinstance(s, str) for s in ids)))):
+        raise E.WireFormatError("ack/nack needs 'p', 'task', an int 'lease' and optionally 'ids'")
+    return p, task, lease, ids
+
+
+class LedgerCore(StreamOps):
+    """A ledger with its own index, for stores without one to share (see the module docstring)."""
+
+    def __init__(self, *, lease_s: float = 300.0) -> None:
+        self.indexes = SimpleIndexes()
+        self.ledger = Ledger(self.indexes.get, lease_s=lease_s)
+        self._lock = threading.RLock()
+
+    def op_record(self, header: dict, columns: dict, extra: list) -> Any:
+        p, ids, fields, tags = header.get("p"), header.get("ids"), header.get("fields"), header.get("tags")
+        if not (isinstance(p, str) and p and _strs(ids) and _strs(fields) and isinstance(tags, list)
+                and len(tags) in (0, len(ids)) and all(isinstance(t, dict) for t in tags)):
+            raise E.WireFormatError("record needs 'p', 'ids', 'fields' and one tag map per id")
+        with self._lock:
+            self.indexes.record(p, ids, fields, tags, create=bool(header.get("create")))
+            self.ledger.dirty = True
+        return {}, {}, []
+
+    def op_drop(self, header: dict, columns: dict, extra: list) -> Any:
+        p, ids = header.get("p"), header.get("ids")
+        if not isinstance(p, str) or not (ids is None or _strs(ids)):
+            raise E.WireFormatError("drop needs 'p' and optionally 'ids'")
+        with self._lock:
+            self.indexes.drop(p, ids)
+        return {}, {}, []
+
+    def op_ping(self, header: dict, columns: dict, extra: list) -> Any:
+        return {}, {}, []
+
+
+def _strs(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(s, str) for s in x)
+
+
+def stream_actor_class() -> Any:
+    """The Ray actor class hosting a :class:`LedgerCore` and its server (lazy: no Ray at import)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class StreamActor:
+        def __init__(self, host: str | None, secret: str | None, lease_s: float) -> None:
+            from rlplane_service.native.server import Server
+
+            key = secret.encode() if secret else None
+            self._core = LedgerCore(lease_s=lease_s)
+            self._server = Server(self._core, host=host or ray.util.get_node_ip_address(), secret=key,
+                                  name="ledger").start()
+            self._secret = secret
+
+        def info(self) -> dict[str, Any]:
+            return {"endpoint": self._server.endpoint, "secret": self._secret}
+
+        def streams(self) -> dict[str, Any]:
+            with self._core._lock:
+                return self._core.ledger.snapshot()
+
+    return StreamActor
+
+
+__all__ = ["StreamOps", "LedgerCore", "stream_actor_class"]

@@ -1,0 +1,191 @@
+"""Streaming on the live service: claim, ack, nack, consumption on every backend and transport."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+
+import rlplane
+from rlplane import errors as E
+
+S = 32  # tokens per sample: small, the ledger is what is under test
+
+
+def part() -> str:
+    return f"st-{uuid.uuid4().hex[:8]}"
+
+
+def batch(n: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(0, 1000, (n, S), generator=g), "input_lengths": torch.full((n,), S)}
+
+
+@pytest.fixture(params=["direct", "http"])
+def client(request, live):
+    with rlplane.connect(live.url, token=live.token, transport=request.param) as c:
+        yield c
+
+
+def test_claim_reads_acks_and_counts(client):
+    p = part()
+    data = batch(6)
+    client.put_samples(p, data, sample_ids=[f"s{i}" for i in range(6)], tags=[{"policy_version": 3}] * 6)
+    meta = client.claim(p, "logprob", batch_size=4, stage="logprob", timeout=5)
+    assert meta.sample_ids == ["s0", "s1", "s2", "s3"] and meta.lengths == [S] * 4 and meta.pad_to_seqlen == S
+    assert meta.tags[0]["policy_version"] == 3 and {"input_ids", "input_lengths"} <= meta.fields
+    got = client.read_columns(meta, stage="logprob")
+    assert torch.equal(got["input_ids"], data["input_ids"][:4])
+    assert client.consumption(p, "logprob")["claimed"] == 4
+    assert client.ack(meta, "logprob") == 4
+    c = client.consumption(p, "logprob")
+    assert (c["samples"], c["acked"], c["claimed"], c["pending"]) == (6, 4, 0, 2)
+    assert client.consumption(p, "train")["acked"] == 0  # another task is independent
+    with pytest.raises(E.LeaseError):
+        client.ack(meta, "logprob")  # settled already
+    with pytest.raises(E.NotReadyError, match="2 of 4 samples"):
+        client.claim(p, "logprob", batch_size=4, stage="logprob", timeout=0)
+    assert client.claim(p, "logprob", batch_size=4, stage="logprob", timeout=0, min_batch=2).sample_ids == ["s4", "s5"]
+    client.clear(p)
+
+
+def test_a_stage_waits_for_its_fields_and_groups_come_whole(client):
+    p = part()
+    tags = [{"group_id": f"g{i // 3}", "group_size": 3, "policy_version": 0 if i < 3 else 1} for i in range(9)]
+    meta = client.put_samples(p, batch(9), tags=tags)
+    with pytest.raises(E.NotReadyError):  # train needs prev_logprobs & co: none written yet
+        client.claim(p, "train", batch_size=1, fields=["input_ids", "prev_logprobs"], timeout=0.2)
+    client.write_columns(meta.slice(0, 5), {"prev_logprobs": torch.zeros(5, S)})
+    got = client.claim(p, "train", batch_size=6, fields=["input_ids", "prev_logprobs"], group_key="group_id",
+                       timeout=0.3, min_batch=1)
+    assert got.sample_ids == meta.sample_ids[:3]  # g0 whole; g1 has only 2 of 3 ready
+    # staleness: version 0 is too old for current 2 with max_staleness 1; counted, never handed out
+    fresh = client.claim(p, "fresh", batch_size=9, fields=["input_ids"], current_version=2, max_staleness=1,
+                         timeout=0.2, min_batch=1)
+    assert fresh.sample_ids == meta.sample_ids[3:]
+    assert client.consumption(p, "fresh")["expired"] == 3
+    client.clear(p)
+
+
+def test_leases_lapse_and_come_back_nack_at_once(client):
+    p = part()
+    client.put_samples(p, batch(4))
+    held = client.claim(p, "train", batch_size=4, fields=["input_ids"], timeout=2, lease_s=1.0)
+    with pytest.raises(E.NotReadyError):
+        client.claim(p, "train", batch_size=1, fields=["input_ids"], timeout=0)
+    t0 = time.monotonic()
+    again = client.claim(p, "train", batch_size=4, fields=["input_ids"], timeout=10)  # the holder "died"
+    assert again.sample_ids == held.sample_ids and time.monotonic() - t0 < 3.0
+    with pytest.raises(E.LeaseError, match="expired"):
+        client.ack(held, "train")
+    assert client.nack(again, "train") == 4
+    t0 = time.monotonic()
+    third = client.claim(p, "train", batch_size=4, fields=["input_ids"], timeout=5)
+    assert third.sample_ids == held.sample_ids and time.monotonic() - t0 < 1.0
+    shards = third.shard(2, balance="contiguous")
+    assert client.ack(shards[0], "train") + client.ack(shards[1], "train") == 4  # each rank acks its shard
+    c = client.consumption(p, "train")
+    assert (c["acked"], c["redelivered"]) == (4, 4)
+    client.clear(p)
+
+
+def test_a_blocked_claim_returns_soon_after_the_put(live, client):
+    p = part()
+    out: dict[str, float] = {}
+
+    def wait() -> None:
+        with rlplane.connect(live.url, token=live.token, transport=client.transport.name) as other:
+            out["meta"] = other.claim(p, "train", batch_size=8, fields=["input_ids"], timeout=20)  # type: ignore[assignment]
+            out["t"] = time.monotonic()
+
+    th = threading.Thread(target=wait)
+    th.start()
+    time.sleep(1.5)  # an unknown partition waits like an empty one
+    assert "t" not in out
+    client.put_samples(p, batch(8))
+    put_done = time.monotonic()
+    th.join(timeout=25)
+    assert out["t"] - put_done < 1.0
+    client.clear(p)
+
+
+def test_bad_claims_fail_at_once(client):
+    p = part()
+    t0 = time.monotonic()
+    for kwargs, err in [
+        (dict(batch_size=0, fields=["input_ids"]), E.InvalidArgumentError),
+        (dict(batch_size=4, min_batch=5, fields=["input_ids"]), E.InvalidArgumentError),
+        (dict(batch_size=4, stage="no-such-stage"), E.UnknownStageError),
+        (dict(batch_size=4, fields=["not_registered"]), E.UnregisteredFieldError),
+        (dict(batch_size=4), E.InvalidArgumentError),
+    ]:
+        with pytest.raises(err):
+            client.claim(p, "train", timeout=30, **kwargs)
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(E.LeaseError):
+        client.ack(rlplane.SampleMeta(p, ["x"]), "train")
+
+
+def test_http_claim_endpoints_answer_typed_errors(live):
+    headers = {"Authorization": f"Bearer {live.token}"}
+    url = f"{live.url}/v1/partitions/{part()}"
+    r = httpx.post(f"{url}/claim", json={"task": "t", "batch_size": 0, "fields": ["input_ids"]}, headers=headers)
+    assert r.status_code == 422
+    r = httpx.post(f"{url}/claim", json={"task": "t", "batch_size": 2, "fields": ["input_ids"]}, headers=headers)
+    assert r.status_code == 408 and r.json()["error"] == "NotReadyError"
+    r = httpx.post(f"{url}/ack", json={"task": "t", "lease": 123456789}, headers=headers)
+    assert r.status_code == 409 and r.json()["error"] == "LeaseError"
+    assert httpx.post(f"{url}/claim", json={"task": "t", "batch_size": 2}).status_code == 401
+
+
+def _claimer(url: str, token: str, transport: str, p: str, tasks: list[str], results: mp.Queue, until: float) -> None:
+    """Claim for every task in turn until nothing more comes; report what each claim got."""
+    with rlplane.connect(url, token=token, transport=transport) as c:
+        idle = dict.fromkeys(tasks, 0)
+        while time.monotonic() < until and min(idle.values()) < 3:
+            for task in tasks:
+                try:
+                    meta = c.claim(p, task, batch_size=5, fields=["input_ids"], timeout=0.5, min_batch=1)
+                except E.NotReadyError:
+                    idle[task] += 1
+                    continue
+                idle[task] = 0
+                results.put((task, meta.sample_ids))
+                c.ack(meta, task)
+    results.put(("done", []))
+
+
+def test_exactly_once_per_task_under_concurrent_claimer_processes(live):
+    p = part()
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    until = time.monotonic() + 90
+    procs = [ctx.Process(target=_claimer, args=(live.url, live.token, live.direct, p, ["logprob", "train"], results, until))
+             for _ in range(4)]
+    for proc in procs:
+        proc.start()
+    written: list[str] = []
+    with rlplane.connect(live.url, token=live.token) as producer:
+        for k in range(12):  # the producer writes while they claim
+            written += producer.put_samples(p, batch(10, seed=k)).sample_ids
+            time.sleep(0.1)
+        got: dict[str, list[str]] = {"logprob": [], "train": []}
+        done = 0
+        while done < len(procs):
+            task, ids = results.get(timeout=max(1.0, until - time.monotonic() + 10))
+            if task == "done":
+                done += 1
+            else:
+                got[task] += ids
+        for proc in procs:
+            proc.join(timeout=10)
+        for task, ids in got.items():
+            assert len(ids) == len(set(ids)), f"{task}: a sample was handed out twice"
+            assert sorted(ids) == sorted(written), f"{task}: {len(set(written) - set(ids))} samples never claimed"
+            assert producer.consumption(p, task)["acked"] == len(written)
+        producer.clear(p)

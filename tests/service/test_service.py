@@ -186,11 +186,14 @@ def _replica_handles(app):
 
 
 def test_a_replica_restart_keeps_every_sample(live, vlm):
+    """...and every task's consumption: acked stays acked, a lease taken before still acks."""
     import ray
 
     with rlplane.connect(live.url, token=live.token, transport="direct") as client:
         p = part()
         meta = client.put_samples(p, vlm.fields)
+        client.ack(client.claim(p, "train", batch_size=8, fields=["input_ids"], timeout=5), "train")
+        held = client.claim(p, "train", batch_size=8, fields=["input_ids"], timeout=5)
     (replica,) = _replica_handles(live.app)
     ray.kill(replica, no_restart=True)
     deadline = time.monotonic() + 120
@@ -207,6 +210,10 @@ def test_a_replica_restart_keeps_every_sample(live, vlm):
     with rlplane.connect(live.url, token=live.token, transport="http") as client:
         got = client.read_columns(meta, list(vlm.fields))
         assert diff_fields(client.registry, vlm.fields, got, vlm.lengths, sample_ids=meta.sample_ids) == []
+        c = client.consumption(p, "train")
+        assert (c["acked"], c["claimed"]) == (8, 8)
+        assert client.ack(held, "train") == 8
+        assert client.claim(p, "train", batch_size=8, fields=["input_ids"], timeout=5).sample_ids == meta.sample_ids[16:24]
         client.clear(p)
 
 

@@ -191,6 +191,7 @@ def build_api(state: ServiceState) -> FastAPI:
                 health=state.health(),
                 capacity=state.settings.capacity,
                 mooncake_metrics_url=(state.mooncake or {}).get("metrics_url"),
+                streams=state.streams,
             )
             return render(state.ledger.snapshot(), view)
 

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import bisect
 import functools
+import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -32,6 +33,8 @@ from pydantic import BaseModel, Field
 
 import rlplane
 from rlplane.opstats import OPS
+
+log = logging.getLogger(__name__)
 
 #: Upper bounds (seconds) of the op latency histogram.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -103,6 +106,7 @@ class StoreView:
     capacity: int | None
     mooncake_up: bool | None = None
     mooncake: dict[str, float] = field(default_factory=dict)  # master_* gauges we re-export
+    streams: dict[str, Any] | None = None  # the consumption ledger's snapshot (rlplane.ledger.Ledger.snapshot)
 
 
 def store_view(
@@ -113,6 +117,7 @@ def store_view(
     health: Mapping[str, bool],
     capacity: int | None,
     mooncake_metrics_url: str | None = None,
+    streams: Callable[[], dict[str, Any]] | None = None,
 ) -> StoreView:
     """Read the stored state from ``transport`` (blocking; run it off the event loop).
 
@@ -148,6 +153,11 @@ def store_view(
     if hasattr(transport, "unit_usage"):  # native: the controller knows what each unit holds
         units.update({u: held for u, held in transport.unit_usage().items() if u in units})
     view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity)
+    if streams is not None:
+        try:
+            view.streams = streams()
+        except Exception as err:  # noqa: BLE001 - a scrape reports what it can
+            log.warning("could not read the consumption ledger: %s", err)
     if mooncake_metrics_url is not None:
         view.mooncake_up = bool(health.get("mooncake_master"))
         view.mooncake = _scrape_mooncake(mooncake_metrics_url) if view.mooncake_up else {}
@@ -231,9 +241,40 @@ class _Collector:
             yield _gauge("rlplane_mooncake_master_up", "1 when the store's mooncake_master is healthy.", float(v.mooncake_up))
             for name, value in sorted(v.mooncake.items()):
                 yield _gauge(f"rlplane_mooncake_{name}", f"mooncake_master's {name}.", value)
+        if v.streams is not None:
+            yield from _consumption(v.streams)
         info = GaugeMetricFamily("rlplane_build_info", "rlplane version and storage backend.", labels=["version", "backend"])
         info.add_metric([rlplane.__version__, v.backend], 1.0)
         yield info
+
+
+#: Per-task sample states exported by rlplane_consumption_samples.
+CONSUMPTION_STATES = ("pending", "claimed", "acked", "expired")
+
+
+def _consumption(streams: Mapping[str, Any]) -> Iterable[Any]:
+    """rlplane_consumption_samples, rlplane_claim_redelivered and the claim-wait histogram."""
+    per = GaugeMetricFamily("rlplane_consumption_samples",
+                            "Samples per partition and consuming task, by state (pending: ready, never claimed; "
+                            "claimed: leased, not acked; acked; expired: too stale for the task).",
+                            labels=["partition", "task", "state"])
+    again = CounterMetricFamily("rlplane_claim_redelivered", "Samples whose lease lapsed and went back to the task.",
+                                labels=["partition", "task"])
+    for t in streams.get("tasks", []):
+        for state in CONSUMPTION_STATES:
+            per.add_metric([t["partition"], t["task"], state], t.get(state, 0))
+        again.add_metric([t["partition"], t["task"]], t.get("redelivered", 0))
+    yield per
+    yield again
+    wait = HistogramMetricFamily("rlplane_claim_wait_seconds", "How long answered claims waited for their samples.")
+    cumulative, buckets = 0.0, []
+    for bound, n in zip((*streams.get("wait_buckets", []), float("inf")), streams.get("wait_counts", [])):
+        cumulative += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+    if buckets:
+        wait.add_metric([], buckets, sum_value=float(streams.get("wait_sum", 0.0)))
+    yield wait
+    yield _gauge("rlplane_claim_leases", "Claim leases held (not acked, not lapsed).", streams.get("leases", 0))
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

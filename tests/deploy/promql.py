@@ -36,8 +36,12 @@ METRICS = frozenset({
     "rlplane_mooncake_keys",
     "rlplane_mooncake_clients",
     "rlplane_build_info",
+    "rlplane_consumption_samples",
+    "rlplane_claim_redelivered_total",
+    "rlplane_claim_wait_seconds",
+    "rlplane_claim_leases",
 })
-HISTOGRAMS = frozenset({"rlplane_op_duration_seconds"})
+HISTOGRAMS = frozenset({"rlplane_op_duration_seconds", "rlplane_claim_wait_seconds"})
 
 FUNCTIONS = frozenset(
     # aggregation operators

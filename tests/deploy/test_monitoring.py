@@ -46,8 +46,10 @@ def test_dashboard_queries_only_exported_metrics_and_all_of_them():
 def test_dashboard_latency_quantiles_come_from_the_histogram():
     exprs = dashboard_exprs(DASHBOARD)
     for q in ("0.5", "0.99"):
-        (expr,) = [e for e in exprs if e.startswith(f"histogram_quantile({q},")]
+        (expr,) = [e for e in exprs if e.startswith(f"histogram_quantile({q},") and "op_duration" in e]
         assert "rlplane_op_duration_seconds_bucket" in expr and "by (op, le)" in expr
+        (wait,) = [e for e in exprs if e.startswith(f"histogram_quantile({q},") and "claim_wait" in e]
+        assert "rlplane_claim_wait_seconds_bucket" in wait and "by (le)" in wait
 
 
 def test_metric_name_helpers_catch_strangers():
@@ -62,7 +64,7 @@ def test_rules_have_the_alerts_and_only_known_metrics():
     rules = [r for g in groups for r in g["rules"]]
     assert {r["alert"] for r in rules} == {
         "RlplaneCapacityHigh", "RlplaneErrorRatioHigh", "RlplaneStorageUnitDown",
-        "RlplaneIdleWithData", "RlplaneMooncakeMasterDown",
+        "RlplaneIdleWithData", "RlplaneMooncakeMasterDown", "RlplaneConsumerLagging",
     }
     for r in rules:
         assert r["labels"]["severity"] in {"info", "warning", "critical"}, r["alert"]
@@ -74,7 +76,7 @@ def test_rules_have_the_alerts_and_only_known_metrics():
 def test_promtool_checks_rules_and_their_unit_tests():
     check = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 5 rules found" in check.stdout
+    assert "SUCCESS: 6 rules found" in check.stdout
     unit = subprocess.run([promtool(), "test", "rules", RULES_TEST.name], cwd=RULES_TEST.parent,
                           capture_output=True, text=True, timeout=120)
     assert unit.returncode == 0, unit.stdout + unit.stderr

@@ -358,6 +358,7 @@ def build_api(state: ServiceState) -> FastAPI:
         """Registry version, store layout, partitions and bytes (what ``rlplane status`` prints)."""
         parts = (await list_partitions())["partitions"]
         info = state.transport_info or {}
+        streams = await offload(state.streams) if state.streams is not None else {"tasks": []}
         return {
             "version": rlplane.__version__,
             "registry_version": registry.version,
@@ -371,6 +372,7 @@ def build_api(state: ServiceState) -> FastAPI:
             "partitions": parts,
             "samples": sum(p["num_samples"] for p in parts),
             "nbytes": sum(p["nbytes"] for p in parts),
+            "consumption": streams.get("tasks", []),
             "uptime_s": round(time.time() - state.started, 1),
         }
 

@@ -127,7 +127,8 @@ def serve(
 
 @app.command()
 def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json", help="Print the raw JSON.")) -> None:
-    """Show a running service: registry version, storage units, partitions and bytes."""
+    """Show a running service: registry version, storage units, partitions and bytes, and
+    each streaming task's consumption (pending, claimed, acked, expired per partition)."""
     import json
 
     from rlplane.errors import RlplaneError
@@ -155,6 +156,15 @@ def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: 
     for p in st["partitions"]:
         table.add_row(p["partition"], str(p["num_samples"]), f"{p['nbytes'] / 1e6:.1f}", ", ".join(sorted(p["fields"])))
     console.print(table)
+    tasks = st.get("consumption") or []
+    if tasks:
+        states = ("samples", "pending", "claimed", "acked", "expired", "redelivered")
+        per_task = Table(title="consumption per task (streaming claims)")
+        for col in ("partition", "task", *states):
+            per_task.add_column(col, justify="left" if col in ("partition", "task") else "right")
+        for t in tasks:
+            per_task.add_row(t["partition"], t["task"], *(str(t.get(k, 0)) for k in states))
+        console.print(per_task)
 
 
 @app.command()

@@ -45,10 +45,13 @@ def test_status_shows_the_store_and_partitions(service):
 
     with connect(service.url, token=service.settings.token()) as client:
         client.put_samples("status-check", {"input_ids": torch.ones(2, 3, dtype=torch.int64), "input_lengths": torch.tensor([3, 1])})
+        client.claim("status-check", "rank-task", batch_size=1, fields=["input_ids"], timeout=5)
         res = rlplane("status", *live_args(service))
         client.clear("status-check")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "2 storage units" in res.stdout and "status-check" in res.stdout
+    (row,) = [line for line in res.stdout.splitlines() if "rank-task" in line]
+    assert [c.strip() for c in row.split("│")[1:-1]] == ["status-check", "rank-task", "2", "1", "1", "0", "0", "0"]
     bad = rlplane("status", "--url", service.url)
     assert bad.returncode == 1 and "token" in bad.stdout
 

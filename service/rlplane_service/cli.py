@@ -172,8 +172,10 @@ def demo(
     url: str = URL_OPTION,
     token: Optional[str] = TOKEN_OPTION,
     transport: TransportName = typer.Option(TransportName.auto, help="Data path: straight to the store (direct: native or tq, whichever the service offers), HTTP, or auto."),
-    batch: int = typer.Option(64, "--batch", "-b", min=1, help="Samples in the step (reference: 64)."),
-    seqlen: int = typer.Option(2048, "--seqlen", "-s", min=4, help="Max sequence length (reference: 2048)."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", min=1, help="Samples in the step (default: the reference "
+                                        "64); with --async, rollout batches of 16 samples (default 8)."),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", "-s", min=4, help="Max sequence length (default: the "
+                                         "reference 2048; with --async 256)."),
     dp_size: int = typer.Option(2, "--dp", min=1, help="Data-parallel ranks per stage."),
     text_only: bool = typer.Option(False, "--text-only", help="A text-only batch: no multimodal field may be requested."),
     layout: Layout = typer.Option(Layout.padded, help="How token fields come back."),
@@ -183,16 +185,26 @@ def demo(
         None, help="Storage backend of the embedded service, when one is started (default: RLPLANE_BACKEND or native).",
         show_default=False,
     ),
+    async_: bool = typer.Option(
+        False, "--async", help="Asynchronous GRPO instead: a rollout process keeps producing groups while a logprob "
+        "worker and two train workers claim them as they become ready (one trainer is killed mid-lease); checks "
+        "every sample was consumed exactly once per task. --batch/--seqlen set its batch count and length.",
+    ),
 ) -> None:
     """Run one VLM GRPO step through a live service (rollout -> logprob -> reference -> train), verified bit for bit.
 
     Uses the service at --url, or starts the embedded one there (and stops it after).
-    Exits 1 if any rank read anything other than what was written.
+    Exits 1 if any rank read anything other than what was written. With --async, the
+    streaming pipeline instead (claim / ack / lease redelivery), checked for exactly-once.
     """
     from rlplane.errors import RlplaneError
     from rlplane_service.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(url, token, transport.value, batch, seqlen, dp_size, seed, text_only, layout.value, embedded, backend.value if backend else None)
+    if async_:
+        _async_demo(url, token, transport.value, embedded, backend.value if backend else None,
+                    batches=batch or 8, seqlen=seqlen or 256)
+        return
+    cfg = DemoConfig(url, token, transport.value, batch or 64, seqlen or 2048, dp_size, seed, text_only, layout.value, embedded, backend.value if backend else None)
     try:
         problems = run_demo(cfg, console)
     except RlplaneError as err:
@@ -203,6 +215,27 @@ def demo(
             console.print(f"[red]MISMATCH[/] {line}")
         raise typer.Exit(1)
     console.print("[green]OK[/]: every rank read exactly what was written; train and logprob saw the same multimodal fields")
+
+
+def _async_demo(url: str, token: str | None, transport: str, embedded: bool, backend: str | None, *, batches: int,
+                seqlen: int) -> None:
+    from rlplane.errors import RlplaneError
+    from rlplane_service.demo import live_service
+    from rlplane_service.demo_async import AsyncDemoConfig, run_async_demo
+
+    cfg = AsyncDemoConfig(url=url, token=token, transport=transport, batches=batches, seqlen=seqlen)
+    try:
+        with live_service(url, start_embedded=embedded, backend=backend, console=console):
+            problems = run_async_demo(cfg, console)
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
+    if problems:
+        for line in problems:
+            console.print(f"[red]VIOLATION[/] {line}")
+        raise typer.Exit(1)
+    console.print("[green]OK[/]: every sample was consumed exactly once per task (stale ones expired and counted), "
+                  "and the killed trainer's samples were redelivered")
 
 
 @app.command()

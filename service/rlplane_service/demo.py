@@ -23,8 +23,9 @@ import multiprocessing as mp
 import time
 import traceback
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import msgpack
 import torch
@@ -209,27 +210,36 @@ class _Workers:
 
 def run_demo(cfg: DemoConfig, console: Console) -> list[str]:
     """Run the step; print progress and the per-phase table; return every problem found."""
+    ranks = [f"rank{r}" for r in range(cfg.dp_size)]
+    workers = _Workers(["rollout", *ranks], cfg)  # they import torch while the service starts
+    try:
+        with live_service(cfg.url, start_embedded=cfg.start_embedded, backend=cfg.backend, console=console):
+            return _step(cfg, workers, ranks, console)
+    finally:
+        workers.close()
+
+
+@contextmanager
+def live_service(url: str, *, start_embedded: bool, backend: str | None, console: Console) -> Iterator[None]:
+    """The service at ``url``; when none answers there, the embedded one started there
+    (and stopped on exit), or TransportError when ``start_embedded`` is False."""
     from rlplane_service.embedded import EmbeddedService, _answers
     from rlplane_service.settings import ServiceSettings
 
-    ranks = [f"rank{r}" for r in range(cfg.dp_size)]
-    workers = _Workers(["rollout", *ranks], cfg)  # they import torch while the service starts
-    embedded = None
+    if _answers(url):
+        yield
+        return
+    if not start_embedded:
+        raise TransportError(f"no rlplane service answers at {url}; start one with `rlplane serve`")
+    host, port = _host_port(url)
+    settings = ServiceSettings(host=host, port=port, **({"backend": backend} if backend else {}))
+    embedded = EmbeddedService(settings, say=lambda m: console.print(f"[dim]{m}[/]"))
+    embedded.start()
     try:
-        if not _answers(cfg.url):
-            if not cfg.start_embedded:
-                raise TransportError(f"no rlplane service answers at {cfg.url}; start one with `rlplane serve`")
-            host, port = _host_port(cfg.url)
-            given = {"backend": cfg.backend} if cfg.backend else {}
-            settings = ServiceSettings(host=host, port=port, **given)
-            embedded = EmbeddedService(settings, say=lambda m: console.print(f"[dim]{m}[/]"))
-            embedded.start()
-        return _step(cfg, workers, ranks, console)
+        yield
     finally:
-        workers.close()
-        if embedded is not None:
-            console.print("[dim]stopping the embedded service[/]")
-            embedded.stop()
+        console.print("[dim]stopping the embedded service[/]")
+        embedded.stop()
 
 
 def _step(cfg: DemoConfig, workers: _Workers, ranks: list[str], console: Console) -> list[str]:

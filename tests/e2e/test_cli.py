@@ -121,3 +121,13 @@ def test_serve_on_mooncake_stops_its_master_on_sigterm(tmp_path, pid_alive):
             proc.kill()
             proc.wait(30)
         log.close()
+
+
+def test_async_demo_consumes_every_sample_exactly_once_per_task(service):
+    """rollout keeps producing while logprob and two trainers claim; one trainer is killed mid-lease."""
+    res = rlplane("demo", "--async", "--batch", "6", *live_args(service))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "killed train-a" in res.stdout and "OK: every sample was consumed exactly once per task" in res.stdout
+    (train,) = [line for line in res.stdout.splitlines() if line.startswith("│ train ")]
+    samples, acked, expired, claimed, pending, redelivered = (int(c) for c in train.split("│")[2:8])
+    assert samples == 96 and acked + expired == 96 and claimed == pending == 0 and redelivered >= 1

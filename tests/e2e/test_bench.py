@@ -45,7 +45,10 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     scale = data["sweeps"]["scale"]
     assert [(s["workload"], s["batch"], s["seqlen"]) for s in scale] == [("text-scale", 4, 1024), ("text-scale", 8, 1024)]
     assert {r["path"] for r in scale[0]["paths"]} == {"rlplane-native", "rlplane-tq", "raw-tq", "ray-object-store"}
-    assert len(data["targets"]) == 13 and all(t["met"] in (True, False) for t in data["targets"])
+    claim = data["claim"]
+    assert claim["claim"]["ops"] == 3 and claim["wake"]["ops"] + claim["wake_missed"] == 3
+    assert claim["drain"]["exactly_once"] and claim["drain"]["samples"] == 8 * 2 and claim["drain"]["claimers"] == 4
+    assert len(data["targets"]) == 16 and all(t["met"] in (True, False) for t in data["targets"])
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]
     assert png.read_bytes()[:8] == PNG

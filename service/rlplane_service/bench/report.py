@@ -58,6 +58,8 @@ def print_report(results: dict, console: Console) -> None:
         console.print(scale_table(sweeps["scale"]))
     if sweeps.get("writers"):
         console.print(writers_table(sweeps["writers"]))
+    if results.get("claim"):
+        console.print(claim_table(results["claim"]))
     console.print(targets_table(results["targets"]))
 
 
@@ -134,6 +136,23 @@ def targets_table(targets: list[dict]) -> Table:
     for g in targets:
         verdict = {True: "[green]met[/]", False: "[red]missed[/]", None: "[dim]not run[/]"}[g["met"]]
         t.add_row(g["name"], _num(g["value"]), _num(g["threshold"]), verdict, g["detail"])
+    return t
+
+
+def claim_table(c: dict) -> Table:
+    """The streaming section: claim and ack latency, wake-up, N claimers' throughput."""
+    t = Table(title=f"claim: batch {c['batch']}, S={c['seqlen']}, transport {c['transport']}")
+    for col in ("measure", "p50 ms", "p99 ms", "other"):
+        t.add_column(col, justify="left" if col == "measure" else "right")
+    t.add_row("claim (batch ready)", _num(c["claim"]["p50_ms"]), _num(c["claim"]["p99_ms"]), f"{c['claim']['ops']} claims")
+    t.add_row("ack", _num(c["ack"]["p50_ms"]), _num(c["ack"]["p99_ms"]), "")
+    if c.get("wake"):
+        t.add_row("wake-up after the put", _num(c["wake"]["p50_ms"]), _num(c["wake"]["p99_ms"]),
+                  f"{c['wake']['ops']} wake-ups, {c['wake_missed']} missed")
+    d = c["drain"]
+    t.add_row(f"{d['claimers']} claimers: claim+read+ack", "", "",
+              f"{_num(d['samples_per_s'])} samples/s ({d['samples']} samples, "
+              f"{'exactly once' if d['exactly_once'] else 'NOT exactly once'})")
     return t
 
 

@@ -41,6 +41,8 @@ WRITERS_PATH = "rlplane-native"
 #: text-scale: the text fields at S=1024 over growing B, through these paths (cost per sample).
 SCALE_WORKLOAD = "text-scale"
 SCALE_PATHS = ("rlplane-native", "rlplane-tq", "raw-tq", "ray-object-store")
+#: The streaming section (claim latency, wake-up, N claimers), against the service itself.
+CLAIM_SECTION = "claim"
 
 
 class BenchError(RlplaneError):
@@ -52,7 +54,7 @@ class BenchConfig:
     """What one ``rlplane bench`` run measures. ``quick`` shrinks batches, reps and ops
     (every path, workload and sweep still runs); explicit values win over it."""
 
-    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD, SCALE_WORKLOAD)
+    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD, SCALE_WORKLOAD, CLAIM_SECTION)
     paths: tuple[str, ...] = tuple(PATHS)
     batch: int | None = None
     seqlen: int | None = None
@@ -225,6 +227,13 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
             if cfg.writers and WRITERS_PATH in cfg.paths and SWEEP_WORKLOAD in cfg.workloads:
                 for n in cfg.writers:
                     out["sweeps"]["writers"].append(_writers(cfg, pool, n, progress))
+            if CLAIM_SECTION in cfg.workloads:
+                from rlplane_service.bench.claim import ClaimBenchConfig, run_claim_bench
+
+                claim_cfg = ClaimBenchConfig(batch=cfg.batch or 64, seqlen=cfg.seqlen or (512 if cfg.quick else 4096),
+                                             ops=min(cfg.ops, 100), wakeups=min(cfg.ops, 10 if cfg.quick else 30),
+                                             drain_batches=8 if cfg.quick else 32)
+                out["claim"] = run_claim_bench(url, token, claim_cfg, progress)
     finally:
         ray.get([a.close.remote() for a in actors])
         for a in actors:

@@ -25,6 +25,8 @@ SCALE_FLAT = 1.2
 MEMCPY_MULTIPLE = 40.0
 #: text-step: the round trip at most this multiple of the Ray object store's.
 TEXT_VS_RAY = 1.5
+#: claim section: p50 of a claim whose batch is ready, of a blocked claim's wake-up, and N claimers' rate.
+CLAIM_P50_MS, WAKE_P50_MS, CLAIMERS_MIN_RATE = 2.0, 20.0, 1000.0
 TARGET_WORKLOAD = "vlm-step"
 NATIVE = "rlplane-native"
 RAY = "ray-object-store"
@@ -89,6 +91,20 @@ def evaluate(results: dict) -> list[dict]:
         v = gbps.get(("rlplane-http", op))
         out.append(_target(f"{TARGET_WORKLOAD}: http transport {op} >= {HTTP_MIN_GBPS} GB/s", v, HTTP_MIN_GBPS,
                            v is not None and v >= HTTP_MIN_GBPS, "GB/s through the Serve HTTP proxy"))
+
+    claim = results.get("claim")
+    if claim:
+        v = claim["claim"]["p50_ms"]
+        out.append(_target(f"claim: p50 <= {CLAIM_P50_MS:g} ms with the batch ready (batch {claim['batch']})", v,
+                           CLAIM_P50_MS, v <= CLAIM_P50_MS, "ms, p50 of claim"))
+        v = (claim.get("wake") or {}).get("p50_ms")
+        out.append(_target(f"claim: wake-up p50 <= {WAKE_P50_MS:g} ms after the commit", v, WAKE_P50_MS,
+                           v is not None and v <= WAKE_P50_MS and not claim["wake_missed"], "ms from put's return"))
+        d = claim["drain"]
+        v = d["samples_per_s"]
+        out.append(_target(f"claim: {d['claimers']} claimers >= {CLAIMERS_MIN_RATE:g} samples/s claimed+read+acked", v,
+                           CLAIMERS_MIN_RATE, v is not None and v >= CLAIMERS_MIN_RATE and d["exactly_once"],
+                           "samples/s (text-step shapes), exactly once"))
 
     by_n = {w["writers"]: w["put"]["gb_per_s"] for w in results.get("sweeps", {}).get("writers", [])}
     one, most = by_n.get(1), by_n.get(max(by_n)) if by_n else None

@@ -1,0 +1,176 @@
+"""The bench's ``claim`` section: streaming consumers against the live service.
+
+- **claim latency**: ``claim(batch_size=64)`` when the batch is ready (text-step shapes),
+  p50/p99 over ``ops`` claims, and the ack after it;
+- **wake-up**: a claimer blocked on an empty partition; from the producer's put
+  returning (its commit) to the claimer's return, p50/p99 (negative: the claimer got its
+  answer before the producer got the commit's reply);
+- **throughput**: ``claimers`` processes of one task claim 64 at a time, read the
+  text-step fields and ack, until a pre-filled partition is drained; samples/s, and
+  every sample consumed exactly once.
+
+Example::
+
+    section = run_claim_bench(url, token, ClaimBenchConfig(ops=20), progress)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rich.progress import Progress
+
+from rlplane.workloads import text_step
+
+FIELDS = ["input_ids", "input_lengths", "token_mask", "generation_logprobs", "advantages"]
+
+
+@dataclass
+class ClaimBenchConfig:
+    batch: int = 64
+    seqlen: int = 4096  # text-step's
+    ops: int = 100  # timed claims (latency) and wake-ups
+    wakeups: int = 30
+    claimers: int = 4
+    drain_batches: int = 32  # pre-filled batches the claimers drain
+    transport: str = "direct"
+
+
+def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any]:
+    """Measure the three rows (see the module docstring); returns the section's results."""
+    import rlplane
+
+    from rlplane_service.bench.run import _percentiles
+
+    work = text_step(batch=cfg.batch, seqlen=cfg.seqlen, seed=7)
+    fields = {k: work.fields[k] for k in FIELDS}
+    out: dict[str, Any] = {"batch": cfg.batch, "seqlen": cfg.seqlen, "transport": cfg.transport}
+    with rlplane.connect(url, token=token, transport=cfg.transport) as c:
+        out["transport"] = c.transport.name
+        # -- claim latency with the batch ready --------------------------------------------
+        p = f"bench-claim-{uuid.uuid4().hex[:8]}"
+        task = progress.add_task("claim latency", total=2 * cfg.ops + 2)
+        for _ in range(cfg.ops + 1):
+            c.put_samples(p, fields)
+            progress.advance(task)
+        claim_s, ack_s = [], []
+        for i in range(cfg.ops + 1):
+            t0 = time.perf_counter()
+            meta = c.claim(p, "bench", batch_size=cfg.batch, fields=FIELDS, timeout=0)
+            t1 = time.perf_counter()
+            c.ack(meta, "bench")
+            t2 = time.perf_counter()
+            if i:  # the first warms the connection
+                claim_s.append(t1 - t0)
+                ack_s.append(t2 - t1)
+            progress.advance(task)
+        c.clear(p)
+        out["claim"], out["ack"] = _percentiles(claim_s), _percentiles(ack_s)
+        progress.remove_task(task)
+
+        # -- wake-up: a blocked claimer, then the put that makes its batch ready ----------------
+        small = {k: v[:, :64] if v.dim() == 2 else v.clamp(max=64) for k, v in fields.items()}
+        task = progress.add_task("claim wake-up", total=cfg.wakeups)
+        wake: list[float] = []
+        with rlplane.connect(url, token=token, transport=cfg.transport) as waiter:
+            for _ in range(cfg.wakeups):
+                p = f"bench-wake-{uuid.uuid4().hex[:8]}"
+                got: dict[str, float] = {}
+
+                def wait(p: str = p, got: dict[str, float] = got) -> None:
+                    waiter.ack(waiter.claim(p, "bench", batch_size=cfg.batch, fields=FIELDS, timeout=30), "bench")
+                    got["t"] = time.perf_counter()
+
+                th = threading.Thread(target=wait)
+                th.start()
+                time.sleep(0.05)  # parked on the server by now
+                c.put_samples(p, small)
+                put_done = time.perf_counter()
+                th.join(timeout=40)
+                if "t" in got:
+                    wake.append(got["t"] - put_done)
+                c.clear(p)
+                progress.advance(task)
+        out["wake"] = _percentiles(wake) if wake else None
+        out["wake_missed"] = cfg.wakeups - len(wake)
+        progress.remove_task(task)
+
+        # -- throughput: N claimers drain a pre-filled partition -------------------------------
+        p = f"bench-drain-{uuid.uuid4().hex[:8]}"
+        task = progress.add_task(f"{cfg.claimers} claimers: filling", total=cfg.drain_batches)
+        written: list[str] = []
+        for _ in range(cfg.drain_batches):
+            written += c.put_samples(p, fields).sample_ids
+            progress.advance(task)
+        progress.remove_task(task)
+        with progress.console.status(f"{cfg.claimers} claimer processes drain {len(written)} samples"):
+            out["drain"] = _drain(url, token, cfg, p)
+        c.clear(p)
+        ids = out["drain"].pop("ids")
+        out["drain"]["exactly_once"] = sorted(ids) == sorted(written)
+    return out
+
+
+def _claimer(url: str, token: str | None, cfg_dict: dict, p: str, go: Any, conn: Any) -> None:
+    import rlplane
+    from rlplane.errors import NotReadyError
+
+    cfg = ClaimBenchConfig(**cfg_dict)
+    ids: list[str] = []
+    with rlplane.connect(url, token=token, transport=cfg.transport) as c:
+        conn.send_bytes(b"ready")
+        go.wait(60)
+        t0 = time.perf_counter()
+        last = t0
+        while True:
+            try:
+                meta = c.claim(p, "drain", batch_size=cfg.batch, fields=FIELDS, timeout=0.5, min_batch=1)
+            except NotReadyError:
+                break
+            c.read_columns(meta, FIELDS)
+            c.ack(meta, "drain")
+            ids += meta.sample_ids
+            last = time.perf_counter()
+    import msgpack
+
+    conn.send_bytes(msgpack.packb({"ids": ids, "t0": t0, "t1": last}))
+
+
+def _drain(url: str, token: str | None, cfg: ClaimBenchConfig, p: str) -> dict[str, Any]:
+    import msgpack
+
+    ctx = mp.get_context("spawn")
+    go = ctx.Event()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.claimers)]
+    procs = [ctx.Process(target=_claimer, args=(url, token, asdict(cfg), p, go, there), daemon=True)
+             for _, there in pipes]
+    for proc in procs:
+        proc.start()
+    try:
+        for here, _ in pipes:
+            if not here.poll(120):
+                raise TimeoutError("a claimer process did not start within 120 s")
+            here.recv_bytes()
+        go.set()
+        reports = []
+        for here, _ in pipes:
+            if not here.poll(300):
+                raise TimeoutError("a claimer process did not finish within 300 s")
+            reports.append(msgpack.unpackb(here.recv_bytes(), raw=False))
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    ids = [s for r in reports for s in r["ids"]]
+    seconds = max(r["t1"] for r in reports) - min(r["t0"] for r in reports)  # perf_counter is system-wide on Linux
+    return {"claimers": cfg.claimers, "samples": len(ids), "seconds": seconds,
+            "samples_per_s": len(ids) / seconds if seconds > 0 else None, "ids": ids}
+
+
+__all__ = ["ClaimBenchConfig", "run_claim_bench"]

@@ -152,15 +152,13 @@ def _drain(url: str, token: str | None, cfg: ClaimBenchConfig, p: str) -> dict[s
     for proc in procs:
         proc.start()
     try:
-        for here, _ in pipes:
-            if not here.poll(120):
-                raise TimeoutError("a claimer process did not start within 120 s")
+        for (here, _), proc in zip(pipes, procs):
+            _await(here, proc, 120, "start")
             here.recv_bytes()
         go.set()
         reports = []
-        for here, _ in pipes:
-            if not here.poll(300):
-                raise TimeoutError("a claimer process did not finish within 300 s")
+        for (here, _), proc in zip(pipes, procs):
+            _await(here, proc, 300, "finish")
             reports.append(msgpack.unpackb(here.recv_bytes(), raw=False))
     finally:
         for proc in procs:
@@ -171,6 +169,16 @@ def _drain(url: str, token: str | None, cfg: ClaimBenchConfig, p: str) -> dict[s
     seconds = max(r["t1"] for r in reports) - min(r["t0"] for r in reports)  # perf_counter is system-wide on Linux
     return {"claimers": cfg.claimers, "samples": len(ids), "seconds": seconds,
             "samples_per_s": len(ids) / seconds if seconds > 0 else None, "ids": ids}
+
+
+def _await(conn: Any, proc: Any, seconds: float, what: str) -> None:
+    """Until ``conn`` has a message; TimeoutError after ``seconds`` or at once if ``proc`` died."""
+    deadline = time.monotonic() + seconds
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"a claimer process exited (code {proc.exitcode}) before it could {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a claimer process did not {what} within {seconds:.0f} s")
 
 
 __all__ = ["ClaimBenchConfig", "run_claim_bench"]

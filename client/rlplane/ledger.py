@@ -151,30 +151,44 @@ class PartState:
     version: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     groups: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # key -> (code, size)
     codes: dict[str, dict[Any, int]] = field(default_factory=dict)
-    cached: dict[str, int] = field(default_factory=dict)  # how many slots each cache covers
+    filled: dict[str, np.ndarray] = field(default_factory=dict)  # per cache: which slots it holds
+
+    def _todo(self, key: str) -> np.ndarray:
+        """Live slots whose ``key`` cache is not filled yet (a slot's tags are final once it
+        is live: a reserved slot of a put in flight has none yet), marked filled."""
+        n = self.index.used
+        done = self.filled.get(key, np.zeros(0, bool))
+        if done.size < n:
+            done = self.filled[key] = np.concatenate([done, np.zeros(max(n, 2 * done.size, 64) - done.size, bool)])
+        todo = np.flatnonzero(self.index.live()[:n] & ~done[:n])
+        done[todo] = True
+        return todo
+
+    @staticmethod
+    def _fit(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+        return a if a.size >= n else np.concatenate([a, np.full(max(n, 2 * a.size, 64) - a.size, fill, np.int64)])
 
     def versions(self) -> np.ndarray:
-        """``policy_version`` per slot (NO_VERSION when absent), filled for new slots only."""
-        n, done = self.index.used, self.cached.get(VERSION_TAG, 0)
-        if done < n:
-            new = np.array([_version(t) for t in self.index.tags_of(np.arange(done, n))], np.int64)
-            self.version = np.concatenate([self.version[:done], new])
-            self.cached[VERSION_TAG] = n
+        """``policy_version`` per slot (NO_VERSION when absent), computed once per sample."""
+        n = self.index.used
+        self.version = self._fit(self.version, n, NO_VERSION)
+        todo = self._todo(VERSION_TAG)
+        if todo.size:
+            self.version[todo] = [_version(t) for t in self.index.tags_of(todo)]
         return self.version[:n]
 
     def group_of(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(group code, declared group size) per slot for tag ``key``; code -1 without one."""
-        n, done = self.index.used, self.cached.get(key, 0)
+        n = self.index.used
         code, size = self.groups.get(key, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
-        if done < n:
+        code, size = self._fit(code, n, -1), self._fit(size, n, 1)
+        self.groups[key] = (code, size)
+        todo = self._todo(key)
+        if todo.size:
             ids = self.codes.setdefault(key, {})
-            tags = self.index.tags_of(np.arange(done, n))
-            new_code = np.array([ids.setdefault(_hashable(t.get(key)), len(ids)) if t.get(key) is not None else -1
-                                 for t in tags], np.int64)
-            new_size = np.array([_int(t.get(GROUP_SIZE_TAG), 1) for t in tags], np.int64)
-            code, size = np.concatenate([code[:done], new_code]), np.concatenate([size[:done], new_size])
-            self.groups[key] = (code, size)
-            self.cached[key] = n
+            tags = self.index.tags_of(todo)
+            code[todo] = [ids.setdefault(_hashable(t.get(key)), len(ids)) if t.get(key) is not None else -1 for t in tags]
+            size[todo] = [_int(t.get(GROUP_SIZE_TAG), 1) for t in tags]
         return code[:n], size[:n]
 
 

@@ -126,3 +126,17 @@ def test_cost_does_not_walk_consumed_samples():
         led.ack("p", "train", led.claim(_req(n=64), final=True)["lease"], None)
     ts = led._parts["p"].tasks["train"]
     assert ts.cursor == 300 * 64 and np.all(ts.state[: ts.cursor] == 2)
+
+
+def test_tags_of_a_put_in_flight_are_read_once_it_commits():
+    led, idx = _ledger()
+    _put(idx, "p", ["a", "b"], tags=[{"group_id": "g", "group_size": 4, "policy_version": 5}] * 2)
+    part = idx["p"]
+    _put(idx, "p", ["c", "d"], tags=[{}, {}])  # reserved: slots taken, tags and liveness not yet
+    part.alive[2:4] = False
+    part.tags[2:4] = None
+    assert led.claim(_req(n=4, group_key="group_id"), final=False) is None
+    part.tags[2:4] = [{"group_id": "g", "group_size": 4, "policy_version": 5}] * 2  # the commit
+    part.alive[2:4] = True
+    got = led.claim(_req(n=4, group_key="group_id", current_version=6, max_staleness=1), final=True)
+    assert got["ids"] == ["a", "b", "c", "d"]

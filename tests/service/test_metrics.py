@@ -103,13 +103,14 @@ def test_store_gauges_add_up(live):
 
 
 def exported_after_traffic(url: str, token: str) -> set[str]:
-    """Metric names with at least one sample after a put and a failed read (a family
-    with no sample would satisfy a name check without data)."""
+    """Metric names with at least one sample after a put, a failed read and a claim (a
+    family with no sample would satisfy a name check without data)."""
     p = f"m-{uuid.uuid4().hex[:8]}"
     with rlplane.connect(url, token=token) as client:
         meta = client.put_samples(p, batch())
         with pytest.raises(E.MissingDataError):
             client.read_columns(meta, ["prev_logprobs"])
+        client.claim(p, "metrics", batch_size=1, fields=["input_ids"], timeout=5)
     names = set()
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         if family.samples:

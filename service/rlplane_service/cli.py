@@ -10,6 +10,8 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 
 # Large fresh buffers dominate the codec's cost; huge pages make first touch ~5x cheaper.
@@ -199,7 +201,7 @@ def demo(
     streaming pipeline instead (claim / ack / lease redelivery), checked for exactly-once.
     """
     from rlplane.errors import RlplaneError
-    from rlplane_service.demo import DemoConfig, run_demo
+    from rlplane_tools.demo import DemoConfig, run_demo
 
     if async_:
         _async_demo(url, token, transport.value, embedded, backend.value if backend else None,
@@ -221,8 +223,8 @@ def demo(
 def _async_demo(url: str, token: str | None, transport: str, embedded: bool, backend: str | None, *, batches: int,
                 seqlen: int) -> None:
     from rlplane.errors import RlplaneError
-    from rlplane_service.demo import live_service
-    from rlplane_service.demo_async import AsyncDemoConfig, run_async_demo
+    from rlplane_tools.demo import live_service
+    from rlplane_tools.demo_async import AsyncDemoConfig, run_async_demo
 
     cfg = AsyncDemoConfig(url=url, token=token, transport=transport, batches=batches, seqlen=seqlen)
     try:
@@ -298,17 +300,21 @@ def bench(
     rlplane bench --url http://127.0.0.1:8000 --workload vlm-step --no-sweeps --json out/bench.json
     """
     from rlplane.errors import RlplaneError
-    from rlplane_service.bench.report import write_json
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        console.print("[red]error[/]: --plot draws with matplotlib, which this install lacks: "
+                      "pip install 'rlplane[bench]' (or drop --plot)")
+        raise typer.Exit(1)
+    from rlplane_tools.bench.report import write_json
 
     if codec:
-        from rlplane_service.bench.codec import CodecConfig, run_codec_bench
+        from rlplane_tools.bench.codec import CodecConfig, run_codec_bench
 
         one = (workloads or [WorkloadName.vlm_step])[0].value
         if quick:
             batch, seqlen, reps = batch or 8, seqlen or 512, min(reps or 3, 3)
         results = run_codec_bench(CodecConfig(one, batch, seqlen, reps or 5), console)
     else:
-        from rlplane_service.bench.run import BenchConfig, quick_config, run_bench
+        from rlplane_tools.bench.run import BenchConfig, quick_config, run_bench
 
         given = {k: v for k, v in (("batch", batch), ("seqlen", seqlen), ("reps", reps), ("ops", ops),
                                    ("sweep_batches", sweep_batches), ("scale_batches", scale_batches)) if v is not None}
@@ -331,7 +337,7 @@ def bench(
             console.print(f"[red]error[/]: {err}")
             raise typer.Exit(1)
         if plot_path is not None:
-            from rlplane_service.bench.plot import write_plot
+            from rlplane_tools.bench.plot import write_plot
 
             write_plot(results, plot_path)
             console.print(f"chart written to {plot_path}")

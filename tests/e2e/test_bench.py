@@ -15,7 +15,7 @@ def bench(*args, timeout=240):
     env = {"COLUMNS": "160", "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "RAY_AUTH_MODE": "disabled"}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return subprocess.run([sys.executable, "-m", "rlplane_service.bench", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlplane_tools.bench", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

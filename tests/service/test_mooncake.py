@@ -16,7 +16,7 @@ import torch
 import rlplane
 from rlplane import errors as E
 from rlplane.transports.tq import TQTransport
-from rlplane.verify import diff_fields
+from rlplane.testing.verify import diff_fields
 
 
 def part() -> str:

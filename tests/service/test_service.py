@@ -19,8 +19,8 @@ import rlplane
 from rlplane import errors as E
 from rlplane.codec import encode
 from rlplane.envelope import CONTENT_TYPE, pack
-from rlplane.verify import diff_fields
-from rlplane.workloads import vlm_step
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import vlm_step
 
 
 

@@ -7,8 +7,8 @@ from rlplane import PackedTensor, SampleMeta, default_registry
 from rlplane.client import Client
 from rlplane.errors import DtypeError, DuplicateSampleError, MissingDataError, ShapeError, UnregisteredFieldError
 from rlplane.transports import MemoryTransport
-from rlplane.verify import diff_fields
-from rlplane.workloads import text_step, vlm_step
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import text_step, vlm_step
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from rlplane import FieldSpec, PackedTensor, Registry, default_registry
 from rlplane.codec import WIRE_TAG, decode, encode
 from rlplane.errors import ContainerError, InvalidArgumentError, ShapeError, UnregisteredFieldError, WireFormatError
 from rlplane.transports import MemoryTransport
-from rlplane.verify import diff_fields, same_bits
-from rlplane.workloads import vlm_step
+from rlplane.testing.verify import diff_fields, same_bits
+from rlplane.testing.workloads import vlm_step
 
 
 def through_store(reg, fields, lengths, layout="padded", pad=None):

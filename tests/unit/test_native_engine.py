@@ -11,9 +11,9 @@ from rlplane import Client, default_registry
 from rlplane import errors as E
 from rlplane.channel import Channel
 from rlplane.transports.native import NativeTransport
-from rlplane.verify import diff_fields
+from rlplane.testing.verify import diff_fields
 from rlplane.wire import RawColumn, int_array, ints, pack_message, unpack_message
-from rlplane.workloads import vlm_step
+from rlplane.testing.workloads import vlm_step
 from rlplane_service.native.controller import ControllerCore
 from rlplane_service.native.server import Server
 from rlplane_service.native.unit import UnitCore

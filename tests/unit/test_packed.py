@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from rlplane import PackedTensor
 from rlplane.errors import ContainerError, ShapeError, WireFormatError
-from rlplane.verify import same_bits
+from rlplane.testing.verify import same_bits
 
 
 def rows_equal(a: PackedTensor, b: PackedTensor) -> bool:

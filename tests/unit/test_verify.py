@@ -3,7 +3,7 @@
 import torch
 
 from rlplane import PackedTensor, default_registry
-from rlplane.verify import diff_fields, same_bits
+from rlplane.testing.verify import diff_fields, same_bits
 
 REG = default_registry()
 

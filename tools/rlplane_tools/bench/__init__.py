@@ -8,5 +8,5 @@
 
 Example::
 
-    python -m rlplane_service.bench --quick --json out/bench.json --plot out/bench.png
+    python -m rlplane_tools.bench --quick --json out/bench.json --plot out/bench.png
 """

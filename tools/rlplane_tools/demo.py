@@ -34,8 +34,8 @@ from rich.console import Console
 from rlplane.errors import TransportError
 from rlplane.meta import SampleMeta
 from rlplane.packed import PackedTensor
-from rlplane.workloads import Workload, fields_nbytes, text_step, vlm_step
-from rlplane_service.timing import Phase, phase_table
+from rlplane.testing.workloads import Workload, fields_nbytes, text_step, vlm_step
+from rlplane_tools.timing import Phase, phase_table
 
 ROLLOUT_FIELDS = (
     "input_ids",
@@ -111,7 +111,7 @@ def _worker(conn: Any, cfg_dict: dict) -> None:
 
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     import rlplane
-    from rlplane.verify import diff_fields
+    from rlplane.testing.verify import diff_fields
 
     cfg = DemoConfig(**cfg_dict)
     client = None

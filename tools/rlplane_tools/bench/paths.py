@@ -31,8 +31,8 @@ from rlplane.codec import Encoded, decode
 from rlplane.column import Column
 from rlplane.fields import Registry
 from rlplane.meta import SampleMeta
-from rlplane.verify import diff_fields, same_bits
-from rlplane.workloads import Workload
+from rlplane.testing.verify import diff_fields, same_bits
+from rlplane.testing.workloads import Workload
 
 
 @dataclass

@@ -19,9 +19,9 @@ from typing import Any
 
 from rlplane.codec import encode
 from rlplane.fields import Registry
-from rlplane.workloads import WORKLOADS
+from rlplane.testing.workloads import WORKLOADS
 
-from rlplane_service.bench.paths import PATHS, Batch, BenchPath, WorkerEnv, legacy_collate
+from rlplane_tools.bench.paths import PATHS, Batch, BenchPath, WorkerEnv, legacy_collate
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 from rlplane import errors as E
-from rlplane.workloads import text_step
-from rlplane_service.demo import stage_output
+from rlplane.testing.workloads import text_step
+from rlplane_tools.demo import stage_output
 
 #: What the rollout writes (the text fields of a GRPO step, advantages included).
 ROLLOUT = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs", "advantages")
@@ -93,7 +93,7 @@ def _worker(role: str, cfg_dict: dict, events: Any, stop: Any, version: Any) -> 
 
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     import rlplane
-    from rlplane.verify import diff_fields
+    from rlplane.testing.verify import diff_fields
 
     cfg = AsyncDemoConfig(**cfg_dict)
     t_start = time.monotonic()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlplane_service.bench.paths import REFERENCE
+from rlplane_tools.bench.paths import REFERENCE
 
 #: rlplane's put and read keep at least this share of raw TransferQueue's GB/s on vlm-step.
 TQ_SHARE_OF_RAW = 0.9
@@ -44,7 +44,7 @@ def evaluate(results: dict) -> list[dict]:
 
     # -- the native engine (the default backend) ------------------------------------------
     if scale:
-        from rlplane_service.bench.report import per_sample_us
+        from rlplane_tools.bench.report import per_sample_us
 
         small_b = 256 if 256 in scale else min(scale)
         big_b = 8192 if 8192 in scale else max(scale)

@@ -25,7 +25,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from rlplane.workloads import text_step
+from rlplane.testing.workloads import text_step
 
 FIELDS = ["input_ids", "input_lengths", "token_mask", "generation_logprobs", "advantages"]
 
@@ -45,7 +45,7 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
     """Measure the three rows (see the module docstring); returns the section's results."""
     import rlplane
 
-    from rlplane_service.bench.run import _percentiles
+    from rlplane_tools.bench.run import _percentiles
 
     work = text_step(batch=cfg.batch, seqlen=cfg.seqlen, seed=7)
     fields = {k: work.fields[k] for k in FIELDS}

@@ -20,11 +20,11 @@ from rich.progress import Progress
 from rlplane.codec import decode, encode
 from rlplane.fields import default_registry
 from rlplane.transports.memory import MemoryTransport
-from rlplane.verify import diff_fields
-from rlplane.workloads import WORKLOADS
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import WORKLOADS
 
-from rlplane_service.bench.report import machine_facts
-from rlplane_service.timing import Phase, memcpy_phases, phase_table
+from rlplane_tools.bench.report import machine_facts
+from rlplane_tools.timing import Phase, memcpy_phases, phase_table
 
 
 @dataclass

@@ -26,11 +26,11 @@ from rich.console import Console
 from rich.progress import Progress
 from rlplane.errors import RlplaneError
 
-from rlplane_service.bench.paths import PATHS, REFERENCE, WorkerEnv
-from rlplane_service.bench.report import machine_facts, print_report
-from rlplane_service.bench.targets import evaluate
-from rlplane_service.bench.workers import Share, start_workers
-from rlplane_service.timing import Phase, memcpy_phases
+from rlplane_tools.bench.paths import PATHS, REFERENCE, WorkerEnv
+from rlplane_tools.bench.report import machine_facts, print_report
+from rlplane_tools.bench.targets import evaluate
+from rlplane_tools.bench.workers import Share, start_workers
+from rlplane_tools.timing import Phase, memcpy_phases
 
 THROUGHPUT_WORKLOADS = ("vlm-step", "text-step")
 LATENCY_WORKLOAD = "small"
@@ -228,7 +228,7 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
                 for n in cfg.writers:
                     out["sweeps"]["writers"].append(_writers(cfg, pool, n, progress))
             if CLAIM_SECTION in cfg.workloads:
-                from rlplane_service.bench.claim import ClaimBenchConfig, run_claim_bench
+                from rlplane_tools.bench.claim import ClaimBenchConfig, run_claim_bench
 
                 claim_cfg = ClaimBenchConfig(batch=cfg.batch or 64, seqlen=cfg.seqlen or (512 if cfg.quick else 4096),
                                              ops=min(cfg.ops, 100), wakeups=min(cfg.ops, 10 if cfg.quick else 30),
@@ -244,7 +244,7 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
 def _share(cfg: BenchConfig, workload: str, batch: int | None, seqlen: int | None = None) -> Share:
     import inspect
 
-    from rlplane.workloads import WORKLOADS
+    from rlplane.testing.workloads import WORKLOADS
 
     defaults = inspect.signature(WORKLOADS[workload]).parameters
     return Share(workload, batch or defaults["batch"].default, seqlen or cfg.seqlen or defaults["seqlen"].default, cfg.seed)

@@ -1,7 +1,0 @@
-"""``python -m rlplane_service.bench [OPTIONS]``: the same as ``rlplane bench [OPTIONS]``."""
-
-import sys
-
-from rlplane_service.cli import app
-
-app(["bench", *sys.argv[1:]], prog_name="python -m rlplane_service")

@@ -21,11 +21,13 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import logging  # noqa: E402
 from enum import Enum  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Optional  # noqa: E402
+from typing import Any, Optional  # noqa: E402
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+
+from rlplane_service.quiet import captured_output, stages  # noqa: E402
 
 app = typer.Typer(
     help="rlplane: the data plane for RL post-training. Declared fields, bit-exact from rollout to trainer.",
@@ -89,6 +91,8 @@ def serve(
         "or Mooncake segments (mooncake; the service starts its own mooncake_master). Default: native.", show_default=False,
     ),
     num_cpus: int = typer.Option(8, "--num-cpus", min=1, help="Logical CPUs of the local Ray."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
+                                 "output live instead of in the log file."),
 ) -> None:
     """Run the service on a local Ray (the embedded default) until Ctrl-C, then shut it all down.
 
@@ -107,14 +111,23 @@ def serve(
     def on_signal(*_: object) -> None:
         raise KeyboardInterrupt
 
-    service = EmbeddedService(settings, num_cpus=num_cpus, say=lambda m: console.print(f"[dim]{m}[/]"))
+    service = EmbeddedService(settings, num_cpus=num_cpus)
     # Ctrl-C and SIGTERM (docker stop, kill) both end in the same clean shutdown, also
     # during start-up and when started in the background (EmbeddedService keeps these
     # handlers across ray.init).
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    with captured_output(console, "serve", verbose=verbose):
+        _serve(service, settings)
+
+
+def _serve(service: Any, settings: Any) -> None:
+    import time
+
     try:
-        service.start()
+        with stages(console, "starting") as say:
+            service.say = say
+            service.start()
         console.print(
             f"[green]rlplane serving[/] at {service.url}  (API docs {service.url}/docs; "
             f"{'token required' if settings.api_token else 'no token'}). Ctrl-C to stop."
@@ -193,6 +206,8 @@ def demo(
         "worker and two train workers claim them as they become ready (one trainer is killed mid-lease); checks "
         "every sample was consumed exactly once per task. --batch/--seqlen set its batch count and length.",
     ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
+                                 "output live instead of in the log file."),
 ) -> None:
     """Run one VLM GRPO step through a live service (rollout -> logprob -> reference -> train), verified bit for bit.
 
@@ -204,12 +219,14 @@ def demo(
     from rlplane_tools.demo import DemoConfig, run_demo
 
     if async_:
-        _async_demo(url, token, transport.value, embedded, backend.value if backend else None,
-                    batches=batch or 8, seqlen=seqlen or 256)
+        with captured_output(console, "demo", verbose=verbose):
+            _async_demo(url, token, transport.value, embedded, backend.value if backend else None,
+                        batches=batch or 8, seqlen=seqlen or 256)
         return
     cfg = DemoConfig(url, token, transport.value, batch or 64, seqlen or 2048, dp_size, seed, text_only, layout.value, embedded, backend.value if backend else None)
     try:
-        problems = run_demo(cfg, console)
+        with captured_output(console, "demo", verbose=verbose):
+            problems = run_demo(cfg, console)
     except RlplaneError as err:
         console.print(f"[red]error[/]: {err}")
         raise typer.Exit(1)
@@ -284,6 +301,8 @@ def bench(
         "raw-tq rows (same token; default: --url itself when it publishes one). Embedded runs deploy one themselves.",
     ),
     codec: bool = typer.Option(False, "--codec", help="Only the codec: encode -> in-memory transport -> decode vs memcpy, no service."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
+                                 "output live instead of in the log file."),
 ) -> None:
     """Move the same batch writer process -> reader process through every path and compare.
 
@@ -332,7 +351,8 @@ def bench(
         if quick:
             cfg = quick_config(cfg, set(given) | ({"sweep_batches", "scale_batches"} if not sweeps else set()))
         try:
-            results = run_bench(cfg, console, url=url, token=token, mooncake_url=mooncake_url, tq_url=tq_url)
+            with captured_output(console, "bench", verbose=verbose):
+                results = run_bench(cfg, console, url=url, token=token, mooncake_url=mooncake_url, tq_url=tq_url)
         except RlplaneError as err:
             console.print(f"[red]error[/]: {err}")
             raise typer.Exit(1)

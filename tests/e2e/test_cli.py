@@ -131,3 +131,49 @@ def test_async_demo_consumes_every_sample_exactly_once_per_task(service):
     (train,) = [line for line in res.stdout.splitlines() if line.startswith("│ train ")]
     samples, acked, expired, claimed, pending, redelivered = (int(c) for c in train.split("│")[2:8])
     assert samples == 96 and acked + expired == 96 and claimed == pending == 0 and redelivered >= 1
+
+
+#: Lines other programs print: Ray/Serve logging, the raylet, glog (Mooncake), Python warnings.
+FOREIGN = [
+    r"^(INFO|WARNING|ERROR|DEBUG) \d{4}-\d\d-\d\d ",  # Serve: "INFO 2026-11-30 13:53:34,645 serve ..."
+    r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING|ERROR)",  # Ray: "2026-11-30 13:53:29,676<TAB>WARNING ..."
+    r"\(raylet\)",
+    r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ ",  # glog: "I1130 13:47:27.835464 ..."
+    r"\w+Warning: ",
+]
+
+
+def test_demo_prints_only_rlplanes_lines_and_names_the_log_with_the_rest(tmp_path):
+    """With Ray's token authentication on (RAY_AUTH_MODE unset, as on a user's machine) and
+    the embedded service started and stopped by the demo itself."""
+    import re
+
+    from rlplane_service.net import free_port
+
+    env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin", "RLPLANE_LOG_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-m", "rlplane_service", "demo", "--url", f"http://127.0.0.1:{free_port()}",
+                          "--batch", "4", "--seqlen", "64"], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = (res.stdout + res.stderr).splitlines()
+    foreign = [line for line in lines if any(re.search(p, line) for p in FOREIGN)]
+    assert foreign == []
+    assert "rlplane is ready at" in res.stdout and "OK: every rank read exactly what was written" in res.stdout
+    (log,) = tmp_path.glob("rlplane-demo-*.log")
+    assert str(log) in res.stdout.replace("\n", "")
+    held = log.read_text().splitlines()
+    assert any(re.search(p, line) for p in FOREIGN for line in held), held[:5]
+
+
+def test_readme_links_stay_inside_the_repository():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "README.md").read_text()
+    assert "../" not in text, "README points outside the repository"
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert targets, "the README links to its docs"
+    for target in targets:
+        assert not re.match(r"[a-z]+://", target), f"README links outside the repository: {target}"
+        path = (root / target.split("#")[0]).resolve()
+        assert path.is_relative_to(root) and path.exists(), f"README link {target} does not resolve inside the repository"

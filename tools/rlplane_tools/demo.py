@@ -224,6 +224,7 @@ def live_service(url: str, *, start_embedded: bool, backend: str | None, console
     """The service at ``url``; when none answers there, the embedded one started there
     (and stopped on exit), or TransportError when ``start_embedded`` is False."""
     from rlplane_service.embedded import EmbeddedService, _answers
+    from rlplane_service.quiet import stages
     from rlplane_service.settings import ServiceSettings
 
     if _answers(url):
@@ -233,8 +234,9 @@ def live_service(url: str, *, start_embedded: bool, backend: str | None, console
         raise TransportError(f"no rlplane service answers at {url}; start one with `rlplane serve`")
     host, port = _host_port(url)
     settings = ServiceSettings(host=host, port=port, **({"backend": backend} if backend else {}))
-    embedded = EmbeddedService(settings, say=lambda m: console.print(f"[dim]{m}[/]"))
-    embedded.start()
+    with stages(console, "starting the embedded service") as say:
+        embedded = EmbeddedService(settings, say=say)
+        embedded.start()
     try:
         yield
     finally:

@@ -117,8 +117,11 @@ def run_bench(
     service = None
     own_ray = False
     if url is None:
-        service = EmbeddedService(ServiceSettings(port=free_port()), say=lambda m: console.print(f"[dim]{m}[/]"))
-        service.start()
+        from rlplane_service.quiet import stages
+
+        with stages(console, "starting the embedded service") as say:
+            service = EmbeddedService(ServiceSettings(port=free_port()), say=say)
+            service.start()
         url, token = service.url, service.settings.token()
     try:
         if service is not None and "rlplane-mooncake" in cfg.paths:

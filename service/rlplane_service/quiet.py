@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tempfile
@@ -54,9 +55,14 @@ def captured_output(console: Console, command: str, *, verbose: bool) -> Iterato
         os.close(fd)
     console.file = terminal
     console.print(f"[dim]logs of Ray, Serve, Mooncake and torch go to {path} (--verbose shows them here)[/]")
+    ours = _ConsoleHandler(console)  # rlplane's own warnings still reach the user
+    for name in ("rlplane", "rlplane_service", "rlplane_tools"):
+        logging.getLogger(name).addHandler(ours)
     try:
         yield path
     finally:
+        for name in ("rlplane", "rlplane_service", "rlplane_tools"):
+            logging.getLogger(name).removeHandler(ours)
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved_out, 1)
@@ -65,6 +71,20 @@ def captured_output(console: Console, command: str, *, verbose: bool) -> Iterato
         os.close(saved_err)
         console.file = previous
         terminal.close()
+
+
+class _ConsoleHandler(logging.Handler):
+    """rlplane's own warnings, on the console in rlplane's voice."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(logging.WARNING)
+        self.console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.console.print(f"[yellow]warning[/]: {record.getMessage()}", highlight=False)
+        except Exception:  # noqa: BLE001 - a log line must never fail the command
+            self.handleError(record)
 
 
 @contextmanager

@@ -253,6 +253,7 @@ def _step(cfg: DemoConfig, workers: _Workers, ranks: list[str], console: Console
     phases: list[Phase] = []
     problems: list[str] = []
     seen_mm: dict[str, set[str]] = {}
+    read_counts: list[tuple[list[str], int]] = []
 
     def phase(op: str, samples: int, nbytes: int, seconds: float) -> None:
         phases.append(Phase(op, samples, nbytes, [seconds]))
@@ -277,6 +278,7 @@ def _step(cfg: DemoConfig, workers: _Workers, ranks: list[str], console: Console
             for i, (r, shard) in enumerate(zip(ranks, shards)):
                 rep = replies[r]
                 console.print(f"[cyan]{name}[/] rank {i}: read {rep['fields']}")
+                read_counts.append((rep["fields"], len(shard)))
                 phase(f"{name} read (rank {i})", len(shard), rep["read_bytes"], rep["read_s"])
                 if write:
                     phase(f"{name} write {write} (rank {i})", len(shard), rep["write_bytes"], rep["write_s"])
@@ -305,6 +307,10 @@ def _step(cfg: DemoConfig, workers: _Workers, ranks: list[str], console: Console
                     f"{sorted(seen_mm.get('logprob', ()))}"
                 )
         console.print(phase_table(f"rlplane demo: one GRPO step (transport {put['transport']})", phases))
+        checked = sum(len(rep_fields) * n for rep_fields, n in read_counts)
+        console.print(f"verified bit for bit: {checked} (sample, field) reads by {cfg.dp_size} ranks over 3 stages, "
+                      f"{sum(p.nbytes for p in phases) / 1e6:.1f} MB moved in "
+                      f"{sum(sum(p.seconds) for p in phases) * 1e3:.0f} ms of transfers")
     finally:
         try:
             driver.clear(partition)

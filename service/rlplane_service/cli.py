@@ -50,6 +50,7 @@ class WorkloadName(str, Enum):
     small = "small"
     text_scale = "text-scale"
     claim = "claim"
+    controller = "controller"
 
 
 class Backend(str, Enum):
@@ -262,7 +263,7 @@ def _async_demo(url: str, token: str | None, transport: str, embedded: bool, bac
 def bench(
     workloads: Optional[list[WorkloadName]] = typer.Option(
         None, "--workload", "-w", help="Workload(s) to run (repeat the flag); default: all, and the sweeps "
-        "(text-scale is the sweep over B at S=1024; claim is the streaming section: claim latency, wake-up, 4 claimers)."
+        "(text-scale is the sweep over B at S=1024; claim is the streaming section: claim latency, wake-up, 4 claimers; controller: B=1 puts, claim+ack and one-sample reads per second from 8 processes)."
     ),
     paths: Optional[list[str]] = typer.Option(
         None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native, rlplane-tq, rlplane-http, rlplane-mooncake, raw-tq, "

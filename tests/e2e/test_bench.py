@@ -48,6 +48,9 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     claim = data["claim"]
     assert claim["claim"]["ops"] == 3 and claim["wake"]["ops"] + claim["wake_missed"] == 3
     assert claim["drain"]["exactly_once"] and claim["drain"]["samples"] == 8 * 2 and claim["drain"]["claimers"] == 4
+    ctl = data["controller"]
+    assert [r["op"] for r in ctl["rows"]] == ["put_samples", "claim+ack", "read_columns"] and ctl["processes"] == 2
+    assert all(r["ops"] > 0 and r["ops_per_s"] > 0 for r in ctl["rows"])
     assert len(data["targets"]) == 16 and all(t["met"] in (True, False) for t in data["targets"])
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]

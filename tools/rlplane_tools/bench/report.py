@@ -60,6 +60,8 @@ def print_report(results: dict, console: Console) -> None:
         console.print(writers_table(sweeps["writers"]))
     if results.get("claim"):
         console.print(claim_table(results["claim"]))
+    if results.get("controller"):
+        console.print(controller_table(results["controller"]))
     console.print(targets_table(results["targets"]))
 
 
@@ -153,6 +155,18 @@ def claim_table(c: dict) -> Table:
     t.add_row(f"{d['claimers']} claimers: claim+read+ack", "", "",
               f"{_num(d['samples_per_s'])} samples/s ({d['samples']} samples, "
               f"{'exactly once' if d['exactly_once'] else 'NOT exactly once'})")
+    return t
+
+
+def controller_table(c: dict) -> Table:
+    """Small ops per second through one store index, from N processes at once."""
+    t = Table(title=f"controller: {c['processes']} client processes at once, {c['seconds']:g} s per op, "
+                    f"transport {c['transport']}")
+    for col in ("op (1 sample)", "ops/s", "p50 ms", "p99 ms"):
+        t.add_column(col, justify="left" if col.startswith("op") else "right")
+    for r in c["rows"]:
+        lat = r["latency"] or {}
+        t.add_row(r["op"], _num(r["ops_per_s"]), _num(lat.get("p50_ms")), _num(lat.get("p99_ms")))
     return t
 
 

@@ -43,6 +43,8 @@ SCALE_WORKLOAD = "text-scale"
 SCALE_PATHS = ("rlplane-native", "rlplane-tq", "raw-tq", "ray-object-store")
 #: The streaming section (claim latency, wake-up, N claimers), against the service itself.
 CLAIM_SECTION = "claim"
+#: How many small ops (B=1 puts, claim+ack, one-sample reads) one store index serves.
+CONTROLLER_SECTION = "controller"
 
 
 class BenchError(RlplaneError):
@@ -54,7 +56,8 @@ class BenchConfig:
     """What one ``rlplane bench`` run measures. ``quick`` shrinks batches, reps and ops
     (every path, workload and sweep still runs); explicit values win over it."""
 
-    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD, SCALE_WORKLOAD, CLAIM_SECTION)
+    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD, SCALE_WORKLOAD, CLAIM_SECTION,
+                                  CONTROLLER_SECTION)
     paths: tuple[str, ...] = tuple(PATHS)
     batch: int | None = None
     seqlen: int | None = None
@@ -237,6 +240,11 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
                                              ops=min(cfg.ops, 100), wakeups=min(cfg.ops, 10 if cfg.quick else 30),
                                              drain_batches=8 if cfg.quick else 32)
                 out["claim"] = run_claim_bench(url, token, claim_cfg, progress)
+        if CONTROLLER_SECTION in cfg.workloads:  # its own status lines: outside the progress display
+            from rlplane_tools.bench.controller import ControllerBenchConfig, run_controller_bench
+
+            ctl = ControllerBenchConfig(processes=2, seconds=1.0) if cfg.quick else ControllerBenchConfig()
+            out["controller"] = run_controller_bench(url, token, ctl, console)
     finally:
         ray.get([a.close.remote() for a in actors])
         for a in actors:

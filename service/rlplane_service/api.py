@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, Field
@@ -143,6 +144,16 @@ def build_api(state: ServiceState) -> FastAPI:
         code = status_of(err)
         headers = {"WWW-Authenticate": "Bearer"} if code == 401 else None
         return JSONResponse(E.error_payload(err), status_code=code, headers=headers)
+
+    @api.exception_handler(RequestValidationError)
+    async def _invalid_request(_: Request, err: RequestValidationError) -> JSONResponse:
+        # FastAPI's default echoes the offending input, which may not be JSON at all (a
+        # float infinity): answer with where and what, never the value.
+        detail = [{"loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+                  for e in err.errors()]
+        where = "; ".join(f"{'.'.join(d['loc'])}: {d['msg']}" for d in detail[:5])
+        return JSONResponse({"error": "InvalidArgumentError", "message": f"invalid request: {where}", "detail": detail},
+                            status_code=422)
 
     async def authorize(request: Request) -> None:
         if token is None:

@@ -231,7 +231,12 @@ def test_network_policy_admits_own_pods_clients_and_monitoring(rendered):
     own = [r for r in rules if r["from"] == [{"podSelector": {"matchLabels": dict(selector)}}]]
     assert len(own) == 1 and "ports" not in own[0]
     clients = [r for r in rules if r["from"][0].get("podSelector", {}).get("matchLabels") == {"rlplane.io/client": "true"}]
-    assert len(clients) == 1 and clients[0]["ports"] == [{"protocol": "TCP"}]
+    assert len(clients) == 1
+    covered = [(p.get("port", 1), p.get("endPort", p.get("port", 65535))) for p in clients[0]["ports"]]
+    for ray_port in (6379, 8265, 10001):  # GCS, dashboard (job submission runs code), Ray client
+        assert not any(lo <= ray_port <= hi for lo, hi in covered), ray_port
+    for data_port in (1024, 8000, 9003, 15000, 40000, 65535):  # HTTP, Mooncake, run-time ZMQ/transfer ports
+        assert any(lo <= data_port <= hi for lo, hi in covered), data_port
     monitoring = [r for r in rules if r["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]]
     (mon,) = monitoring
     metrics_ports = {8000} | ({9003} if render_values(values)["service"]["backend"] == "mooncake" else set())
@@ -248,6 +253,9 @@ def test_network_policy_http_port_peers_and_client_namespaces():
                  and r["from"][0]["podSelector"]["matchLabels"] == {"rlplane.io/client": "true"}]
     assert client["from"][0]["namespaceSelector"] == {"matchLabels": {"team": "rl"}}
     assert "NetworkPolicy" not in render({"networkPolicy": {"enabled": False}})
+    opened = render({"networkPolicy": {"clientRayPorts": True}})["NetworkPolicy"]["spec"]["ingress"]
+    (client,) = [r for r in opened if r["from"][0].get("podSelector", {}).get("matchLabels") == {"rlplane.io/client": "true"}]
+    assert client["ports"] == [{"protocol": "TCP"}]
 
 
 @pytest.mark.parametrize("kind", ["Secret", "NetworkPolicy"])

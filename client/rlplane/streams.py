@@ -59,11 +59,21 @@ class DirectStreams:
         """Every (partition, task)'s consumption and the claim-wait histogram."""
         return self._call({"op": "streams"})
 
+    def reserve(self, partition: str, ids: Sequence[str]) -> int:
+        """Take new ids before writing them (TransferQueue-based stores): DuplicateSampleError
+        when any is stored or being written by another put. Returns the reservation."""
+        return int(self._call({"op": "reserve", "p": partition, "ids": [str(s) for s in ids]})["res"])
+
+    def abort(self, reservation: int) -> None:
+        """Give up a reservation (the write failed)."""
+        self._call({"op": "abort", "res": reservation})
+
     def record(self, partition: str, ids: Sequence[str], fields: Sequence[str], tags: Sequence[Mapping[str, Any]], *,
-               create: bool) -> None:
-        """Tell a ledger that keeps its own index what a put stored (TransferQueue-based stores)."""
+               create: bool, reservation: int | None = None) -> None:
+        """Tell a ledger that keeps its own index what a put stored (TransferQueue-based
+        stores); it ends the put's ``reservation``."""
         self._call({"op": "record", "p": partition, "ids": list(ids), "fields": list(fields),
-                    "tags": [dict(t) for t in tags], "create": create})
+                    "tags": [dict(t) for t in tags], "create": create, "res": reservation})
 
     def drop(self, partition: str, ids: Sequence[str] | None) -> None:
         """Tell such a ledger what a clear removed."""

@@ -75,7 +75,7 @@ class Store:
 
         ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
         streams = stream_actor_class().options(name=f"{prefix}-streams", **common).remote(
-            settings.native_host or None, data_secret(settings), settings.claim_lease_s)
+            settings.native_host or None, data_secret(settings), settings.claim_lease_s, settings.put_lease_s)
         master = master_info = None
         try:
             streams_info = ray.get(streams.info.remote(), timeout=_PING_TIMEOUT_S)

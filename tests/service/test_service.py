@@ -247,3 +247,39 @@ def test_http_body_over_the_limit_is_413(small_app):
         with pytest.raises(E.PayloadTooLargeError):
             client.put_samples(p, big)
         assert p not in client.partitions()
+
+
+def test_concurrent_puts_of_the_same_new_ids_have_one_winner_on_every_backend(live):
+    """TransferQueue's own check is check-then-create (two writers both 'succeeded', the last
+    one's rows won); on simple and mooncake the store's ledger arbitrates new ids."""
+    import threading
+
+    clients = [rlplane.connect(live.url, token=live.token, transport=live.direct) for _ in range(8)]
+    try:
+        for rep in range(5):
+            p, ids = part(), [f"s{i}" for i in range(8)]
+            barrier = threading.Barrier(8)
+            outcome: dict[int, object] = {}
+
+            def put(k: int) -> None:
+                barrier.wait(timeout=30)
+                try:
+                    clients[k].put_samples(p, {"input_ids": torch.full((8, 4), k), "input_lengths": torch.full((8,), 4)},
+                                           sample_ids=ids)
+                    outcome[k] = "ok"
+                except E.DuplicateSampleError as err:
+                    outcome[k] = err
+
+            threads = [threading.Thread(target=put, args=(k,)) for k in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=120)
+            winners = [k for k, v in outcome.items() if v == "ok"]
+            assert len(outcome) == 8 and len(winners) == 1, (rep, outcome)
+            got = clients[0].read_columns(rlplane.SampleMeta(p, ids, [4] * 8), ["input_ids"])["input_ids"]
+            assert torch.equal(got, torch.full((8, 4), winners[0])), "a loser's rows won"
+            assert clients[0].clear(p) == 8
+    finally:
+        for c in clients:
+            c.close()

@@ -240,9 +240,20 @@ class TQTransport(Transport):
         create: bool,
     ) -> None:
         check_put(sample_ids, columns, tags)
-        self._run(self._put(partition, list(sample_ids), columns, tags, create))
+        ids = list(sample_ids)
+        # TransferQueue's own id check is check-then-create: the ledger arbitrates new ids first.
+        res = self.streams.reserve(partition, ids) if self.streams is not None and create else None
+        try:
+            self._run(self._put(partition, ids, columns, tags, create))
+        except BaseException:
+            if res is not None:
+                try:
+                    self.streams.abort(res)
+                except Exception:  # noqa: BLE001 - the reservation lapses on its own
+                    pass
+            raise
         if self.streams is not None:
-            self.streams.record(partition, list(sample_ids), list(columns), tags, create=create)
+            self.streams.record(partition, ids, list(columns), tags, create=create, reservation=res)
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]

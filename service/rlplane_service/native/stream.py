@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -78,12 +79,45 @@ def _lease_args(header: dict) -> tuple[str, str, int, list[str] | None]:
 
 
 class LedgerCore(StreamOps):
-    """A ledger with its own index, for stores without one to share (see the module docstring)."""
+    """A ledger with its own index, for stores without one to share (see the module docstring).
 
-    def __init__(self, *, lease_s: float = 300.0) -> None:
+    It also arbitrates new ids for those stores, whose own check is check-then-create:
+    a writer ``reserve`` s its ids first (of concurrent puts of the same new ids exactly one
+    gets them; the others DuplicateSampleError), writes, then ``record`` s with the
+    reservation; ``abort`` (or a reservation outliving ``put_lease_s``) frees them."""
+
+    def __init__(self, *, lease_s: float = 300.0, put_lease_s: float = 60.0) -> None:
         self.indexes = SimpleIndexes()
         self.ledger = Ledger(self.indexes.get, lease_s=lease_s)
         self._lock = threading.RLock()
+        self.put_lease_s = put_lease_s
+        self._held: dict[int, tuple[str, list[str], float]] = {}  # reservation -> (partition, ids, deadline)
+        self._rids = itertools.count(1)
+
+    def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
+        p, ids = header.get("p"), header.get("ids")
+        if not (isinstance(p, str) and p and _strs(ids)):
+            raise E.WireFormatError("reserve needs 'p' and 'ids'")
+        with self._lock:
+            now = time.monotonic()
+            for rid in [r for r, (_, _, deadline) in self._held.items() if deadline <= now]:
+                del self._held[rid]  # its writer died or hung: the ids are free again
+            index = self.indexes.get(p)
+            stored = [s for s in ids if index is not None and s in index.slot]
+            pending = {s for q, held, _ in self._held.values() if q == p for s in held} & set(ids)
+            if stored or pending:
+                err = E.DuplicateSampleError(p, stored + sorted(pending))
+                if pending:
+                    err.args = (f"{err} ({len(pending)} of them are being written by another put right now)",)
+                raise err
+            rid = next(self._rids)
+            self._held[rid] = (p, list(ids), now + self.put_lease_s)
+        return {"res": rid}, {}, []
+
+    def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
+        with self._lock:
+            gone = self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
+        return {"aborted": gone is not None}, {}, []
 
     def op_record(self, header: dict, columns: dict, extra: list) -> Any:
         p, ids, fields, tags = header.get("p"), header.get("ids"), header.get("fields"), header.get("tags")
@@ -91,6 +125,7 @@ class LedgerCore(StreamOps):
                 and len(tags) in (0, len(ids)) and all(isinstance(t, dict) for t in tags)):
             raise E.WireFormatError("record needs 'p', 'ids', 'fields' and one tag map per id")
         with self._lock:
+            self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
             self.indexes.record(p, ids, fields, tags, create=bool(header.get("create")))
             self.ledger.dirty = True
         return {}, {}, []
@@ -117,11 +152,11 @@ def stream_actor_class() -> Any:
 
     @ray.remote(num_cpus=0)
     class StreamActor:
-        def __init__(self, host: str | None, secret: str | None, lease_s: float) -> None:
+        def __init__(self, host: str | None, secret: str | None, lease_s: float, put_lease_s: float = 60.0) -> None:
             from rlplane_service.native.server import Server
 
             key = secret.encode() if secret else None
-            self._core = LedgerCore(lease_s=lease_s)
+            self._core = LedgerCore(lease_s=lease_s, put_lease_s=put_lease_s)
             self._server = Server(self._core, host=host or ray.util.get_node_ip_address(), secret=key,
                                   name="ledger").start()
             self._secret = secret

@@ -449,10 +449,10 @@ class SimpleIndex:
             need = self.used + n
             if need > self.alive.size:
                 cap = max(need, 2 * self.alive.size, 64)
-                self.names = _grown(self.names, cap)
-                self.alive = _grown(self.alive, cap)
-                self.tags = _grown(self.tags, cap)
-                self.present = {f: _grown(a, cap) for f, a in self.present.items()}
+                self.names = grown(self.names, cap)
+                self.alive = grown(self.alive, cap)
+                self.tags = grown(self.tags, cap)
+                self.present = {f: grown(a, cap) for f, a in self.present.items()}
             slots = np.arange(self.used, need)
             for i, s in enumerate(ids):
                 self.names[self.used + i] = s
@@ -481,7 +481,8 @@ class SimpleIndex:
         self.tags[slots] = None
 
 
-def _grown(a: np.ndarray, cap: int) -> np.ndarray:
+def grown(a: np.ndarray, cap: int) -> np.ndarray:
+    """``a`` in a new array of ``cap`` entries (the rest zero, or None for objects)."""
     new = np.zeros(cap, dtype=a.dtype) if a.dtype != object else np.empty(cap, dtype=object)
     new[: a.size] = a
     return new

@@ -297,21 +297,21 @@ def build_api(state: ServiceState) -> FastAPI:
         return {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
                 "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"]}
 
+    async def settle(verb: str, partition: str, body: LeaseBody) -> int:
+        async with observed(verb):
+            out = await ledger().acall({"op": verb, "p": partition, "task": body.task, "lease": body.lease,
+                                        "ids": body.sample_ids})
+        return int(out[f"{verb}ed"])
+
     @v1.post("/partitions/{partition}/ack", tags=["streaming"])
     async def ack(partition: str, body: LeaseBody) -> dict[str, Any]:
         """Mark a lease's samples consumed by the task (409 LeaseError once the lease expired)."""
-        async with observed("ack"):
-            out = await ledger().acall({"op": "ack", "p": partition, "task": body.task, "lease": body.lease,
-                                        "ids": body.sample_ids})
-        return {"acked": out["acked"]}
+        return {"acked": await settle("ack", partition, body)}
 
     @v1.post("/partitions/{partition}/nack", tags=["streaming"])
     async def nack(partition: str, body: LeaseBody) -> dict[str, Any]:
         """Give a lease's samples back to the task at once."""
-        async with observed("nack"):
-            out = await ledger().acall({"op": "nack", "p": partition, "task": body.task, "lease": body.lease,
-                                        "ids": body.sample_ids})
-        return {"nacked": out["nacked"]}
+        return {"nacked": await settle("nack", partition, body)}
 
     @v1.get("/partitions/{partition}/consumption", tags=["streaming"])
     async def consumption(partition: str, task: str = Query(..., min_length=1, max_length=200)) -> dict[str, Any]:

@@ -43,7 +43,7 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
-from rlplane.ledger import Ledger
+from rlplane.ledger import Ledger, grown
 from rlplane.tags import WIRE_TAG
 from rlplane.wire import int_array, ints
 from rlplane_service.native.stream import StreamOps
@@ -97,9 +97,9 @@ class Partition:
         need = self.used + n
         if need > self.state.size:
             cap = max(need, 2 * self.state.size, 64)
-            self.names = _grow(self.names, cap)
-            self.state = _grow(self.state, cap)
-            self.user = _grow(self.user, cap)
+            self.names = grown(self.names, cap)
+            self.state = grown(self.state, cap)
+            self.user = grown(self.user, cap)
             for fi in self.fields.values():
                 fi.grow(cap)
         slots = np.arange(self.used, need, dtype=np.int64)
@@ -136,12 +136,6 @@ class Partition:
         geoms = {name: (fi.block[slots] >= 0, fi.geom[slots].tolist()) for name, fi in self.fields.items()}
         return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]}}
                 for i, u in enumerate(self.user[slots].tolist())]
-
-
-def _grow(a: np.ndarray, cap: int) -> np.ndarray:
-    new = np.zeros(cap, dtype=a.dtype) if a.dtype != object else np.empty(cap, dtype=object)
-    new[: a.size] = a
-    return new
 
 
 @dataclass

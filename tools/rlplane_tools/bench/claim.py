@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 import uuid
@@ -116,7 +115,7 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
     return out
 
 
-def _claimer(url: str, token: str | None, cfg_dict: dict, p: str, go: Any, conn: Any) -> None:
+def _claimer(url: str, token: str | None, cfg_dict: dict, p: str, go: Any, start: Any, conn: Any) -> None:
     import rlplane
     from rlplane.errors import NotReadyError
 
@@ -142,43 +141,13 @@ def _claimer(url: str, token: str | None, cfg_dict: dict, p: str, go: Any, conn:
 
 
 def _drain(url: str, token: str | None, cfg: ClaimBenchConfig, p: str) -> dict[str, Any]:
-    import msgpack
+    from rlplane_tools.bench.procs import run_together
 
-    ctx = mp.get_context("spawn")
-    go = ctx.Event()
-    pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.claimers)]
-    procs = [ctx.Process(target=_claimer, args=(url, token, asdict(cfg), p, go, there), daemon=True)
-             for _, there in pipes]
-    for proc in procs:
-        proc.start()
-    try:
-        for (here, _), proc in zip(pipes, procs):
-            _await(here, proc, 120, "start")
-            here.recv_bytes()
-        go.set()
-        reports = []
-        for (here, _), proc in zip(pipes, procs):
-            _await(here, proc, 300, "finish")
-            reports.append(msgpack.unpackb(here.recv_bytes(), raw=False))
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+    reports = run_together(_claimer, (url, token, asdict(cfg), p), cfg.claimers, finish_s=300)
     ids = [s for r in reports for s in r["ids"]]
     seconds = max(r["t1"] for r in reports) - min(r["t0"] for r in reports)  # perf_counter is system-wide on Linux
     return {"claimers": cfg.claimers, "samples": len(ids), "seconds": seconds,
             "samples_per_s": len(ids) / seconds if seconds > 0 else None, "ids": ids}
-
-
-def _await(conn: Any, proc: Any, seconds: float, what: str) -> None:
-    """Until ``conn`` has a message; TimeoutError after ``seconds`` or at once if ``proc`` died."""
-    deadline = time.monotonic() + seconds
-    while not conn.poll(1.0):
-        if not proc.is_alive():
-            raise RuntimeError(f"a claimer process exited (code {proc.exitcode}) before it could {what}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"a claimer process did not {what} within {seconds:.0f} s")
 
 
 __all__ = ["ClaimBenchConfig", "run_claim_bench"]

@@ -19,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -101,31 +100,9 @@ def run_controller_bench(url: str, token: str | None, cfg: ControllerBenchConfig
 
 
 def _run(url: str, token: str | None, cfg: ControllerBenchConfig, op: str, p: str) -> list[dict[str, Any]]:
-    from rlplane_tools.bench.claim import _await
+    from rlplane_tools.bench.procs import run_together
 
-    ctx = mp.get_context("spawn")
-    go, start = ctx.Event(), ctx.Value("d", 0.0)
-    pipes = [ctx.Pipe(duplex=False) for _ in range(cfg.processes)]
-    procs = [ctx.Process(target=_client_loop, args=(url, token, asdict(cfg), op, p, go, start, there), daemon=True)
-             for _, there in pipes]
-    for proc in procs:
-        proc.start()
-    try:
-        for (here, _), proc in zip(pipes, procs):
-            _await(here, proc, 120, "start")
-            here.recv_bytes()
-        start.value = time.perf_counter()
-        go.set()
-        reports = []
-        for (here, _), proc in zip(pipes, procs):
-            _await(here, proc, cfg.seconds + 120, "finish")
-            reports.append(msgpack.unpackb(here.recv_bytes(), raw=False))
-        return reports
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+    return run_together(_client_loop, (url, token, asdict(cfg), op, p), cfg.processes, finish_s=cfg.seconds + 120)
 
 
 __all__ = ["ControllerBenchConfig", "run_controller_bench", "OPS"]

@@ -1,0 +1,59 @@
+"""Client processes that start, wait for one signal, run at once, and report: the bench's
+multi-process rows (claimers, controller load).
+
+``target(*args, go, start, conn)`` runs in each spawned process: it sends ``b"ready"`` on
+``conn`` once connected, waits for ``go``, reads the shared start time from
+``start.value`` (``time.perf_counter``, system-wide on Linux) if it needs one, and sends one
+msgpack report.
+
+Example::
+
+    reports = run_together(_claimer, (url, token, cfg_dict, p), 4, finish_s=300)
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any, Callable
+
+import msgpack
+
+
+def run_together(target: Callable[..., None], args: tuple, n: int, *, finish_s: float) -> list[dict[str, Any]]:
+    """Start ``n`` processes, release them together, return their reports (see the module docstring)."""
+    ctx = mp.get_context("spawn")
+    go, start = ctx.Event(), ctx.Value("d", 0.0)
+    pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
+    procs = [ctx.Process(target=target, args=(*args, go, start, there), daemon=True) for _, there in pipes]
+    for proc in procs:
+        proc.start()
+    try:
+        for (here, _), proc in zip(pipes, procs):
+            _await(here, proc, 120, "start")
+            here.recv_bytes()
+        start.value = time.perf_counter()
+        go.set()
+        reports = []
+        for (here, _), proc in zip(pipes, procs):
+            _await(here, proc, finish_s, "finish")
+            reports.append(msgpack.unpackb(here.recv_bytes(), raw=False))
+        return reports
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _await(conn: Any, proc: Any, seconds: float, what: str) -> None:
+    """Until ``conn`` has a message; TimeoutError after ``seconds`` or at once if ``proc`` died."""
+    deadline = time.monotonic() + seconds
+    while not conn.poll(1.0):
+        if not proc.is_alive():
+            raise RuntimeError(f"a bench client process exited (code {proc.exitcode}) before it could {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a bench client process did not {what} within {seconds:.0f} s")
+
+
+__all__ = ["run_together"]

@@ -49,6 +49,7 @@ class WorkloadName(str, Enum):
     text_step = "text-step"
     small = "small"
     text_scale = "text-scale"
+    dp_shard = "dp-shard"
     claim = "claim"
     controller = "controller"
 
@@ -263,11 +264,11 @@ def _async_demo(url: str, token: str | None, transport: str, embedded: bool, bac
 def bench(
     workloads: Optional[list[WorkloadName]] = typer.Option(
         None, "--workload", "-w", help="Workload(s) to run (repeat the flag); default: all, and the sweeps "
-        "(text-scale is the sweep over B at S=1024; claim is the streaming section: claim latency, wake-up, 4 claimers; controller: B=1 puts, claim+ack and one-sample reads per second from 8 processes)."
+        "(text-scale is the sweep over B at S=1024; dp-shard: a DP rank reads every other vlm-step sample's input_ids + pixel_values, through every path that can select rows; claim is the streaming section: claim latency, wake-up, 4 claimers; controller: B=1 puts, claim+ack and one-sample reads per second from 8 processes)."
     ),
     paths: Optional[list[str]] = typer.Option(
         None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native, rlplane-tq, rlplane-http, rlplane-mooncake, raw-tq, "
-        "ray-object-store, legacy-pickle."
+        "mooncake-dataproto (Mooncake's structured DataProto store; the bench starts its mooncake_master), ray-object-store, legacy-pickle."
     ),
     batch: Optional[int] = typer.Option(None, "--batch", "-b", min=1, help="Batch size of vlm-step / text-step (default: theirs)."),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", "-s", min=4, help="Sequence length of every workload (default: theirs)."),

@@ -7,7 +7,10 @@ import os
 import subprocess
 import sys
 
-PATHS = {"rlplane-native", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "ray-object-store", "legacy-pickle"}
+PATHS = {"rlplane-native", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "mooncake-dataproto",
+         "ray-object-store", "legacy-pickle"}
+#: The paths that can read a DP rank's shard (some rows, some fields).
+SELECTING = {"rlplane-native", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "mooncake-dataproto"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -44,18 +47,23 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert [(s["writers"], s["verified_samples"]) for s in data["sweeps"]["writers"]] == [(1, 2), (2, 2)]
     scale = data["sweeps"]["scale"]
     assert [(s["workload"], s["batch"], s["seqlen"]) for s in scale] == [("text-scale", 4, 1024), ("text-scale", 8, 1024)]
-    assert {r["path"] for r in scale[0]["paths"]} == {"rlplane-native", "rlplane-tq", "raw-tq", "ray-object-store"}
+    assert {r["path"] for r in scale[0]["paths"]} == {"rlplane-native", "rlplane-tq", "raw-tq", "mooncake-dataproto",
+                                                      "ray-object-store"}
+    shard = data["dp_shard"]  # every read of it was checked bit for bit in the first round
+    assert shard["rows"] == 1 and shard["fields"] == ["input_ids", "pixel_values"]
+    assert {r["path"] for r in shard["paths"]} == SELECTING and all(r["get"]["ops"] == 1 for r in shard["paths"])
     claim = data["claim"]
     assert claim["claim"]["ops"] == 3 and claim["wake"]["ops"] + claim["wake_missed"] == 3
     assert claim["drain"]["exactly_once"] and claim["drain"]["samples"] == 8 * 2 and claim["drain"]["claimers"] == 4
     ctl = data["controller"]
     assert [r["op"] for r in ctl["rows"]] == ["put_samples", "claim+ack", "read_columns"] and ctl["processes"] == 2
     assert all(r["ops"] > 0 and r["ops_per_s"] > 0 for r in ctl["rows"])
-    assert len(data["targets"]) == 16 and all(t["met"] in (True, False) for t in data["targets"])
+    assert len(data["targets"]) == 22 and all(t["met"] in (True, False) for t in data["targets"])
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]
     assert png.read_bytes()[:8] == PNG
-    assert "targets" in res.stdout and "raw TransferQueue" in res.stdout
+    assert "targets" in res.stdout and "raw TransferQueue" in res.stdout and "Mooncake DataProto" in res.stdout
+    assert "DP shard read" in res.stdout
 
 
 def test_bench_in_one_invocation_starts_and_stops_its_own_service(tmp_path):

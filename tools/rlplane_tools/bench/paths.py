@@ -21,82 +21,18 @@ Example::
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
 import torch
-from rlplane.codec import Encoded, decode
+from rlplane.codec import Encoded, decode, encode
 from rlplane.column import Column
-from rlplane.fields import Registry
 from rlplane.meta import SampleMeta
 from rlplane.testing.verify import diff_fields, same_bits
-from rlplane.testing.workloads import Workload
 
-
-@dataclass
-class WorkerEnv:
-    """What every path may need to open its clients: the service and its registry."""
-
-    url: str
-    token: str | None
-    registry: dict
-    tq_info: dict | None  # the TransferQueue store of the tq_url app (raw-tq runs on it)
-    mooncake_url: str | None = None  # an rlplane app on the Mooncake backend (same token)
-    tq_url: str | None = None  # an rlplane app on the TransferQueue backend 'simple' (same token)
-
-
-@dataclass
-class Batch:
-    """One writer's share of a workload, as the writer holds it and as it is stored."""
-
-    work: Workload
-    ids: list[str]
-    encoded: Encoded
-
-    @property
-    def nbytes(self) -> int:
-        """Stored bytes: what every path moves and every GB/s is computed from."""
-        return self.encoded.nbytes
-
-
-@dataclass
-class Sent:
-    """What ``write`` returns: a handle for the reader and the writer's timing."""
-
-    handle: Any
-    start: float
-    end: float
-
-
-class BenchPath:
-    """A way of moving a batch from a writer process to a reader process."""
-
-    name: ClassVar[str]
-    label: ClassVar[str]
-    #: needs a peer (the reader actor's handle) in ``write``
-    needs_peer: ClassVar[bool] = False
-
-    def __init__(self, env: WorkerEnv) -> None:
-        self.env = env
-        self.registry = Registry.from_dict(env.registry)
-
-    def write(self, batch: Batch, key: str, peer: Any) -> Sent:
-        raise NotImplementedError
-
-    def read(self, batch: Batch, handle: Any) -> tuple[Any, float, float]:
-        raise NotImplementedError
-
-    def verify(self, batch: Batch, got: Any) -> list[str]:
-        """Every difference between what was written and ``got`` (empty when bit-exact)."""
-        return diff_fields(self.registry, batch.work.fields, got, batch.work.lengths, sample_ids=batch.ids)
-
-    def clear(self, key: str) -> None:
-        """Drop what ``write`` stored under ``key`` (untimed)."""
-
-    def close(self) -> None:
-        """Release clients."""
+from rlplane_tools.bench.base import Batch, BenchPath, Sent, WorkerEnv
+from rlplane_tools.bench.dataproto import MooncakeDataProto
 
 
 class RlplanePath(BenchPath):
@@ -104,6 +40,7 @@ class RlplanePath(BenchPath):
     (fetch, check, decode), over one transport."""
 
     transport: ClassVar[str]
+    selects_rows = True
 
     def __init__(self, env: WorkerEnv) -> None:
         super().__init__(env)
@@ -124,6 +61,12 @@ class RlplanePath(BenchPath):
         meta = SampleMeta.from_dict(msgpack.unpackb(handle, raw=False))
         t0 = time.monotonic()
         got = self.client.read_columns(meta, sorted(meta.fields))  # what was written: a share may hold no image
+        return got, t0, time.monotonic()
+
+    def read_rows(self, batch: Batch, handle: Any, rows: list[int], fields: list[str]) -> tuple[Any, float, float]:
+        meta = SampleMeta.from_dict(msgpack.unpackb(handle, raw=False)).subset(rows)
+        t0 = time.monotonic()
+        got = self.client.read_columns(meta, fields)
         return got, t0, time.monotonic()
 
     def clear(self, key: str) -> None:
@@ -177,17 +120,21 @@ class RlplaneMooncake(RlplanePath):
 class _EncodedPath(BenchPath):
     """A path that moves the already-encoded columns (no rlplane encode, checks or decode)."""
 
-    def verify(self, batch: Batch, got: Any) -> list[str]:
-        columns = got
+    def verify(self, batch: Batch, got: Any, rows: list[int] | None = None, fields: list[str] | None = None) -> list[str]:
+        work, ids, enc = batch.work, batch.ids, batch.encoded
+        if rows is not None:  # what the shard's samples were stored as
+            work, ids = batch.subset(rows), [batch.ids[i] for i in rows]
+            work.fields = {f: work.fields[f] for f in fields or work.fields}
+            enc = encode(self.registry, work.fields, work.lengths, sample_ids=ids)
         problems = [
             f"field {name!r}: stored bytes differ"
-            for name, col in batch.encoded.columns.items()
-            if name not in columns or not same_bits(col.values, columns[name].values)
+            for name, col in enc.columns.items()
+            if name not in got or not same_bits(col.values, got[name].values)
         ]
         if problems:
             return problems
-        decoded = decode(self.registry, columns, batch.encoded.tags, "padded")
-        return diff_fields(self.registry, batch.work.fields, decoded, batch.work.lengths, sample_ids=batch.ids)
+        decoded = decode(self.registry, got, enc.tags, "padded")
+        return diff_fields(self.registry, work.fields, decoded, work.lengths, sample_ids=ids)
 
 
 class RawTQ(_EncodedPath):
@@ -198,6 +145,7 @@ class RawTQ(_EncodedPath):
 
     name = "raw-tq"
     label = "raw TransferQueue"
+    selects_rows = True
 
     def __init__(self, env: WorkerEnv) -> None:
         super().__init__(env)
@@ -227,6 +175,15 @@ class RawTQ(_EncodedPath):
         got = self.client.get_data(meta.select_fields(h["fields"]))
         t1 = time.monotonic()
         return {k: _as_column(got[k]) for k in h["fields"]}, t0, t1
+
+    def read_rows(self, batch: Batch, handle: Any, rows: list[int], fields: list[str]) -> tuple[Any, float, float]:
+        h = msgpack.unpackb(handle, raw=False)
+        ids = [batch.ids[i] for i in rows]
+        t0 = time.monotonic()
+        meta = self.client.kv_retrieve_meta(ids, h["partition"], create=False)
+        got = self.client.get_data(meta.select_fields(fields))
+        t1 = time.monotonic()
+        return {k: _as_column(got[k]) for k in fields}, t0, t1
 
     def clear(self, key: str) -> None:
         self.client.clear_partition(key)
@@ -328,7 +285,8 @@ def _as_column(value: Any) -> Column:
 
 #: Every path, in table order. Raw TransferQueue is the reference every ratio divides by.
 PATHS: dict[str, type[BenchPath]] = {
-    p.name: p for p in (RlplaneNative, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, RayObjectStore, LegacyObjectArray)
+    p.name: p for p in (RlplaneNative, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, MooncakeDataProto, RayObjectStore,
+              LegacyObjectArray)
 }
 REFERENCE = RawTQ.name
 

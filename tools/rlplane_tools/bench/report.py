@@ -51,6 +51,8 @@ def print_report(results: dict, console: Console) -> None:
         console.print(workload_table(w))
     if results.get("latency"):
         console.print(latency_table(results["latency"]))
+    if results.get("dp_shard"):
+        console.print(dp_shard_table(results["dp_shard"]))
     sweeps = results.get("sweeps", {})
     if sweeps.get("batch"):
         console.print(batch_sweep_table(sweeps["batch"]))
@@ -89,6 +91,17 @@ def latency_table(lat: dict) -> Table:
         t.add_column(col, justify="left" if col == "path" else "right")
     for r in lat["paths"]:
         t.add_row(r["label"], *(f"{r[op][q]:.2f}" for op in ("put", "get") for q in ("p50_ms", "p99_ms")))
+    return t
+
+
+def dp_shard_table(d: dict) -> Table:
+    """A DP rank's read (every other sample, two fields) per path that can select rows."""
+    t = Table(title=f"DP shard read: {d['rows']} of {d['batch']} {d['workload']} samples, "
+                    f"{' + '.join(d['fields'])}, p50 of {d['paths'][0]['get']['ops'] if d['paths'] else 0}")
+    for col in ("path", "p50 ms", "p99 ms", "min ms"):
+        t.add_column(col, justify="left" if col == "path" else "right")
+    for r in d["paths"]:
+        t.add_row(r["label"], *(f"{r['get'][q]:.1f}" for q in ("p50_ms", "p99_ms", "min_ms")))
     return t
 
 

@@ -40,7 +40,12 @@ SWEEP_PATHS = tuple(p for p in PATHS if p != "rlplane-http")
 WRITERS_PATH = "rlplane-native"
 #: text-scale: the text fields at S=1024 over growing B, through these paths (cost per sample).
 SCALE_WORKLOAD = "text-scale"
-SCALE_PATHS = ("rlplane-native", "rlplane-tq", "raw-tq", "ray-object-store")
+SCALE_PATHS = ("rlplane-native", "rlplane-tq", "raw-tq", "mooncake-dataproto", "ray-object-store")
+#: A data-parallel rank's read: every other sample of the vlm-step batch, two fields,
+#: through every path that can select rows.
+DP_SHARD_SECTION = "dp-shard"
+DP_SHARD_FIELDS = ["input_ids", "pixel_values"]
+DP_SHARD_PATH = "mooncake-dataproto"
 #: The streaming section (claim latency, wake-up, N claimers), against the service itself.
 CLAIM_SECTION = "claim"
 #: How many small ops (B=1 puts, claim+ack, one-sample reads) one store index serves.
@@ -56,8 +61,8 @@ class BenchConfig:
     """What one ``rlplane bench`` run measures. ``quick`` shrinks batches, reps and ops
     (every path, workload and sweep still runs); explicit values win over it."""
 
-    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD, SCALE_WORKLOAD, CLAIM_SECTION,
-                                  CONTROLLER_SECTION)
+    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD, SCALE_WORKLOAD, DP_SHARD_SECTION,
+                                  CLAIM_SECTION, CONTROLLER_SECTION)
     paths: tuple[str, ...] = tuple(PATHS)
     batch: int | None = None
     seqlen: int | None = None
@@ -119,6 +124,7 @@ def run_bench(
     started = time.time()
     service = None
     own_ray = False
+    dataproto = None
     if url is None:
         from rlplane_service.quiet import stages
 
@@ -139,9 +145,16 @@ def run_bench(
         if mooncake_url is None and "rlplane-mooncake" in cfg.paths:
             console.print("[yellow]no --mooncake-url: the rlplane-mooncake row is left out[/]")
             cfg = replace(cfg, paths=tuple(p for p in cfg.paths if p != "rlplane-mooncake"))
+        if DP_SHARD_PATH in cfg.paths:
+            from rlplane_tools.bench.dataproto import start_master
+
+            with console.status("starting a mooncake_master for the Mooncake DataProto row"):
+                dataproto = start_master()
         own_ray = _ensure_ray(console)
-        results = _measure(cfg, console, url, token, mooncake_url, tq_url)
+        results = _measure(cfg, console, url, token, mooncake_url, tq_url, dataproto and dataproto.info())
     finally:
+        if dataproto is not None:
+            dataproto.stop()
         if own_ray:
             import ray
 
@@ -189,7 +202,7 @@ def _publishes(url: str, token: str | None, key: str) -> bool:
 
 
 def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mooncake_url: str | None,
-             tq_url: str | None) -> dict:
+             tq_url: str | None, dataproto_master: dict | None) -> dict:
     import ray
     from rlplane.http_api import ServiceAPI
 
@@ -205,7 +218,7 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
             tq_info = api.json("GET", "/v1/transport").get("tq")
         finally:
             api.close()
-    env = WorkerEnv(url, token, registry, tq_info, mooncake_url, tq_url)
+    env = WorkerEnv(url, token, registry, tq_info, mooncake_url, tq_url, dataproto_master)
     n_writers = max(cfg.writers, default=1)
     with console.status(f"starting {n_writers + 1} worker processes"):
         actors = start_workers(env, n_writers + 1)
@@ -213,7 +226,8 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
         ray.get(pool.reader.open.remote(list(cfg.paths)))
         ray.get(pool.writers[0].open.remote(list(cfg.paths)))
         ray.get([w.open.remote([WRITERS_PATH]) for w in pool.writers[1:]])
-    out: dict[str, Any] = {"workloads": [], "latency": None, "sweeps": {"batch": [], "writers": [], "scale": []}}
+    out: dict[str, Any] = {"workloads": [], "latency": None, "dp_shard": None,
+                           "sweeps": {"batch": [], "writers": [], "scale": []}}
     try:
         with Progress(console=console, transient=True) as progress:
             for name in cfg.workloads:
@@ -222,6 +236,8 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
                     out["workloads"].append(_throughput(cfg, pool, share, cfg.paths, progress))
             if LATENCY_WORKLOAD in cfg.workloads:
                 out["latency"] = _latency(cfg, pool, progress)
+            if DP_SHARD_SECTION in cfg.workloads:
+                out["dp_shard"] = _dp_shard(cfg, pool, progress)
             if cfg.sweep_batches and SWEEP_WORKLOAD in cfg.workloads:
                 paths = tuple(p for p in cfg.paths if p in SWEEP_PATHS)
                 for b in cfg.sweep_batches:
@@ -261,14 +277,16 @@ def _share(cfg: BenchConfig, workload: str, batch: int | None, seqlen: int | Non
     return Share(workload, batch or defaults["batch"].default, seqlen or cfg.seqlen or defaults["seqlen"].default, cfg.seed)
 
 
-def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None) -> tuple[float, float]:
-    """One writer -> reader move through ``path``; (put s, get s). Raises on any difference."""
+def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None, rows: list[int] | None = None,
+          fields: list[str] | None = None) -> tuple[float, float]:
+    """One writer -> reader move through ``path`` (the reader reads ``fields`` of ``rows``
+    when given); (put s, get s). Raises on any difference."""
     import ray
 
     writer = writer or pool.writers[0]
     peer = pool.reader if PATHS[path].needs_peer else None
     sent = ray.get(writer.write.remote(path, key, peer))
-    got = ray.get(pool.reader.read.remote(path, sent["handle"], verify))
+    got = ray.get(pool.reader.read.remote(path, sent["handle"], verify, rows, fields))
     ray.get(writer.clear.remote(path, key))
     if got["problems"]:
         raise BenchError(f"{path}: what the reader got is not what the writer wrote: " + "; ".join(got["problems"]))
@@ -330,6 +348,27 @@ def _latency(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
             "ops": cfg.ops, "paths": rows}
+
+
+def _dp_shard(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
+    """A DP rank's read of the vlm-step batch: every other sample, ``DP_SHARD_FIELDS``,
+    through every path that can select rows (first read checked, then ``reps`` timed)."""
+    share = _share(cfg, SWEEP_WORKLOAD, cfg.batch)
+    nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
+    rows = list(range(0, share.batch, 2))
+    paths = [p for p in cfg.paths if PATHS[p].selects_rows]
+    task = progress.add_task(f"DP shard of {share.workload} B={share.batch}", total=len(paths) * (cfg.reps + 1))
+    gets: dict[str, list[float]] = {p: [] for p in paths}
+    for rep in range(cfg.reps + 1):
+        for path in paths:
+            _, g = _move(pool, path, _key(path, rep, "-dp"), verify=rep == 0, rows=rows, fields=DP_SHARD_FIELDS)
+            if rep:
+                gets[path].append(g)
+            progress.advance(task)
+    progress.remove_task(task)
+    return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
+            "rows": len(rows), "fields": DP_SHARD_FIELDS,
+            "paths": [{"path": p, "label": PATHS[p].label, "get": _percentiles(gets[p])} for p in paths]}
 
 
 def _percentiles(seconds: list[float]) -> dict:

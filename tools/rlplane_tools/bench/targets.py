@@ -30,6 +30,7 @@ CLAIM_P50_MS, WAKE_P50_MS, CLAIMERS_MIN_RATE = 2.0, 20.0, 1000.0
 TARGET_WORKLOAD = "vlm-step"
 NATIVE = "rlplane-native"
 RAY = "ray-object-store"
+DATAPROTO = "mooncake-dataproto"
 
 
 def evaluate(results: dict) -> list[dict]:
@@ -78,6 +79,8 @@ def evaluate(results: dict) -> list[dict]:
         out.append(_target(f"{TARGET_WORKLOAD}: native {op} >= {TQ_SHARE_OF_RAW}x raw TQ", value, TQ_SHARE_OF_RAW,
                            value is not None and value >= TQ_SHARE_OF_RAW, f"GB/s ratio of {op}"))
 
+    out.extend(_versus_dataproto(results, vlm, lat, scale))
+
     # -- rlplane on TransferQueue and over HTTP ---------------------------------------------
     def ratio_target(name: str, op: str) -> None:
         ours, ref = gbps.get(("rlplane-tq", op)), gbps.get((REFERENCE, op))
@@ -110,6 +113,31 @@ def evaluate(results: dict) -> list[dict]:
     one, most = by_n.get(1), by_n.get(max(by_n)) if by_n else None
     out.append(_target(f"{max(by_n) if by_n else 'N'} writers aggregate >= 1 writer (native)", most, one,
                        most is not None and one is not None and most >= one, "aggregate put GB/s"))
+    return out
+
+
+def _versus_dataproto(results: dict, vlm: dict | None, lat: dict, scale: dict) -> list[dict]:
+    """The native engine against Mooncake's DataProto store, in the same run: text-scale
+    B=4096 put and get µs/sample, vlm-step round trip, the DP-shard read, small p50s."""
+    from rlplane_tools.bench.report import per_sample_us
+
+    out = []
+
+    def faster(name: str, ours: float | None, theirs: float | None, detail: str) -> None:
+        out.append(_target(name, ours, theirs, ours is not None and theirs is not None and ours < theirs, detail))
+
+    if scale:
+        b = 4096 if 4096 in scale else max(scale)
+        for op in ("put", "get"):
+            faster(f"text-scale B={b}: native {op} µs/sample < Mooncake DataProto's",
+                   per_sample_us(scale[b], NATIVE, op), per_sample_us(scale[b], DATAPROTO, op), f"µs/sample of {op}")
+    faster(f"{TARGET_WORKLOAD}: native round trip < Mooncake DataProto's",
+           _median(vlm, NATIVE, "round trip"), _median(vlm, DATAPROTO, "round trip"), "put+get ms (median)")
+    shard = {r["path"]: r["get"]["p50_ms"] for r in (results.get("dp_shard") or {}).get("paths", [])}
+    faster("DP shard read: native p50 < Mooncake DataProto's", shard.get(NATIVE), shard.get(DATAPROTO), "ms, p50")
+    for op in ("put", "get"):
+        faster(f"small: native {op} p50 < Mooncake DataProto's", lat.get(NATIVE, {}).get(op, {}).get("p50_ms"),
+               lat.get(DATAPROTO, {}).get(op, {}).get("p50_ms"), f"ms, p50 of {op}")
     return out
 
 

@@ -21,7 +21,8 @@ from rlplane.codec import encode
 from rlplane.fields import Registry
 from rlplane.testing.workloads import WORKLOADS
 
-from rlplane_tools.bench.paths import PATHS, Batch, BenchPath, WorkerEnv, legacy_collate
+from rlplane_tools.bench.base import Batch, BenchPath, WorkerEnv
+from rlplane_tools.bench.paths import PATHS, legacy_collate
 
 
 @dataclass(frozen=True)
@@ -75,10 +76,15 @@ class BenchWorker:
         sent = self.paths[path].write(self._batch(), key, peer)
         return {"handle": sent.handle, "start": sent.start, "end": sent.end}
 
-    def read(self, path: str, handle: Any, verify: bool) -> dict:
+    def read(self, path: str, handle: Any, verify: bool, rows: list[int] | None = None,
+             fields: list[str] | None = None) -> dict:
+        """Read what ``handle`` names (only ``fields`` of the samples at ``rows``, when given)."""
         p = self.paths[path]
-        got, start, end = p.read(self._batch(), handle)
-        problems = p.verify(self._batch(), got) if verify else []
+        if rows is None:
+            got, start, end = p.read(self._batch(), handle)
+        else:
+            got, start, end = p.read_rows(self._batch(), handle, rows, fields)
+        problems = p.verify(self._batch(), got, rows, fields) if verify else []
         return {"start": start, "end": end, "problems": problems}
 
     def read_share(self, path: str, handle: Any, share: dict) -> list[str]:

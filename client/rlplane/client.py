@@ -31,6 +31,7 @@ from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, decode, encode, merge_t
 from rlplane.errors import (InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
                             TransportError)
 from rlplane.fields import LENGTHS_FIELD, Registry
+from rlplane.gcpause import gc_paused
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest
 from rlplane.meta import SampleMeta
 from rlplane.opstats import OpStats
@@ -84,7 +85,7 @@ class Client:
             user = _user_tags(tags, batch, ids)
             with self._buffers() as alloc:
                 enc = encode(self.registry, fields, lengths, sample_ids=ids, alloc=alloc)
-                merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
+                merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None else enc.tags
                 self.transport.put(partition, ids, enc.columns, merged, create=True)
                 op.nbytes = enc.nbytes
         stored_lengths = lengths.tolist() if lengths is not None else [0] * batch
@@ -329,7 +330,7 @@ class Client:
 
     @contextmanager
     def _op(self, name: str) -> Iterator[Any]:
-        with self.ops.timed(name) as event:
+        with gc_paused(), self.ops.timed(name) as event:
             yield event
         if time.monotonic() - self._last_report >= REPORT_EVERY_S:
             self.report_ops()

@@ -25,6 +25,7 @@ import math
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import msgpack
+import numpy as np
 import torch
 
 from rlplane.column import Column, offsets_from_numels
@@ -317,6 +318,33 @@ def _stored_dtype(spec: FieldSpec, dtype: torch.dtype) -> torch.dtype:
 
 
 def _geometries(spec: FieldSpec, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None) -> list[Any]:
+    """Each sample's geometry of ``spec``'s field, checked (WireFormatError naming the sample)."""
+    try:
+        geoms = [tag[WIRE_TAG][spec.name] for tag in tags]
+    except (KeyError, TypeError, IndexError):
+        return _geometries_checked(spec, tags, ids)
+    if spec.container != "packed" and _shapes_ok(spec, geoms):
+        return geoms
+    return _geometries_checked(spec, tags, ids)  # packed, or something is off: sample by sample
+
+
+def _shapes_ok(spec: FieldSpec, geoms: list[Any]) -> bool:
+    """Whether every geometry is a shape list of ints >= 0 of one rank (what encode writes
+    for dense and object fields), checked as one array instead of sample by sample."""
+    if not all(type(g) is list for g in geoms):
+        return False
+    try:
+        a = np.array(geoms)
+    except (ValueError, TypeError):  # ragged ranks or odd members: the careful path decides
+        return False
+    if a.ndim != 2 or (a.size and (a.dtype.kind not in "iu" or (a < 0).any())):
+        return False
+    if spec.container == "object":
+        return a.shape[1] == 1
+    return a.shape[1] >= 1 if spec.alignment == "token" else True
+
+
+def _geometries_checked(spec: FieldSpec, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None) -> list[Any]:
     geoms = []
     for i, tag in enumerate(tags):
         try:

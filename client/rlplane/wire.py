@@ -124,12 +124,15 @@ class RawColumn:
         return Column(torch.from_numpy(values).view(dtype_from_name(self.dtype)), torch.from_numpy(offsets))
 
 
-def unpack_message(frames: Sequence[Any]) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
+def unpack_message(frames: Sequence[Any], header: dict[str, Any] | None = None,
+                   ) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
     """Inverse of :func:`pack_message`: header, columns (read-only numpy views of the
-    frames) and the extra buffers. Offsets are checked (rise from 0 to the values' length)."""
+    frames) and the extra buffers. Offsets are checked (rise from 0 to the values' length).
+    ``header``: the first frame already unpacked (by :func:`unpack_header`)."""
     if not frames:
         raise WireFormatError("empty message")
-    header = unpack_header(frames[0])
+    if header is None:
+        header = unpack_header(frames[0])
     layout, nbuf = header.get("c"), header.get("nbuf")
     if not isinstance(layout, list) or not isinstance(nbuf, int) or nbuf < 0:
         raise WireFormatError("message header lacks its column layout")

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -34,6 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from rlplane import errors as E
 from rlplane.channel import PLAIN_USER
+from rlplane.gcpause import gc_paused
 from rlplane.wire import pack_message, unpack_header, unpack_message
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,7 @@ class Server:
         self._thread = threading.Thread(target=self._loop, name=f"rlplane-{name}", daemon=True)
 
     def start(self) -> Server:
+        gc.freeze()  # what the process holds by now (torch, Ray) is never scanned again by the collector
         self._thread.start()
         return self
 
@@ -114,7 +117,8 @@ class Server:
 
     def _answer(self, ident: Any, body: list[Any], t0: float, *, final: bool) -> None:
         try:
-            reply = self._handle(body, t0, final)
+            with gc_paused():
+                reply = self._handle(body, t0, final)
         except Park as park:
             self._parked.append((ident, body, t0, park.deadline))
             return
@@ -126,8 +130,9 @@ class Server:
     def _handle(self, frames: list[Any], t0: float = 0.0, final: bool = False) -> list[Any]:
         rid = None
         try:
-            rid = unpack_header(frames[0]).get("rid")  # first, so that even a bad body gets its answer
-            header, columns, extra = unpack_message(frames)
+            header = unpack_header(frames[0])
+            rid = header.get("rid")  # first, so that even a bad body gets its answer
+            header, columns, extra = unpack_message(frames, header)
             header = {k: v for k, v in header.items() if not (isinstance(k, str) and k.startswith("_"))}
             header["_t0"], header["_final"] = t0, final
             op = header.get("op")

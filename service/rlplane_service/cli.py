@@ -89,8 +89,11 @@ def serve(
     ),
     token: Optional[str] = TOKEN_OPTION,
     backend: Optional[Backend] = typer.Option(
-        None, help="Where samples live: rlplane's own block engine (native), TransferQueue storage units (simple) "
-        "or Mooncake segments (mooncake; the service starts its own mooncake_master). Default: native.", show_default=False,
+        None, help="Where samples live: rlplane's own block engine (native: authenticated, never unpickles), "
+        "TransferQueue storage units (simple) or Mooncake segments (mooncake; the service starts its own mooncake_master). "
+        "simple and mooncake speak TransferQueue's ZMQ wire: no authentication, and its units unpickle what they "
+        "receive, so anyone who reaches a unit's port runs code as the service; keep those ports on a private network. "
+        "Default: native.", show_default=False,
     ),
     num_cpus: int = typer.Option(8, "--num-cpus", min=1, help="Logical CPUs of the local Ray."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "

@@ -29,8 +29,12 @@ def test_the_check_names_a_field_whose_bits_or_rows_differ():
     rows = [0, 2]
     shard = {"batch": {"input_ids": dp["batch"]["input_ids"][rows]},
              "non_tensor_batch": {"pixel_values": dp["non_tensor_batch"]["pixel_values"][rows]}}
-    assert same_dataproto(dp, shard, rows) == []
-    assert same_dataproto(dp, shard, [0, 1]) != []  # the wrong rows
-    bad = {"batch": {"input_ids": dp["batch"]["input_ids"].clone()}, "non_tensor_batch": {}}
+    fields = ["input_ids", "pixel_values"]
+    assert same_dataproto(dp, shard, rows, fields) == []
+    assert same_dataproto(dp, shard, [0, 1], fields) != []  # the wrong rows
+    assert any("advantages" in p for p in same_dataproto(dp, shard, rows))  # a field left out
+    bad = {"batch": dict(dp["batch"], input_ids=dp["batch"]["input_ids"].clone()), "non_tensor_batch": dp["non_tensor_batch"]}
     bad["batch"]["input_ids"][1, 0] ^= 1
-    assert any("input_ids" in p for p in same_dataproto(dp, bad))
+    assert [p for p in same_dataproto(dp, bad) if "input_ids" in p]
+    bad["batch"]["input_ids"] = None  # what Mooncake 0.3.13 returned for a 64 MB field (text-scale B=8192)
+    assert same_dataproto(dp, bad) == ["DataProto field 'input_ids' came back as None"]

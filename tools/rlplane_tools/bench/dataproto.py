@@ -77,16 +77,23 @@ def _object_rows(value: PackedTensor, dtype: torch.dtype) -> np.ndarray:
     return out
 
 
-def same_dataproto(want: dict[str, Any], got: dict[str, Any], rows: list[int] | None = None) -> list[str]:
-    """Every field of ``got`` bit for bit against ``want`` (at ``rows``, when a shard)."""
+def same_dataproto(want: dict[str, Any], got: dict[str, Any], rows: list[int] | None = None,
+                   fields: list[str] | None = None) -> list[str]:
+    """Every field of ``want`` (``fields`` of it, at ``rows`` when a shard) bit for bit
+    in ``got``: a field missing, None or different is a problem named by field."""
     problems = []
     for section in ("batch", "non_tensor_batch"):
-        for name, value in got.get(section, {}).items():
-            expect = want[section][name]
+        for name, expect in want[section].items():
+            if fields is not None and name not in fields:
+                continue
+            value = got.get(section, {}).get(name)
             if rows is not None:
                 expect = expect[rows]
+            if value is None:
+                problems.append(f"DataProto field {name!r} came back as None")
+                continue
             if section == "batch":
-                ok = torch.equal(torch.as_tensor(np.asarray(value)), expect)
+                ok = isinstance(value, torch.Tensor) and torch.equal(value, expect)
             else:
                 ok = len(value) == len(expect) and all(
                     a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b) for a, b in zip(value, expect)
@@ -155,7 +162,7 @@ class MooncakeDataProto(BenchPath):
         return got, t0, time.monotonic()
 
     def verify(self, batch: Batch, got: Any, rows: list[int] | None = None, fields: list[str] | None = None) -> list[str]:
-        return same_dataproto(self._dataproto(batch), got, rows)
+        return same_dataproto(self._dataproto(batch), got, rows, fields)
 
     def clear(self, key: str) -> None:
         ref = self._refs.pop(key, None)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rlplane_tools.bench.report import sweep_paths
+
 
 def write_plot(results: dict, path: Path) -> None:
     """Bars of put/get GB/s per path for each workload; lines for the batch and writers sweeps."""
@@ -38,8 +40,10 @@ def write_plot(results: dict, path: Path) -> None:
     if sweeps.get("batch"):
         ax = rest.pop(0)
         batches = [s["batch"] for s in sweeps["batch"]]
-        for i, r in enumerate(sweeps["batch"][0]["paths"]):
-            ax.plot(batches, [s["paths"][i]["ops"]["round trip"]["gb_per_s"] for s in sweeps["batch"]], "o-", label=r["label"])
+        for path, label in sweep_paths(sweeps["batch"]):
+            rows = [next((r for r in s["paths"] if r["path"] == path), None) for s in sweeps["batch"]]
+            ax.plot(batches, [float("nan") if r is None else r["ops"]["round trip"]["gb_per_s"] for r in rows], "o-",
+                    label=label)
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("batch (samples)")

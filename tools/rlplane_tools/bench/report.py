@@ -64,6 +64,10 @@ def print_report(results: dict, console: Console) -> None:
         console.print(claim_table(results["claim"]))
     if results.get("controller"):
         console.print(controller_table(results["controller"]))
+    for section in [*results["workloads"], results.get("latency"), results.get("dp_shard"), *sweeps.get("batch", []),
+                    *sweeps.get("scale", [])]:
+        for path, why in ((section or {}).get("wrong") or {}).items():
+            console.print(f"[red]{path} left out of {section['workload']} B={section['batch']}[/]: {why}")
     console.print(targets_table(results["targets"]))
 
 
@@ -110,10 +114,24 @@ def batch_sweep_table(sweep: list[dict]) -> Table:
     t.add_column("path")
     for w in sweep:
         t.add_column(f"B={w['batch']} ({w['bytes_stored'] / 1e6:.0f} MB)", justify="right")
-    for i, r in enumerate(sweep[0]["paths"]):
-        cells = [f"{w['paths'][i]['ops']['put']['gb_per_s']:.2f} / {w['paths'][i]['ops']['get']['gb_per_s']:.2f}" for w in sweep]
-        t.add_row(r["label"], *cells)
+    for path, label in sweep_paths(sweep):
+        cells = []
+        for w in sweep:
+            row = next((r for r in w["paths"] if r["path"] == path), None)
+            cells.append("wrong bytes" if row is None else
+                         f"{row['ops']['put']['gb_per_s']:.2f} / {row['ops']['get']['gb_per_s']:.2f}")
+        t.add_row(label, *cells)
     return t
+
+
+def sweep_paths(sweep: list[dict]) -> list[tuple[str, str]]:
+    """(path, label) of every row in any size of a sweep, first-seen order (a peer whose
+    bytes came back wrong at one size is missing there)."""
+    seen: dict[str, str] = {}
+    for w in sweep:
+        for r in w["paths"]:
+            seen.setdefault(r["path"], r["label"])
+    return list(seen.items())
 
 
 def per_sample_us(w: dict, path: str, op: str) -> float | None:
@@ -128,9 +146,10 @@ def scale_table(sweep: list[dict]) -> Table:
     t.add_column("path")
     for w in sweep:
         t.add_column(f"B={w['batch']} ({w['bytes_stored'] / 1e6:.0f} MB)", justify="right")
-    for r in sweep[0]["paths"]:
-        cells = [f"{per_sample_us(w, r['path'], 'put'):.1f} / {per_sample_us(w, r['path'], 'get'):.1f}" for w in sweep]
-        t.add_row(r["label"], *cells)
+    for path, label in sweep_paths(sweep):
+        cells = ["wrong bytes" if per_sample_us(w, path, "put") is None else
+                 f"{per_sample_us(w, path, 'put'):.1f} / {per_sample_us(w, path, 'get'):.1f}" for w in sweep]
+        t.add_row(label, *cells)
     t.add_row("memcpy", *[f"{w['bounds'][0]['median_ms'] * 1e3 / w['batch']:.2f}" for w in sweep])
     return t
 

@@ -56,6 +56,11 @@ class BenchError(RlplaneError):
     """A path moved something other than what was written, or the bench could not run."""
 
 
+class PeerMismatch(BenchError):
+    """A peer (not rlplane) returned something other than what was written: its row is
+    left out of that section and the report says why; the run goes on."""
+
+
 @dataclass
 class BenchConfig:
     """What one ``rlplane bench`` run measures. ``quick`` shrinks batches, reps and ops
@@ -289,7 +294,8 @@ def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None, ro
     got = ray.get(pool.reader.read.remote(path, sent["handle"], verify, rows, fields))
     ray.get(writer.clear.remote(path, key))
     if got["problems"]:
-        raise BenchError(f"{path}: what the reader got is not what the writer wrote: " + "; ".join(got["problems"]))
+        error = BenchError if path.startswith("rlplane-") else PeerMismatch
+        raise error(f"{path}: what the reader got is not what the writer wrote: " + "; ".join(got["problems"]))
     return sent["end"] - sent["start"], got["end"] - got["start"]
 
 
@@ -301,14 +307,16 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
     nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
     puts = {path: Phase("put", share.batch, nbytes) for path in paths}
     gets = {path: Phase("get", share.batch, nbytes) for path in paths}
+    wrong: dict[str, str] = {}
     for rep in range(cfg.reps + 1):
         progress.update(task, description=f"{share.workload} B={share.batch}: {'warm-up' if rep == 0 else f'round {rep}'}")
-        for path in paths:
-            p, g = _move(pool, path, _key(path, rep), verify=rep == 0)
-            if rep:
-                puts[path].seconds.append(p)
-                gets[path].seconds.append(g)
+        for path in [p for p in paths if p not in wrong]:
+            moved = _checked_move(pool, path, _key(path, rep), rep == 0, wrong)
+            if moved and rep:
+                puts[path].seconds.append(moved[0])
+                gets[path].seconds.append(moved[1])
             progress.advance(task)
+    paths = tuple(p for p in paths if p not in wrong)
     rows = []
     for path in paths:
         put, get = puts[path], gets[path]
@@ -318,7 +326,17 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
     warm, fresh = memcpy_phases(nbytes, cfg.reps)
     _ratios(rows)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
-            "paths": rows, "bounds": [warm.to_dict(), fresh.to_dict()]}
+            "paths": rows, "bounds": [warm.to_dict(), fresh.to_dict()], "wrong": wrong}
+
+
+def _checked_move(pool: _Pool, path: str, key: str, verify: bool, wrong: dict[str, str],
+                  **read: Any) -> tuple[float, float] | None:
+    """:func:`_move`; a peer's wrong bytes are recorded in ``wrong`` (None returned) instead of ending the run."""
+    try:
+        return _move(pool, path, key, verify, **read)
+    except PeerMismatch as err:
+        wrong[path] = str(err)
+        return None
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -336,18 +354,19 @@ def _latency(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     task = progress.add_task(f"{share.workload} latency", total=len(cfg.paths) * (cfg.ops + 1))
     put: dict[str, list[float]] = {path: [] for path in cfg.paths}
     get: dict[str, list[float]] = {path: [] for path in cfg.paths}
+    wrong: dict[str, str] = {}
     for op in range(cfg.ops + 1):  # in rounds, like _throughput
-        for path in cfg.paths:
-            p, g = _move(pool, path, _key(path, op), verify=op == 0)
-            if op:
-                put[path].append(p)
-                get[path].append(g)
+        for path in [p for p in cfg.paths if p not in wrong]:
+            moved = _checked_move(pool, path, _key(path, op), op == 0, wrong)
+            if moved and op:
+                put[path].append(moved[0])
+                get[path].append(moved[1])
             progress.advance(task)
     rows = [{"path": path, "label": PATHS[path].label, "put": _percentiles(put[path]), "get": _percentiles(get[path])}
-            for path in cfg.paths]
+            for path in cfg.paths if path not in wrong]
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
-            "ops": cfg.ops, "paths": rows}
+            "ops": cfg.ops, "paths": rows, "wrong": wrong}
 
 
 def _dp_shard(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
@@ -359,16 +378,17 @@ def _dp_shard(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     paths = [p for p in cfg.paths if PATHS[p].selects_rows]
     task = progress.add_task(f"DP shard of {share.workload} B={share.batch}", total=len(paths) * (cfg.reps + 1))
     gets: dict[str, list[float]] = {p: [] for p in paths}
+    wrong: dict[str, str] = {}
     for rep in range(cfg.reps + 1):
-        for path in paths:
-            _, g = _move(pool, path, _key(path, rep, "-dp"), verify=rep == 0, rows=rows, fields=DP_SHARD_FIELDS)
-            if rep:
-                gets[path].append(g)
+        for path in [p for p in paths if p not in wrong]:
+            moved = _checked_move(pool, path, _key(path, rep, "-dp"), rep == 0, wrong, rows=rows, fields=DP_SHARD_FIELDS)
+            if moved and rep:
+                gets[path].append(moved[1])
             progress.advance(task)
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
-            "rows": len(rows), "fields": DP_SHARD_FIELDS,
-            "paths": [{"path": p, "label": PATHS[p].label, "get": _percentiles(gets[p])} for p in paths]}
+            "rows": len(rows), "fields": DP_SHARD_FIELDS, "wrong": wrong,
+            "paths": [{"path": p, "label": PATHS[p].label, "get": _percentiles(gets[p])} for p in paths if p not in wrong]}
 
 
 def _percentiles(seconds: list[float]) -> dict:

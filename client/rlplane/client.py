@@ -32,6 +32,7 @@ from rlplane.errors import (InvalidArgumentError, LeaseError, MissingDataError, 
                             TransportError)
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.gcpause import gc_paused
+from rlplane.integrity import check_sums
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest
 from rlplane.meta import SampleMeta
 from rlplane.opstats import OpStats
@@ -150,6 +151,7 @@ class Client:
                 self.registry.get(name)
             columns, tags = self.transport.get(meta.partition, meta.sample_ids, names)
             op.nbytes = sum(col.nbytes for col in columns.values())
+            check_sums(meta.partition, meta.sample_ids, columns, tags)
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
             return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids)
 

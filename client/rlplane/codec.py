@@ -37,6 +37,7 @@ from rlplane.errors import (
     WireFormatError,
 )
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry
+from rlplane.integrity import SUM_TAG, row_sums
 from rlplane.packed import PackedTensor
 from rlplane.scratch import Alloc
 from rlplane.tags import RESERVED_TAG_PREFIX, WIRE_TAG, merge_tags
@@ -94,7 +95,9 @@ def encode(
         if out is None:
             continue
         columns[name], geoms[name] = out
-    tags = [{WIRE_TAG: {name: g[i] for name, g in geoms.items()}} for i in range(batch)]
+    sums = {name: row_sums(col).tolist() for name, col in columns.items()}
+    tags = [{WIRE_TAG: {name: g[i] for name, g in geoms.items()}, SUM_TAG: {name: s[i] for name, s in sums.items()}}
+            for i in range(batch)]
     return Encoded(columns, tags)
 
 

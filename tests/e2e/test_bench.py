@@ -40,6 +40,7 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
             assert set(r["ops"]) == {"put", "get", "round trip"} and r["ops"]["put"]["reps"] == 1
             assert r["ratio_to_raw_tq"]["put"] > 0
         assert {b["op"] for b in w["bounds"]} == {"memcpy (warm dst)", "memcpy (fresh dst)"}
+        assert w["checksum_ms"] > 0  # what the row digests cost, each way
     lat = data["latency"]
     assert lat["workload"] == "small" and {r["path"] for r in lat["paths"]} == PATHS
     assert all(r[op]["ops"] == 3 and r[op]["p99_ms"] >= r[op]["p50_ms"] for r in lat["paths"] for op in ("put", "get"))
@@ -58,7 +59,7 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     ctl = data["controller"]
     assert [r["op"] for r in ctl["rows"]] == ["put_samples", "claim+ack", "read_columns"] and ctl["processes"] == 2
     assert all(r["ops"] > 0 and r["ops_per_s"] > 0 for r in ctl["rows"])
-    assert len(data["targets"]) == 22 and all(t["met"] in (True, False) for t in data["targets"])
+    assert len(data["targets"]) == 23 and all(t["met"] in (True, False) for t in data["targets"])
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]
     assert png.read_bytes()[:8] == PNG

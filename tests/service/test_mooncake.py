@@ -154,3 +154,25 @@ def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_proce
     r = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
     assert r.status_code == 503 and r.json()["components"]["mooncake_master"] is False
     assert "mooncake_master" in json.dumps(r.json()["reason"])
+
+
+def _pool_keys(metrics_url: str) -> int:
+    text = httpx.get(metrics_url, timeout=10).text
+    return int(float(next(line.split()[-1] for line in text.splitlines() if line.startswith("master_key_count"))))
+
+
+def test_deleting_a_partition_whose_samples_hold_different_fields_frees_the_pool(tiny_mooncake):
+    metrics_url = httpx.get(f"{tiny_mooncake}/readyz", timeout=30).json()["mooncake_master"]["metrics_url"]
+    base = _pool_keys(metrics_url)
+    with rlplane.connect(tiny_mooncake, transport="tq") as client:
+        p = part()
+        fields = {"input_ids": torch.arange(64, dtype=torch.int64).reshape(2, 32), "input_lengths": torch.tensor([32, 32])}
+        meta = client.put_samples(p, fields, sample_ids=["a", "b"])
+        client.write_columns(meta.subset([0]), {"advantages": torch.ones(1, 32)})  # 'b' has no advantages
+        assert _pool_keys(metrics_url) > base
+        client.clear(p)
+        assert p not in client.partitions()
+    deadline = time.monotonic() + 10
+    while _pool_keys(metrics_url) != base and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _pool_keys(metrics_url) == base, "the partition's values stayed in the Mooncake pool after its delete"

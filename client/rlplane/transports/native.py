@@ -33,6 +33,7 @@ import torch
 
 from rlplane.channel import Channel, ChannelPool
 from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
+from rlplane.integrity import SUM_TAG
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name
 from rlplane.errors import MissingDataError, ShapeError, TransportError, WireFormatError
@@ -99,6 +100,7 @@ class NativeTransport(Transport):
         names = list(columns)
         # Split tags: geometry per field (kept in the controller's arrays), user tags per sample.
         geoms = {f: [t.get(WIRE_TAG, {}).get(f) for t in tags] for f in names}
+        sums = {f: _u64([(t.get(SUM_TAG) or {}).get(f, 0) for t in tags], f) for f in names}
         user = [{k: v for k, v in t.items() if not k.startswith(RESERVED_TAG_PREFIX)} for t in tags]
         for f, g in geoms.items():
             if any(x is None for x in g):
@@ -116,7 +118,7 @@ class NativeTransport(Transport):
             raise
         try:
             self._wait_blocks(writes, deadline)
-            commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": geoms,
+            commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": geoms, "h": sums,
                                       "nb": {f: ints(c.row_numels() * c.values.element_size()) for f, c in columns.items()}}
             if create or any(user):
                 commit["user"] = user
@@ -255,8 +257,18 @@ class NativeTransport(Transport):
                 parts[name].append((cols[name], int_array(pos, "positions"), name in sinks))
         columns = {f: _assemble(f, parts[f], n, out[f], row_bytes[f]) for f in fields}
         geoms, user = loc["g"], loc["user"]
-        tags = [{**user[i], WIRE_TAG: {f: geoms[f][i] for f in fields}} for i in range(n)]
+        sums = {f: np.frombuffer(loc["h"][f], "<u8").tolist() for f in fields}
+        tags = [{**user[i], WIRE_TAG: {f: geoms[f][i] for f in fields}, SUM_TAG: {f: sums[f][i] for f in fields}}
+                for i in range(n)]
         return columns, tags
+
+
+def _u64(values: list[Any], field: str) -> bytes:
+    """Row digests as little-endian uint64 bytes (0: none recorded)."""
+    try:
+        return np.asarray(values, dtype="<u8").tobytes()
+    except (OverflowError, TypeError, ValueError):
+        raise WireFormatError("a row's checksum is not a 64-bit unsigned int", field=field) from None
 
 
 def _sink(sinks: dict[str, memoryview]) -> Any:

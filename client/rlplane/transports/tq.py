@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: How TransferQueue's Mooncake client reports Mooncake's NO_AVAILABLE_HANDLE (no segment has room).
 _MOONCAKE_NO_SPACE = re.compile(r"error codes \[[^\]]*-200\b")
+#: TransferQueue's simple storage unit refusing a write past its capacity (it stores none of it).
+_SIMPLE_FULL = re.compile(r"Storage capacity exceeded")
 #: ...and a read that outlived its objects' lease (LEASE_EXPIRED).
 _MOONCAKE_LEASE = re.compile(r"error codes \[[^\]]*-707\b")
 
@@ -317,6 +319,11 @@ class TQTransport(Transport):
                 hint=f"TransferQueue no longer holds {err}: the samples were cleared while this call ran",
             ) from err
         except (RuntimeError, OSError, ValueError, asyncio.TimeoutError) as err:
+            if not self._kv and _SIMPLE_FULL.search(str(err)):
+                raise StorageFullError(
+                    "the TransferQueue storage units have no room for this write (nothing of it was kept); clear "
+                    "consumed partitions, or raise RLPLANE_CAPACITY / RLPLANE_STORAGE_UNITS"
+                ) from err
             if self._kv and _MOONCAKE_NO_SPACE.search(str(err)):
                 raise StorageFullError(
                     "the Mooncake pool has no room for this write (nothing of it was kept); clear "

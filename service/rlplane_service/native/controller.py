@@ -53,6 +53,13 @@ log = logging.getLogger(__name__)
 FREE, RESERVED, COMMITTED = 0, 1, 2
 
 
+def _digests(raw: Any, name: str) -> np.ndarray:
+    """A commit's row checksums (little-endian uint64 bytes)."""
+    if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) % 8:
+        raise E.WireFormatError("row checksums must be uint64 bytes", field=name)
+    return np.frombuffer(raw, "<u8")
+
+
 def _objects(items: Sequence[Any]) -> np.ndarray:
     out = np.empty(len(items), dtype=object)
     for i, x in enumerate(items):  # numpy would turn lists of lists into a 2-D array
@@ -68,13 +75,15 @@ class FieldIndex:
     row: np.ndarray
     nbytes: np.ndarray
     geom: np.ndarray
+    sums: np.ndarray  # uint64 xxh3 digest of each row's bytes as the writer stored them (0: none recorded)
 
     @classmethod
     def empty(cls, cap: int) -> FieldIndex:
-        return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object))
+        return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object),
+                   np.zeros(cap, np.uint64))
 
     def grow(self, cap: int) -> None:
-        for name, fill in (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None)):
+        for name, fill in (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0)):
             old = getattr(self, name)
             new = np.full(cap, fill, dtype=old.dtype) if fill is not None else np.empty(cap, dtype=object)
             new[: old.size] = old
@@ -217,7 +226,7 @@ class ControllerCore(StreamOps):
         return {"res": res.rid, "lease_s": self.lease_s}, {}, []
 
     def op_commit(self, header: dict, columns: dict, extra: list) -> Any:
-        geoms, user, sizes = header.get("g"), header.get("user"), header.get("nb")
+        geoms, user, sizes, sums = header.get("g"), header.get("user"), header.get("nb"), header.get("h") or {}
         if not isinstance(geoms, dict) or not isinstance(sizes, dict):
             raise E.WireFormatError("commit needs 'g' (geometry per field) and 'nb' (row bytes per field)")
         with self._lock:
@@ -245,6 +254,8 @@ class ControllerCore(StreamOps):
                 g, nb = geoms[name], int_array(sizes[name], "row bytes")
                 if not isinstance(g, list) or len(g) != n or nb.size != n:
                     raise E.WireFormatError(f"commit describes {len(g) if isinstance(g, list) else '?'} rows of {n}", field=name)
+                if name in sums and _digests(sums[name], name).size != n:
+                    raise E.WireFormatError(f"commit carries checksums for other than {n} rows", field=name)
             for name in res.fields:
                 fi = part.field_index(name)
                 self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
@@ -253,6 +264,7 @@ class ControllerCore(StreamOps):
                 fi.row[res.slots] = row_in_block
                 fi.nbytes[res.slots] = nb
                 fi.geom[res.slots] = _objects(geoms[name])
+                fi.sums[res.slots] = _digests(sums[name], name) if name in sums else 0
                 for b, _, a, z in res.blocks:
                     self._block_refs[b] = self._block_refs.get(b, 0) + (z - a)
                     live = int(nb[a:z].sum())
@@ -289,7 +301,7 @@ class ControllerCore(StreamOps):
             part = self._parts[p]
             missing: dict[str, list[str]] = {}
             per_unit: dict[int, list[list[Any]]] = {}
-            geoms, sizes = {}, {}
+            geoms, sizes, digests = {}, {}, {}
             for name in fields:
                 fi = part.fields.get(name)
                 blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
@@ -306,10 +318,12 @@ class ControllerCore(StreamOps):
                     per_unit.setdefault(u, []).append([name, ints(blk[pos]), ints(rows[pos]), ints(pos)])
                 geoms[name] = fi.geom[slots].tolist()
                 sizes[name] = ints(fi.nbytes[slots])
+                digests[name] = fi.sums[slots].astype("<u8").tobytes()
             if missing:
                 raise E.MissingDataError(p, missing)
             user = part.user[slots].tolist()
-        return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes}, {}, []
+        return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
+                "h": digests}, {}, []
 
     # -- housekeeping --------------------------------------------------------------------
     def op_clear(self, header: dict, columns: dict, extra: list) -> Any:
@@ -329,6 +343,7 @@ class ControllerCore(StreamOps):
                 self._release(fi.block[slots], fi.nbytes[slots])
                 fi.block[slots] = -1
                 fi.geom[slots] = None
+                fi.sums[slots] = 0
             part.state[slots] = FREE
             part.user[slots] = None
             for name in part.names[slots].tolist():

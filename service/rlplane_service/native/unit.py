@@ -88,6 +88,19 @@ class UnitCore:
     def op_ping(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         return {"unit": self.name}, {}, []
 
+    def damage(self, bid: int, name: str, row: int) -> bool:
+        """Flip one bit of row ``row`` of field ``name`` in block ``bid`` (what a failing
+        memory module or a stray write would do): the hook the integrity tests use.
+        False when the block, field or row is not here (or the row is empty)."""
+        with self._lock:
+            col = self._blocks.get(bid, {}).get(name)
+            if col is None or not 0 <= row < col.num_rows or col.offsets[row] == col.offsets[row + 1]:
+                return False
+            values = col.values.copy()
+            values.view(np.uint8)[int(col.offsets[row]) * values.itemsize] ^= 1
+            self._blocks[bid][name] = RawColumn(col.dtype, values, col.offsets)
+            return True
+
     # -- helpers -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -136,6 +149,10 @@ def unit_actor_class() -> Any:
 
         def stats(self) -> dict[str, Any]:
             return self._core.stats()
+
+        def damage(self, bid: int, name: str, row: int) -> bool:
+            """Test hook: flip a stored bit (see :meth:`UnitCore.damage`)."""
+            return self._core.damage(bid, name, row)
 
     return NativeUnitActor
 

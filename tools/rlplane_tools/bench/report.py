@@ -85,6 +85,8 @@ def workload_table(w: dict) -> Table:
                       f"{d['gb_per_s']:.2f}", "" if ratio is None else f"{ratio:.2f}")
     for d in w["bounds"]:
         t.add_row(d["op"], "copy", f"{d['median_ms']:.1f}", f"{d['min_ms']:.1f}..{d['max_ms']:.1f}", f"{d['gb_per_s']:.2f}", "")
+    if w.get("checksum_ms") is not None:
+        t.add_row("row checksums (xxh3)", "each way", f"{w['checksum_ms']:.1f}", "", "", "")
     return t
 
 

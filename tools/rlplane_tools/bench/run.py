@@ -325,8 +325,11 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
     progress.remove_task(task)
     warm, fresh = memcpy_phases(nbytes, cfg.reps)
     _ratios(rows)
+    import ray
+
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
-            "paths": rows, "bounds": [warm.to_dict(), fresh.to_dict()], "wrong": wrong}
+            "paths": rows, "bounds": [warm.to_dict(), fresh.to_dict()], "wrong": wrong,
+            "checksum_ms": ray.get(pool.writers[0].checksum_ms.remote(cfg.reps))}
 
 
 def _checked_move(pool: _Pool, path: str, key: str, verify: bool, wrong: dict[str, str],

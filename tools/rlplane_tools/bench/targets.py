@@ -27,6 +27,8 @@ MEMCPY_MULTIPLE = 40.0
 TEXT_VS_RAY = 1.5
 #: claim section: p50 of a claim whose batch is ready, of a blocked claim's wake-up, and N claimers' rate.
 CLAIM_P50_MS, WAKE_P50_MS, CLAIMERS_MIN_RATE = 2.0, 20.0, 1000.0
+#: vlm-step: what the row checksums add (once on put, once on read) as a share of the native round trip.
+CHECKSUM_SHARE = 0.05
 TARGET_WORKLOAD = "vlm-step"
 NATIVE = "rlplane-native"
 RAY = "ray-object-store"
@@ -80,6 +82,11 @@ def evaluate(results: dict) -> list[dict]:
                            value is not None and value >= TQ_SHARE_OF_RAW, f"GB/s ratio of {op}"))
 
     out.extend(_versus_dataproto(results, vlm, lat, scale))
+    ours, sums = _median(vlm, NATIVE, "round trip"), (vlm or {}).get("checksum_ms")
+    value = 2 * sums / ours if ours and sums is not None else None
+    out.append(_target(f"{TARGET_WORKLOAD}: row checksums (computed on put, checked on read) <= {CHECKSUM_SHARE:.0%} of "
+                       "the native round trip", value, CHECKSUM_SHARE, value is not None and value <= CHECKSUM_SHARE,
+                       "2 x digest ms / round trip ms"))
 
     # -- rlplane on TransferQueue and over HTTP ---------------------------------------------
     def ratio_target(name: str, op: str) -> None:

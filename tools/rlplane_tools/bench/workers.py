@@ -94,6 +94,23 @@ class BenchWorker:
         got, _, _ = p.read(self._batch(), handle)
         return p.verify(self._batch(), got)
 
+    def checksum_ms(self, reps: int) -> float:
+        """Median ms to compute the row digests of the held batch (what integrity adds to a
+        put, and again to a read: rlplane.integrity.row_sums over every column)."""
+        import statistics
+        import time
+
+        from rlplane.integrity import row_sums
+
+        cols = self._batch().encoded.columns.values()
+        times = []
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            for col in cols:
+                row_sums(col)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
     def clear(self, path: str, key: str) -> None:
         self.paths[path].clear(key)
 

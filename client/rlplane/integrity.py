@@ -1,0 +1,81 @@
+"""Checksums of every stored row: computed by the writer, checked on every read.
+
+Each (sample, field) row's stored bytes get an xxh3-64 digest when the codec encodes
+them (:func:`row_sums`); the digests travel in the sample's reserved tag
+:data:`SUM_TAG` (``{field: digest}``), are kept by every backend with the row's wire
+geometry, and come back with the row. :func:`check_sums` recomputes them over what
+arrived and raises :class:`~rlplane.errors.IntegrityError` naming the partition, the
+sample and the field of the first row whose bytes differ: a flipped bit on a storage
+unit, a torn write, or a backend handing back another row.
+
+xxh3 (the ``xxhash`` library) runs at memory speed (~15 GB/s here); crc32c's Python
+binding needs ``bytes`` (a copy per row). A digest of 0 means "not recorded" (rows
+written before digests existed, or by a foreign writer) and is not checked.
+
+Example::
+
+    sums = row_sums(column)                  # uint64, one per row
+    check_sums("step-0", ids, {"input_ids": column}, tags)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from rlplane.column import Column
+from rlplane.errors import IntegrityError
+
+#: Reserved tag key: ``{field: xxh3-64 of the row's stored bytes}``.
+SUM_TAG = "_rlplane_sum"
+
+
+def row_sums(col: Column) -> np.ndarray:
+    """The xxh3-64 digest of each row's stored bytes (uint64; an empty row's is xxh3 of nothing)."""
+    values = col.values
+    if values.device.type != "cpu":
+        values = values.cpu()
+    flat = values.reshape(-1)
+    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+        flat = flat.view(torch.int16)
+    buf = memoryview(np.ascontiguousarray(flat.numpy()).view(np.uint8))
+    bounds = (col.offsets.to("cpu") * values.element_size()).tolist()
+    digest = xxhash.xxh3_64_intdigest
+    return np.fromiter((digest(buf[a:b]) for a, b in zip(bounds[:-1], bounds[1:])), np.uint64, len(bounds) - 1)
+
+
+def sums_by_sample(sums: Mapping[str, np.ndarray], n: int) -> list[dict[str, int]]:
+    """Per sample ``{field: digest}``: what goes under :data:`SUM_TAG`."""
+    lists = {name: s.tolist() for name, s in sums.items()}
+    return [{name: v[i] for name, v in lists.items()} for i in range(n)]
+
+
+def check_sums(partition: str, sample_ids: Sequence[str], columns: Mapping[str, Column],
+               tags: Sequence[Mapping[str, Any]]) -> None:
+    """IntegrityError unless every row of ``columns`` hashes to the digest its tag recorded."""
+    for name, col in columns.items():
+        want = np.fromiter((_recorded(t, name) for t in tags), np.uint64, len(tags))
+        if not want.any():
+            continue
+        got = row_sums(col)
+        bad = np.flatnonzero((want != 0) & (got != want))
+        if bad.size:
+            i = int(bad[0])
+            raise IntegrityError(
+                f"partition {partition!r}, sample {sample_ids[i]!r}, field {name!r}: the bytes read back differ from "
+                f"what the writer stored (xxh3 {int(got[i]):#018x}, recorded {int(want[i]):#018x}); "
+                f"{bad.size} of {len(tags)} rows differ. The stored copy is damaged: rewrite the samples"
+            )
+
+
+def _recorded(tag: Mapping[str, Any], name: str) -> int:
+    sums = tag.get(SUM_TAG)
+    value = sums.get(name, 0) if isinstance(sums, Mapping) else 0
+    return value if isinstance(value, int) and 0 <= value < 1 << 64 else 0
+
+
+__all__ = ["SUM_TAG", "check_sums", "row_sums", "sums_by_sample"]

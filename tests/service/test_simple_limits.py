@@ -1,0 +1,71 @@
+"""The TransferQueue backend (``simple``) at its capacity: a write past it is a typed
+StorageFullError (HTTP 507), keeps nothing of itself, and loses nothing already stored."""
+
+import uuid
+
+import httpx
+import pytest
+import torch
+
+import rlplane
+from rlplane import errors as E
+
+ARGS = {"store_name": "tq-tiny", "backend": "simple", "storage_units": 1, "capacity": 4}
+
+
+def part() -> str:
+    return f"full-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def tiny_simple(service):
+    """An app whose one TransferQueue storage unit holds 4 samples, at /tq-tiny."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+    from rlplane_service.settings import ServiceSettings
+    from rlplane_service.store import Store
+
+    serve.run(build_app(ARGS), name="rlplane-tq-tiny", route_prefix="/tq-tiny")
+    try:
+        yield f"{service.url}/tq-tiny"
+    finally:
+        serve.delete("rlplane-tq-tiny")
+        Store.attach_or_create(ServiceSettings(**ARGS)).destroy()
+
+
+def batch(n: int, start: int = 0) -> dict:
+    ids = torch.arange(start, start + n * 8, dtype=torch.int64).reshape(n, 8)
+    return {"input_ids": ids, "input_lengths": torch.full((n,), 8)}
+
+
+@pytest.mark.parametrize("transport", ["tq", "http"])
+def test_a_write_past_capacity_is_storage_full_and_keeps_what_was_stored(tiny_simple, transport):
+    with rlplane.connect(tiny_simple, transport=transport) as client:
+        kept = part()
+        meta = client.put_samples(kept, batch(3), sample_ids=["a", "b", "c"])
+        over = part()
+        with pytest.raises(E.StorageFullError) as err:
+            client.put_samples(over, batch(2, 100), sample_ids=["x", "y"])
+        assert "RLPLANE_CAPACITY" in str(err.value)
+        assert over not in client.partitions()  # no ghost ids of the refused write
+        assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], batch(3)["input_ids"])
+        client.clear(kept, ["c"])
+        again = client.put_samples(over, batch(2, 100), sample_ids=["x", "y"])  # the room it freed takes them
+        assert torch.equal(client.read_columns(again, ["input_ids"])["input_ids"], batch(2, 100)["input_ids"])
+        client.clear(kept)
+        client.clear(over)
+
+
+def test_storage_full_is_http_507_with_the_typed_error(tiny_simple):
+    from rlplane.codec import encode
+    from rlplane.envelope import pack
+
+    with rlplane.connect(tiny_simple, transport="http") as client:
+        meta = client.put_samples(part(), batch(4))  # the store is full now
+        work = batch(1, 500)
+        enc = encode(client.registry, work, work["input_lengths"], sample_ids=["z"])
+        body = pack({"sample_ids": ["z"], "tags": enc.tags}, enc.columns)
+        r = httpx.post(f"{tiny_simple}/v1/data/{part()}/put", content=body, timeout=30)
+        assert r.status_code == 507 and r.json()["error"] == "StorageFullError", r.text
+        client.clear(meta.partition)

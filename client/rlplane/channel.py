@@ -187,9 +187,11 @@ class Channel:
                     f"{self.name} at {self.endpoint} refused this connection's credentials; the data path needs "
                     "the secret the service hands out under its API token (connect with the right token=)")
             elif event == zmq.EVENT_DISCONNECTED and self._up:
-                raise UnavailableError(f"{self.name} at {self.endpoint} dropped the connection mid-call "
+                err = UnavailableError(f"{self.name} at {self.endpoint} dropped the connection mid-call "
                                        "(its process died or restarted); check the service's /readyz",
                                        component=self.name)
+                err.dropped = True  # the peer went away (not merely slow)
+                raise err
 
     def close(self) -> None:
         if self.closed:

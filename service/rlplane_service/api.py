@@ -186,8 +186,26 @@ def build_api(state: ServiceState) -> FastAPI:
         except (asyncio.TimeoutError, E.RlplaneError) as err:
             return JSONResponse({"status": "not ready", "reason": str(err) or type(err).__name__, **body}, status_code=503)
         if down:
+            loss = await _loss(transport, down)
+            if loss is not None:  # every sample still has a live copy: serving, with fewer copies
+                return JSONResponse({"status": "degraded", "reason": f"not answering: {', '.join(down)}; every sample "
+                                     f"still has a copy ({loss['under_replicated_samples']} under-replicated)", **body})
             return JSONResponse({"status": "not ready", "reason": f"not answering: {', '.join(down)}", **body}, status_code=503)
         return JSONResponse({"status": "ready", **body})
+
+    async def _loss(transport: Any, down: list[str]) -> dict[str, Any] | None:
+        """The native controller's loss counts when only storage units are down and no
+        sample was lost (the store serves on from the other copies); else None."""
+        if "controller" in down or not hasattr(transport, "unit_usage"):
+            return None
+        try:
+            stats = await asyncio.wait_for(offload(transport.stats), timeout=5.0)
+        except (asyncio.TimeoutError, E.RlplaneError):
+            return None
+        declared = set(stats.get("lost_units", []))
+        if stats.get("lost_samples", 1) or not set(down) <= declared or len(declared) >= len(stats.get("units", {})):
+            return None  # samples were lost, the controller has not yet settled what a unit took, or none is left
+        return stats
 
     @api.get("/metrics", tags=["health"])
     async def metrics() -> Response:

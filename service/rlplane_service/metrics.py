@@ -107,6 +107,7 @@ class StoreView:
     mooncake_up: bool | None = None
     mooncake: dict[str, float] = field(default_factory=dict)  # master_* gauges we re-export
     streams: dict[str, Any] | None = None  # the consumption ledger's snapshot (rlplane.ledger.Ledger.snapshot)
+    loss: dict[str, int] | None = None  # native: lost_samples, under_replicated_samples (the controller's counts)
 
 
 def store_view(
@@ -150,9 +151,12 @@ def store_view(
                 partitions[name] = (info.num_samples, info.nbytes)
         except MissingDataError:  # cleared meanwhile
             continue
-    if hasattr(transport, "unit_usage"):  # native: the controller knows what each unit holds
-        units.update({u: held for u, held in transport.unit_usage().items() if u in units})
-    view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity)
+    loss = None
+    if hasattr(transport, "stats") and hasattr(transport, "unit_usage"):  # native: the controller knows it all
+        stats = transport.stats()
+        units.update({u: (int(d["samples"]), int(d["live_bytes"])) for u, d in stats["units"].items() if u in units})
+        loss = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
+    view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity, loss=loss)
     if streams is not None:
         try:
             view.streams = streams()
@@ -224,6 +228,11 @@ class _Collector:
         yield nbytes
         yield _gauge("rlplane_stored_samples", "Samples held by the store.", sum(n for n, _ in v.partitions.values()))
         yield _gauge("rlplane_stored_bytes", "Bytes held by the store.", sum(b for _, b in v.partitions.values()))
+        if v.loss is not None:
+            yield _gauge("rlplane_lost_samples", "Samples lost with a storage unit that held their only copy, since "
+                         "the store started (native).", v.loss["lost_samples"])
+            yield _gauge("rlplane_under_replicated_samples", "Samples with fewer live copies than RLPLANE_REPLICAS "
+                         "(native).", v.loss["under_replicated_samples"])
         yield _gauge("rlplane_capacity_samples", "Most samples the store holds (RLPLANE_CAPACITY; 0: no limit).", v.capacity or 0)
         unit_samples = GaugeMetricFamily("rlplane_storage_unit_samples", "Samples per storage unit.", labels=["unit"])
         unit_bytes = GaugeMetricFamily("rlplane_storage_unit_bytes", "Stored bytes per storage unit.", labels=["unit"])

@@ -30,6 +30,10 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="HTTP bind address of the embedded server (rlplane serve).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
     storage_units: int = Field(2, ge=1, le=256, description="Storage units (actors holding sample bytes).")
+    replicas: int = Field(
+        1, ge=1, le=8, description="Backend native: copies of every block, each on a distinct storage unit (at most "
+        "storage_units). With 2, a lost unit loses no sample; reads go on from the other copy."
+    )
     capacity: Optional[int] = Field(
         None, ge=1, description="Most samples held across all storage units (None: no limit)."
     )

@@ -83,6 +83,8 @@ def test_values_schema_rejects_a_typo_and_impossible_placement():
         render({"service": {"backend": "mooncak"}})
     with pytest.raises(helm.HelmError, match="exceeds workers.replicas"):
         render({"service": {"storageUnits": 5}, "workers": {"replicas": 2, "storageUnitsPerWorker": 2}})
+    with pytest.raises(helm.HelmError, match="dataReplicas"):
+        render({"service": {"storageUnits": 2, "dataReplicas": 3}})
 
 
 def test_renders_the_expected_kinds(rendered):
@@ -131,6 +133,7 @@ def test_serve_config_v2_is_a_serve_config_for_the_values(rendered):
     args = config["applications"][0]["args"]
     chart_values = render_values(values)
     assert args["storage_units"] == chart_values["service"]["storageUnits"]
+    assert args["replicas"] == chart_values["service"]["dataReplicas"]
     assert args["storage_resource"] == chart_values["placement"]["storageResource"]
     assert config["http_options"]["port"] == chart_values["service"]["httpPort"]
 

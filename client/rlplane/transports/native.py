@@ -36,7 +36,7 @@ from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
 from rlplane.integrity import SUM_TAG
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name
-from rlplane.errors import MissingDataError, ShapeError, TransportError, WireFormatError
+from rlplane.errors import MissingDataError, ShapeError, TransportError, UnavailableError, WireFormatError
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.streams import DirectStreams
 from rlplane.gather import BIG_RUN as _BIG_RUN
@@ -82,6 +82,7 @@ class NativeTransport(Transport):
         hello = self._ctrl().call({"op": "hello"}, timeout=min(timeout, 10.0))[0]
         self.units: list[tuple[str, str]] = [(str(n), str(e)) for n, e in hello["units"]]
         self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
+        self.down: set[int] = {int(u) for u in hello.get("down", [])}  # units the controller declared lost
         self._cursor = secrets.randbelow(max(1, len(self.units)))
 
     # -- the Transport verbs ---------------------------------------------------------
@@ -95,7 +96,15 @@ class NativeTransport(Transport):
         create: bool,
     ) -> None:
         check_put(sample_ids, columns, tags)
-        ids = list(sample_ids)
+        try:
+            self._put(partition, list(sample_ids), columns, tags, create)
+        except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
+            if not self._lost(err):
+                raise
+            self._put(partition, list(sample_ids), columns, tags, create)
+
+    def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
+             create: bool) -> None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
         # Split tags: geometry per field (kept in the controller's arrays), user tags per sample.
@@ -134,7 +143,12 @@ class NativeTransport(Transport):
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         try:
-            return self._get(partition, list(sample_ids), list(fields))
+            try:
+                return self._get(partition, list(sample_ids), list(fields))
+            except UnavailableError as err:  # a unit died: its rows are read from their other copy, or named lost
+                if not self._lost(err):
+                    raise
+                return self._get(partition, list(sample_ids), list(fields))
         except MissingDataError as err:
             if err.missing:
                 raise
@@ -180,6 +194,16 @@ class NativeTransport(Transport):
         name, endpoint = self.units[u]
         return self._pool.get(endpoint, name)
 
+    def _lost(self, err: UnavailableError) -> bool:
+        """Tell the controller a unit did not answer; True once it is declared lost (so a
+        retry goes around it), False when the failure was not a unit's or it still answers."""
+        index = next((k for k, (name, _) in enumerate(self.units) if name == err.component), None)
+        if index is None:
+            return False
+        down = self._ctrl().call({"op": "unit_down", "u": index}, timeout=min(self.timeout, 30.0))[0]["down"]
+        self.down = {int(u) for u in down}
+        return index in self.down
+
     def _left(self, deadline: float) -> float:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -189,12 +213,17 @@ class NativeTransport(Transport):
     def _place(self, n: int, nbytes: int) -> list[list[Any]]:
         """Blocks for ``n`` rows: one unit per block, split over units when the put is big
         (so the shares move in parallel); fresh random ids; units taken in turn."""
-        chunks = max(1, min(len(self.units), n, -(-nbytes // CHUNK_BYTES) if nbytes else 1))
+        live = [u for u in range(len(self.units)) if u not in self.down]
+        if not live:
+            raise UnavailableError("every storage unit of the store is lost; the service needs a restart",
+                                   component="storage units")
+        chunks = max(1, min(len(live), n, -(-nbytes // CHUNK_BYTES) if nbytes else 1))
         bounds = np.linspace(0, n, chunks + 1).astype(np.int64).tolist()
+        copies = min(self.replicas, len(live))
         out = []
         for k in range(chunks):
-            units = [(self._cursor + r) % len(self.units) for r in range(self.replicas)]
-            self._cursor = (self._cursor + 1) % len(self.units)
+            units = [live[(self._cursor + r) % len(live)] for r in range(copies)]
+            self._cursor = (self._cursor + 1) % len(live)
             out.append([secrets.randbits(62) + 1, units, bounds[k], bounds[k + 1]])
         return out
 

@@ -75,7 +75,7 @@ class NativeStore:
             unit_infos = ray.get([u.info.remote() for u in units.values()], timeout=_START_TIMEOUT_S)
             controller = Controller.options(name=f"{prefix}-native-controller", **common).remote(
                 host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
-                settings.put_lease_s, 1, settings.claim_lease_s)
+                settings.put_lease_s, settings.replicas, settings.claim_lease_s)
             cinfo = ray.get(controller.info.remote(), timeout=_START_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as err:
             raise TransportError(f"the native store's actors did not start: {err}") from err

@@ -23,6 +23,13 @@ the tags back; clients then read the units directly. Blocks whose rows are all c
 are freed on their units; rows cleared from a block that still holds live rows keep
 their memory until the rest goes (``stats`` reports those bytes as ``retained_bytes``).
 
+Replicas and loss: a put may place each block on ``replicas`` distinct units
+(RLPLANE_REPLICAS); reads go to the first live copy. The controller pings every unit
+each second; a unit whose connection drops (or that misses pings) is *lost*: its blocks
+keep their other copies (``under_replicated_samples`` counts what now has fewer than
+``replicas``), and samples that had their only copy there leave the index (listings,
+counts, claims) while a read of them raises MissingDataError naming the unit.
+
 Example::
 
     core = ControllerCore(units=[("unit-0", "tcp://127.0.0.1:5001")], secret=None)
@@ -51,6 +58,9 @@ from rlplane_service.native.stream import StreamOps
 log = logging.getLogger(__name__)
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
+#: The controller pings every storage unit this often; a unit whose connection dropped,
+#: or that missed LOST_AFTER pings in a row (each waiting CHECK_TIMEOUT_S), is lost.
+WATCH_EVERY_S, CHECK_TIMEOUT_S, LOST_AFTER = 1.0, 3.0, 2
 
 
 def _digests(raw: Any, name: str) -> np.ndarray:
@@ -100,6 +110,7 @@ class Partition:
     user: np.ndarray = field(default_factory=lambda: np.empty(0, object))
     fields: dict[str, FieldIndex] = field(default_factory=dict)
     used: int = 0  # slots handed out so far
+    lost: dict[str, str] = field(default_factory=dict)  # sample id -> the storage unit it was lost with
 
     def take(self, ids: list[str]) -> np.ndarray:
         n = len(ids)
@@ -180,8 +191,11 @@ class ControllerCore(StreamOps):
         self._pool = ChannelPool(secret)
         self._frees: queue.Queue[tuple[int, list[int]] | None] = queue.Queue()
         self._stop = threading.Event()
+        self._lost_units: dict[int, str] = {}  # unit index -> why it was declared lost
+        self._lost_samples = 0
         self._threads = [threading.Thread(target=self._reap, name="rlplane-reaper", daemon=True),
-                         threading.Thread(target=self._free_loop, name="rlplane-free", daemon=True)]
+                         threading.Thread(target=self._free_loop, name="rlplane-free", daemon=True),
+                         threading.Thread(target=self._watch, name="rlplane-watch", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -189,12 +203,31 @@ class ControllerCore(StreamOps):
     def op_hello(self, header: dict, columns: dict, extra: list) -> Any:
         """The topology a client needs to place its blocks: the storage units, how many
         copies of a block to write, and the reservation lease."""
-        return {"units": [list(u) for u in self.units], "lease_s": self.lease_s, "replicas": self.replicas}, {}, []
+        return {"units": [list(u) for u in self.units], "lease_s": self.lease_s, "replicas": self.replicas,
+                "down": sorted(self._lost_units)}, {}, []
+
+    def op_unit_down(self, header: dict, columns: dict, extra: list) -> Any:
+        """A client could not reach unit ``u``: ping it now; if it does not answer, it is
+        lost (its only copies go, see :meth:`_lose_unit`). Answers the lost units."""
+        u = header.get("u")
+        if not isinstance(u, int) or not 0 <= u < len(self.units):
+            raise E.WireFormatError(f"unit_down needs a unit index 'u' below {len(self.units)}")
+        if u not in self._lost_units:
+            name, endpoint = self.units[u]
+            try:
+                self._pool.get(endpoint, name).call({"op": "ping"}, timeout=CHECK_TIMEOUT_S)
+            except E.RlplaneError as err:
+                self._lose_unit(u, str(err))
+        return {"down": sorted(self._lost_units)}, {}, []
 
     def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
         p, ids = _partition(header), _strs(header.get("ids"), "ids")
         create, fields = bool(header.get("create")), _strs(header.get("fields"), "fields")
         blocks = self._blocks_of(header.get("blocks"), len(ids))
+        on_lost = sorted({u for _, units, _, _ in blocks for u in units} & self._lost_units.keys())
+        if on_lost:
+            name = self.units[on_lost[0]][0]
+            raise E.UnavailableError(f"storage unit {name} is lost (place this put on the others)", component=name)
         with self._lock:
             part = self._parts.get(p)
             if create:
@@ -241,6 +274,10 @@ class ControllerCore(StreamOps):
             if res.create and (not isinstance(user, list) or len(user) != n):
                 raise E.WireFormatError("commit of new samples needs 'user': one tag map per sample")
             part = self._parts[res.partition]
+            if any(b not in self._block_units for b, _, _, _ in res.blocks):
+                self._abort(res)
+                raise E.UnavailableError("a storage unit holding this put's only copy was lost before the commit; "
+                                         "nothing of the put was stored: retry it", component="storage unit")
             if not res.create and bool((part.state[res.slots] != COMMITTED).any()):
                 self._abort(res)
                 gone = part.names[res.slots[part.state[res.slots] != COMMITTED]].tolist()
@@ -339,18 +376,9 @@ class ControllerCore(StreamOps):
                 got = [part.ids.get(s, -1) for s in _strs(ids, "ids")]
                 slots = np.asarray([s for s in got if s >= 0], np.int64)
                 slots = slots[part.state[slots] == COMMITTED] if slots.size else slots
-            for fi in part.fields.values():
-                self._release(fi.block[slots], fi.nbytes[slots])
-                fi.block[slots] = -1
-                fi.geom[slots] = None
-                fi.sums[slots] = 0
-            part.state[slots] = FREE
-            part.user[slots] = None
-            for name in part.names[slots].tolist():
-                del part.ids[name]
-            part.names[slots] = None
-            if not part.ids:
-                del self._parts[p]
+            if ids is None:
+                part.lost.clear()  # the partition is gone, and with it what it had lost
+            self._forget(p, part, slots)
         return {"cleared": int(slots.size)}, {}, []
 
     def op_list(self, header: dict, columns: dict, extra: list) -> Any:
@@ -394,7 +422,25 @@ class ControllerCore(StreamOps):
                 "live_bytes": live,
                 "retained_bytes": written - live,
                 "units": per_unit,
+                "replicas": self.replicas,
+                "lost_units": sorted(self.units[u][0] for u in self._lost_units),
+                "lost_samples": self._lost_samples,
+                "under_replicated_samples": self._under_replicated(),
             }
+
+    def _under_replicated(self) -> int:
+        """Committed samples with a row in a block that has fewer live copies than RLPLANE_REPLICAS."""
+        short = [b for b, units in self._block_units.items() if len(units) < self.replicas]
+        if not short:
+            return 0
+        few = np.asarray(sorted(short), np.int64)
+        total = 0
+        for part in self._parts.values():
+            hit = np.zeros(part.used, bool)
+            for fi in part.fields.values():
+                hit |= np.isin(fi.block[: part.used], few)
+            total += int((hit & (part.state[: part.used] == COMMITTED)).sum())
+        return total
 
     def _unit_usage(self, per_unit: dict[str, dict[str, int]]) -> None:
         """Add each unit's live bytes and the samples with a row there (vectorized per field)."""
@@ -430,6 +476,76 @@ class ControllerCore(StreamOps):
         self._pool.close()
 
     # -- internals -----------------------------------------------------------------------
+    def _forget(self, p: str, part: Partition, slots: np.ndarray) -> None:
+        """Drop samples ``slots`` of partition ``p`` from the index (their rows' blocks are
+        released); the partition goes when nothing of it is left to answer for."""
+        for fi in part.fields.values():
+            self._release(fi.block[slots], fi.nbytes[slots])
+            fi.block[slots] = -1
+            fi.geom[slots] = None
+            fi.sums[slots] = 0
+        part.state[slots] = FREE
+        part.user[slots] = None
+        for name in part.names[slots].tolist():
+            del part.ids[name]
+        part.names[slots] = None
+        if not part.ids and not part.lost:
+            del self._parts[p]
+
+    def _lose_unit(self, u: int, why: str) -> None:
+        """Unit ``u`` is gone with its memory: blocks keep their other copies; samples with
+        a row in a block that had no other copy are lost: they leave listings, counts and
+        claims, and reading them says they were lost with this unit."""
+        name = self.units[u][0]
+        with self._lock:
+            if u in self._lost_units:
+                return
+            self._lost_units[u] = why
+            gone = []
+            for b, units in list(self._block_units.items()):
+                if u in units:
+                    rest = tuple(x for x in units if x != u)
+                    if rest:
+                        self._block_units[b] = rest
+                    else:
+                        gone.append(b)
+            lost = 0
+            if gone:
+                dead = np.asarray(sorted(gone), np.int64)
+                for p, part in list(self._parts.items()):
+                    hit = np.zeros(part.used, bool)
+                    for fi in part.fields.values():
+                        hit |= np.isin(fi.block[: part.used], dead)
+                    slots = np.flatnonzero(hit & (part.state[: part.used] == COMMITTED))
+                    if slots.size:
+                        part.lost.update(dict.fromkeys(part.names[slots].tolist(), name))
+                        self._forget(p, part, slots)
+                        lost += int(slots.size)
+                for b in gone:  # nothing to free on a dead unit
+                    self._block_units.pop(b, None)
+                    self._block_refs.pop(b, None)
+                    self._block_bytes.pop(b, None)
+            self._lost_samples += lost
+            self.ledger.dirty = True
+        log.error("storage unit %s is lost (%s): %d samples lost with it, %d blocks keep a copy elsewhere",
+                  name, why, lost, sum(1 for units in self._block_units.values() if len(units) < self.replicas))
+
+    def _watch(self) -> None:
+        """Ping every unit each WATCH_EVERY_S: a dropped connection, or LOST_AFTER timeouts
+        in a row, and it is lost."""
+        misses = [0] * len(self.units)
+        while not self._stop.wait(WATCH_EVERY_S):
+            for u, (name, endpoint) in enumerate(self.units):
+                if u in self._lost_units:
+                    continue
+                try:
+                    self._pool.get(endpoint, name).call({"op": "ping"}, timeout=CHECK_TIMEOUT_S)
+                    misses[u] = 0
+                except E.RlplaneError as err:
+                    misses[u] += 1
+                    if getattr(err, "dropped", False) or misses[u] >= LOST_AFTER:
+                        self._lose_unit(u, str(err))
+
     def _held(self, committed_only: bool = False) -> int:
         if committed_only:
             return sum(int((p.state[: p.used] == COMMITTED).sum()) for p in self._parts.values())
@@ -438,15 +554,24 @@ class ControllerCore(StreamOps):
     def _slots(self, p: str, part: Partition | None, ids: list[str]) -> np.ndarray:
         """Slots of committed samples ``ids``; MissingDataError naming the unknown ones."""
         if part is None:
-            raise E.MissingDataError(p, {s: [] for s in ids})
+            raise self._missing(p, part, ids)
         got = [part.ids.get(s, -1) for s in ids]
         slots = np.asarray(got, np.int64)
         bad = slots < 0
         if slots.size and not bad.all():
             bad |= part.state[np.where(bad, 0, slots)] != COMMITTED
         if bad.any():
-            raise E.MissingDataError(p, {ids[i]: [] for i in np.flatnonzero(bad).tolist()})
+            raise self._missing(p, part, [ids[i] for i in np.flatnonzero(bad).tolist()])
         return slots
+
+    @staticmethod
+    def _missing(p: str, part: Partition | None, ids: list[str]) -> E.MissingDataError:
+        lost = {s: part.lost[s] for s in ids if part is not None and s in part.lost}
+        if not lost:
+            return E.MissingDataError(p, {s: [] for s in ids})
+        units = sorted(set(lost.values()))
+        return E.MissingDataError(p, {s: [] for s in ids}, hint=f"{len(lost)} of them were lost with storage unit(s) "
+                                  f"{', '.join(units)} (they held the only copy; RLPLANE_REPLICAS=2 keeps two)")
 
     def _blocks_of(self, given: Any, n: int) -> list[tuple[int, tuple[int, ...], int, int]]:
         """The blocks a put announces: ``[[block id, [units], first row, end row], ...]``
@@ -486,7 +611,8 @@ class ControllerCore(StreamOps):
         by_unit: dict[int, list[int]] = {}
         for b in bids:
             for u in self._block_units.pop(b, ()):
-                by_unit.setdefault(u, []).append(b)
+                if u not in self._lost_units:
+                    by_unit.setdefault(u, []).append(b)
             self._block_refs.pop(b, None)
             self._block_bytes.pop(b, None)
         for u, bs in by_unit.items():

@@ -34,9 +34,9 @@ from rlplane.packed import PackedTensor
 
 from rlplane_tools.bench.base import Batch, BenchPath, Sent, WorkerEnv
 
-#: The writer's segment: the largest batch the bench moves (text-scale B=8192 padded,
-#: ~170 MB; vlm-step B=256, ~700 MB) with room for a batch not yet cleared.
-SEGMENT_BYTES = 2 << 30
+#: The writer's segment: the largest batch this row moves (text-scale B=8192 padded,
+#: ~240 MB) with room for one not yet cleared. (It sits out the vlm-step batch sweep.)
+SEGMENT_BYTES = 1 << 30
 #: The store that names the bench's master (its log directory, nothing else).
 STORE_NAME = "bench-dataproto"
 

@@ -1,0 +1,67 @@
+"""RLPLANE_REPLICAS=2 on the native engine: every block on two storage units, so a killed
+unit loses nothing: reads go on bit for bit, puts go on, /readyz says degraded, and the
+store reports what now has one copy (issue 13, "replicas")."""
+
+import time
+import uuid
+
+import httpx
+import pytest
+import torch
+
+import rlplane
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import vlm_step
+
+TOKEN = "replica-test-token"
+ARGS = {"store_name": "rep", "backend": "native", "storage_units": 3, "replicas": 2, "api_token": TOKEN}
+HEADERS = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def rep(service):
+    """An app of its own with three units and two copies of every block, at /rep."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+    from rlplane_service.backends.native import NativeStore
+    from rlplane_service.settings import ServiceSettings
+
+    serve.run(build_app(ARGS), name="rlplane-rep", route_prefix="/rep")
+    try:
+        yield f"{service.url}/rep"
+    finally:
+        serve.delete("rlplane-rep")
+        NativeStore.attach_or_create(ServiceSettings(**ARGS)).destroy()
+
+
+def test_a_killed_unit_loses_nothing_with_two_copies(rep):
+    import ray
+
+    with rlplane.connect(rep, token=TOKEN, transport="native") as client:
+        works = [vlm_step(batch=6, seqlen=64, seed=k) for k in range(6)]
+        metas = [client.put_samples(f"r-{uuid.uuid4().hex[:6]}", w.fields) for w in works]
+        assert client.transport.stats()["under_replicated_samples"] == 0
+        ray.kill(ray.get_actor("rep-native-unit-1", namespace="rlplane"), no_restart=True)
+        for w, meta in zip(works, metas):  # every sample, every field, from the surviving copies
+            start = time.monotonic()
+            got = client.read_columns(meta, sorted(meta.fields), pad_to_seqlen=64)
+            assert time.monotonic() - start < 10
+            assert not diff_fields(client.registry, w.fields, got, w.lengths, sample_ids=meta.sample_ids)
+        deadline = time.monotonic() + 10  # the controller declares the unit lost within seconds
+        while "rep-native-unit-1" not in client.transport.stats()["lost_units"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stats = client.transport.stats()
+        assert stats["lost_units"] == ["rep-native-unit-1"] and stats["lost_samples"] == 0
+        assert stats["under_replicated_samples"] > 0  # what had a copy there has one left
+        assert {m.partition for m in metas} <= set(client.partitions())
+        more = vlm_step(batch=4, seqlen=64, seed=99)  # puts go on, two copies on the two live units
+        meta = client.put_samples(f"r-{uuid.uuid4().hex[:6]}", more.fields)
+        got = client.read_columns(meta, sorted(meta.fields), pad_to_seqlen=64)
+        assert not diff_fields(client.registry, more.fields, got, more.lengths, sample_ids=meta.sample_ids)
+    r = httpx.get(f"{rep}/readyz", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "degraded", r.text
+    assert r.json()["components"]["rep-native-unit-1"] is False and "rep-native-unit-1" in r.json()["reason"]
+    metrics = httpx.get(f"{rep}/metrics", timeout=30).text
+    assert "rlplane_lost_samples 0.0" in metrics
+    assert f"rlplane_under_replicated_samples {float(stats['under_replicated_samples'])}" in metrics

@@ -39,7 +39,7 @@ from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest
 from rlplane.transports.base import PartitionInfo, Transport
-from rlplane_service.metrics import Ledger, OpsReport, render, store_view
+from rlplane_service.metrics import Ledger, OpsReport, ScrapeCache, render, store_view
 from rlplane_service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
@@ -207,24 +207,27 @@ def build_api(state: ServiceState) -> FastAPI:
             return None  # samples were lost, the controller has not yet settled what a unit took, or none is left
         return stats
 
+    def scrape() -> bytes:
+        view = store_view(
+            transport,
+            backend=str(state.transport_info.get("backend", transport.name)),
+            unit_names=list(state.transport_info.get("storage_units", {})),
+            health=state.health(),
+            capacity=state.settings.capacity,
+            mooncake_metrics_url=(state.mooncake or {}).get("metrics_url"),
+            streams=state.streams,
+        )
+        return render(state.ledger.snapshot(), view)
+
+    scrapes = ScrapeCache(scrape)
+
     @api.get("/metrics", tags=["health"])
     async def metrics() -> Response:
         """Prometheus metrics (text format): ops, bytes, latencies and errors of every
-        replica and tq client, and what the store holds now. Open like /healthz."""
-
-        def scrape() -> bytes:
-            view = store_view(
-                transport,
-                backend=str(state.transport_info.get("backend", transport.name)),
-                unit_names=list(state.transport_info.get("storage_units", {})),
-                health=state.health(),
-                capacity=state.settings.capacity,
-                mooncake_metrics_url=(state.mooncake or {}).get("metrics_url"),
-                streams=state.streams,
-            )
-            return render(state.ledger.snapshot(), view)
-
-        return Response(await offload(scrape), media_type=CONTENT_TYPE_LATEST)
+        replica and tq client, and what the store holds now. Open like /healthz; read on
+        a thread of its own, at most once per second (a scrape sees every op done >= 1 s
+        before it)."""
+        return Response(await scrapes.get(), media_type=CONTENT_TYPE_LATEST)
 
     @asynccontextmanager
     async def observed(op: str) -> AsyncIterator[dict[str, Any]]:

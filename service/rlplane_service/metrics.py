@@ -24,6 +24,7 @@ import bisect
 import functools
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -175,6 +176,43 @@ def _scrape_mooncake(url: str) -> dict[str, float]:
         return parse_mooncake_metrics(httpx.get(url, timeout=2.0).text)
     except (httpx.HTTPError, ValueError):
         return {}
+
+
+#: A /metrics body is reused for this long: any scrape at least this long after an
+#: operation sees it. Prometheus scrapes every 15-60 s; many scrapers share one read.
+SCRAPE_TTL_S = 1.0
+
+
+class ScrapeCache:
+    """``/metrics``' body, produced by ``produce`` on a thread of its own (never the data
+    path's pool, so a slow store read cannot starve puts and reads, and a flood of scrapes
+    costs one store read per ``ttl``); concurrent scrapes wait for the one in flight.
+
+    Example::
+
+        cache = ScrapeCache(lambda: render(ledger.snapshot(), store_view(...)))
+        body = await cache.get()
+    """
+
+    def __init__(self, produce: Callable[[], bytes], ttl: float = SCRAPE_TTL_S) -> None:
+        import asyncio
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._produce, self._ttl = produce, ttl
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlplane-scrape")
+        self._lock = asyncio.Lock()
+        self._started, self._body = float("-inf"), b""
+
+    async def get(self) -> bytes:
+        import asyncio
+
+        async with self._lock:
+            if time.monotonic() - self._started < self._ttl:
+                return self._body
+            started = time.monotonic()  # the body reflects everything done before this
+            self._body = await asyncio.get_running_loop().run_in_executor(self._pool, self._produce)
+            self._started = started
+            return self._body
 
 
 def render(ledger: Mapping[str, Any], view: StoreView) -> bytes:

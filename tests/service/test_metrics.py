@@ -1,6 +1,7 @@
 """GET /metrics of the live service: counters move by exactly what a known put/read did,
 on both backends and both transports, and the dashboard queries only what is exported."""
 
+import time
 import uuid
 from pathlib import Path
 
@@ -12,12 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 import rlplane
 from rlplane import errors as E
 from rlplane.codec import encode
+from rlplane_service.metrics import SCRAPE_TTL_S
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of ``url``/metrics as {(name, sorted labels): value}."""
+    """Every sample of ``url``/metrics as {(name, sorted labels): value}, fresh: a body is
+    reused for SCRAPE_TTL_S, so wait that long after the ops it must show."""
+    time.sleep(SCRAPE_TTL_S)
     text = httpx.get(f"{url}/metrics", timeout=30).text
     out = {}
     for family in text_string_to_metric_families(text):
@@ -112,6 +116,7 @@ def exported_after_traffic(url: str, token: str) -> set[str]:
             client.read_columns(meta, ["prev_logprobs"])
         client.claim(p, "metrics", batch_size=1, fields=["input_ids"], timeout=5)
     names = set()
+    time.sleep(SCRAPE_TTL_S)
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         if family.samples:
             names.add(family.name + ("_total" if family.type == "counter" else ""))
@@ -165,3 +170,29 @@ def test_every_replica_reports_the_same_counts(two_replicas):
     assert seen == {6}
     with rlplane.connect(two_replicas, transport="http") as client:
         client.clear(p)
+
+
+def test_a_scrape_is_reused_for_a_second_and_then_shows_what_happened(live):
+    """Scrapes within SCRAPE_TTL_S of each other share one store read (a flood of them
+    costs the store nothing more); one made after it shows the ops in between."""
+    with rlplane.connect(live.url, token=live.token, transport="http") as client:
+        shared = 0
+        for _ in range(5):
+            time.sleep(SCRAPE_TTL_S)  # the first scrape below reads the store afresh, after `sent`
+            sent = time.monotonic()
+            first = httpx.get(f"{live.url}/metrics", timeout=30).text
+            client.put_samples(f"m-{uuid.uuid4().hex[:8]}", batch(1))
+            second = httpx.get(f"{live.url}/metrics", timeout=30).text
+            if time.monotonic() - sent < SCRAPE_TTL_S:  # both answered within one TTL: one body
+                assert second == first
+                shared += 1
+        assert shared, "no two scrapes ran within one TTL on this machine"
+        counted = "rlplane_ops_total{op=\"put_samples\",status=\"ok\",transport=\"http\"}"
+        before = next(line for line in first.splitlines() if line.startswith(counted))
+        after = next(line for line in scrape_text(live.url).splitlines() if line.startswith(counted))
+        assert float(after.split()[-1]) > float(before.split()[-1])
+
+
+def scrape_text(url: str) -> str:
+    time.sleep(SCRAPE_TTL_S)
+    return httpx.get(f"{url}/metrics", timeout=30).text

@@ -195,6 +195,9 @@ def test_metrics_show_each_tasks_consumption_and_claim_waits(live):
     from prometheus_client.parser import text_string_to_metric_families
 
     def scrape() -> dict[tuple, float]:
+        from rlplane_service.metrics import SCRAPE_TTL_S
+
+        time.sleep(SCRAPE_TTL_S)  # a body is reused that long: this one shows every op before it
         text = httpx.get(f"{live.url}/metrics", timeout=30).text
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}

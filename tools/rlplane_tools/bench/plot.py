@@ -40,8 +40,8 @@ def write_plot(results: dict, path: Path) -> None:
     if sweeps.get("batch"):
         ax = rest.pop(0)
         batches = [s["batch"] for s in sweeps["batch"]]
-        for path, label in sweep_paths(sweeps["batch"]):
-            rows = [next((r for r in s["paths"] if r["path"] == path), None) for s in sweeps["batch"]]
+        for name, label in sweep_paths(sweeps["batch"]):
+            rows = [next((r for r in s["paths"] if r["path"] == name), None) for s in sweeps["batch"]]
             ax.plot(batches, [float("nan") if r is None else r["ops"]["round trip"]["gb_per_s"] for r in rows], "o-",
                     label=label)
         ax.set_xscale("log", base=2)

@@ -393,6 +393,7 @@ def soak(
 
     rlplane soak --minutes 10 --json out/soak.json
     """
+    from rlplane.errors import RlplaneError
     from rlplane_tools.soak import SoakConfig, run_soak
 
     cfg = SoakConfig(minutes=minutes, writers=writers, readers=readers, batch=batch, seqlen=seqlen, kill=kill)

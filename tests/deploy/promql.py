@@ -40,6 +40,8 @@ METRICS = frozenset({
     "rlplane_claim_redelivered_total",
     "rlplane_claim_wait_seconds",
     "rlplane_claim_leases",
+    "rlplane_lost_samples",
+    "rlplane_under_replicated_samples",
 })
 HISTOGRAMS = frozenset({"rlplane_op_duration_seconds", "rlplane_claim_wait_seconds"})
 

@@ -64,7 +64,8 @@ def test_rules_have_the_alerts_and_only_known_metrics():
     rules = [r for g in groups for r in g["rules"]]
     assert {r["alert"] for r in rules} == {
         "RlplaneCapacityHigh", "RlplaneErrorRatioHigh", "RlplaneStorageUnitDown",
-        "RlplaneIdleWithData", "RlplaneMooncakeMasterDown", "RlplaneConsumerLagging",
+        "RlplaneIdleWithData", "RlplaneMooncakeMasterDown", "RlplaneConsumerLagging", "RlplaneSamplesLost",
+        "RlplaneUnderReplicated",
     }
     for r in rules:
         assert r["labels"]["severity"] in {"info", "warning", "critical"}, r["alert"]

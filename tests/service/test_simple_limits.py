@@ -1,5 +1,6 @@
-"""The TransferQueue backend (``simple``) at its capacity: a write past it is a typed
-StorageFullError (HTTP 507), keeps nothing of itself, and loses nothing already stored."""
+"""The TransferQueue backend (``simple``) at its limits: a write past its capacity is a
+typed StorageFullError (HTTP 507), keeps nothing of itself, and loses nothing already
+stored; a storage unit that dies fails the calls that need it within seconds, named."""
 
 import uuid
 
@@ -69,3 +70,24 @@ def test_storage_full_is_http_507_with_the_typed_error(tiny_simple):
         r = httpx.post(f"{tiny_simple}/v1/data/{part()}/put", content=body, timeout=30)
         assert r.status_code == 507 and r.json()["error"] == "StorageFullError", r.text
         client.clear(meta.partition)
+
+
+def test_a_killed_storage_unit_fails_calls_within_seconds_naming_it(tiny_simple):
+    """Last in this module (it leaves the app without its unit). TransferQueue retries a
+    dead unit for minutes; rlplane gives the call up within seconds, naming the unit."""
+    import time
+
+    import ray
+
+    with rlplane.connect(tiny_simple, transport="tq") as client:
+        meta = client.put_samples(part(), batch(2))
+        ray.kill(ray.get_actor("tq-tiny-tq-unit-0", namespace="rlplane"), no_restart=True)
+        time.sleep(1.0)  # the kill is asynchronous
+        for call in (lambda: client.read_columns(meta, ["input_ids"]), lambda: client.put_samples(part(), batch(1))):
+            start = time.monotonic()
+            with pytest.raises(E.UnavailableError) as err:
+                call()
+            assert time.monotonic() - start < 10
+            assert "tq-tiny-tq-unit-0" in str(err.value) and err.value.component == "tq-tiny-tq-unit-0"
+    r = httpx.get(f"{tiny_simple}/readyz", timeout=30)
+    assert r.status_code == 503 and "tq-tiny-tq-unit-0" in r.json()["reason"]

@@ -187,11 +187,16 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
         args = (url, token, asdict(cfg))
         finish = cfg.minutes * 60 + 300
 
+        writing = threading.Event()
+
         def run(k: int, target: Any, n: int) -> None:
             try:
-                runs[k] = run_together(target, args, n, finish_s=finish)
+                runs[k] = run_together(target, args, n, finish_s=finish, indexed=True,
+                                       on_start=writing.set if k == 0 else None)
             except BaseException as err:  # noqa: BLE001 - reported by the driver
                 failures.append(err)
+            finally:
+                writing.set()
 
         threads = [threading.Thread(target=run, args=(0, _writer, cfg.writers), daemon=True),
                    threading.Thread(target=run, args=(1, _reader, cfg.readers), daemon=True)]
@@ -199,8 +204,8 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
             t.start()
         console.print(f"[bold]soak[/]: {cfg.writers} writers x {cfg.readers} readers for {cfg.minutes:g} min "
                       f"(B={cfg.batch}, S={cfg.seqlen}) against {url}")
-        if cfg.kill and service is not None:
-            time.sleep(30 + cfg.minutes * 30)  # half time, after the processes started (<= 30 s)
+        if cfg.kill and service is not None and writing.wait(300) and not failures:
+            time.sleep(cfg.minutes * 30)  # half time of the writers' window
             out.events += _kill_unit_and_replica(service)
             for e in out.events:
                 console.print(f"  [yellow]{e}[/]")

@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import socket
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
@@ -37,12 +38,15 @@ import torch
 from rlplane.codec import WIRE_TAG, merge_tags
 from rlplane.streams import DirectStreams
 from rlplane.column import Column
-from rlplane.errors import DuplicateSampleError, MissingDataError, StorageFullError, TransportError, WireFormatError
+from rlplane.errors import (DuplicateSampleError, MissingDataError, StorageFullError, TransportError, UnavailableError,
+                            WireFormatError)
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 
 log = logging.getLogger(__name__)
 
 #: How TransferQueue's Mooncake client reports Mooncake's NO_AVAILABLE_HANDLE (no segment has room).
+#: A call still running after this long starts checking whether a TransferQueue process died.
+PROBE_EVERY_S, PROBE_TIMEOUT_S = 1.0, 0.5
 _MOONCAKE_NO_SPACE = re.compile(r"error codes \[[^\]]*-200\b")
 #: TransferQueue's simple storage unit refusing a write past its capacity (it stores none of it).
 _SIMPLE_FULL = re.compile(r"Storage capacity exceeded")
@@ -220,6 +224,7 @@ class TQTransport(Transport):
         # travel as one element each and are cut back to empty on read by the byte count
         # this transport records per row. It also clears storage by field name.
         self._kv = self.info.get("backend") == "mooncake"
+        self.timeout = timeout
         self._client = store_client(info, client_id or f"rlplane-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         # TransferQueue has no consumption state of its own: the store runs a ledger that
         # this transport tells what it wrote and cleared (claims go there too).
@@ -310,8 +315,8 @@ class TQTransport(Transport):
         if self._client is None:
             raise TransportError("transport is closed")
         try:
-            return self._client._run_coroutine(coro)
-        except (MissingDataError, DuplicateSampleError, WireFormatError):
+            return self._client._run_coroutine(self._watched(coro))
+        except (MissingDataError, DuplicateSampleError, WireFormatError, UnavailableError):
             raise
         except KeyError as err:  # TransferQueue's StorageKeyNotFoundError: a clear raced this call
             raise MissingDataError(
@@ -335,6 +340,47 @@ class TQTransport(Transport):
                     "samples per call, or raise RLPLANE_MOONCAKE_LEASE_TTL_MS on the service"
                 ) from err
             raise TransportError(f"TransferQueue call failed: {err}") from err
+
+    async def _watched(self, coro: Any) -> Any:
+        """``coro``, but over within about PROBE_EVERY_S of a TransferQueue process dying
+        (TransferQueue itself retries a dead unit for minutes), naming it; and never past
+        the transport's deadline."""
+        task = asyncio.ensure_future(coro)
+        start = time.monotonic()
+        loop = asyncio.get_running_loop()
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=PROBE_EVERY_S)
+            if done:
+                return task.result()
+            dead = await loop.run_in_executor(None, self._refusing)
+            if dead is None and time.monotonic() - start < self.timeout:
+                continue
+            task.cancel()
+            if dead is not None:
+                raise UnavailableError(
+                    f"TransferQueue's {dead} does not accept connections (its process died); this call was given "
+                    "up on. What it held is gone unless the service restarts it: check the service's /readyz",
+                    component=dead)
+            raise TransportError(f"TransferQueue did not answer within {self.timeout:.0f} s (connect(timeout=...))")
+
+    def _refusing(self) -> str | None:
+        """The first TransferQueue process (controller, storage unit) whose ports refuse a
+        TCP connection, or None."""
+        servers = {"controller": self.info.get("controller"), **(self.info.get("storage_units") or {})}
+        for name, d in servers.items():
+            try:
+                ip, ports = d["ip"], list(d["ports"].values())
+            except (KeyError, TypeError, AttributeError):
+                continue
+            for port in ports:
+                try:
+                    with socket.create_connection((ip, int(port)), timeout=PROBE_TIMEOUT_S):
+                        pass
+                except ConnectionRefusedError:
+                    return name
+                except OSError:
+                    continue  # slow or filtered: not evidence of death; the deadline covers it
+        return None
 
     async def _meta(self, partition: str, ids: list[str], create: bool) -> Any:
         return await self._client.async_kv_retrieve_meta(keys=ids, partition_id=partition, create=create)

@@ -20,12 +20,16 @@ from typing import Any, Callable
 import msgpack
 
 
-def run_together(target: Callable[..., None], args: tuple, n: int, *, finish_s: float) -> list[dict[str, Any]]:
-    """Start ``n`` processes, release them together, return their reports (see the module docstring)."""
+def run_together(target: Callable[..., None], args: tuple, n: int, *, finish_s: float,
+                 indexed: bool = False, on_start: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """Start ``n`` processes, release them together, return their reports (see the module
+    docstring). ``indexed``: each process also gets its number (0..n-1) after ``args``;
+    ``on_start`` is called as they are released."""
     ctx = mp.get_context("spawn")
     go, start = ctx.Event(), ctx.Value("d", 0.0)
     pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
-    procs = [ctx.Process(target=target, args=(*args, go, start, there), daemon=True) for _, there in pipes]
+    procs = [ctx.Process(target=target, args=(*args, *((k,) if indexed else ()), go, start, there), daemon=True)
+             for k, (_, there) in enumerate(pipes)]
     for proc in procs:
         proc.start()
     try:
@@ -34,6 +38,8 @@ def run_together(target: Callable[..., None], args: tuple, n: int, *, finish_s: 
             here.recv_bytes()
         start.value = time.perf_counter()
         go.set()
+        if on_start is not None:
+            on_start()
         reports = []
         for (here, _), proc in zip(pipes, procs):
             _await(here, proc, finish_s, "finish")

@@ -283,3 +283,22 @@ def test_concurrent_puts_of_the_same_new_ids_have_one_winner_on_every_backend(li
     finally:
         for c in clients:
             c.close()
+
+
+@pytest.mark.parametrize("backend", ["simple_service", "mooncake_service"])
+def test_ids_a_killed_writer_left_in_transferqueue_are_written_again_by_the_retry(request, backend):
+    """A writer killed inside a put on TransferQueue leaves its ids there without data
+    (TransferQueue creates the ids before the bytes land) and never records them with the
+    store's ledger. The retry with the same ids must store them, not refuse them as
+    duplicates; ids that were written stay refused."""
+    live = request.getfixturevalue(backend)
+    with rlplane.connect(live.url, token=live.token, transport="tq") as client:
+        p = f"ghost-{uuid.uuid4().hex[:8]}"
+        client.transport._client.kv_retrieve_meta(["g0", "g1"], p, create=True)  # what the killed writer left
+        fields = {"input_ids": torch.arange(16, dtype=torch.int64).reshape(2, 8), "input_lengths": torch.tensor([8, 8])}
+        meta = client.put_samples(p, fields, sample_ids=["g0", "g1"])
+        assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], fields["input_ids"])
+        with pytest.raises(E.DuplicateSampleError):
+            client.put_samples(p, fields, sample_ids=["g1", "g2"])
+        assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], fields["input_ids"])
+        client.clear(p)

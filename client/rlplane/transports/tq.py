@@ -251,7 +251,7 @@ class TQTransport(Transport):
         # TransferQueue's own id check is check-then-create: the ledger arbitrates new ids first.
         res = self.streams.reserve(partition, ids) if self.streams is not None and create else None
         try:
-            self._run(self._put(partition, ids, columns, tags, create))
+            self._run(self._put(partition, ids, columns, tags, create, reserved=res is not None))
         except BaseException:
             if res is not None:
                 try:
@@ -397,9 +397,15 @@ class TQTransport(Transport):
         columns: Mapping[str, Column],
         tags: Sequence[Mapping[str, Any]],
         create: bool,
+        reserved: bool = False,
     ) -> None:
         existing = await self._meta(partition, ids, create=False)
-        if create and existing.size:
+        if create and existing.size and reserved:
+            # The ledger gave this put the ids, so none of them was ever recorded as written:
+            # what TransferQueue holds of them is what a writer killed mid-put left behind
+            # (ids without their data). Clear those ghosts; this put writes them whole.
+            await self._clear_samples(existing)
+        elif create and existing.size:
             held = set(ids) - set(await self._unknown(partition, ids))
             raise DuplicateSampleError(partition, [s for s in ids if s in held])
         if not create and existing.size != len(ids):

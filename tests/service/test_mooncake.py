@@ -136,26 +136,6 @@ def test_a_full_pool_is_storage_full_and_keeps_what_was_stored(tiny_mooncake):
             client.put_samples(part(), big)
 
 
-def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_process(tiny_mooncake, pid_alive):
-    import ray
-
-    ready = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
-    assert ready.status_code == 200 and ready.json()["components"]["mooncake_master"] is True
-    metrics_url = ready.json()["mooncake_master"]["metrics_url"]
-    assert "master_key_count" in httpx.get(metrics_url, timeout=10).text  # scrapeable as documented
-    pid = httpx.get(f"{tiny_mooncake}/v1/status", timeout=30).json()["store"]["mooncake_master"]["pid"]
-    assert pid_alive(pid)
-
-    ray.kill(ray.get_actor("mc-tiny-mooncake-master", namespace="rlplane"), no_restart=True)  # no chance to clean up
-    deadline = time.monotonic() + 20
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not pid_alive(pid), "the master outlived the actor that started it"
-    r = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
-    assert r.status_code == 503 and r.json()["components"]["mooncake_master"] is False
-    assert "mooncake_master" in json.dumps(r.json()["reason"])
-
-
 def _pool_keys(metrics_url: str) -> int:
     text = httpx.get(metrics_url, timeout=10).text
     return int(float(next(line.split()[-1] for line in text.splitlines() if line.startswith("master_key_count"))))
@@ -176,3 +156,24 @@ def test_deleting_a_partition_whose_samples_hold_different_fields_frees_the_pool
     while _pool_keys(metrics_url) != base and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _pool_keys(metrics_url) == base, "the partition's values stayed in the Mooncake pool after its delete"
+
+
+def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_process(tiny_mooncake, pid_alive):
+    import ray
+
+    ready = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
+    assert ready.status_code == 200 and ready.json()["components"]["mooncake_master"] is True
+    metrics_url = ready.json()["mooncake_master"]["metrics_url"]
+    assert "master_key_count" in httpx.get(metrics_url, timeout=10).text  # scrapeable as documented
+    pid = httpx.get(f"{tiny_mooncake}/v1/status", timeout=30).json()["store"]["mooncake_master"]["pid"]
+    assert pid_alive(pid)
+
+    ray.kill(ray.get_actor("mc-tiny-mooncake-master", namespace="rlplane"), no_restart=True)  # no chance to clean up
+    deadline = time.monotonic() + 20
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not pid_alive(pid), "the master outlived the actor that started it"
+    r = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
+    assert r.status_code == 503 and r.json()["components"]["mooncake_master"] is False
+    assert "mooncake_master" in json.dumps(r.json()["reason"])
+

@@ -3,6 +3,7 @@ started only when a test asks for it and shut down at the session's end."""
 
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 # Tests only: a throwaway local cluster needs no Ray token auth (the product keeps Ray's
@@ -48,6 +49,30 @@ def service():
         yield svc
     finally:
         svc.stop()
+
+
+@pytest.fixture(scope="session")
+def own_app(service):
+    """``with own_app(args, "/nat") as url:`` an app of its own in the session's cluster at
+    that prefix (for a module that kills its units or wants odd settings); on exit the app
+    is deleted and its store's actors killed."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+    from rlplane_service.backends import store_class
+    from rlplane_service.settings import ServiceSettings
+
+    @contextmanager
+    def deploy(args: dict, prefix: str):
+        name = f"rlplane-{prefix.strip('/')}"
+        serve.run(build_app(args), name=name, route_prefix=prefix)
+        try:
+            yield f"{service.url}{prefix}"
+        finally:
+            serve.delete(name)
+            store_class(args.get("backend", "native")).attach_or_create(ServiceSettings(**args)).destroy()
+
+    return deploy
 
 
 SIMPLE_ARGS = {"store_name": "tq", "backend": "simple", "storage_units": 2, "api_token": TOKEN}

@@ -48,12 +48,6 @@ def row_sums(col: Column) -> np.ndarray:
     return np.fromiter((digest(buf[a:b]) for a, b in zip(bounds[:-1], bounds[1:])), np.uint64, len(bounds) - 1)
 
 
-def sums_by_sample(sums: Mapping[str, np.ndarray], n: int) -> list[dict[str, int]]:
-    """Per sample ``{field: digest}``: what goes under :data:`SUM_TAG`."""
-    lists = {name: s.tolist() for name, s in sums.items()}
-    return [{name: v[i] for name, v in lists.items()} for i in range(n)]
-
-
 def check_sums(partition: str, sample_ids: Sequence[str], columns: Mapping[str, Column],
                tags: Sequence[Mapping[str, Any]]) -> None:
     """IntegrityError unless every row of ``columns`` hashes to the digest its tag recorded."""
@@ -78,4 +72,4 @@ def _recorded(tag: Mapping[str, Any], name: str) -> int:
     return value if isinstance(value, int) and 0 <= value < 1 << 64 else 0
 
 
-__all__ = ["SUM_TAG", "check_sums", "row_sums", "sums_by_sample"]
+__all__ = ["SUM_TAG", "check_sums", "row_sums"]

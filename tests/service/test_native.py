@@ -36,20 +36,10 @@ def part() -> str:
 
 
 @pytest.fixture(scope="module")
-def nat(service):
+def nat(own_app):
     """An app of its own (a 2 s put lease, units this module may kill), at /nat."""
-    from ray import serve
-
-    from rlplane_service.app import build_app
-    from rlplane_service.backends.native import NativeStore
-    from rlplane_service.settings import ServiceSettings
-
-    serve.run(build_app(ARGS), name="rlplane-nat", route_prefix="/nat")
-    try:
-        yield f"{service.url}/nat"
-    finally:
-        serve.delete("rlplane-nat")
-        NativeStore.attach_or_create(ServiceSettings(**ARGS)).destroy()
+    with own_app(ARGS, "/nat") as url:
+        yield url
 
 
 def info(url: str) -> dict:

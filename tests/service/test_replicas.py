@@ -19,20 +19,10 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def rep(service):
+def rep(own_app):
     """An app of its own with three units and two copies of every block, at /rep."""
-    from ray import serve
-
-    from rlplane_service.app import build_app
-    from rlplane_service.backends.native import NativeStore
-    from rlplane_service.settings import ServiceSettings
-
-    serve.run(build_app(ARGS), name="rlplane-rep", route_prefix="/rep")
-    try:
-        yield f"{service.url}/rep"
-    finally:
-        serve.delete("rlplane-rep")
-        NativeStore.attach_or_create(ServiceSettings(**ARGS)).destroy()
+    with own_app(ARGS, "/rep") as url:
+        yield url
 
 
 def test_a_killed_unit_loses_nothing_with_two_copies(rep):

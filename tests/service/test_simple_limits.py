@@ -19,20 +19,10 @@ def part() -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_simple(service):
+def tiny_simple(own_app):
     """An app whose one TransferQueue storage unit holds 4 samples, at /tq-tiny."""
-    from ray import serve
-
-    from rlplane_service.app import build_app
-    from rlplane_service.settings import ServiceSettings
-    from rlplane_service.store import Store
-
-    serve.run(build_app(ARGS), name="rlplane-tq-tiny", route_prefix="/tq-tiny")
-    try:
-        yield f"{service.url}/tq-tiny"
-    finally:
-        serve.delete("rlplane-tq-tiny")
-        Store.attach_or_create(ServiceSettings(**ARGS)).destroy()
+    with own_app(ARGS, "/tq-tiny") as url:
+        yield url
 
 
 def batch(n: int, start: int = 0) -> dict:

@@ -34,6 +34,8 @@ import msgpack
 from rich.console import Console
 from rich.table import Table
 
+#: The read-back at the end reads this many puts' samples per read_columns.
+READ_BACK_PUTS = 32
 FIELDS = ["input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs", "advantages"]
 
 
@@ -135,13 +137,15 @@ def _reader(url: str, token: str | None, cfg_dict: dict, j: int, go: Any, start:
     conn.send_bytes(msgpack.packb(report, use_bin_type=True))
 
 
-def check_rows(registry: Any, ids: list[str], got: dict[str, Any], cfg: SoakConfig) -> list[str]:
-    """Every row of ``got`` against the batch its id says it came from (lines naming the differences)."""
+def check_rows(registry: Any, ids: list[str], got: dict[str, Any], cfg: SoakConfig,
+               batches: dict[tuple[int, int], Any] | None = None) -> list[str]:
+    """Every row of ``got`` against the batch its id says it came from (lines naming the
+    differences); ``batches``: (writer, seq) -> batch already generated."""
     import torch
 
     from rlplane.testing.verify import diff_fields
 
-    batches: dict[tuple[int, int], Any] = {}
+    batches = {} if batches is None else batches
     want: dict[str, list[Any]] = {f: [] for f in FIELDS}
     lengths = []
     for sid in ids:
@@ -251,9 +255,10 @@ def _read_back(url: str, token: str | None, cfg: SoakConfig, writers: list[dict[
     with rlplane.connect(url, token=token, transport="direct") as c:
         for rep in writers:
             i = rep["i"]
-            for seq in rep["acked"]:
-                work = soak_batch(i, seq, cfg)
-                meta = SampleMeta(f"soak-w{i}", _ids(i, seq, cfg), work.lengths.tolist(), set(FIELDS))
+            for k in range(0, len(rep["acked"]), READ_BACK_PUTS):
+                batches = {(i, seq): soak_batch(i, seq, cfg) for seq in rep["acked"][k:k + READ_BACK_PUTS]}
+                meta = SampleMeta(f"soak-w{i}", [s for (_, seq) in batches for s in _ids(i, seq, cfg)],
+                                  [n for work in batches.values() for n in work.lengths.tolist()], set(FIELDS))
                 try:
                     got = c.read_columns(meta, FIELDS, pad_to_seqlen=cfg.seqlen)
                 except MissingDataError as err:
@@ -262,7 +267,7 @@ def _read_back(url: str, token: str | None, cfg: SoakConfig, writers: list[dict[
                 except IntegrityError as err:
                     wrong.append(str(err))
                     continue
-                wrong += check_rows(c.registry, meta.sample_ids, got, cfg)
+                wrong += check_rows(c.registry, meta.sample_ids, got, cfg, batches)
                 checked += len(meta)
         for i in range(cfg.writers):
             c.clear(f"soak-w{i}")

@@ -63,6 +63,14 @@ FREE, RESERVED, COMMITTED = 0, 1, 2
 WATCH_EVERY_S, CHECK_TIMEOUT_S, LOST_AFTER = 1.0, 3.0, 2
 
 
+def _rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
+    """Committed slots of ``part`` with a row of any field in one of ``blocks`` (sorted ids)."""
+    hit = np.zeros(part.used, bool)
+    for fi in part.fields.values():
+        hit |= np.isin(fi.block[: part.used], blocks)
+    return np.flatnonzero(hit & (part.state[: part.used] == COMMITTED))
+
+
 def _digests(raw: Any, name: str) -> np.ndarray:
     """A commit's row checksums (little-endian uint64 bytes)."""
     if not isinstance(raw, (bytes, bytearray, memoryview)) or len(raw) % 8:
@@ -434,13 +442,7 @@ class ControllerCore(StreamOps):
         if not short:
             return 0
         few = np.asarray(sorted(short), np.int64)
-        total = 0
-        for part in self._parts.values():
-            hit = np.zeros(part.used, bool)
-            for fi in part.fields.values():
-                hit |= np.isin(fi.block[: part.used], few)
-            total += int((hit & (part.state[: part.used] == COMMITTED)).sum())
-        return total
+        return sum(int(_rows_in(part, few).size) for part in self._parts.values())
 
     def _unit_usage(self, per_unit: dict[str, dict[str, int]]) -> None:
         """Add each unit's live bytes and the samples with a row there (vectorized per field)."""
@@ -513,10 +515,7 @@ class ControllerCore(StreamOps):
             if gone:
                 dead = np.asarray(sorted(gone), np.int64)
                 for p, part in list(self._parts.items()):
-                    hit = np.zeros(part.used, bool)
-                    for fi in part.fields.values():
-                        hit |= np.isin(fi.block[: part.used], dead)
-                    slots = np.flatnonzero(hit & (part.state[: part.used] == COMMITTED))
+                    slots = _rows_in(part, dead)
                     if slots.size:
                         part.lost.update(dict.fromkeys(part.names[slots].tolist(), name))
                         self._forget(p, part, slots)

@@ -79,6 +79,14 @@ class DirectStreams:
         """Tell such a ledger what a clear removed."""
         self._call({"op": "drop", "p": partition, "ids": _ids(ids)})
 
+    def lose(self, unit: str, partition: str = "", ids: Sequence[str] = ()) -> None:
+        """Tell such a ledger that storage ``unit`` died, taking ``partition``'s ``ids`` with it."""
+        self._call({"op": "lose", "unit": unit, "p": partition, "ids": [str(s) for s in ids]})
+
+    def lost(self, partition: str, ids: Sequence[str]) -> dict[str, str]:
+        """Which of ``ids`` were lost with a dead storage unit: ``{sample id: unit}``."""
+        return dict(self._call({"op": "lost", "p": partition, "ids": [str(s) for s in ids]})["lost"])
+
     async def acall(self, header: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
         """Any op from asyncio code (the service's HTTP endpoints), holding no thread while it waits."""
         return await acall(self.endpoint, self.name, header, secret=self.secret, timeout=wait_s + self.timeout)

@@ -83,6 +83,7 @@ class ServiceState:
     started: float = field(default_factory=time.time)
     publish_key: str = "tq"  # /v1/transport publishes transport_info under this key (the backend's data path)
     streams: Optional[Callable[[], dict[str, Any]]] = None  # every task's consumption, for /metrics (Store.streams)
+    loss: Optional[Callable[[], dict[str, Any]]] = None  # simple: lost_samples / lost_units (Store.loss)
 
 
 class ClearRequest(BaseModel):
@@ -216,6 +217,7 @@ def build_api(state: ServiceState) -> FastAPI:
             capacity=state.settings.capacity,
             mooncake_metrics_url=(state.mooncake or {}).get("metrics_url"),
             streams=state.streams,
+            loss=state.loss,
         )
         return render(state.ledger.snapshot(), view)
 
@@ -405,8 +407,19 @@ def build_api(state: ServiceState) -> FastAPI:
             "samples": sum(p["num_samples"] for p in parts),
             "nbytes": sum(p["nbytes"] for p in parts),
             "consumption": streams.get("tasks", []),
+            **({"loss": loss} if (loss := await loss_counts()) is not None else {}),
             "uptime_s": round(time.time() - state.started, 1),
         }
+
+    async def loss_counts() -> dict[str, Any] | None:
+        """Samples lost with dead storage units, the units, and (native) samples short of
+        their replicas; None where the backend cannot tell (mooncake)."""
+        if state.loss is not None:
+            return await offload(state.loss)
+        if not hasattr(transport, "unit_usage"):
+            return None
+        stats = await offload(transport.stats)
+        return {k: stats.get(k) for k in ("lost_samples", "lost_units", "under_replicated_samples")}
 
     api.include_router(v1)
     api.add_middleware(Guard, token=token, limit=state.settings.max_request_bytes)

@@ -22,6 +22,7 @@ from ray import serve
 from rlplane_service.api import ServiceState, build_api
 from rlplane_service.backends import open_store
 from rlplane_service.settings import ServiceSettings, load_registry
+from rlplane_service.unitloss import UnitLossWatch
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +37,14 @@ class RlplaneService:
         registry = load_registry(settings)
         store = open_store(settings)
         transport = store.service_transport()
+        # simple: TransferQueue keeps a dead unit's samples listed; the service forgets them
+        # (the native controller watches its own units; Mooncake places values itself).
+        simple = settings.backend == "simple"
+        self._watch = UnitLossWatch(store, transport).start() if simple else None
         self._state = ServiceState(
             settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger),
             store.master_info, publish_key=store.publish_key, streams=store.streams,
+            loss=store.loss if simple else None,
         )
         log.info("rlplane replica up: %d fields (registry %s)", len(registry.names()), registry.version)
 
@@ -46,6 +52,9 @@ class RlplaneService:
         return build_api(self._state)
 
     def __del__(self) -> None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.stop()
         state = getattr(self, "_state", None)
         if state is not None:
             state.transport.close()

@@ -108,7 +108,7 @@ class StoreView:
     mooncake_up: bool | None = None
     mooncake: dict[str, float] = field(default_factory=dict)  # master_* gauges we re-export
     streams: dict[str, Any] | None = None  # the consumption ledger's snapshot (rlplane.ledger.Ledger.snapshot)
-    loss: dict[str, int] | None = None  # native: lost_samples, under_replicated_samples (the controller's counts)
+    loss: dict[str, int] | None = None  # lost_samples (native, simple), under_replicated_samples (native)
 
 
 def store_view(
@@ -120,6 +120,7 @@ def store_view(
     capacity: int | None,
     mooncake_metrics_url: str | None = None,
     streams: Callable[[], dict[str, Any]] | None = None,
+    loss: Callable[[], dict[str, Any]] | None = None,
 ) -> StoreView:
     """Read the stored state from ``transport`` (blocking; run it off the event loop).
 
@@ -152,12 +153,17 @@ def store_view(
                 partitions[name] = (info.num_samples, info.nbytes)
         except MissingDataError:  # cleared meanwhile
             continue
-    loss = None
+    counts = None
     if hasattr(transport, "stats") and hasattr(transport, "unit_usage"):  # native: the controller knows it all
         stats = transport.stats()
         units.update({u: (int(d["samples"]), int(d["live_bytes"])) for u, d in stats["units"].items() if u in units})
-        loss = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
-    view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity, loss=loss)
+        counts = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
+    elif loss is not None:  # simple: the ledger remembers what a dead unit took
+        try:
+            counts = {"lost_samples": int(loss()["lost_samples"])}
+        except Exception as err:  # noqa: BLE001 - a scrape reports what it can
+            log.warning("could not read the lost samples: %s", err)
+    view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity, loss=counts)
     if streams is not None:
         try:
             view.streams = streams()
@@ -268,7 +274,8 @@ class _Collector:
         yield _gauge("rlplane_stored_bytes", "Bytes held by the store.", sum(b for _, b in v.partitions.values()))
         if v.loss is not None:
             yield _gauge("rlplane_lost_samples", "Samples lost with a storage unit that held their only copy, since "
-                         "the store started (native).", v.loss["lost_samples"])
+                         "the store started (native, simple).", v.loss["lost_samples"])
+        if v.loss is not None and "under_replicated_samples" in v.loss:
             yield _gauge("rlplane_under_replicated_samples", "Samples with fewer live copies than RLPLANE_REPLICAS "
                          "(native).", v.loss["under_replicated_samples"])
         yield _gauge("rlplane_capacity_samples", "Most samples the store holds (RLPLANE_CAPACITY; 0: no limit).", v.capacity or 0)

@@ -136,6 +136,25 @@ class Store:
         """Every (partition, task)'s consumption and the claim-wait histogram (for /metrics)."""
         return ray.get(self.stream_actor.streams.remote(), timeout=timeout)
 
+    def dead_units(self, timeout: float = 2.0) -> list[str]:
+        """The storage units Ray reports dead (their process is gone, with what it held).
+        A unit that is only slow is not in it."""
+        ping = "info" if self.backend == "mooncake" else "get_zmq_server_info"
+        refs = {name: getattr(unit, ping).remote() for name, unit in self.units.items()}
+        dead = []
+        for name, ref in refs.items():
+            try:
+                ray.get(ref, timeout=timeout)
+            except ray.exceptions.ActorDiedError:  # not ActorUnavailableError: that one may come back
+                dead.append(name)
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+        return dead
+
+    def loss(self, timeout: float = 5.0) -> dict[str, Any]:
+        """``lost_samples`` (since the store started) and ``lost_units``, as the ledger keeps them."""
+        return ray.get(self.stream_actor.loss.remote(), timeout=timeout)
+
     def alive(self, timeout: float = 2.0) -> bool:
         """Whether every actor answers within ``timeout`` seconds (and the master is healthy)."""
         return all(self.health(timeout).values())

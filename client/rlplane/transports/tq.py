@@ -303,6 +303,34 @@ class TQTransport(Transport):
             for gi, tag in zip(meta.global_indexes, meta.custom_meta)
         ]
 
+    def held_on(self, partition: str, unit: int) -> list[str]:
+        """The samples of ``partition`` that storage unit number ``unit`` (in the order
+        ``/v1/transport`` lists them) holds: TransferQueue's SimpleStorage routes a sample
+        by its global index modulo the unit count."""
+        held = self._run(self._client.async_kv_list(partition)).get(partition) or {}
+        if not held:
+            return []
+        ids = list(held)
+        meta = self._run(self._meta(partition, ids, create=False))
+        units = len(self.info.get("storage_units") or {}) or 1
+        return [s for s, gi in zip(ids, meta.global_indexes) if int(gi) % units == unit]
+
+    def forget(self, partition: str, ids: Sequence[str], unit: str) -> None:
+        """Storage unit ``unit`` died with ``ids``: drop them from TransferQueue's controller
+        (the dead unit is not asked) and tell the ledger, so listings, counts and claims
+        stop showing them and a read says which unit took them."""
+        ids = list(ids)
+        if ids:
+            meta = self._run(self._meta(partition, ids, create=False))
+            if meta.size:
+                self._run(self._forget_meta(meta))
+        if self.streams is not None:
+            self.streams.lose(unit, partition, ids)
+
+    async def _forget_meta(self, meta: Any) -> None:
+        await self._client._mark_clearing_in_controller(meta)
+        await self._client._clear_meta_in_controller(meta)
+
     def close(self) -> None:
         client, self._client = getattr(self, "_client", None), None
         if self.streams is not None:
@@ -390,6 +418,20 @@ class TQTransport(Transport):
         held = (await self._client.async_kv_list(partition)).get(partition) or {}
         return [s for s in ids if s not in held]
 
+    async def _missing(self, partition: str, ids: list[str], hint: str = "") -> MissingDataError:
+        """MissingDataError for the ``ids`` the store does not hold, saying which of them a
+        dead storage unit took (the ledger remembers)."""
+        unknown = await self._unknown(partition, ids)
+        lost = {}
+        if self.streams is not None and unknown:
+            loop = asyncio.get_running_loop()
+            lost = await loop.run_in_executor(None, self.streams.lost, partition, unknown)
+        if lost:
+            units = ", ".join(sorted(set(lost.values())))
+            hint = (f"{len(lost)} of them were lost with storage unit(s) {units} (its process died with the only "
+                    "copy; the native backend with RLPLANE_REPLICAS=2 keeps two)")
+        return MissingDataError(partition, {s: [] for s in unknown}, hint=hint)
+
     async def _put(
         self,
         partition: str,
@@ -409,8 +451,7 @@ class TQTransport(Transport):
             held = set(ids) - set(await self._unknown(partition, ids))
             raise DuplicateSampleError(partition, [s for s in ids if s in held])
         if not create and existing.size != len(ids):
-            unknown = await self._unknown(partition, ids)
-            raise MissingDataError(partition, {s: [] for s in unknown}, hint="put_samples them before write_columns")
+            raise await self._missing(partition, ids, hint="put_samples them before write_columns")
         old = list(existing.custom_meta) if not create else [{} for _ in ids]
         sizes = {name: (col.row_numels() * col.values.element_size()).tolist() for name, col in columns.items()}
         merged = [
@@ -425,8 +466,12 @@ class TQTransport(Transport):
                 await self._client.async_put(data, meta)  # data first, then the tags that make it readable
             else:
                 await self._client.async_set_custom_meta(meta)
-        except BaseException:
-            if create:  # nothing of a failed put_samples may stay behind
+        except BaseException as err:
+            if create and isinstance(err, asyncio.CancelledError) and not self._kv:
+                # Given up on (a storage unit died, or the deadline passed): asking the units
+                # to clear could hang the same way, so only the controller forgets the ids.
+                await self._forget_meta(meta)
+            elif create:  # nothing of a failed put_samples may stay behind
                 await self._clear_samples(meta.add_fields(data, set_all_ready=False) if self._kv and columns else meta)
             raise
 
@@ -437,8 +482,7 @@ class TQTransport(Transport):
             return {f: Column.empty(torch.uint8) for f in fields}, []
         meta = await self._meta(partition, ids, create=False)
         if meta.size != len(ids):
-            unknown = await self._unknown(partition, ids)
-            raise MissingDataError(partition, {s: [] for s in unknown})
+            raise await self._missing(partition, ids)
         tags = [dict(t) for t in meta.custom_meta]
         missing = {}
         for sid, tag in zip(ids, tags):
@@ -494,8 +538,7 @@ class TQTransport(Transport):
             # TransferQueue's KV managers find stored values by field name and refuse a
             # clear without one; these samples hold tags only, so only the controller
             # has anything to forget.
-            await self._client._mark_clearing_in_controller(meta)
-            await self._client._clear_meta_in_controller(meta)
+            await self._forget_meta(meta)
         else:
             await self._client.async_clear_samples(meta)
 

@@ -84,7 +84,10 @@ class LedgerCore(StreamOps):
     It also arbitrates new ids for those stores, whose own check is check-then-create:
     a writer ``reserve`` s its ids first (of concurrent puts of the same new ids exactly one
     gets them; the others DuplicateSampleError), writes, then ``record`` s with the
-    reservation; ``abort`` (or a reservation outliving ``put_lease_s``) frees them."""
+    reservation; ``abort`` (or a reservation outliving ``put_lease_s``) frees them.
+
+    And it remembers what a dead storage unit took (``lose``): those samples leave the
+    index, and ``lost`` tells a reader which unit they went with."""
 
     def __init__(self, *, lease_s: float = 300.0, put_lease_s: float = 60.0) -> None:
         self.indexes = SimpleIndexes()
@@ -93,6 +96,9 @@ class LedgerCore(StreamOps):
         self.put_lease_s = put_lease_s
         self._held: dict[int, tuple[str, list[str], float]] = {}  # reservation -> (partition, ids, deadline)
         self._rids = itertools.count(1)
+        self.lost: dict[str, dict[str, str]] = {}  # partition -> {sample id: the storage unit it was lost with}
+        self.lost_units: set[str] = set()
+        self.lost_samples = 0  # since the store started, like the native controller's count
 
     def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
         p, ids = header.get("p"), header.get("ids")
@@ -127,6 +133,9 @@ class LedgerCore(StreamOps):
         with self._lock:
             self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
             self.indexes.record(p, ids, fields, tags, create=bool(header.get("create")))
+            if header.get("create") and p in self.lost:
+                for s in ids:  # written again: no longer lost
+                    self.lost[p].pop(s, None)
             self.ledger.dirty = True
         return {}, {}, []
 
@@ -136,7 +145,37 @@ class LedgerCore(StreamOps):
             raise E.WireFormatError("drop needs 'p' and optionally 'ids'")
         with self._lock:
             self.indexes.drop(p, ids)
+            if ids is None:
+                self.lost.pop(p, None)
         return {}, {}, []
+
+    def op_lose(self, header: dict, columns: dict, extra: list) -> Any:
+        """Storage unit ``unit`` died with partition ``p``'s samples ``ids`` (their only copy)."""
+        unit, p, ids = header.get("unit"), header.get("p"), header.get("ids") or []
+        if not (isinstance(unit, str) and unit and _strs(ids) and (isinstance(p, str) or not ids)):
+            raise E.WireFormatError("lose needs 'unit' and optionally 'p' and 'ids'")
+        with self._lock:
+            self.lost_units.add(unit)
+            if ids:
+                self.indexes.drop(p, ids)
+                self.lost.setdefault(p, {}).update(dict.fromkeys(ids, unit))
+                self.lost_samples += len(ids)
+                self.ledger.dirty = True
+        return {}, {}, []
+
+    def op_lost(self, header: dict, columns: dict, extra: list) -> Any:
+        """Which of ``ids`` in ``p`` were lost, with which unit: ``{"lost": {id: unit}}``."""
+        p, ids = header.get("p"), header.get("ids")
+        if not (isinstance(p, str) and _strs(ids)):
+            raise E.WireFormatError("lost needs 'p' and 'ids'")
+        with self._lock:
+            known = self.lost.get(p, {})
+            return {"lost": {s: known[s] for s in ids if s in known}}, {}, []
+
+    def loss(self) -> dict[str, Any]:
+        """``lost_samples`` (since the store started) and ``lost_units`` (declared dead)."""
+        with self._lock:
+            return {"lost_samples": self.lost_samples, "lost_units": sorted(self.lost_units)}
 
     def op_ping(self, header: dict, columns: dict, extra: list) -> Any:
         return {}, {}, []
@@ -167,6 +206,9 @@ def stream_actor_class() -> Any:
         def streams(self) -> dict[str, Any]:
             with self._core._lock:
                 return self._core.ledger.snapshot()
+
+        def loss(self) -> dict[str, Any]:
+            return self._core.loss()
 
     return StreamActor
 

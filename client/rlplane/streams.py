@@ -87,6 +87,11 @@ class DirectStreams:
         """Which of ``ids`` were lost with a dead storage unit: ``{sample id: unit}``."""
         return dict(self._call({"op": "lost", "p": partition, "ids": [str(s) for s in ids]})["lost"])
 
+    def loss(self) -> dict[str, Any]:
+        """``lost_units`` (storage units declared dead) and ``lost_samples`` (since the store started)."""
+        out = self._call({"op": "loss"})
+        return {"lost_units": list(out.get("lost_units", [])), "lost_samples": int(out.get("lost_samples", 0))}
+
     async def acall(self, header: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
         """Any op from asyncio code (the service's HTTP endpoints), holding no thread while it waits."""
         return await acall(self.endpoint, self.name, header, secret=self.secret, timeout=wait_s + self.timeout)

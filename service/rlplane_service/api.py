@@ -83,7 +83,7 @@ class ServiceState:
     started: float = field(default_factory=time.time)
     publish_key: str = "tq"  # /v1/transport publishes transport_info under this key (the backend's data path)
     streams: Optional[Callable[[], dict[str, Any]]] = None  # every task's consumption, for /metrics (Store.streams)
-    loss: Optional[Callable[[], dict[str, Any]]] = None  # simple: lost_samples / lost_units (Store.loss)
+    loss: Optional[Callable[[], dict[str, Any]]] = None  # simple, mooncake: lost_samples / lost_units (Store.loss)
 
 
 class ClearRequest(BaseModel):

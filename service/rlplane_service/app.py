@@ -37,14 +37,14 @@ class RlplaneService:
         registry = load_registry(settings)
         store = open_store(settings)
         transport = store.service_transport()
-        # simple: TransferQueue keeps a dead unit's samples listed; the service forgets them
-        # (the native controller watches its own units; Mooncake places values itself).
-        simple = settings.backend == "simple"
-        self._watch = UnitLossWatch(store, transport).start() if simple else None
+        # TransferQueue keeps a dead unit's samples listed; the service forgets them (the
+        # native controller watches its own units).
+        tq = settings.backend in ("simple", "mooncake")
+        self._watch = UnitLossWatch(store, transport).start() if tq else None
         self._state = ServiceState(
             settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger),
             store.master_info, publish_key=store.publish_key, streams=store.streams,
-            loss=store.loss if simple else None,
+            loss=store.loss if tq else None,
         )
         log.info("rlplane replica up: %d fields (registry %s)", len(registry.names()), registry.version)
 

@@ -232,7 +232,8 @@ def ray_actors() -> tuple[Any, Any]:
             self._store = mount_segment(settings, master, self.hostname, settings.mooncake_segment_bytes)
 
         def info(self) -> dict[str, Any]:
-            return {"hostname": self.hostname}
+            # endpoint: where the pool's replica descriptors say a value on this segment lives
+            return {"hostname": self.hostname, "endpoint": self._store.get_hostname()}
 
         def stop(self) -> None:
             self._store.close()

@@ -1,13 +1,15 @@
-"""Declaring a dead TransferQueue storage unit lost (the ``simple`` backend).
+"""Declaring a dead storage unit lost (the TransferQueue-based backends, ``simple`` and
+``mooncake``).
 
 TransferQueue keeps every sample's metadata in its controller even when the storage unit
 that held its bytes died, so listings, counts and claims would go on offering samples
 nobody can read. :class:`UnitLossWatch` (a thread in the Serve replica) asks Ray every
 ``every`` seconds whether a unit's actor died; for a dead one it finds the samples that
-unit held (TransferQueue routes a sample by its global index modulo the unit count) and
-makes the store forget them: TransferQueue's controller drops their metadata (the dead
-unit is not asked), the ledger drops them from claims and remembers which unit took
-them, so a read raises ``MissingDataError`` "... lost with storage unit(s) X".
+unit held (``simple``: TransferQueue routes a sample by its global index modulo the unit
+count; ``mooncake``: the pool's replica descriptors name the segment) and makes the store
+forget them: TransferQueue's controller drops their metadata (the dead unit is not
+asked), the ledger drops them from claims and remembers which unit took them, so a read
+raises ``MissingDataError`` "... lost with storage unit(s) X".
 
 A unit that is only slow is never declared lost (Ray must report its actor dead). A
 declared unit is looked at again every ``rescan_every`` seconds: a put that was under

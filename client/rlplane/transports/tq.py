@@ -50,6 +50,8 @@ PROBE_EVERY_S, PROBE_TIMEOUT_S = 1.0, 0.5
 _MOONCAKE_NO_SPACE = re.compile(r"error codes \[[^\]]*-200\b")
 #: TransferQueue's simple storage unit refusing a write past its capacity (it stores none of it).
 _SIMPLE_FULL = re.compile(r"Storage capacity exceeded")
+#: ...a read from a segment whose process does not answer (TRANSFER_FAIL)...
+_MOONCAKE_TRANSFER_FAIL = re.compile(r"error codes \[[^\]]*-800\b")
 #: ...and a read that outlived its objects' lease (LEASE_EXPIRED).
 _MOONCAKE_LEASE = re.compile(r"error codes \[[^\]]*-707\b")
 
@@ -305,27 +307,35 @@ class TQTransport(Transport):
 
     def held_on(self, partition: str, unit: int) -> list[str]:
         """The samples of ``partition`` that storage unit number ``unit`` (in the order
-        ``/v1/transport`` lists them) holds: TransferQueue's SimpleStorage routes a sample
-        by its global index modulo the unit count."""
+        ``/v1/transport`` lists them) holds a value of. TransferQueue's SimpleStorage routes
+        a sample by its global index modulo the unit count; on Mooncake, the pool's replica
+        descriptors name the segment's endpoint (a value the pool no longer knows counts
+        as held there: ask only about a unit that died)."""
         held = self._run(self._client.async_kv_list(partition)).get(partition) or {}
         if not held:
             return []
         ids = list(held)
         meta = self._run(self._meta(partition, ids, create=False))
-        units = len(self.info.get("storage_units") or {}) or 1
-        return [s for s, gi in zip(ids, meta.global_indexes) if int(gi) % units == unit]
+        units = list(self.info.get("storage_units") or {}) or ["?"]
+        if not self._kv:
+            return [s for s, gi in zip(ids, meta.global_indexes) if int(gi) % len(units) == unit]
+        endpoint = self.info["storage_units"][units[unit]].get("endpoint")
+        keys = {s: [f"{gi}@{f}" for f in ((tag or {}).get(WIRE_TAG) or {})]
+                for s, gi, tag in zip(ids, meta.global_indexes, meta.custom_meta)}
+        where = _replica_endpoints(self._client, [k for ks in keys.values() for k in ks])
+        return [s for s, ks in keys.items() if any(where.get(k, {endpoint}) == {endpoint} for k in ks)]
 
     def forget(self, partition: str, ids: Sequence[str], unit: str) -> None:
         """Storage unit ``unit`` died with ``ids``: drop them from TransferQueue's controller
         (the dead unit is not asked) and tell the ledger, so listings, counts and claims
         stop showing them and a read says which unit took them."""
         ids = list(ids)
+        if self.streams is not None:  # first: a read that finds them gone can then say why
+            self.streams.lose(unit, partition, ids)
         if ids:
             meta = self._run(self._meta(partition, ids, create=False))
-            if meta.size:
-                self._run(self._forget_meta(meta))
-        if self.streams is not None:
-            self.streams.lose(unit, partition, ids)
+            if meta.size:  # Mooncake: the master also drops their values on live segments
+                self._run(self._clear_samples(meta) if self._kv else self._forget_meta(meta))
 
     async def _forget_meta(self, meta: Any) -> None:
         await self._client._mark_clearing_in_controller(meta)
@@ -362,12 +372,27 @@ class TQTransport(Transport):
                     "the Mooncake pool has no room for this write (nothing of it was kept); clear "
                     "consumed partitions, or raise RLPLANE_MOONCAKE_SEGMENT_BYTES / RLPLANE_STORAGE_UNITS"
                 ) from err
+            if self._kv and _MOONCAKE_TRANSFER_FAIL.search(str(err)):
+                dead = self._lost_units()
+                why = f"declared dead: {', '.join(dead)}" if dead else "its process died, or it is out of reach"
+                raise UnavailableError(
+                    f"a Mooncake storage unit this call needs does not answer ({why}); "
+                    "a dead unit's samples are declared lost within seconds, and Mooncake's master stops placing "
+                    "new values on its segment within its client TTL (30 s): retry, and check /readyz",
+                    component=dead[0] if len(dead) == 1 else None) from err
             if self._kv and _MOONCAKE_LEASE.search(str(err)):
                 raise TransportError(
                     "a Mooncake read took longer than the lease on its objects and was refused; read fewer "
                     "samples per call, or raise RLPLANE_MOONCAKE_LEASE_TTL_MS on the service"
                 ) from err
             raise TransportError(f"TransferQueue call failed: {err}") from err
+
+    def _lost_units(self) -> list[str]:
+        """The storage units the service has declared dead (best effort: [] if it cannot say)."""
+        try:
+            return self.streams.loss()["lost_units"] if self.streams is not None else []
+        except Exception:  # noqa: BLE001 - only improves an error message
+            return []
 
     async def _watched(self, coro: Any) -> Any:
         """``coro``, but over within about PROBE_EVERY_S of a TransferQueue process dying
@@ -418,10 +443,15 @@ class TQTransport(Transport):
         held = (await self._client.async_kv_list(partition)).get(partition) or {}
         return [s for s in ids if s not in held]
 
-    async def _missing(self, partition: str, ids: list[str], hint: str = "") -> MissingDataError:
-        """MissingDataError for the ``ids`` the store does not hold, saying which of them a
-        dead storage unit took (the ledger remembers)."""
-        unknown = await self._unknown(partition, ids)
+    async def _missing(self, partition: str, ids: list[str], fields: dict[str, list[str]] | None = None,
+                       hint: str = "") -> MissingDataError:
+        """MissingDataError for the ``ids`` the store does not hold (or, given ``fields``,
+        whose values of those fields the Mooncake pool no longer has), saying which of them
+        a dead storage unit took when the ledger knows."""
+        unknown = await self._unknown(partition, ids) if fields is None else ids
+        if fields is not None:
+            hint = ("the Mooncake pool no longer holds these values: the storage unit holding them died (the service "
+                    "declares its samples lost within seconds)")
         lost = {}
         if self.streams is not None and unknown:
             loop = asyncio.get_running_loop()
@@ -430,7 +460,7 @@ class TQTransport(Transport):
             units = ", ".join(sorted(set(lost.values())))
             hint = (f"{len(lost)} of them were lost with storage unit(s) {units} (its process died with the only "
                     "copy; the native backend with RLPLANE_REPLICAS=2 keeps two)")
-        return MissingDataError(partition, {s: [] for s in unknown}, hint=hint)
+        return MissingDataError(partition, {s: (fields or {}).get(s, []) for s in unknown}, hint=hint)
 
     async def _put(
         self,
@@ -495,10 +525,18 @@ class TQTransport(Transport):
         stored = [tag.pop(NBYTES_TAG, None) or {} for tag in tags]
         if not fields:
             return {}, tags
-        got = await self._client.async_get_data(meta.select_fields(fields))
+        try:
+            got = await self._client.async_get_data(meta.select_fields(fields))
+        except RuntimeError as err:
+            gone = _mooncake_not_found(str(err), dict(zip(meta.global_indexes, ids))) if self._kv else {}
+            if not gone:
+                raise
+            raise await self._missing(partition, list(gone), gone) from err
         columns = {}
         for name in fields:
             if name not in got.keys():
+                if await self._unknown(partition, ids):  # forgotten while this read ran (a clear, a lost unit)
+                    raise await self._missing(partition, ids)
                 raise MissingDataError(
                     partition, {s: [name] for s in ids}, hint="the storage units did not return the field"
                 )
@@ -541,6 +579,36 @@ class TQTransport(Transport):
             await self._forget_meta(meta)
         else:
             await self._client.async_clear_samples(meta)
+
+
+_MOONCAKE_FAILED = re.compile(r"failed for keys \[([^\]]*)\] with error codes \[([^\]]*)\]")
+
+
+def _mooncake_not_found(message: str, ids_by_index: Mapping[int, str]) -> dict[str, list[str]]:
+    """From TransferQueue's Mooncake read error: sample id -> fields whose value the pool
+    reported OBJECT_NOT_FOUND (-704), for the keys (``{global index}@{field}``) it names."""
+    found = _MOONCAKE_FAILED.search(message)
+    if not found:
+        return {}
+    keys = re.findall(r"'([^']*)'", found.group(1))
+    codes = [c.strip() for c in found.group(2).split(",")]
+    out: dict[str, list[str]] = {}
+    for key, code in zip(keys, codes):
+        gi, _, name = key.partition("@")
+        if code == "-704" and gi.isdigit() and int(gi) in ids_by_index:
+            out.setdefault(ids_by_index[int(gi)], []).append(name)
+    return out
+
+
+def _replica_endpoints(client: Any, keys: list[str]) -> dict[str, set[str]]:
+    """Mooncake: key -> the transfer endpoints of the segments holding its memory replicas
+    (keys the pool does not know are left out)."""
+    store = client.storage_manager.storage_client._store  # TransferQueue's MooncakeStoreClient
+    out = {}
+    for key, replicas in store.batch_get_replica_desc(keys).items():
+        out[key] = {r.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    for r in replicas if r.is_memory_replica()}
+    return out
 
 
 def _unpad(col: Column, nbytes: list[int]) -> Column:

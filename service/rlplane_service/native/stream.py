@@ -172,6 +172,9 @@ class LedgerCore(StreamOps):
             known = self.lost.get(p, {})
             return {"lost": {s: known[s] for s in ids if s in known}}, {}, []
 
+    def op_loss(self, header: dict, columns: dict, extra: list) -> Any:
+        return self.loss(), {}, []
+
     def loss(self) -> dict[str, Any]:
         """``lost_samples`` (since the store started) and ``lost_units`` (declared dead)."""
         with self._lock:

@@ -28,7 +28,9 @@ Replicas and loss: a put may place each block on ``replicas`` distinct units
 each second; a unit whose connection drops (or that misses pings) is *lost*: its blocks
 keep their other copies (``under_replicated_samples`` counts what now has fewer than
 ``replicas``), and samples that had their only copy there leave the index (listings,
-counts, claims) while a read of them raises MissingDataError naming the unit.
+counts, claims) while a read of them raises MissingDataError naming the unit. The
+controller then re-replicates: it copies each short block from a live copy to a live
+unit that lacks it, so with R=2 and a spare unit the store survives the next loss too.
 
 Example::
 
@@ -61,6 +63,8 @@ FREE, RESERVED, COMMITTED = 0, 1, 2
 #: The controller pings every storage unit this often; a unit whose connection dropped,
 #: or that missed LOST_AFTER pings in a row (each waiting CHECK_TIMEOUT_S), is lost.
 WATCH_EVERY_S, CHECK_TIMEOUT_S, LOST_AFTER = 1.0, 3.0, 2
+#: A block copy (re-replication) from one unit to another gives up after this long.
+REPAIR_TIMEOUT_S = 60.0
 
 
 def _rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
@@ -203,7 +207,8 @@ class ControllerCore(StreamOps):
         self._lost_samples = 0
         self._threads = [threading.Thread(target=self._reap, name="rlplane-reaper", daemon=True),
                          threading.Thread(target=self._free_loop, name="rlplane-free", daemon=True),
-                         threading.Thread(target=self._watch, name="rlplane-watch", daemon=True)]
+                         threading.Thread(target=self._watch, name="rlplane-watch", daemon=True),
+                         threading.Thread(target=self._repair_loop, name="rlplane-repair", daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -544,6 +549,63 @@ class ControllerCore(StreamOps):
                     misses[u] += 1
                     if getattr(err, "dropped", False) or misses[u] >= LOST_AFTER:
                         self._lose_unit(u, str(err))
+
+    def _repair_loop(self) -> None:
+        """Re-replication: once a unit is lost, copy every committed block that has fewer
+        than ``replicas`` copies from a live copy to a live unit that lacks it (the least
+        loaded first), one block at a time, until each has its copies or no unit is spare."""
+        while not self._stop.wait(WATCH_EVERY_S):
+            if not self._lost_units:
+                continue
+            for b, source, target in self._repairs():
+                if self._stop.is_set() or not self._repair(b, source, target):
+                    break  # a unit failed mid-way: plan again next round, from what is true then
+
+    def _repairs(self) -> list[tuple[int, int, int]]:
+        """(block, a unit holding it, the unit to copy it to) for every block short of copies."""
+        with self._lock:
+            live = [u for u in range(len(self.units)) if u not in self._lost_units]
+            load = dict.fromkeys(live, 0)
+            short = []
+            for b, units in self._block_units.items():
+                size = self._block_bytes.get(b, [0, 0])[0]
+                for u in units:
+                    if u in load:
+                        load[u] += size
+                if len(units) < self.replicas and self._block_refs.get(b, 0) > 0:  # committed, still read
+                    short.append((b, units, size))
+            plan = []
+            for b, units, size in short:
+                spare = [u for u in live if u not in units]
+                if spare and units:
+                    target = min(spare, key=load.__getitem__)
+                    load[target] += size
+                    plan.append((b, units[0], target))
+            return plan
+
+    def _repair(self, b: int, source: int, target: int) -> bool:
+        """Copy block ``b`` from ``source`` to ``target``; False when either unit failed."""
+        (src, src_at), (dst, dst_at) = self.units[source], self.units[target]
+        try:
+            _, columns, _ = self._pool.get(src_at, src).call({"op": "block", "b": b}, timeout=REPAIR_TIMEOUT_S)
+            try:
+                self._pool.get(dst_at, dst).call({"op": "write", "b": b}, columns, timeout=REPAIR_TIMEOUT_S)
+            except E.WireFormatError as err:
+                if "already stored" not in str(err):  # else an earlier copy's reply was lost: the block is there
+                    raise
+        except E.MissingDataError:
+            return True  # freed while this ran
+        except E.RlplaneError as err:
+            log.warning("could not copy block %d from %s to %s: %s", b, src, dst, err)
+            return False
+        with self._lock:
+            units = self._block_units.get(b)
+            kept = units is not None and target not in units and target not in self._lost_units
+            if kept:
+                self._block_units[b] = units + (target,)
+        if not kept:  # cleared meanwhile: the copy is garbage
+            self._frees.put((target, [b]))
+        return True
 
     def _held(self, committed_only: bool = False) -> int:
         if committed_only:

@@ -6,7 +6,8 @@ receive). Block ids come from the controller and are never reused, so a read can
 be served another put's bytes. A read names, per field, the (block, row) of every sample
 it wants; the unit gathers them with one vectorized copy per field
 (:func:`rlplane.gather.gather`) and answers one column per field. A block is dropped
-when the controller says every row of it was cleared (``free``).
+when the controller says every row of it was cleared (``free``). ``block`` hands a whole
+block back as stored, for the controller to copy it to another unit (re-replication).
 
 Example::
 
@@ -69,6 +70,16 @@ class UnitCore:
                 raise E.WireFormatError("blocks and rows differ in length", field=name)
             out[name] = self._gather(name, blocks, rows, header.get("p"))
         return {}, out, []
+
+    def op_block(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """Every column of block ``b`` as stored (the controller copies it to another unit
+        when a copy was lost with a unit). MissingDataError when it is not here."""
+        bid = header.get("b")
+        with self._lock:
+            block = self._blocks.get(bid) if isinstance(bid, int) else None
+        if block is None:
+            raise E.MissingDataError("(block copy)", {}, hint=f"block {bid!r} is not on {self.name}")
+        return {}, dict(block), []
 
     def op_free(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Drop blocks (every row of them was cleared, or their put never committed)."""

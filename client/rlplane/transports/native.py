@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from rlplane.channel import Channel, ChannelPool
+from rlplane.placement import spread
 from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
 from rlplane.integrity import SUM_TAG
 from rlplane.column import Column
@@ -222,7 +223,8 @@ class NativeTransport(Transport):
         copies = min(self.replicas, len(live))
         out = []
         for k in range(chunks):
-            units = [live[(self._cursor + r) % len(live)] for r in range(copies)]
+            turn = [live[(self._cursor + r) % len(live)] for r in range(len(live))]
+            units = spread(turn, [self.units[u][1] for u in turn], copies)
             self._cursor = (self._cursor + 1) % len(live)
             out.append([secrets.randbits(62) + 1, units, bounds[k], bounds[k + 1]])
         return out

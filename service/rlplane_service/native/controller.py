@@ -53,6 +53,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
 from rlplane.ledger import Ledger, grown
+from rlplane.placement import spread
 from rlplane.tags import WIRE_TAG
 from rlplane.wire import int_array, ints
 from rlplane_service.native.stream import StreamOps
@@ -576,9 +577,9 @@ class ControllerCore(StreamOps):
                     short.append((b, units, size))
             plan = []
             for b, units, size in short:
-                spare = [u for u in live if u not in units]
-                if spare and units:
-                    target = min(spare, key=load.__getitem__)
+                spare = sorted((u for u in live if u not in units), key=load.__getitem__)
+                if spare and units:  # the least loaded, on a node that holds no copy if there is one
+                    target = spread(spare, [self.units[u][1] for u in spare], 1, [self.units[u][1] for u in units])[0]
                     load[target] += size
                     plan.append((b, units[0], target))
             return plan

@@ -1,0 +1,52 @@
+"""Where a block's copies go: distinct units, on distinct nodes when there are several;
+a lost copy is made again on a node that holds none."""
+
+import time
+
+import torch
+
+from rlplane import Client, default_registry
+from rlplane.placement import spread
+from rlplane.transports.native import NativeTransport
+from rlplane_service.native.controller import ControllerCore
+from rlplane_service.native.server import Server
+from rlplane_service.native.unit import UnitCore
+
+SECRET = b"placement-test-secret"
+
+
+def test_spread_prefers_hosts_without_a_copy_and_falls_back_to_distinct_units():
+    eps = ["tcp://a:1", "tcp://a:2", "tcp://b:1", "tcp://b:2"]
+    assert spread([0, 1, 2, 3], eps, 2) == [0, 2]
+    assert spread([1, 0, 3, 2], [eps[1], eps[0], eps[3], eps[2]], 3) == [1, 3, 0]  # two hosts: the third shares
+    assert spread([0, 1], eps[:2], 2) == [0, 1]  # one host: distinct units still
+    assert spread([0, 1, 2], eps[:3], 1, taken=["tcp://a:9"]) == [2]  # a copy on host a already
+
+
+def test_copies_land_on_two_hosts_and_a_lost_copy_is_remade_on_the_host_without_one():
+    """Units on 127.0.0.1 and 127.0.0.2 (both loopback) stand for two nodes."""
+    hosts = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    units = [Server(UnitCore(f"u{i}"), host=h, secret=SECRET, name=f"u{i}").start() for i, h in enumerate(hosts)]
+    core = ControllerCore([(f"u{i}", u.endpoint) for i, u in enumerate(units)], secret=SECRET, replicas=2)
+    ctrl = Server(core, secret=SECRET, name="controller").start()
+    client = Client(default_registry(), NativeTransport({"controller": ctrl.endpoint, "secret": SECRET.decode()}, timeout=30))
+    try:
+        fields = [{"input_ids": torch.arange(k, k + 64).reshape(8, 8), "input_lengths": torch.full((8,), 8)} for k in range(8)]
+        metas = [client.put_samples(f"p{k}", f) for k, f in enumerate(fields)]
+        placed = dict(core._block_units)
+        assert placed and all({hosts[u] for u in us} == set(hosts[1:3]) for us in placed.values()), placed
+        units[2].stop()  # a 127.0.0.2 unit dies: its copies are made again on the other one there
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (not core._lost_units or core.stats()["under_replicated_samples"]):
+            time.sleep(0.1)
+        assert core.stats()["lost_units"] == ["u2"] and core.stats()["under_replicated_samples"] == 0
+        for us in core._block_units.values():
+            assert 2 not in us and {hosts[u] for u in us} == set(hosts[1:3]), core._block_units
+        for meta, f in zip(metas, fields):
+            assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], f["input_ids"])
+    finally:
+        client.close()
+        ctrl.stop()
+        core.stop()
+        for u in units:
+            u.stop()

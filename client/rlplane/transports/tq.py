@@ -450,8 +450,9 @@ class TQTransport(Transport):
         a dead storage unit took when the ledger knows."""
         unknown = await self._unknown(partition, ids) if fields is None else ids
         if fields is not None:
-            hint = ("the Mooncake pool no longer holds these values: the storage unit holding them died (the service "
-                    "declares its samples lost within seconds)")
+            hint = ("the Mooncake pool no longer holds these values: they were cleared while this read ran, or the "
+                    "storage unit holding them died (then the service declares its samples lost within seconds; "
+                    "see /readyz)")
         lost = {}
         if self.streams is not None and unknown:
             loop = asyncio.get_running_loop()

@@ -180,6 +180,15 @@ class PayloadTooLargeError(InvalidArgumentError):
 _ATTRS = ("field", "sample", "partition", "missing", "sample_ids", "stage", "known", "component")
 
 
+def lost_hint(lost: dict[str, str], advice: str) -> str:
+    """The hint of a MissingDataError for samples a dead storage unit took (``{sample: unit}``).
+
+    Example: ``lost_hint({"s1": "unit-1"}, "RLPLANE_REPLICAS=2 keeps two")`` ->
+    "1 of them were lost with storage unit(s) unit-1 (RLPLANE_REPLICAS=2 keeps two)".
+    """
+    return f"{len(lost)} of them were lost with storage unit(s) {', '.join(sorted(set(lost.values())))} ({advice})"
+
+
 def error_payload(err: RlplaneError) -> dict[str, Any]:
     """JSON-able form of ``err`` (see :func:`error_from_payload`)."""
     out: dict[str, Any] = {"error": type(err).__name__, "message": str(err)}
@@ -238,6 +247,7 @@ __all__ = [
     "PayloadTooLargeError",
     "error_payload",
     "error_from_payload",
+    "lost_hint",
 ]
 
 

@@ -413,7 +413,7 @@ def build_api(state: ServiceState) -> FastAPI:
 
     async def loss_counts() -> dict[str, Any] | None:
         """Samples lost with dead storage units, the units, and (native) samples short of
-        their replicas; None where the backend cannot tell (mooncake)."""
+        their replicas; None where the service has no loss to report (an in-process API)."""
         if state.loss is not None:
             return await offload(state.loss)
         if not hasattr(transport, "unit_usage"):

@@ -108,7 +108,7 @@ class StoreView:
     mooncake_up: bool | None = None
     mooncake: dict[str, float] = field(default_factory=dict)  # master_* gauges we re-export
     streams: dict[str, Any] | None = None  # the consumption ledger's snapshot (rlplane.ledger.Ledger.snapshot)
-    loss: dict[str, int] | None = None  # lost_samples (native, simple), under_replicated_samples (native)
+    loss: dict[str, int] | None = None  # lost_samples (every backend), under_replicated_samples (native)
 
 
 def store_view(
@@ -158,7 +158,7 @@ def store_view(
         stats = transport.stats()
         units.update({u: (int(d["samples"]), int(d["live_bytes"])) for u, d in stats["units"].items() if u in units})
         counts = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
-    elif loss is not None:  # simple: the ledger remembers what a dead unit took
+    elif loss is not None:  # simple, mooncake: the ledger remembers what a dead unit took
         try:
             counts = {"lost_samples": int(loss()["lost_samples"])}
         except Exception as err:  # noqa: BLE001 - a scrape reports what it can
@@ -274,7 +274,7 @@ class _Collector:
         yield _gauge("rlplane_stored_bytes", "Bytes held by the store.", sum(b for _, b in v.partitions.values()))
         if v.loss is not None:
             yield _gauge("rlplane_lost_samples", "Samples lost with a storage unit that held their only copy, since "
-                         "the store started (native, simple).", v.loss["lost_samples"])
+                         "the store started.", v.loss["lost_samples"])
         if v.loss is not None and "under_replicated_samples" in v.loss:
             yield _gauge("rlplane_under_replicated_samples", "Samples with fewer live copies than RLPLANE_REPLICAS "
                          "(native).", v.loss["under_replicated_samples"])

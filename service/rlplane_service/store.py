@@ -139,8 +139,7 @@ class Store:
     def dead_units(self, timeout: float = 2.0) -> list[str]:
         """The storage units Ray reports dead (their process is gone, with what it held).
         A unit that is only slow is not in it."""
-        ping = "info" if self.backend == "mooncake" else "get_zmq_server_info"
-        refs = {name: getattr(unit, ping).remote() for name, unit in self.units.items()}
+        refs = {name: self._ping(unit) for name, unit in self.units.items()}
         dead = []
         for name, ref in refs.items():
             try:
@@ -155,6 +154,10 @@ class Store:
         """``lost_samples`` (since the store started) and ``lost_units``, as the ledger keeps them."""
         return ray.get(self.stream_actor.loss.remote(), timeout=timeout)
 
+    def _ping(self, unit: Any) -> Any:
+        """An ObjectRef that resolves once storage unit ``unit`` answers."""
+        return (unit.info if self.backend == "mooncake" else unit.get_zmq_server_info).remote()
+
     def alive(self, timeout: float = 2.0) -> bool:
         """Whether every actor answers within ``timeout`` seconds (and the master is healthy)."""
         return all(self.health(timeout).values())
@@ -164,9 +167,8 @@ class Store:
         out = {"controller": _answers(self.controller.get_zmq_server_info.remote(), timeout)}
         if self.stream_actor is not None:
             out["streams"] = _answers(self.stream_actor.info.remote(), timeout)
-        ping = "info" if self.backend == "mooncake" else "get_zmq_server_info"
         for name, unit in self.units.items():
-            out[name] = _answers(getattr(unit, ping).remote(), timeout)
+            out[name] = _answers(self._ping(unit), timeout)
         if self.master is not None:
             try:
                 out["mooncake_master"] = bool(ray.get(self.master.healthy.remote(), timeout=timeout))

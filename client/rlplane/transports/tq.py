@@ -39,7 +39,7 @@ from rlplane.codec import WIRE_TAG, merge_tags
 from rlplane.streams import DirectStreams
 from rlplane.column import Column
 from rlplane.errors import (DuplicateSampleError, MissingDataError, StorageFullError, TransportError, UnavailableError,
-                            WireFormatError)
+                            WireFormatError, lost_hint)
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 
 log = logging.getLogger(__name__)
@@ -458,9 +458,8 @@ class TQTransport(Transport):
             loop = asyncio.get_running_loop()
             lost = await loop.run_in_executor(None, self.streams.lost, partition, unknown)
         if lost:
-            units = ", ".join(sorted(set(lost.values())))
-            hint = (f"{len(lost)} of them were lost with storage unit(s) {units} (its process died with the only "
-                    "copy; the native backend with RLPLANE_REPLICAS=2 keeps two)")
+            hint = lost_hint(lost, "its process died with the only copy; the native backend with RLPLANE_REPLICAS=2 "
+                             "keeps two")
         return MissingDataError(partition, {s: (fields or {}).get(s, []) for s in unknown}, hint=hint)
 
     async def _put(

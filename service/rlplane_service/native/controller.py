@@ -227,9 +227,8 @@ class ControllerCore(StreamOps):
         if not isinstance(u, int) or not 0 <= u < len(self.units):
             raise E.WireFormatError(f"unit_down needs a unit index 'u' below {len(self.units)}")
         if u not in self._lost_units:
-            name, endpoint = self.units[u]
             try:
-                self._pool.get(endpoint, name).call({"op": "ping"}, timeout=CHECK_TIMEOUT_S)
+                self._ping(u)
             except E.RlplaneError as err:
                 self._lose_unit(u, str(err))
         return {"down": sorted(self._lost_units)}, {}, []
@@ -540,16 +539,21 @@ class ControllerCore(StreamOps):
         in a row, and it is lost."""
         misses = [0] * len(self.units)
         while not self._stop.wait(WATCH_EVERY_S):
-            for u, (name, endpoint) in enumerate(self.units):
+            for u in range(len(self.units)):
                 if u in self._lost_units:
                     continue
                 try:
-                    self._pool.get(endpoint, name).call({"op": "ping"}, timeout=CHECK_TIMEOUT_S)
+                    self._ping(u)
                     misses[u] = 0
                 except E.RlplaneError as err:
                     misses[u] += 1
                     if getattr(err, "dropped", False) or misses[u] >= LOST_AFTER:
                         self._lose_unit(u, str(err))
+
+    def _ping(self, u: int) -> None:
+        """Unit ``u`` answers within CHECK_TIMEOUT_S, or a typed error (``dropped`` when its connection went)."""
+        name, endpoint = self.units[u]
+        self._pool.get(endpoint, name).call({"op": "ping"}, timeout=CHECK_TIMEOUT_S)
 
     def _repair_loop(self) -> None:
         """Re-replication: once a unit is lost, copy every committed block that has fewer
@@ -629,11 +633,8 @@ class ControllerCore(StreamOps):
     @staticmethod
     def _missing(p: str, part: Partition | None, ids: list[str]) -> E.MissingDataError:
         lost = {s: part.lost[s] for s in ids if part is not None and s in part.lost}
-        if not lost:
-            return E.MissingDataError(p, {s: [] for s in ids})
-        units = sorted(set(lost.values()))
-        return E.MissingDataError(p, {s: [] for s in ids}, hint=f"{len(lost)} of them were lost with storage unit(s) "
-                                  f"{', '.join(units)} (they held the only copy; RLPLANE_REPLICAS=2 keeps two)")
+        hint = E.lost_hint(lost, "they held the only copy; RLPLANE_REPLICAS=2 keeps two") if lost else ""
+        return E.MissingDataError(p, {s: [] for s in ids}, hint=hint)
 
     def _blocks_of(self, given: Any, n: int) -> list[tuple[int, tuple[int, ...], int, int]]:
         """The blocks a put announces: ``[[block id, [units], first row, end row], ...]``

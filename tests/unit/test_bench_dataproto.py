@@ -38,3 +38,18 @@ def test_the_check_names_a_field_whose_bits_or_rows_differ():
     assert [p for p in same_dataproto(dp, bad) if "input_ids" in p]
     bad["batch"]["input_ids"] = None  # what Mooncake 0.3.13 returned for a 64 MB field (text-scale B=8192)
     assert same_dataproto(dp, bad) == ["DataProto field 'input_ids' came back as None"]
+
+
+def test_the_row_converts_the_batch_it_is_given_even_where_a_freed_batchs_id_is_reused():
+    """Found as a CI failure: the row cached its conversion under id(batch); a new batch at a
+    freed one's address was put as the old one's bytes and the check blamed the peer."""
+    from types import SimpleNamespace
+
+    from rlplane_tools.bench.dataproto import MooncakeDataProto
+
+    path = MooncakeDataProto.__new__(MooncakeDataProto)  # the conversion only: no master, no store
+    path.registry, path._held = default_registry(), None
+    for seed in range(20):
+        batch = SimpleNamespace(work=vlm_step(batch=2, seqlen=16, seed=seed))
+        assert same_dataproto(dataproto_of(path.registry, batch.work.fields), path._dataproto(batch)) == []
+        del batch

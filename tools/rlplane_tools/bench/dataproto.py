@@ -125,7 +125,7 @@ class MooncakeDataProto(BenchPath):
         self._mount = lambda size: mount_segment(self._settings, env.dataproto_master, "127.0.0.1", size)
         self._Transfer = MooncakeBundleTransfer
         self._refs: dict[str, Any] = {}
-        self._held: tuple[int, dict] | None = None  # (id of the batch, its DataProto)
+        self._held: tuple[Batch, dict] | None = None  # (the batch, its DataProto)
 
     def _transfer(self, writer: bool) -> Any:
         if self._store is None:  # the writer's client mounts the segment; a reader's mounts none
@@ -134,8 +134,10 @@ class MooncakeDataProto(BenchPath):
         return self._tx
 
     def _dataproto(self, batch: Batch) -> dict:
-        if self._held is None or self._held[0] != id(batch):  # converted once per batch, untimed
-            self._held = (id(batch), dataproto_of(self.registry, batch.work.fields))
+        # Converted once per batch, untimed. Keyed by the batch itself, not id(batch): a freed
+        # batch's id is reused, and a stale conversion read as "the peer returned wrong bytes".
+        if self._held is None or self._held[0] is not batch:
+            self._held = (batch, dataproto_of(self.registry, batch.work.fields))
         return self._held[1]
 
     def write(self, batch: Batch, key: str, peer: Any) -> Sent:

@@ -43,7 +43,8 @@ def service():
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
-    svc = EmbeddedService(ServiceSettings(port=free_port(), api_token=TOKEN, storage_units=2), num_cpus=8)
+    svc = EmbeddedService(ServiceSettings(port=free_port(), api_token=TOKEN, storage_units=2, unit_bytes=512 << 20),
+                          num_cpus=8)
     svc.start()
     try:
         yield svc

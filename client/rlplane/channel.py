@@ -104,6 +104,12 @@ class Channel:
         self._pending.add(rid)
         return rid
 
+    def post(self, header: Mapping[str, Any]) -> None:
+        """Send a one-way request (the server handles it and never answers), e.g. an unpin."""
+        if self.closed:
+            raise TransportError(f"channel to {self.name} is closed")
+        self._sock.send_multipart(pack_message({**header, "rid": 0, "nr": True}), copy=False)
+
     def receive(self, rid: int, deadline: float, sink: Sink | None = None
                 ) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
         """The reply to request ``rid`` (sent on this channel) by ``deadline`` (a monotonic time).
@@ -206,12 +212,14 @@ class Channel:
 
 
 class ChannelPool:
-    """Per-thread channels to named endpoints; a channel that failed is replaced on next use."""
+    """Per-thread channels to named endpoints; a channel that failed is replaced on next
+    use, and the channels of threads that have ended are closed when a new one is made
+    (a client used from short-lived threads keeps one set of sockets per live thread)."""
 
     def __init__(self, secret: bytes | None = None) -> None:
         self.secret = secret
         self._local = threading.local()
-        self._all: list[Channel] = []
+        self._all: list[tuple[threading.Thread, Channel]] = []
         self._lock = threading.Lock()
 
     def get(self, endpoint: str, name: str) -> Channel:
@@ -222,13 +230,21 @@ class ChannelPool:
         if ch is None or ch.closed:
             ch = chans[endpoint] = Channel(endpoint, name, secret=self.secret)
             with self._lock:
-                self._all = [c for c in self._all if not c.closed] + [ch]
+                ended = [c for t, c in self._all if not t.is_alive()]
+                self._all = [(t, c) for t, c in self._all if t.is_alive() and not c.closed]
+                self._all.append((threading.current_thread(), ch))
+            for c in ended:  # its thread is gone: nobody else uses its sockets
+                c.close()
         return ch
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(1 for _, c in self._all if not c.closed)
 
     def close(self) -> None:
         with self._lock:
             chans, self._all = self._all, []
-        for ch in chans:
+        for _, ch in chans:
             ch.close()
 
 

@@ -132,12 +132,16 @@ class Client:
         stage: str | None = None,
         layout: str = "padded",
         pad_to_seqlen: int | None = None,
+        copy: bool = True,
     ) -> dict[str, Any]:
         """Every requested field of every sample in ``meta``, or MissingDataError.
 
         Name ``fields`` or a ``stage`` (its fields come from the registry). Token fields
         come back ``[B, pad_to_seqlen]`` (default: the meta's, else the longest sample)
-        or jagged; packed fields as PackedTensor; object fields as lists.
+        or jagged; packed fields as PackedTensor; object fields as lists. The caller owns
+        what it gets; ``copy=False`` lets the native engine's shared-memory path hand out
+        read-only views of the store's memory instead (zero copy: writing into one faults),
+        whose blocks stay pinned, and so not reused, until the last view is gone.
 
         Example::
 
@@ -149,7 +153,7 @@ class Client:
             names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
             for name in names:
                 self.registry.get(name)
-            columns, tags = self.transport.get(meta.partition, meta.sample_ids, names)
+            columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy)
             op.nbytes = sum(col.nbytes for col in columns.values())
             check_sums(meta.partition, meta.sample_ids, columns, tags)
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
@@ -276,7 +280,8 @@ class Client:
         return self.transport.partitions()
 
     def stats(self) -> dict[str, Any]:
-        """What the store holds (per partition: sample count, fields present, bytes) and
+        """What the store holds (per partition: sample count, fields present, bytes), how
+        this client's bytes move (``paths``: per storage unit ``shm`` or ``zmq``) and
         what this client did (``ops``: per op count, errors, bytes, wall time p50/p90;
         see :meth:`rlplane.opstats.OpStats.summary`).
 
@@ -292,6 +297,7 @@ class Client:
             parts[name] = {"num_samples": info.num_samples, "fields": dict(info.fields), "nbytes": info.nbytes}
         return {
             "transport": self.transport.name,
+            "paths": self.transport.paths(),
             "registry_version": self.registry.version,
             "partitions": parts,
             "samples": sum(p["num_samples"] for p in parts.values()),

@@ -38,6 +38,8 @@ from rlplane.transports.base import Transport
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "direct", "native", "tq", "http")
+#: Data paths of the native engine (see rlplane.transports.native.DATA_PATHS; no zmq import here).
+DATA_PATHS = ("auto", "shm", "zmq")
 #: Direct data paths a service may publish at /v1/transport: key -> (module with ``reachable``, package it needs).
 DIRECT = {"native": ("rlplane.transports.native", "zmq"), "tq": ("rlplane.transports.tq", "transfer_queue")}
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -50,13 +52,17 @@ def connect(
     transport: str = "auto",
     timeout: float = 60.0,
     reuse_buffers: bool = True,
+    data_path: str | None = None,
 ) -> Client:
     """A :class:`~rlplane.client.Client` for the service at ``url`` (see the module docstring).
 
     ``token`` defaults to the ``RLPLANE_API_TOKEN`` environment variable. Raises
     TransportError when the service is unreachable or the asked-for transport is not
     available, AuthenticationError on a missing or wrong token. ``reuse_buffers``: see
-    :class:`~rlplane.client.Client` (encode buffers kept between puts).
+    :class:`~rlplane.client.Client` (encode buffers kept between puts). ``data_path``
+    (native engine; default ``RLPLANE_DATA_PATH``, else ``auto``): ``shm`` maps the slabs
+    of storage units on this host, ``zmq`` sends every byte as frames, ``auto`` maps what
+    it can (see :mod:`rlplane.transports.native`); ``client.transport.paths()`` says which.
 
     Example::
 
@@ -67,11 +73,15 @@ def connect(
         raise InvalidArgumentError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if token is None:
         token = os.environ.get("RLPLANE_API_TOKEN") or None
+    if data_path is None:
+        data_path = os.environ.get("RLPLANE_DATA_PATH") or "auto"
+    if data_path not in DATA_PATHS:
+        raise InvalidArgumentError(f"data_path (RLPLANE_DATA_PATH) must be one of {DATA_PATHS}, got {data_path!r}")
     api = ServiceAPI(url, token=token, timeout=timeout)
     try:
         registry = Registry.from_dict(api.json("GET", "/v1/registry"))
         described = api.json("GET", "/v1/transport")
-        chosen = _transport(api, described, transport, timeout)
+        chosen = _transport(api, described, transport, timeout, data_path)
     except BaseException:
         api.close()
         raise
@@ -79,7 +89,7 @@ def connect(
     return Client(registry, chosen, service=api, reuse_buffers=reuse_buffers)
 
 
-def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float) -> Transport:
+def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float, data_path: str) -> Transport:
     from rlplane.transports.http import HttpTransport
 
     if wanted == "http":
@@ -99,18 +109,18 @@ def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float) ->
         if not _importable(package) or not importlib.import_module(module).reachable(info):
             return HttpTransport(api)
     try:
-        return _open(kind, info, timeout)
+        return _open(kind, info, timeout, data_path)
     except TransportError:
         if wanted == "auto":
             return HttpTransport(api)
         raise
 
 
-def _open(kind: str, info: dict, timeout: float) -> Transport:
+def _open(kind: str, info: dict, timeout: float, data_path: str) -> Transport:
     if kind == "native":
         from rlplane.transports.native import NativeTransport
 
-        return NativeTransport(info, timeout=timeout)
+        return NativeTransport(info, timeout=timeout, data_path=data_path)
     from rlplane.transports.tq import TQTransport
 
     return TQTransport(info, timeout=timeout)

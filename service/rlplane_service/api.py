@@ -408,8 +408,16 @@ def build_api(state: ServiceState) -> FastAPI:
             "nbytes": sum(p["nbytes"] for p in parts),
             "consumption": streams.get("tasks", []),
             **({"loss": loss} if (loss := await loss_counts()) is not None else {}),
+            **({"memory": memory} if (memory := await unit_memory()) else {}),
             "uptime_s": round(time.time() - state.started, 1),
         }
+
+    async def unit_memory() -> dict[str, Any]:
+        """Native: each storage unit's slab (bytes total, used, free, largest hole, fragmentation)."""
+        if not hasattr(transport, "unit_usage"):
+            return {}
+        stats = await offload(transport.stats)
+        return {u: d["slab"] for u, d in stats["units"].items() if isinstance(d.get("slab"), dict)}
 
     async def loss_counts() -> dict[str, Any] | None:
         """Samples lost with dead storage units, the units, and (native) samples short of

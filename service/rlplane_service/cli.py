@@ -85,6 +85,9 @@ def serve(
         None, "--storage-units", min=1, help="TransferQueue storage units (default 2).", show_default=False
     ),
     capacity: Optional[int] = typer.Option(None, min=1, help="Most samples held (default: no limit)."),
+    unit_bytes: Optional[int] = typer.Option(
+        None, "--unit-bytes", min=16 << 20, help="native: shared memory each storage unit allocates and pre-faults at "
+        "start, its cap (default 1 GiB; RLPLANE_UNIT_BYTES).", show_default=False),
     registry_file: Optional[Path] = typer.Option(
         None, "--registry", exists=True, dir_okay=False, help="YAML/JSON file of extra FieldSpecs."
     ),
@@ -111,7 +114,7 @@ def serve(
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
-    given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity,
+    given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity, "unit_bytes": unit_bytes,
              "registry_file": registry_file, "api_token": token, "backend": backend.value if backend else None}
     settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_* or defaults
     def on_signal(*_: object) -> None:
@@ -178,6 +181,9 @@ def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: 
     for p in st["partitions"]:
         table.add_row(p["partition"], str(p["num_samples"]), f"{p['nbytes'] / 1e6:.1f}", ", ".join(sorted(p["fields"])))
     console.print(table)
+    for unit, m in sorted((st.get("memory") or {}).items()):
+        console.print(f"  {unit}: slab {m['used_bytes'] / 2**20:.0f} of {m['slab_bytes'] / 2**20:.0f} MiB used, "
+                      f"largest hole {m['largest_free'] / 2**20:.0f} MiB, fragmentation {m['fragmentation']:.2f}")
     tasks = st.get("consumption") or []
     if tasks:
         states = ("samples", "pending", "claimed", "acked", "expired", "redelivered")

@@ -109,6 +109,7 @@ class StoreView:
     mooncake: dict[str, float] = field(default_factory=dict)  # master_* gauges we re-export
     streams: dict[str, Any] | None = None  # the consumption ledger's snapshot (rlplane.ledger.Ledger.snapshot)
     loss: dict[str, int] | None = None  # lost_samples (every backend), under_replicated_samples (native)
+    slabs: dict[str, dict[str, Any]] = field(default_factory=dict)  # native: unit -> its slab's figures
 
 
 def store_view(
@@ -158,12 +159,15 @@ def store_view(
         stats = transport.stats()
         units.update({u: (int(d["samples"]), int(d["live_bytes"])) for u, d in stats["units"].items() if u in units})
         counts = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
+        slabs = {u: d["slab"] for u, d in stats["units"].items() if isinstance(d.get("slab"), dict)}
     elif loss is not None:  # simple, mooncake: the ledger remembers what a dead unit took
         try:
             counts = {"lost_samples": int(loss()["lost_samples"])}
         except Exception as err:  # noqa: BLE001 - a scrape reports what it can
             log.warning("could not read the lost samples: %s", err)
     view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity, loss=counts)
+    if counts is not None and backend == "native":
+        view.slabs = slabs
     if streams is not None:
         try:
             view.streams = streams()
@@ -287,6 +291,17 @@ class _Collector:
                 unit_bytes.add_metric([unit], held[1])
         yield unit_samples
         yield unit_bytes
+        if v.slabs:
+            slab = GaugeMetricFamily("rlplane_storage_unit_slab_bytes", "A native storage unit's slab (RLPLANE_UNIT_BYTES): "
+                                     "total, used (allocated extents) and free bytes.", labels=["unit", "state"])
+            frag = GaugeMetricFamily("rlplane_storage_unit_slab_fragmentation", "1 - the largest free hole / free bytes "
+                                     "of a native storage unit's slab (0: one hole).", labels=["unit"])
+            for unit, d in sorted(v.slabs.items()):
+                for state, key in (("total", "slab_bytes"), ("used", "used_bytes"), ("free", "free_bytes")):
+                    slab.add_metric([unit, state], float(d.get(key, 0)))
+                frag.add_metric([unit], float(d.get("fragmentation", 0.0)))
+            yield slab
+            yield frag
         up = GaugeMetricFamily("rlplane_storage_unit_up", "1 when the storage unit answers.", labels=["unit"])
         for unit, ok in sorted(v.units_up.items()):
             up.add_metric([unit], 1.0 if ok else 0.0)

@@ -34,6 +34,11 @@ class ServiceSettings(BaseSettings):
         1, ge=1, le=8, description="Backend native: copies of every block, each on a distinct storage unit (at most "
         "storage_units). With 2, a lost unit loses no sample; reads go on from the other copy."
     )
+    unit_bytes: int = Field(
+        1 << 30, ge=16 << 20, le=1 << 40,
+        description="Backend native: the shared-memory slab each storage unit allocates and pre-faults at start (its "
+        "memory cap; a write that does not fit is StorageFullError, 507). The host needs storage_units x this much RAM.",
+    )
     capacity: Optional[int] = Field(
         None, ge=1, description="Most samples held across all storage units (None: no limit)."
     )

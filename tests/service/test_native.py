@@ -88,12 +88,13 @@ KILLED_WRITER = textwrap.dedent(
     import sys, time, torch, rlplane
     from rlplane.transports.native import NativeTransport
     url, token, partition = sys.argv[1:4]
-    original = NativeTransport._wait_blocks
+    original = NativeTransport._land_blocks
     def write_then_hang(self, *args, **kwargs):
-        original(self, *args, **kwargs)     # reserved, and the bytes are on the units...
+        out = original(self, *args, **kwargs)   # the bytes are in the units' extents (shm: copied by this process)...
+        time.sleep(0.5)                         # ...the reservation is in too...
         print("reserved", flush=True)
-        time.sleep(600)                     # ...but the commit never comes
-    NativeTransport._wait_blocks = write_then_hang
+        time.sleep(600)                         # ...but the commit never comes
+    NativeTransport._land_blocks = write_then_hang
     client = rlplane.connect(url, token=token, transport="native")
     client.put_samples(partition, {"input_ids": torch.ones(4, 8, dtype=torch.int64),
                                    "input_lengths": torch.full((4,), 8)}, sample_ids=["a", "b", "c", "d"])
@@ -101,9 +102,16 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
-def test_a_writer_killed_between_reserve_and_commit_leaves_nothing_and_its_retry_succeeds(nat):
+@pytest.mark.parametrize("path", ["shm", "zmq"])
+def test_a_writer_killed_between_reserve_and_commit_leaves_nothing_and_its_retry_succeeds(nat, path):
+    """SIGKILL after the bytes are in the units' extents, before the commit: nothing is
+    visible, the ids and the extents are given back once the reservation lapses."""
     p = part()
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, nat, TOKEN, p], stdout=subprocess.PIPE, text=True)
+    with rlplane.connect(nat, token=TOKEN, transport="native") as client:
+        used_before = slab_used(client)
+    env = {**os.environ, "RLPLANE_DATA_PATH": path}
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, nat, TOKEN, p], stdout=subprocess.PIPE, text=True,
+                            env=env)
     try:
         assert proc.stdout.readline().strip() == "reserved"
     finally:
@@ -126,6 +134,17 @@ def test_a_writer_killed_between_reserve_and_commit_leaves_nothing_and_its_retry
         stats = client.transport.stats()
         assert stats["reservations"] == 0
         client.clear(p)
+        deadline = time.monotonic() + 15  # the units' slab figures come with the controller's pings (1 s)
+        while slab_used(client) > used_before:
+            assert time.monotonic() < deadline, f"extents not given back: {slab_used(client)} != {used_before}"
+            time.sleep(0.2)
+
+
+def slab_used(client) -> int:
+    """Bytes allocated in every unit's slab, as the controller last heard from the units."""
+    units = client.transport.stats()["units"]
+    assert all("slab" in u for u in units.values()), units
+    return sum(u["slab"]["used_bytes"] for u in units.values())
 
 
 def test_a_wrong_or_missing_secret_is_an_authentication_error_at_once(nat):
@@ -210,6 +229,13 @@ def test_a_killed_unit_loses_only_its_samples_named_within_seconds_and_readyz_na
                 break
         else:
             pytest.fail("the killed unit's port still accepts connections after 30 s")
+        # A same-host reader still maps the dead unit's slab (the memory lives while any
+        # process maps it), so a read may be served from there until the controller has
+        # declared the loss: it does so within seconds, and from then on the rows are lost.
+        killed = time.monotonic()
+        while "nat-native-unit-1" not in client.transport.stats()["lost_units"]:
+            assert time.monotonic() - killed < 10, "the controller did not declare the killed unit lost"
+            time.sleep(0.1)
         lost = []
         for k, meta in enumerate(metas):
             start = time.monotonic()

@@ -32,6 +32,7 @@ def test_a_killed_unit_loses_nothing_with_two_copies_and_its_copies_are_remade(r
     import ray
 
     with rlplane.connect(rep, token=TOKEN, transport="native") as client:
+        assert set(client.transport.paths().values()) == {"shm"}  # same host: puts and reads through the slabs
         works = [vlm_step(batch=6, seqlen=64, seed=k) for k in range(6)]
         metas = [client.put_samples(f"r-{uuid.uuid4().hex[:6]}", w.fields) for w in works]
         assert client.transport.stats()["under_replicated_samples"] == 0

@@ -148,7 +148,9 @@ def _worker(conn: Any, cfg_dict: dict) -> None:
                 )
                 unchecked = [k for k in got if k not in want]
                 problems += [f"field {k!r}: read but the demo does not know what was written" for k in unchecked]
+                paths = sorted(set(client.transport.paths().values())) or [client.transport.name]
                 reply = {"fields": names, "read_s": read_s, "read_bytes": fields_nbytes(got), "problems": problems,
+                         "path": "+".join(paths),
                          "multimodal": sorted(k for k in MULTIMODAL if k in got)}
                 out_field = msg.get("write")
                 if out_field:
@@ -277,7 +279,9 @@ def _step(cfg: DemoConfig, workers: _Workers, ranks: list[str], console: Console
             )
             for i, (r, shard) in enumerate(zip(ranks, shards)):
                 rep = replies[r]
-                console.print(f"[cyan]{name}[/] rank {i}: read {rep['fields']}")
+                gbps = rep["read_bytes"] / rep["read_s"] / 1e9 if rep["read_s"] else float("inf")
+                console.print(f"[cyan]{name}[/] rank {i}: read {rep['fields']} ({rep['read_bytes'] / 1e6:.1f} MB at "
+                              f"{gbps:.2f} GB/s, data path {rep['path']})")
                 read_counts.append((rep["fields"], len(shard)))
                 phase(f"{name} read (rank {i})", len(shard), rep["read_bytes"], rep["read_s"])
                 if write:

@@ -65,9 +65,17 @@ class Transport(ABC):
 
     @abstractmethod
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
-        """The requested fields' columns (rows in ``sample_ids`` order) and the samples' tags."""
+        """The requested fields' columns (rows in ``sample_ids`` order) and the samples' tags.
+
+        ``copy=False`` allows read-only views of the store's memory where a transport has
+        them (the native engine's shared-memory path); others return owned memory anyway."""
+
+    def paths(self) -> dict[str, str]:
+        """How bytes move to each storage unit (``{unit: path}``); ``{}`` where a transport
+        has one way only (its ``name`` says which)."""
+        return {}
 
     @abstractmethod
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:

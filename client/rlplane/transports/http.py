@@ -63,7 +63,7 @@ class HttpTransport(Transport):
         )
 
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         body = self.api.read_into(
             "POST", f"/v1/data/{_p(partition)}/get", json={"sample_ids": list(sample_ids), "fields": list(fields)}

@@ -75,7 +75,7 @@ class MemoryTransport(Transport):
                 self._dtypes[(partition, name)] = col.dtype
 
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         with self._lock:
             part = self._parts.get(partition, {})

@@ -1,16 +1,32 @@
-"""NativeTransport: columns straight to rlplane's own storage engine over ZMQ.
+"""NativeTransport: columns straight to rlplane's own storage engine.
 
 The service's native store is a controller (the sample index) and storage units (the
-bytes, as columnar blocks). This transport talks to both directly, with nothing but
-the addresses and the data secret that ``GET /v1/transport`` hands out under the API
-token: no Ray, no pickle. Messages per put or read: one to the controller, one per
-storage unit involved, one more to the controller; never one per sample.
+bytes, as columnar blocks in each unit's slab). This transport talks to both directly,
+with nothing but the addresses and the data secret that ``GET /v1/transport`` hands out
+under the API token: no Ray, no pickle. ZMQ carries control; bulk bytes take one of two
+*data paths* per unit (``data_path``, ``RLPLANE_DATA_PATH``):
+
+- ``shm``: the unit is on this host and its slab is mapped here (:mod:`rlplane.shm`):
+  a put copies each field's values straight into extents the unit allocated, a read
+  copies rows out at the addresses the controller located (or, ``copy=False``, returns
+  views of the slab). One memcpy each way, no socket.
+- ``zmq``: the values travel as frames to and from the unit, which copies them into
+  (or gathers them out of) its slab.
+
+``auto`` (default) maps every unit it can and uses ``zmq`` for the rest; ``shm`` fails
+unless every unit can be mapped; ``zmq`` never maps. Messages per put or read: one to
+the controller, one per storage unit involved, one more to the controller; never one
+per sample.
 
 - ``put``: reserve the ids (atomic: concurrent puts of the same new ids, exactly one
-  wins) while the blocks travel to their units, then commit. Anything failing in between aborts the
-  reservation; nothing is visible until the commit.
-- ``get``: locate the rows, read each unit's share (one column per field), put the rows
-  back in the order asked. Every (sample, field) or MissingDataError.
+  wins) while the blocks travel to (or are allocated on) their units, then commit.
+  Anything failing in between aborts the reservation; nothing is visible until the
+  commit. With a local unit a put is one block whose first copy is local.
+- ``get``: locate the rows (the controller pins their blocks), read each unit's share
+  (one column per field, or one vectorized copy out of the mapped slab), put the rows
+  back in the order asked, unpin. Every (sample, field) or MissingDataError. Rows land
+  in buffers of a :class:`~rlplane.readpool.ReadPool`: memory the caller owns, reused
+  once the caller drops it.
 
 Every call has a deadline (``timeout``); a unit that died raises UnavailableError within
 seconds (see :mod:`rlplane.channel`).
@@ -23,9 +39,12 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
+import threading
 import time
+import weakref
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -36,13 +55,18 @@ from rlplane.placement import spread
 from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
 from rlplane.integrity import SUM_TAG
 from rlplane.column import Column
-from rlplane.dtypes import dtype_from_name
-from rlplane.errors import MissingDataError, ShapeError, TransportError, UnavailableError, WireFormatError
+from rlplane.dtypes import dtype_from_name, dtype_name
+from rlplane.errors import (InvalidArgumentError, MissingDataError, ShapeError, TransportError, UnavailableError,
+                            WireFormatError)
+from rlplane.readpool import ReadPool
+from rlplane.shm import SlabView, open_slab
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.streams import DirectStreams
 from rlplane.gather import BIG_RUN as _BIG_RUN
 from rlplane.gather import MAX_RUNS as _MAX_RUNS
-from rlplane.wire import RawColumn, int_array, ints, numpy_dtype
+from rlplane.wire import RawColumn, int_array, ints, numpy_dtype, raw
+
+log = logging.getLogger(__name__)
 
 #: Keys every reply header carries besides the operation's answer.
 _ENVELOPE_KEYS = {"ok", "rid", "v", "c", "nbuf"}
@@ -50,6 +74,10 @@ _ENVELOPE_KEYS = {"ok", "rid", "v", "c", "nbuf"}
 CHUNK_BYTES = 8 << 20
 #: How long an abort of a failed put may take before the reservation is left to lapse.
 _ABORT_TIMEOUT_S = 5.0
+#: The data paths a client may ask for (see the module docstring).
+DATA_PATHS = ("auto", "shm", "zmq")
+#: Copies of at least this many bytes go through torch (several threads); smaller through numpy.
+_BIG_COPY = 1 << 20
 
 
 def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
@@ -70,7 +98,10 @@ class NativeTransport(Transport):
 
     name = "native"
 
-    def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0) -> None:
+    def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
+                 pool: ReadPool | None = None) -> None:
+        if data_path not in DATA_PATHS:
+            raise InvalidArgumentError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
         try:
             self.controller = str(info["controller"])
             secret = info.get("secret")
@@ -85,6 +116,34 @@ class NativeTransport(Transport):
         self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
         self.down: set[int] = {int(u) for u in hello.get("down", [])}  # units the controller declared lost
         self._cursor = secrets.randbelow(max(1, len(self.units)))
+        self.data_path = data_path
+        self.pool = pool if pool is not None else ReadPool()
+        self._slabs: dict[int, SlabView] = {}  # unit -> its slab, mapped (same host)
+        self._views = _ViewPins(self)
+        if data_path != "zmq":
+            self._map_slabs(required=data_path == "shm")
+
+    def paths(self) -> dict[str, str]:
+        """The data path to each storage unit: ``shm`` (its slab is mapped here) or ``zmq``.
+
+        Example: ``client.transport.paths()  # {"rlplane-native-unit-0": "shm", ...}``
+        """
+        return {name: "shm" if u in self._slabs else "zmq" for u, (name, _) in enumerate(self.units)}
+
+    def _map_slabs(self, *, required: bool) -> None:
+        for u, (name, _) in enumerate(self.units):
+            if u in self.down:
+                continue
+            try:
+                share = self._unit(u).call({"op": "slab"}, timeout=min(self.timeout, 5.0))[0]
+                self._slabs[u] = open_slab(str(share["sock"]), str(share["ticket"]), int(share["bytes"]), unit=name,
+                                           timeout=min(self.timeout, 5.0))
+            except (TransportError, KeyError, TypeError, ValueError) as err:
+                if required:
+                    self.close()
+                    raise TransportError(f"data_path='shm' needs every storage unit on this host, but {name} cannot "
+                                         f"be mapped ({err}); use data_path='auto' (RLPLANE_DATA_PATH=auto)") from None
+                log.debug("storage unit %s: zmq data path (%s)", name, err)
 
     # -- the Transport verbs ---------------------------------------------------------
     def put(
@@ -121,15 +180,23 @@ class NativeTransport(Transport):
         rid = ctrl.send({"op": "reserve", "p": partition, "ids": ids, "create": create, "fields": names,
                          "blocks": blocks})
         writes = self._send_blocks(blocks, columns)
+        failed: BaseException | None = None
+        try:
+            where = self._land_blocks(writes, deadline)  # shm: the copies into the slabs happen here
+        except BaseException as err:  # noqa: BLE001 - raised below, once the reservation is settled
+            failed, where = err, {}
         try:
             res = ctrl.receive(rid, deadline)[0]
         except BaseException:
-            self._drop_blocks(writes, blocks, deadline)
+            self._drop_blocks(blocks)
             raise
         try:
-            self._wait_blocks(writes, deadline)
+            if failed is not None:
+                raise failed
             commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": geoms, "h": sums,
-                                      "nb": {f: ints(c.row_numels() * c.values.element_size()) for f, c in columns.items()}}
+                                      "nb": {f: ints(c.row_numels() * c.values.element_size()) for f, c in columns.items()},
+                                      "x": [[b, {f: dtype_name(c.dtype) for f, c in columns.items()},
+                                             [[u, x] for u, x in copies.items()]] for b, copies in where.items()]}
             if create or any(user):
                 commit["user"] = user
             ctrl.call(commit, timeout=self._left(deadline))
@@ -141,21 +208,24 @@ class NativeTransport(Transport):
             raise
 
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+        """``copy=False``: a field whose rows lie in order in one mapped slab comes back as
+        a read-only view of it (zero copy), its blocks pinned until the last view is gone."""
+        args = (partition, list(sample_ids), list(fields), copy)
         try:
             try:
-                return self._get(partition, list(sample_ids), list(fields))
+                return self._get(*args)
             except UnavailableError as err:  # a unit died: its rows are read from their other copy, or named lost
                 if not self._lost(err):
                     raise
-                return self._get(partition, list(sample_ids), list(fields))
+                return self._get(*args)
         except MissingDataError as err:
             if err.missing:
                 raise
             # A block vanished between locate and read (a clear or an overwrite raced this
             # read): locate again, which names what is gone or finds the rows' new home.
-            return self._get(partition, list(sample_ids), list(fields))
+            return self._get(*args)
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         header: dict[str, Any] = {"op": "clear", "p": partition, "ids": None if sample_ids is None else list(sample_ids)}
@@ -182,8 +252,12 @@ class NativeTransport(Transport):
         return {name: (int(u["samples"]), int(u["live_bytes"])) for name, u in self.stats()["units"].items()}
 
     def close(self) -> None:
+        self._views.stop()
         self._pool.close()
         self.streams.close()
+        for view in self._slabs.values():
+            view.close()
+        self._slabs = {}
 
     # -- implementation --------------------------------------------------------------
     def _ctrl(self) -> Channel:
@@ -213,11 +287,22 @@ class NativeTransport(Transport):
 
     def _place(self, n: int, nbytes: int) -> list[list[Any]]:
         """Blocks for ``n`` rows: one unit per block, split over units when the put is big
-        (so the shares move in parallel); fresh random ids; units taken in turn."""
+        (so the shares move in parallel); fresh random ids; units taken in turn. With a
+        unit mapped here, one block whose first copy is local (a put is then a memcpy)."""
         live = [u for u in range(len(self.units)) if u not in self.down]
         if not live:
             raise UnavailableError("every storage unit of the store is lost; the service needs a restart",
                                    component="storage units")
+        local = [u for u in live if u in self._slabs]
+        if local:
+            first = local[self._cursor % len(local)]
+            self._cursor = (self._cursor + 1) % max(len(live), 1)
+            rest = [u for u in live if u != first]
+            turn = [first] + sorted(rest, key=lambda u: (u not in self._slabs, (u - first) % len(live)))
+            units = spread(turn, [self.units[u][1] for u in turn], min(self.replicas, len(live)))
+            if units[0] != first:
+                units = [first] + [u for u in units if u != first][: len(units) - 1]
+            return [[secrets.randbits(62) + 1, units, 0, n]]
         chunks = max(1, min(len(live), n, -(-nbytes // CHUNK_BYTES) if nbytes else 1))
         bounds = np.linspace(0, n, chunks + 1).astype(np.int64).tolist()
         copies = min(self.replicas, len(live))
@@ -229,25 +314,55 @@ class NativeTransport(Transport):
             out.append([secrets.randbits(62) + 1, units, bounds[k], bounds[k + 1]])
         return out
 
-    def _send_blocks(self, blocks: list[list[Any]], columns: Mapping[str, Column]) -> list[tuple[Channel, int]]:
+    def _send_blocks(self, blocks: list[list[Any]], columns: Mapping[str, Column]) -> list[_Sent]:
+        """Per block and copy: an ``alloc`` to a unit mapped here (the values follow by
+        memcpy), else a ``write`` carrying the values."""
         sent = []
         for bid, units, a, z in blocks:
             part = {f: _rows(c, a, z) for f, c in columns.items()}
             for u in units:
                 ch = self._unit(u)
-                sent.append((ch, ch.send({"op": "write", "b": bid}, part)))
+                if u in self._slabs:
+                    layout = [[f, dtype_name(c.dtype), c.nbytes] for f, c in part.items()]
+                    rid = ch.send({"op": "alloc", "b": bid, "f": layout}, None, [raw(c.offsets) for c in part.values()])
+                else:
+                    rid = ch.send({"op": "write", "b": bid}, part)
+                sent.append(_Sent(bid, u, part, ch, rid))
         return sent
 
-    def _wait_blocks(self, sent: list[tuple[Channel, int]], deadline: float) -> None:
-        for ch, rid in sent:
-            ch.receive(rid, deadline)
+    def _land_blocks(self, sent: list[_Sent], deadline: float) -> dict[int, dict[int, dict[str, int]]]:
+        """Wait for every unit's answer; copy the values into each allocated extent.
+        Returns per block, per unit, each field's slab offset. Raises the first failure
+        once every answer is in (so no unit still works on this put)."""
+        where: dict[int, dict[int, dict[str, int]]] = {}
+        failed: BaseException | None = None
+        for w in sent:
+            try:
+                reply = w.channel.receive(w.rid, deadline if failed is None else
+                                          min(deadline, time.monotonic() + _ABORT_TIMEOUT_S))[0]
+                got = _offsets(reply.get("x"), w.part, self.units[w.unit][0])
+                if failed is None and w.unit in self._slabs:
+                    self._copy_in(self._slabs[w.unit], got, w.part)
+                where.setdefault(w.bid, {})[w.unit] = got
+            except BaseException as err:  # noqa: BLE001 - the first failure is raised below
+                failed = failed or err
+        if failed is not None:
+            raise failed
+        return where
 
-    def _drop_blocks(self, sent: list[tuple[Channel, int]], blocks: list[list[Any]], deadline: float) -> None:
-        """After a refused reservation: let the writes land, then free what they stored."""
-        try:
-            self._wait_blocks(sent, min(deadline, time.monotonic() + _ABORT_TIMEOUT_S))
-        except Exception:  # noqa: BLE001 - a write that failed stored nothing
-            pass
+    @staticmethod
+    def _copy_in(view: SlabView, where: dict[str, int], part: Mapping[str, Column]) -> None:
+        for f, c in part.items():
+            n = c.nbytes
+            if not n:
+                continue
+            start = where[f]
+            if start < 0 or start + n > view.nbytes:
+                raise WireFormatError(f"storage unit {view.unit} allocated an extent outside its slab", field=f)
+            _copy(view.u8[start : start + n], c.values.view(torch.uint8).numpy())
+
+    def _drop_blocks(self, blocks: list[list[Any]]) -> None:
+        """After a refused reservation (the writes have landed): free what they stored."""
         for bid, units, _, _ in blocks:
             for u in units:
                 try:
@@ -255,44 +370,138 @@ class NativeTransport(Transport):
                 except Exception:  # noqa: BLE001 - best effort; the unit may be gone
                     pass
 
-    def _get(self, partition: str, ids: list[str], fields: list[str]) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+    def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool
+             ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
-        loc = self._ctrl().call({"op": "locate", "p": partition, "ids": ids, "fields": fields},
-                                timeout=self._left(deadline))[0]
-        n = len(ids)
-        # Each field's rows land in one buffer sized from the row bytes the controller
-        # recorded; a unit's share of contiguous rows is received straight into its place.
-        row_bytes = {f: int_array(loc["nb"][f], "row bytes") for f in fields}
-        starts = {f: np.concatenate([[0], np.cumsum(row_bytes[f])]) for f in fields}
-        shares: dict[str, int] = {}
-        for _, entries in loc["units"]:
-            for e in entries:
-                shares[e[0]] = shares.get(e[0], 0) + 1
-        # A field one unit holds whole is used as it arrives (the received frame, no copy).
-        out = {f: np.empty(int(starts[f][-1]) if shares.get(f, 0) > 1 else 0, np.uint8) for f in fields}
-        sent = []
-        for u, entries in loc["units"]:
-            ch = self._unit(u)
-            sinks = {}
-            for name, _, _, pos in entries:
-                p = int_array(pos, "positions")
-                if shares[name] > 1 and p.size and p[-1] - p[0] + 1 == p.size:  # contiguous rows of the request
-                    sinks[name] = memoryview(out[name])[int(starts[name][p[0]]) : int(starts[name][p[-1] + 1])]
-            sent.append((entries, ch, ch.send({"op": "read", "p": partition, "f": [e[:3] for e in entries]}), sinks))
-        parts: dict[str, list[tuple[RawColumn, np.ndarray, bool]]] = {f: [] for f in fields}
-        for entries, ch, rid, sinks in sent:
-            cols = ch.receive(rid, deadline, _sink(sinks))[1]
-            for name, _, _, pos in entries:
-                if name not in cols:
-                    raise WireFormatError("a storage unit did not return a requested field", field=name)
-                parts[name].append((cols[name], int_array(pos, "positions"), name in sinks))
-        columns = {f: _assemble(f, parts[f], n, out[f], row_bytes[f]) for f in fields}
+        ctrl = self._ctrl()
+        loc = ctrl.call({"op": "locate", "p": partition, "ids": ids, "fields": fields, "shm": sorted(self._slabs)},
+                        timeout=self._left(deadline))[0]
+        pin = loc.get("pin")
+        kept = False
+        try:
+            columns, views = self._gather(loc, partition, len(ids), fields, copy, deadline)
+            if views and isinstance(pin, str):
+                self._views.hold(pin, views, float(loc.get("pin_lease_s") or 60.0))
+                kept = True
+        finally:
+            if isinstance(pin, str) and not kept:
+                try:
+                    ctrl.post({"op": "unpin", "pin": pin})
+                except TransportError:  # the channel failed: the pin lapses on its own
+                    pass
         geoms, user = loc["g"], loc["user"]
         sums = {f: np.frombuffer(loc["h"][f], "<u8").tolist() for f in fields}
         tags = [{**user[i], WIRE_TAG: {f: geoms[f][i] for f in fields}, SUM_TAG: {f: sums[f][i] for f in fields}}
-                for i in range(n)]
+                for i in range(len(ids))]
         return columns, tags
 
+    def _gather(self, loc: dict[str, Any], partition: str, n: int, fields: list[str], copy: bool, deadline: float
+                ) -> tuple[dict[str, Column], list[np.ndarray]]:
+        """Every requested field's rows in request order: out of the mapped slabs, and from
+        the other units over ZMQ (their shares received straight into place when they are
+        contiguous rows of the request). Returns the columns and any zero-copy views."""
+        row_bytes = {f: int_array(loc["nb"][f], "row bytes") for f in fields}
+        starts = {f: np.concatenate([[0], np.cumsum(row_bytes[f])]) for f in fields}
+        entries_of: dict[str, list[tuple[int, list[Any]]]] = {f: [] for f in fields}
+        for u, entries in loc["units"]:
+            for e in entries:
+                if not (isinstance(e, list) and len(e) >= 4 and e[0] in entries_of):
+                    raise WireFormatError("the controller answered a malformed location")
+                entries_of[e[0]].append((u, e))
+        columns: dict[str, Column] = {}
+        views: list[np.ndarray] = []
+        # Zero copy: a field whose rows lie in order, back to back, in one mapped slab.
+        if not copy:
+            for f in fields:
+                view = self._view(entries_of[f], n, row_bytes[f])
+                if view is not None:
+                    columns[f], array = view
+                    views.append(array)
+        # A field one zmq unit holds whole is used as it arrives (the received frame, no copy).
+        whole = {f for f in fields if f not in columns and len(entries_of[f]) == 1 and entries_of[f][0][0] not in self._slabs}
+        out = {f: self.pool.take(int(starts[f][-1])) for f in fields if f not in columns and f not in whole}
+        dtypes: dict[str, set[str]] = {f: set() for f in out}
+        sent = []
+        for u, entries in loc["units"]:
+            mine = [e for e in entries if e[0] not in columns]
+            if not mine:
+                continue
+            if u in self._slabs:
+                for e in mine:
+                    if len(e) < 6:
+                        raise WireFormatError("the controller located rows in a mapped slab without their addresses",
+                                              field=e[0])
+                    self._copy_out(self._slabs[u], e, out[e[0]], starts[e[0]], row_bytes[e[0]])
+                    dtypes[e[0]].add(str(e[5]))
+                continue
+            ch = self._unit(u)
+            sinks = {}
+            for name, _, _, pos, *_ in mine:
+                p = int_array(pos, "positions")
+                if name in out and p.size and p[-1] - p[0] + 1 == p.size:  # contiguous rows of the request
+                    sinks[name] = memoryview(out[name])[int(starts[name][p[0]]) : int(starts[name][p[-1] + 1])]
+            sent.append((mine, ch, ch.send({"op": "read", "p": partition, "f": [e[:3] for e in mine]}), sinks))
+        parts: dict[str, list[tuple[RawColumn, np.ndarray, bool]]] = {f: [] for f in fields}
+        for entries, ch, rid, sinks in sent:
+            cols = ch.receive(rid, deadline, _sink(sinks))[1]
+            for name, _, _, pos, *_ in entries:
+                if name not in cols:
+                    raise WireFormatError("a storage unit did not return a requested field", field=name)
+                parts[name].append((cols[name], int_array(pos, "positions"), name in sinks))
+                if name in dtypes:
+                    dtypes[name].add(cols[name].dtype)
+        for f in fields:
+            if f in columns:
+                continue
+            if f in whole:
+                columns[f] = _whole(f, parts[f], n, row_bytes[f])
+            else:
+                columns[f] = _assemble(f, parts[f], n, out[f], row_bytes[f], dtypes[f])
+        return columns, views
+
+    def _view(self, entries: list[tuple[int, list[Any]]], n: int, row_bytes: np.ndarray
+              ) -> tuple[Column, np.ndarray] | None:
+        """The field as a read-only view of one mapped slab, if its rows lie there in order
+        (and the array the view's tensor holds: the pin goes when it is collected)."""
+        if len(entries) != 1:
+            return None
+        u, e = entries[0]
+        if u not in self._slabs or len(e) < 6:
+            return None
+        pos, at = int_array(e[3], "positions"), int_array(e[4], "addresses")
+        if pos.size != n or (n and not bool((pos == np.arange(n)).all())):
+            return None
+        if n > 1 and not bool((at[1:] == at[:-1] + row_bytes[:-1]).all()):
+            return None
+        view = self._slabs[u]
+        total = int(row_bytes.sum())
+        first = int(at[0]) if n else 0
+        if first < 0 or first + total > view.nbytes:
+            raise WireFormatError("the controller located rows outside a storage unit's slab")
+        dtype = dtype_from_name(str(e[5]))
+        np_dtype = np.dtype(numpy_dtype(dtype))
+        if total % np_dtype.itemsize or bool((row_bytes % np_dtype.itemsize).any()):
+            raise WireFormatError(f"row sizes are not whole {e[5]} elements")
+        values = np.frombuffer(view.ro, np_dtype, count=total // np_dtype.itemsize, offset=first)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(row_bytes // np_dtype.itemsize, out=offsets[1:])
+        import warnings
+
+        with warnings.catch_warnings():  # torch warns that the array is read-only: that is the point
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(values)
+        return Column(tensor.view(dtype), torch.from_numpy(offsets)), values
+
+    @staticmethod
+    def _copy_out(view: SlabView, entry: list[Any], out: np.ndarray, starts: np.ndarray, row_bytes: np.ndarray) -> None:
+        """Rows of one unit's share out of its mapped slab into their places in ``out``."""
+        pos, at = int_array(entry[3], "positions"), int_array(entry[4], "addresses")
+        if pos.size != at.size or (pos.size and (int(pos.min()) < 0 or int(pos.max()) >= row_bytes.size)):
+            raise WireFormatError("the controller located rows it was not asked for", field=entry[0])
+        lens = row_bytes[pos]
+        if at.size and (int(at.min()) < 0 or int((at + lens).max()) > view.nbytes):
+            raise WireFormatError("the controller located rows outside a storage unit's slab", field=entry[0])
+        copy_ranges(out, starts[pos], view.u8, at, lens)
 
 def _u64(values: list[Any], field: str) -> bytes:
     """Row digests as little-endian uint64 bytes (0: none recorded)."""
@@ -325,42 +534,154 @@ def _rows(col: Column, a: int, z: int) -> Column:
     return Column(col.values[int(off[0]) : int(off[-1])], off - off[0])
 
 
+def _whole(name: str, parts: list[tuple[RawColumn, np.ndarray, bool]], n: int, row_bytes: np.ndarray) -> Column:
+    """A field one unit sent whole: its frame is the column (rows put in request order)."""
+    col, pos, _ = parts[0]
+    itemsize = col.values.dtype.itemsize
+    if bool((row_bytes % itemsize).any()) or col.num_rows != pos.size or pos.size != n:
+        raise WireFormatError(f"a storage unit returned {col.num_rows} rows for {n}", field=name)
+    offsets = np.zeros(n + 1, np.int64)
+    np.cumsum(row_bytes // itemsize, out=offsets[1:])
+    dtype = dtype_from_name(col.dtype)
+    if bool((pos == np.arange(n)).all()):
+        if not np.array_equal(col.offsets, offsets):
+            raise WireFormatError("a storage unit returned rows of other sizes than the controller recorded", field=name)
+        values = col.values if col.values.flags.writeable else col.values.copy()
+        return Column(torch.from_numpy(values).view(dtype), torch.from_numpy(offsets))
+    values = np.empty(int(offsets[-1]), col.values.dtype)
+    if not np.array_equal(np.diff(col.offsets), offsets[pos + 1] - offsets[pos]):
+        raise WireFormatError("a storage unit returned rows of other sizes than the controller recorded", field=name)
+    _scatter(values, offsets, pos, col.values, col.offsets)
+    return Column(torch.from_numpy(values).view(dtype), torch.from_numpy(offsets))
+
+
 def _assemble(name: str, parts: list[tuple[RawColumn, np.ndarray, bool]], n: int, out: np.ndarray,
-              row_bytes: np.ndarray) -> Column:
-    """One field's rows in request order, in ``out`` (the shares received in place are
-    there already; any other is copied in)."""
-    if not parts:
-        return Column.empty(torch.uint8)
-    dtypes = {p.dtype for p, _, _ in parts}
+              row_bytes: np.ndarray, dtypes: set[str]) -> Column:
+    """One field's rows in request order, in ``out`` (rows copied out of a slab and shares
+    received in place are there already; any other share is copied in)."""
     if len(dtypes) > 1:
         raise ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
+    if not dtypes:
+        return Column.empty(torch.uint8)
     dtype = dtypes.pop()
     itemsize = np.dtype(numpy_dtype(dtype_from_name(dtype))).itemsize
     if out.size % itemsize or bool((row_bytes % itemsize).any()):
         raise WireFormatError(f"row sizes are not whole {dtype} elements", field=name)
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(row_bytes // itemsize, out=offsets[1:])
-    if len(parts) == 1 and parts[0][1].size == n and bool((parts[0][1] == np.arange(n)).all()):
-        col = parts[0][0]  # one unit held every row, in order: its frame is the column
-        if not np.array_equal(col.offsets, offsets):
-            raise WireFormatError("a storage unit returned rows of other sizes than the controller recorded", field=name)
-        values = col.values if col.values.flags.writeable else col.values.copy()
-        return Column(torch.from_numpy(values).view(dtype_from_name(dtype)), torch.from_numpy(offsets))
     values = out.view(numpy_dtype(dtype_from_name(dtype)))
-    covered = 0
     for col, pos, in_place in parts:
         if col.num_rows != pos.size:
             raise WireFormatError(f"a storage unit returned {col.num_rows} rows for {pos.size}", field=name)
         want = offsets[pos + 1] - offsets[pos]
         if not np.array_equal(np.diff(col.offsets), want):
             raise WireFormatError("a storage unit returned rows of other sizes than the controller recorded", field=name)
-        covered += pos.size
-        if in_place:
-            continue
-        _scatter(values, offsets, pos, col.values, col.offsets)
-    if covered != n:
-        raise WireFormatError(f"storage units returned {covered} of {n} rows", field=name)
+        if not in_place:
+            _scatter(values, offsets, pos, col.values, col.offsets)
     return Column(torch.from_numpy(values).view(dtype_from_name(dtype)), torch.from_numpy(offsets))
+
+
+def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.ndarray, lens: np.ndarray) -> None:
+    """``dst[dst_at[k] : dst_at[k] + lens[k]] = src[src_at[k] : ...]`` for every ``k`` (uint8
+    arrays): ranges that follow one another in both are copied as one run; many small
+    runs go through one index gather. No Python loop per row unless rows are big."""
+    n = lens.size
+    if not n:
+        return
+    breaks = np.ones(n, dtype=bool)
+    breaks[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])
+    run_at = np.flatnonzero(breaks)
+    total = int(lens.sum())
+    if run_at.size <= _MAX_RUNS or total >= 8 * _BIG_RUN * run_at.size:
+        run_end = np.append(run_at[1:], n)
+        ends = np.concatenate([[0], np.cumsum(lens)])
+        for k0, k1 in zip(run_at.tolist(), run_end.tolist()):
+            size = int(ends[k1] - ends[k0])
+            s0, d0 = int(src_at[k0]), int(dst_at[k0])
+            _copy(dst[d0 : d0 + size], src[s0 : s0 + size])
+        return
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    dst[np.repeat(dst_at, lens) + within] = src[np.repeat(src_at, lens) + within]
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` for uint8 arrays; big copies on torch's threads."""
+    if dst.size >= _BIG_COPY and src.flags.writeable and dst.flags.writeable:
+        torch.from_numpy(dst).copy_(torch.from_numpy(src))
+    else:
+        dst[:] = src
+
+
+def _offsets(x: Any, part: Mapping[str, Column], unit: str) -> dict[str, int]:
+    """A unit's answer to alloc/write: the slab offset of each field's extent."""
+    if not isinstance(x, dict) or set(x) != set(part) or not all(isinstance(v, int) for v in x.values()):
+        raise WireFormatError(f"storage unit {unit} did not say where it stored the block's fields")
+    return dict(x)
+
+
+class _Sent:
+    """One copy of one block on its way to a unit: the request's id on that unit's channel."""
+
+    __slots__ = ("bid", "unit", "part", "channel", "rid")
+
+    def __init__(self, bid: int, unit: int, part: dict[str, Column], channel: Channel, rid: int) -> None:
+        self.bid, self.unit, self.part, self.channel, self.rid = bid, unit, part, channel, rid
+
+
+class _ViewPins:
+    """The pins of zero-copy reads whose views are alive: renewed in the background while
+    any view lives, unpinned when the last view of a read is garbage-collected."""
+
+    def __init__(self, transport: NativeTransport) -> None:
+        self._transport = weakref.ref(transport)
+        self._live: dict[str, int] = {}  # pin -> views of it still alive
+        self._lease = 60.0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    def hold(self, pin: str, views: list[np.ndarray], lease_s: float) -> None:
+        with self._lock:
+            self._live[pin] = len(views)
+            self._lease = lease_s
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._renew_loop, name="rlplane-view-pins", daemon=True)
+                self._thread.start()
+        for v in views:
+            weakref.finalize(v, self._dropped, pin)
+
+    def _dropped(self, pin: str) -> None:
+        with self._lock:
+            left = self._live.get(pin, 0) - 1
+            if left > 0:
+                self._live[pin] = left
+                return
+            self._live.pop(pin, None)
+        transport = self._transport()
+        if transport is not None and not self._stopped:
+            try:
+                transport._ctrl().post({"op": "unpin", "pin": pin})
+            except Exception:  # noqa: BLE001 - from a finalizer: the pin lapses on its own
+                pass
+
+    def _renew_loop(self) -> None:
+        while not self._stopped:
+            self._wake.wait(max(1.0, self._lease / 3))
+            with self._lock:
+                pins = list(self._live)
+            transport = self._transport()
+            if transport is None or self._stopped:
+                return
+            if pins:
+                try:
+                    transport._ctrl().call({"op": "renew", "pins": pins}, timeout=min(10.0, self._lease / 3))
+                except Exception as err:  # noqa: BLE001 - retried next round; a lapsed pin is logged by the controller
+                    log.warning("could not renew %d zero-copy read pins: %s", len(pins), err)
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
 
 
 def _scatter(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray, src: np.ndarray, src_offsets: np.ndarray) -> None:

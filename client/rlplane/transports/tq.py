@@ -265,7 +265,7 @@ class TQTransport(Transport):
             self.streams.record(partition, ids, list(columns), tags, create=create, reservation=res)
 
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str]
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         return self._run(self._get(partition, list(sample_ids), list(fields)))
 

@@ -68,7 +68,7 @@ class NativeStore:
         Unit, Controller = unit_actor_class(), controller_actor_class()
         units = {
             f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **_unit_options(settings, common))
-            .remote(f"{prefix}-native-unit-{i}", host, secret)
+            .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes)
             for i in range(settings.storage_units)
         }
         try:

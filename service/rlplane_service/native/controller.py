@@ -19,7 +19,13 @@ A put is two-phase:
    the ids and tells the units to drop the blocks: nothing of a failed put is visible.
 
 Reads ``locate`` samples (which unit, block and row holds each requested field) and get
-the tags back; clients then read the units directly. Blocks whose rows are all cleared
+the tags back; clients then read the units directly: rows on a unit whose slab the
+client mapped (same host) come with their slab addresses, and the client copies them
+out itself; other rows it asks the unit for. Every locate *pins* the blocks it names
+until the client unpins them (a one-way message after its copy) or the pin's lease
+passes (the reader died): a block whose last row was cleared while pinned is freed on
+its unit only when its pins are gone, so the unit never reuses an extent a read may
+still be copying (a zero-copy read renews its pin while the caller holds the views). Blocks whose rows are all cleared
 are freed on their units; rows cleared from a block that still holds live rows keep
 their memory until the rest goes (``stats`` reports those bytes as ``retained_bytes``).
 
@@ -40,9 +46,9 @@ Example::
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -66,6 +72,11 @@ FREE, RESERVED, COMMITTED = 0, 1, 2
 WATCH_EVERY_S, CHECK_TIMEOUT_S, LOST_AFTER = 1.0, 3.0, 2
 #: A block copy (re-replication) from one unit to another gives up after this long.
 REPAIR_TIMEOUT_S = 60.0
+#: How long a read's pin holds its blocks without being renewed (longer than a read's
+#: default deadline, so only a reader that died or hangs loses it).
+PIN_LEASE_S = 120.0
+#: Most pins held at once (a reader that never unpins cannot grow the controller without bound).
+MAX_PINS = 1 << 16
 
 
 def _rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
@@ -99,14 +110,15 @@ class FieldIndex:
     nbytes: np.ndarray
     geom: np.ndarray
     sums: np.ndarray  # uint64 xxh3 digest of each row's bytes as the writer stored them (0: none recorded)
+    off: np.ndarray  # byte offset of the row in its block's extent of this field
 
     @classmethod
     def empty(cls, cap: int) -> FieldIndex:
         return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object),
-                   np.zeros(cap, np.uint64))
+                   np.zeros(cap, np.uint64), np.zeros(cap, np.int64))
 
     def grow(self, cap: int) -> None:
-        for name, fill in (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0)):
+        for name, fill in (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0), ("off", 0)):
             old = getattr(self, name)
             new = np.full(cap, fill, dtype=old.dtype) if fill is not None else np.empty(cap, dtype=object)
             new[: old.size] = old
@@ -173,7 +185,7 @@ class Partition:
 
 @dataclass
 class Reservation:
-    rid: int
+    rid: str
     partition: str
     slots: np.ndarray
     create: bool
@@ -187,17 +199,25 @@ class ControllerCore(StreamOps):
     streaming (claim/ack/nack/consumption) comes from :class:`StreamOps` over the same index."""
 
     def __init__(self, units: Sequence[tuple[str, str]], *, secret: bytes | None = None, capacity: int | None = None,
-                 lease_s: float = 60.0, replicas: int = 1, claim_lease_s: float = 300.0) -> None:
+                 lease_s: float = 60.0, replicas: int = 1, claim_lease_s: float = 300.0,
+                 pin_lease_s: float = PIN_LEASE_S) -> None:
         self.units = list(units)
         self.capacity = capacity
         self.lease_s = lease_s
         self.replicas = max(1, min(replicas, len(self.units)))
         self._parts: dict[str, Partition] = {}
-        self._res: dict[int, Reservation] = {}
+        self._res: dict[str, Reservation] = {}
         self._block_units: dict[int, tuple[int, ...]] = {}
+        # Where each block's extents are: the fields' dtypes, and per unit holding a copy
+        # the slab offset of each field's extent (from the units' alloc/write answers).
+        self._block_ext: dict[int, tuple[dict[str, str], dict[int, dict[str, int]]]] = {}
+        self.pin_lease_s = pin_lease_s
+        self._pins: dict[str, tuple[list[int], float]] = {}  # pin id -> (blocks, lease deadline)
+        self._pinned: dict[int, int] = {}  # block -> pins holding it
+        self._deferred: dict[int, tuple[int, ...]] = {}  # unreferenced pinned block -> units to free it on
+        self._unit_slabs: dict[int, dict[str, Any]] = {}  # unit -> its slab figures, from the last ping
         self._block_refs: dict[int, int] = {}  # (slot, field) pairs pointing at the block
         self._block_bytes: dict[int, list[int]] = {}  # [bytes written, bytes still referenced]
-        self._ids = itertools.count(1)
         self._cursor = 0
         self._lock = threading.RLock()
         self.ledger = Ledger(self._parts.get, lease_s=claim_lease_s)
@@ -267,7 +287,7 @@ class ControllerCore(StreamOps):
             for b, units, _, _ in blocks:
                 self._block_units[b] = units
                 self._block_refs[b] = 0
-            res = Reservation(next(self._ids), p, slots, create, fields, blocks, time.monotonic() + self.lease_s)
+            res = Reservation(secrets.token_hex(12), p, slots, create, fields, blocks, time.monotonic() + self.lease_s)
             self._res[res.rid] = res
         return {"res": res.rid, "lease_s": self.lease_s}, {}, []
 
@@ -306,12 +326,19 @@ class ControllerCore(StreamOps):
                     raise E.WireFormatError(f"commit describes {len(g) if isinstance(g, list) else '?'} rows of {n}", field=name)
                 if name in sums and _digests(sums[name], name).size != n:
                     raise E.WireFormatError(f"commit carries checksums for other than {n} rows", field=name)
+                if bool((nb < 0).any()):
+                    raise E.WireFormatError("row byte counts must not be negative", field=name)
+            ext = _extents(header.get("x"), res)
             for name in res.fields:
                 fi = part.field_index(name)
                 self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
                 nb = int_array(sizes[name])
                 fi.block[res.slots] = bid_of_row
                 fi.row[res.slots] = row_in_block
+                within = np.zeros(n, np.int64)  # each row's byte offset in its block's extent
+                for _, _, a, z in res.blocks:
+                    np.cumsum(nb[a : z - 1], out=within[a + 1 : z])
+                fi.off[res.slots] = within
                 fi.nbytes[res.slots] = nb
                 fi.geom[res.slots] = _objects(geoms[name])
                 fi.sums[res.slots] = _digests(sums[name], name) if name in sums else 0
@@ -328,6 +355,7 @@ class ControllerCore(StreamOps):
                 for s, extra_tags in zip(res.slots.tolist(), user):
                     if isinstance(extra_tags, dict) and extra_tags:
                         part.user[s] = {**(part.user[s] or {}), **extra_tags}
+            self._block_ext.update(ext)
             for b, _, _, _ in res.blocks:  # a block no field row points at (nothing to store) is dropped
                 if self._block_refs.get(b, 0) == 0:
                     self._drop_blocks([b])
@@ -344,13 +372,22 @@ class ControllerCore(StreamOps):
 
     # -- reads ---------------------------------------------------------------------------
     def op_locate(self, header: dict, columns: dict, extra: list) -> Any:
+        """Where every requested (sample, field) is: per unit, ``[field, blocks, rows,
+        positions in the request]`` plus, for units in ``shm`` (slabs the client mapped),
+        each row's slab address and the field's dtype. The blocks named are pinned
+        (``pin`` in the answer) until the client unpins them or the pin's lease passes."""
         p, ids, fields = _partition(header), _strs(header.get("ids"), "ids"), _strs(header.get("fields"), "fields")
+        shm = header.get("shm") or []
+        if not isinstance(shm, list) or not all(isinstance(u, int) for u in shm):
+            raise E.WireFormatError("'shm' must list unit indices")
+        local = {u for u in shm if 0 <= u < len(self.units)}
         with self._lock:
             part = self._parts.get(p)
             slots = self._slots(p, part, ids)  # MissingDataError unless the partition holds them all
             part = self._parts[p]
             missing: dict[str, list[str]] = {}
             per_unit: dict[int, list[list[Any]]] = {}
+            pinned: set[int] = set()
             geoms, sizes, digests = {}, {}, {}
             for name in fields:
                 fi = part.fields.get(name)
@@ -362,18 +399,106 @@ class ControllerCore(StreamOps):
                     continue
                 rows = fi.row[slots]
                 uniq, which = np.unique(blk, return_inverse=True)
-                unit_of = np.array([self._block_units[b][0] for b in uniq.tolist()], np.int64)[which]
+                pinned.update(uniq.tolist())
+                first = [self._copy_for(b, local) for b in uniq.tolist()]
+                unit_of = np.array(first, np.int64)[which]
                 for u in np.unique(unit_of).tolist():
                     pos = np.flatnonzero(unit_of == u)
-                    per_unit.setdefault(u, []).append([name, ints(blk[pos]), ints(rows[pos]), ints(pos)])
+                    entry = [name, ints(blk[pos]), ints(rows[pos]), ints(pos)]
+                    if u in local:
+                        entry += self._addresses(name, u, blk[pos], fi.off[slots[pos]])
+                    per_unit.setdefault(u, []).append(entry)
                 geoms[name] = fi.geom[slots].tolist()
                 sizes[name] = ints(fi.nbytes[slots])
                 digests[name] = fi.sums[slots].astype("<u8").tobytes()
             if missing:
                 raise E.MissingDataError(p, missing)
             user = part.user[slots].tolist()
+            pin = self._pin(sorted(pinned)) if pinned else None
         return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
-                "h": digests}, {}, []
+                "h": digests, "pin": pin, "pin_lease_s": self.pin_lease_s}, {}, []
+
+    def op_unpin(self, header: dict, columns: dict, extra: list) -> Any:
+        """A read is done with the blocks its locate pinned (sent one-way)."""
+        with self._lock:
+            self._unpin(header.get("pin"))
+        return {}, {}, []
+
+    def op_renew(self, header: dict, columns: dict, extra: list) -> Any:
+        """Extend pins (a zero-copy read whose views are still alive); answers the ones that are gone."""
+        pins = header.get("pins")
+        if not isinstance(pins, list) or len(pins) > MAX_PINS:
+            raise E.WireFormatError("renew needs 'pins': a list of pin ids")
+        gone = []
+        with self._lock:
+            deadline = time.monotonic() + self.pin_lease_s
+            for pin in pins:
+                held = self._pins.get(pin) if isinstance(pin, str) else None
+                if held is None:
+                    gone.append(pin)
+                else:
+                    self._pins[pin] = (held[0], deadline)
+        return {"gone": gone}, {}, []
+
+    def _copy_for(self, b: int, local: set[int]) -> int:
+        """The copy of block ``b`` a read uses: one on a unit the client mapped, if any."""
+        units = self._block_units[b]
+        if local:
+            for u in units:
+                if u in local and u in self._block_ext.get(b, ({}, {}))[1]:
+                    return u
+        return units[0]
+
+    def _addresses(self, name: str, u: int, blocks: np.ndarray, off: np.ndarray) -> list[Any]:
+        """``[slab address of each row, dtype]`` of field ``name``'s rows (in ``blocks``) on unit ``u``."""
+        uniq, which = np.unique(blocks, return_inverse=True)
+        bases = np.empty(uniq.size, np.int64)
+        dtypes = set()
+        for k, b in enumerate(uniq.tolist()):
+            dt, where = self._block_ext.get(b, ({}, {}))
+            start = where.get(u, {}).get(name)
+            if start is None:
+                raise E.MissingDataError("(locate)", {}, hint=f"the extent of field {name!r} of block {b} on "
+                                         f"{self.units[u][0]} is not known (written by an older client?)")
+            bases[k] = start
+            dtypes.add(dt[name])
+        if len(dtypes) > 1:
+            raise E.ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
+        return [ints(bases[which] + off), dtypes.pop()]
+
+    def _pin(self, blocks: list[int]) -> str:
+        if len(self._pins) >= MAX_PINS:
+            self._expire_pins(time.monotonic(), oldest=len(self._pins) - MAX_PINS + 1)
+        pin = secrets.token_hex(12)
+        self._pins[pin] = (blocks, time.monotonic() + self.pin_lease_s)
+        for b in blocks:
+            self._pinned[b] = self._pinned.get(b, 0) + 1
+        return pin
+
+    def _unpin(self, pin: Any) -> None:
+        held = self._pins.pop(pin, None) if isinstance(pin, str) else None
+        if held is None:
+            return
+        free = []
+        for b in held[0]:
+            left = self._pinned.get(b, 0) - 1
+            if left > 0:
+                self._pinned[b] = left
+                continue
+            self._pinned.pop(b, None)
+            if b in self._deferred:
+                free.append(b)
+        for b in free:
+            self._queue_frees(b, self._deferred.pop(b))
+
+    def _expire_pins(self, now: float, oldest: int = 0) -> None:
+        """Drop pins whose lease passed (and, to make room, the ``oldest`` others)."""
+        late = [pin for pin, (_, deadline) in self._pins.items() if deadline < now]
+        if oldest:
+            late += sorted((p for p in self._pins if p not in late), key=lambda p: self._pins[p][1])[:oldest]
+        for pin in late:
+            log.warning("a read's pin lapsed without an unpin (the reader died or hangs); its blocks may be freed")
+            self._unpin(pin)
 
     # -- housekeeping --------------------------------------------------------------------
     def op_clear(self, header: dict, columns: dict, extra: list) -> Any:
@@ -427,10 +552,14 @@ class ControllerCore(StreamOps):
                     per_unit[self.units[u][0]]["blocks"] += 1
                     per_unit[self.units[u][0]]["bytes"] += self._block_bytes.get(b, [0, 0])[0]
             self._unit_usage(per_unit)
+            for u, slab in self._unit_slabs.items():
+                per_unit[self.units[u][0]]["slab"] = dict(slab)
             return {
                 "partitions": len(self._parts),
                 "samples": self._held(committed_only=True),
                 "reservations": len(self._res),
+                "pins": len(self._pins),
+                "pinned_unreferenced_blocks": len(self._deferred),
                 "blocks": len(self._block_units),
                 "live_bytes": live,
                 "retained_bytes": written - live,
@@ -512,6 +641,7 @@ class ControllerCore(StreamOps):
             for b, units in list(self._block_units.items()):
                 if u in units:
                     rest = tuple(x for x in units if x != u)
+                    self._block_ext.get(b, ({}, {}))[1].pop(u, None)
                     if rest:
                         self._block_units[b] = rest
                     else:
@@ -529,6 +659,7 @@ class ControllerCore(StreamOps):
                     self._block_units.pop(b, None)
                     self._block_refs.pop(b, None)
                     self._block_bytes.pop(b, None)
+                    self._block_ext.pop(b, None)
             self._lost_samples += lost
             self.ledger.dirty = True
         log.error("storage unit %s is lost (%s): %d samples lost with it, %d blocks keep a copy elsewhere",
@@ -553,7 +684,9 @@ class ControllerCore(StreamOps):
     def _ping(self, u: int) -> None:
         """Unit ``u`` answers within CHECK_TIMEOUT_S, or a typed error (``dropped`` when its connection went)."""
         name, endpoint = self.units[u]
-        self._pool.get(endpoint, name).call({"op": "ping"}, timeout=CHECK_TIMEOUT_S)
+        reply = self._pool.get(endpoint, name).call({"op": "ping"}, timeout=CHECK_TIMEOUT_S)[0]
+        if isinstance(reply.get("slab"), dict):
+            self._unit_slabs[u] = reply["slab"]
 
     def _repair_loop(self) -> None:
         """Re-replication: once a unit is lost, copy every committed block that has fewer
@@ -591,10 +724,16 @@ class ControllerCore(StreamOps):
     def _repair(self, b: int, source: int, target: int) -> bool:
         """Copy block ``b`` from ``source`` to ``target``; False when either unit failed."""
         (src, src_at), (dst, dst_at) = self.units[source], self.units[target]
+        with self._lock:
+            if b not in self._block_units:
+                return True  # freed meanwhile
+            pin = self._pin([b])  # the source's extents stay put while they are copied
+        where = None
         try:
             _, columns, _ = self._pool.get(src_at, src).call({"op": "block", "b": b}, timeout=REPAIR_TIMEOUT_S)
             try:
-                self._pool.get(dst_at, dst).call({"op": "write", "b": b}, columns, timeout=REPAIR_TIMEOUT_S)
+                reply = self._pool.get(dst_at, dst).call({"op": "write", "b": b}, columns, timeout=REPAIR_TIMEOUT_S)[0]
+                where = reply.get("x")
             except E.WireFormatError as err:
                 if "already stored" not in str(err):  # else an earlier copy's reply was lost: the block is there
                     raise
@@ -603,11 +742,16 @@ class ControllerCore(StreamOps):
         except E.RlplaneError as err:
             log.warning("could not copy block %d from %s to %s: %s", b, src, dst, err)
             return False
+        finally:
+            with self._lock:
+                self._unpin(pin)
         with self._lock:
             units = self._block_units.get(b)
             kept = units is not None and target not in units and target not in self._lost_units
             if kept:
                 self._block_units[b] = units + (target,)
+                if isinstance(where, dict) and b in self._block_ext:
+                    self._block_ext[b][1][target] = {str(k): int(v) for k, v in where.items()}
         if not kept:  # cleared meanwhile: the copy is garbage
             self._frees.put((target, [b]))
         return True
@@ -671,15 +815,21 @@ class ControllerCore(StreamOps):
         self._drop_blocks(dead)
 
     def _drop_blocks(self, bids: list[int]) -> None:
-        by_unit: dict[int, list[int]] = {}
+        """Forget blocks; free them on their units now, or once the reads pinning them are done."""
         for b in bids:
-            for u in self._block_units.pop(b, ()):
-                if u not in self._lost_units:
-                    by_unit.setdefault(u, []).append(b)
+            units = self._block_units.pop(b, ())
             self._block_refs.pop(b, None)
             self._block_bytes.pop(b, None)
-        for u, bs in by_unit.items():
-            self._frees.put((u, bs))
+            self._block_ext.pop(b, None)
+            if self._pinned.get(b):
+                self._deferred[b] = units
+            else:
+                self._queue_frees(b, units)
+
+    def _queue_frees(self, b: int, units: tuple[int, ...]) -> None:
+        for u in units:
+            if u not in self._lost_units:
+                self._frees.put((u, [b]))
 
     def _abort(self, res: Reservation) -> None:
         self._res.pop(res.rid, None)
@@ -716,6 +866,7 @@ class ControllerCore(StreamOps):
                     log.warning("put into %r of %d samples never committed; its reservation lapsed",
                                 res.partition, res.slots.size)
                     self._abort(res)
+                self._expire_pins(now)
 
     def _free_loop(self) -> None:
         while True:
@@ -728,6 +879,34 @@ class ControllerCore(StreamOps):
                 self._pool.get(endpoint, name).call({"op": "free", "b": ints(bids)}, timeout=10.0)
             except E.RlplaneError as err:
                 log.warning("could not free %d blocks on %s: %s", len(bids), name, err)
+
+
+def _extents(given: Any, res: Reservation) -> dict[int, tuple[dict[str, str], dict[int, dict[str, int]]]]:
+    """A commit's ``x``: ``[[block, {field: dtype}, [[unit, {field: slab offset}], ...]], ...]``
+    for the reservation's blocks (copies on units the reservation placed them on)."""
+    if given is None:
+        return {}
+    placed = {b: set(units) for b, units, _, _ in res.blocks}
+    if not isinstance(given, list) or len(given) > len(placed):
+        raise E.WireFormatError("commit 'x' must list the extents of the reserved blocks")
+    out = {}
+    for entry in given:
+        ok = (isinstance(entry, list) and len(entry) == 3 and entry[0] in placed and isinstance(entry[1], dict)
+              and isinstance(entry[2], list))
+        if not ok:
+            raise E.WireFormatError(f"bad extent entry {str(entry)[:80]}")
+        b, dtypes, copies = entry
+        if not set(dtypes) <= set(res.fields) or not all(isinstance(d, str) for d in dtypes.values()):
+            raise E.WireFormatError("extent dtypes must name reserved fields")
+        where: dict[int, dict[str, int]] = {}
+        for copy in copies:
+            if not (isinstance(copy, list) and len(copy) == 2 and copy[0] in placed[b] and isinstance(copy[1], dict)
+                    and set(copy[1]) == set(dtypes)
+                    and all(isinstance(v, int) and v >= 0 for v in copy[1].values())):
+                raise E.WireFormatError(f"bad extent copy {str(copy)[:80]} of block {b}")
+            where[copy[0]] = dict(copy[1])
+        out[b] = (dict(dtypes), where)
+    return out
 
 
 def _partition(header: dict) -> str:

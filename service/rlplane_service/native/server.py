@@ -10,7 +10,8 @@ A handler may *park* a request (a claim waiting for samples) by raising :class:`
 with a deadline: the loop keeps it, without a thread, and runs it again whenever the
 handler's ``wake()`` says something changed, and once more, marked final
 (``header["_final"]``), when its deadline passes. Headers carry ``_t0``, when the
-request arrived; keys starting with ``_`` from the network are dropped.
+request arrived; keys starting with ``_`` from the network are dropped. A request
+whose header has ``nr: true`` is one-way: it is handled and never answered.
 
 With a secret, the socket is a ZMQ PLAIN server and a ZAP handler admits only peers
 that present it: unauthenticated peers cannot deliver a single message.
@@ -122,16 +123,19 @@ class Server:
         except Park as park:
             self._parked.append((ident, body, t0, park.deadline))
             return
+        if reply is None:  # a one-way message (``nr``): nobody waits for an answer
+            return
         try:
             self._sock.send_multipart([ident, *reply], copy=False)
         except zmq.ZMQError as err:
             log.warning("%s: could not answer a peer: %s", self.name, err)
 
-    def _handle(self, frames: list[Any], t0: float = 0.0, final: bool = False) -> list[Any]:
-        rid = None
+    def _handle(self, frames: list[Any], t0: float = 0.0, final: bool = False) -> list[Any] | None:
+        rid, one_way = None, False
         try:
             header = unpack_header(frames[0])
             rid = header.get("rid")  # first, so that even a bad body gets its answer
+            one_way = header.get("nr") is True
             header, columns, extra = unpack_message(frames, header)
             header = {k: v for k, v in header.items() if not (isinstance(k, str) and k.startswith("_"))}
             header["_t0"], header["_final"] = t0, final
@@ -140,13 +144,15 @@ class Server:
             if fn is None:
                 raise E.WireFormatError(f"unknown operation {op!r}")
             out, cols, bufs = fn(header, columns, extra)
-            return pack_message({**out, "ok": True, "rid": rid}, cols, bufs)
+            return None if one_way else pack_message({**out, "ok": True, "rid": rid}, cols, bufs)
         except Park:
             raise
         except E.RlplaneError as err:
-            return pack_message({"ok": False, "rid": rid, "error": _payload(err)})
+            return None if one_way else pack_message({"ok": False, "rid": rid, "error": _payload(err)})
         except Exception as err:  # noqa: BLE001 - a bug in one request must not stop the server
             log.exception("%s: request failed", self.name)
+            if one_way:
+                return None
             return pack_message({"ok": False, "rid": rid,
                                  "error": {"error": "TransportError", "message": f"{self.name} failed: {type(err).__name__}: {err}"}})
 

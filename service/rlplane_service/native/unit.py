@@ -1,17 +1,33 @@
-"""A storage unit of the native engine: columnar blocks in memory, served over ZMQ.
+"""A storage unit of the native engine: columnar blocks in one pre-faulted slab.
 
-A *block* is what one put wrote to this unit: per field, one contiguous values buffer
-and int64 row offsets (a column), kept as the very frames that arrived (no copy on
-receive). Block ids come from the controller and are never reused, so a read can never
-be served another put's bytes. A read names, per field, the (block, row) of every sample
-it wants; the unit gathers them with one vectorized copy per field
-(:func:`rlplane.gather.gather`) and answers one column per field. A block is dropped
-when the controller says every row of it was cleared (``free``). ``block`` hands a whole
-block back as stored, for the controller to copy it to another unit (re-replication).
+A unit owns one slab of shared memory (:class:`~rlplane_service.native.slab.Slab`,
+``RLPLANE_UNIT_BYTES``) and an allocator of its extents. A *block* is what one put
+wrote to this unit: per field, one extent holding the rows' values back to back and
+the rows' element offsets. A write that does not fit is StorageFullError naming the
+unit, the size asked for and what is free; nothing of it is kept.
+
+Bytes arrive two ways, into the same slab:
+
+- ``alloc`` (a client on this host): the unit hands out the extents, the client copies
+  (or encodes) straight into the mapped slab (:mod:`rlplane.shm`), then commits at the
+  controller. Nothing the unit holds is visible before that commit.
+- ``write`` (any client, and the controller when it re-replicates): the values arrive as
+  ZMQ frames and are copied into freshly allocated extents.
+
+Reads are either one-sided (a same-host client copies rows out of the mapped slab at
+the addresses the controller located) or ``read``: the unit gathers the rows asked for
+with one vectorized copy per field (:func:`rlplane.gather.gather`) and answers one
+column per field. ``block`` hands a whole block back as stored (re-replication).
+
+A block's extents go back to the allocator only on ``free``, which the controller sends
+once no sample points at the block and no read that located it is still pinned (see
+the controller), so an extent is never reused under a read in flight. Block ids come
+from the writer (62 random bits) and are never reused. ``slab`` issues a ticket for
+mapping the slab (see :class:`~rlplane_service.native.slab.SlabShare`).
 
 Example::
 
-    unit = UnitCore("unit-0")
+    unit = UnitCore("unit-0", slab_bytes=1 << 30)
     Server(unit, secret=b"...").start()
 """
 
@@ -19,41 +35,86 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from rlplane import errors as E
+from rlplane.dtypes import dtype_from_name
 from rlplane.gather import gather
-from rlplane.wire import RawColumn, int_array
+from rlplane.wire import RawColumn, check_offsets, int_array, numpy_dtype
+from rlplane_service.native.allocator import Allocator
+from rlplane_service.native.slab import Slab, SlabShare
 
 log = logging.getLogger(__name__)
 
+#: The slab of a unit built without a size (the service passes RLPLANE_UNIT_BYTES).
+DEFAULT_SLAB_BYTES = 256 << 20
+#: Most fields one block may hold (bounds what one request makes a unit allocate).
+MAX_FIELDS = 256
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One field of one block: ``nbytes`` at ``start`` in the slab, rows split by ``offsets`` (elements)."""
+
+    dtype: str
+    np_dtype: Any
+    start: int
+    nbytes: int
+    offsets: np.ndarray
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.size - 1
+
 
 class UnitCore:
-    """The blocks of one storage unit and the operations on them (called by :class:`Server`)."""
+    """The slab and blocks of one storage unit and the operations on them (called by :class:`Server`)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True) -> None:
         self.name = name
-        self._blocks: dict[int, dict[str, RawColumn]] = {}
+        self.slab = Slab(slab_bytes, name)
+        self.alloc = Allocator(self.slab.nbytes)
+        self.share = SlabShare(self.slab.fd, name).start() if share else None
+        self._blocks: dict[int, dict[str, Extent]] = {}
         self._lock = threading.Lock()
-        self._nbytes = 0
 
     # -- operations (header, columns, buffers) -> (reply, columns, buffers) ------------
+    def op_alloc(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """Extents for block ``b``: ``f`` = ``[[field, dtype, nbytes], ...]``, each field's
+        int64 element offsets in the extra buffers, in that order. Answers ``x``: the
+        slab offset of each field's extent; the writer copies its values there."""
+        bid = _block_id(header)
+        wanted = header.get("f")
+        if not isinstance(wanted, list) or not 0 < len(wanted) <= MAX_FIELDS or len(extra) != len(wanted):
+            raise E.WireFormatError("alloc needs 'f': [[field, dtype, nbytes], ...] and one offsets buffer per field")
+        layout = []
+        for entry, off in zip(wanted, extra):
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                    and isinstance(entry[1], str) and isinstance(entry[2], int) and 0 <= entry[2] < 1 << 62):
+                raise E.WireFormatError(f"bad alloc entry {str(entry)[:80]}")
+            name, dname, nbytes = entry
+            np_dtype = _np_dtype(dname, name)
+            if nbytes % np_dtype.itemsize:
+                raise E.WireFormatError(f"{nbytes} bytes is not a whole number of {dname} elements", field=name)
+            offsets = int_array(off, "offsets").copy()
+            check_offsets(offsets, nbytes // np_dtype.itemsize, max(offsets.size - 1, 0), name)
+            layout.append((name, dname, np_dtype, nbytes, offsets))
+        return {"x": self._store(bid, layout)}, {}, []
+
     def op_write(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
-        """Store ``columns`` as block ``b`` (a block is written once)."""
-        bid = header.get("b")
-        if not isinstance(bid, int) or bid < 0:
-            raise E.WireFormatError("write needs a block id 'b'")
-        rows = {c.num_rows for c in columns.values()}
-        if len(rows) > 1:
-            raise E.WireFormatError(f"a block's columns must hold the same number of rows, got {sorted(rows)}")
-        with self._lock:
-            if bid in self._blocks:
-                raise E.WireFormatError(f"block {bid} is already stored on {self.name}")
-            self._blocks[bid] = dict(columns)
-            self._nbytes += sum(c.nbytes + c.offsets.nbytes for c in columns.values())
-        return {"stored": sum(c.nbytes for c in columns.values())}, {}, []
+        """Store ``columns`` as block ``b`` (a block is written once): copied into new extents."""
+        bid = _block_id(header)
+        if not 0 < len(columns) <= MAX_FIELDS:
+            raise E.WireFormatError(f"a block holds 1 to {MAX_FIELDS} fields")
+        layout = [(name, c.dtype, c.values.dtype, c.values.nbytes, c.offsets.copy()) for name, c in columns.items()]
+        where = self._store(bid, layout)
+        for name, c in columns.items():
+            start = where[name]
+            self.slab.u8[start : start + c.values.nbytes] = c.values.view(np.uint8)
+        return {"x": where, "stored": sum(c.nbytes for c in columns.values())}, {}, []
 
     def op_read(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Per requested field, the rows ``(block, row)`` in the order asked, as one column."""
@@ -62,8 +123,8 @@ class UnitCore:
             raise E.WireFormatError("read needs 'f': [[field, blocks, rows], ...]")
         out: dict[str, RawColumn] = {}
         for entry in wanted:
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
-                raise E.WireFormatError(f"bad read entry {entry!r}")
+            if not (isinstance(entry, list) and len(entry) >= 3 and isinstance(entry[0], str)):
+                raise E.WireFormatError(f"bad read entry {str(entry)[:80]}")
             name = entry[0]
             blocks, rows = int_array(entry[1], "blocks"), int_array(entry[2], "rows")
             if blocks.size != rows.size:
@@ -79,7 +140,7 @@ class UnitCore:
             block = self._blocks.get(bid) if isinstance(bid, int) else None
         if block is None:
             raise E.MissingDataError("(block copy)", {}, hint=f"block {bid!r} is not on {self.name}")
-        return {}, dict(block), []
+        return {}, {name: RawColumn(x.dtype, self._values(x), x.offsets) for name, x in block.items()}, []
 
     def op_free(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Drop blocks (every row of them was cleared, or their put never committed)."""
@@ -90,32 +151,75 @@ class UnitCore:
                 block = self._blocks.pop(bid, None)
                 if block is not None:
                     freed += 1
-                    self._nbytes -= sum(c.nbytes + c.offsets.nbytes for c in block.values())
+                    for x in block.values():
+                        self.alloc.free(x.start)
         return {"freed": freed}, {}, []
+
+    def op_slab(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """How to map this unit's slab from the same host: its socket and a fresh ticket."""
+        if self.share is None:
+            raise E.UnavailableError(f"storage unit {self.name} does not share its slab", component=self.name)
+        return {"sock": self.share.sock_name, "ticket": self.share.ticket(), "bytes": self.slab.nbytes}, {}, []
 
     def op_stats(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         return self.stats(), {}, []
 
     def op_ping(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
-        return {"unit": self.name}, {}, []
+        with self._lock:
+            slab = self.alloc.stats()
+        return {"unit": self.name, "slab": slab}, {}, []
 
     def damage(self, bid: int, name: str, row: int) -> bool:
         """Flip one bit of row ``row`` of field ``name`` in block ``bid`` (what a failing
         memory module or a stray write would do): the hook the integrity tests use.
         False when the block, field or row is not here (or the row is empty)."""
         with self._lock:
-            col = self._blocks.get(bid, {}).get(name)
-            if col is None or not 0 <= row < col.num_rows or col.offsets[row] == col.offsets[row + 1]:
+            x = self._blocks.get(bid, {}).get(name)
+            if x is None or not 0 <= row < x.num_rows or x.offsets[row] == x.offsets[row + 1]:
                 return False
-            values = col.values.copy()
-            values.view(np.uint8)[int(col.offsets[row]) * values.itemsize] ^= 1
-            self._blocks[bid][name] = RawColumn(col.dtype, values, col.offsets)
+            self.slab.u8[x.start + int(x.offsets[row]) * x.np_dtype.itemsize] ^= 1
             return True
 
     # -- helpers -----------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            return {"unit": self.name, "blocks": len(self._blocks), "nbytes": self._nbytes}
+            return {"unit": self.name, "blocks": len(self._blocks), "nbytes": self.alloc.used_bytes,
+                    "slab": self.alloc.stats()}
+
+    def stop(self) -> None:
+        if self.share is not None:
+            self.share.stop()
+
+    def _store(self, bid: int, layout: list[tuple[str, str, Any, int, np.ndarray]]) -> dict[str, int]:
+        """Allocate every field's extent of block ``bid`` (all or none) and record the block."""
+        rows = {off.size - 1 for *_, off in layout}
+        if len(rows) > 1:
+            raise E.WireFormatError(f"a block's columns must hold the same number of rows, got {sorted(rows)}")
+        if len({name for name, *_ in layout}) != len(layout):
+            raise E.WireFormatError("a block names a field twice")
+        with self._lock:
+            if bid in self._blocks:
+                raise E.WireFormatError(f"block {bid} is already stored on {self.name}")
+            got: list[int] = []
+            for name, _, _, nbytes, _ in layout:
+                start = self.alloc.alloc(nbytes)
+                if start is None:
+                    for s in got:
+                        self.alloc.free(s)
+                    need = sum(n for *_, n, _ in layout)
+                    st = self.alloc.stats()
+                    raise E.StorageFullError(
+                        f"storage unit {self.name} has no room for {need} bytes (field {name!r} needs {nbytes}): its "
+                        f"slab of {st['slab_bytes']} bytes has {st['free_bytes']} free, largest hole "
+                        f"{st['largest_free']}; nothing of this put was kept: clear consumed partitions or raise "
+                        "RLPLANE_UNIT_BYTES")
+                got.append(start)
+            self._blocks[bid] = {name: Extent(dname, np.dtype(npd), start, nbytes, off)
+                                 for (name, dname, npd, nbytes, off), start in zip(layout, got)}
+        return {name: start for (name, *_), start in zip(layout, got)}
+
+    def _values(self, x: Extent) -> np.ndarray:
+        return self.slab.u8[x.start : x.start + x.nbytes].view(x.np_dtype)
 
     def _gather(self, name: str, blocks: np.ndarray, rows: np.ndarray, partition: Any) -> RawColumn:
         uniq, which = np.unique(blocks, return_inverse=True)
@@ -123,12 +227,12 @@ class UnitCore:
         dtypes = set()
         with self._lock:
             for bid in uniq.tolist():
-                col = self._blocks.get(bid, {}).get(name)
-                if col is None:
+                x = self._blocks.get(bid, {}).get(name)
+                if x is None:
                     raise E.MissingDataError(str(partition), {}, hint=f"field {name!r}: block {bid} is gone from "
                                              f"{self.name} (the samples were cleared while this read was in flight)")
-                sources.append((col.values, col.offsets))
-                dtypes.add(col.dtype)
+                sources.append((self._values(x), x.offsets))
+                dtypes.add(x.dtype)
         if len(dtypes) > 1:
             raise E.ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
         if not sources:
@@ -140,6 +244,20 @@ class UnitCore:
         return RawColumn(dtypes.pop(), values, offsets)
 
 
+def _block_id(header: dict[str, Any]) -> int:
+    bid = header.get("b")
+    if not isinstance(bid, int) or not 0 < bid < 1 << 63:
+        raise E.WireFormatError("the request needs a block id 'b' (a positive 63-bit int)")
+    return bid
+
+
+def _np_dtype(dname: str, field: str) -> np.dtype:
+    try:
+        return np.dtype(numpy_dtype(dtype_from_name(dname)))
+    except (ValueError, KeyError) as err:
+        raise E.WireFormatError(f"unknown dtype {dname!r} ({err})", field=field) from None
+
+
 def unit_actor_class() -> Any:
     """The Ray actor class of a storage unit (lazy: no Ray at import)."""
     import ray
@@ -148,10 +266,11 @@ def unit_actor_class() -> Any:
     class NativeUnitActor:
         """Hosts a :class:`UnitCore` and its server thread; Ray calls are for the service only."""
 
-        def __init__(self, name: str, host: str | None, secret: str | None) -> None:
+        def __init__(self, name: str, host: str | None, secret: str | None,
+                     slab_bytes: int = DEFAULT_SLAB_BYTES) -> None:
             from rlplane_service.native.server import Server
 
-            self._core = UnitCore(name)
+            self._core = UnitCore(name, slab_bytes)
             bind = host or ray.util.get_node_ip_address()
             self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name).start()
 

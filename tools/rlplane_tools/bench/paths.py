@@ -40,13 +40,15 @@ class RlplanePath(BenchPath):
     (fetch, check, decode), over one transport."""
 
     transport: ClassVar[str]
+    data_path: ClassVar[str | None] = None  # native engine: shm, zmq (None: the client's default, auto)
     selects_rows = True
 
     def __init__(self, env: WorkerEnv) -> None:
         super().__init__(env)
         import rlplane
 
-        self.client = rlplane.connect(self.service_url(env), token=env.token, transport=self.transport)
+        self.client = rlplane.connect(self.service_url(env), token=env.token, transport=self.transport,
+                                      data_path=self.data_path)
 
     def service_url(self, env: WorkerEnv) -> str:
         return env.url
@@ -77,11 +79,21 @@ class RlplanePath(BenchPath):
 
 
 class RlplaneNative(RlplanePath):
-    """rlplane's default: the native engine, straight to its controller and units."""
+    """rlplane's default: the native engine, straight to its controller and units, bulk
+    bytes through the units' shared-memory slabs (same host: what ``auto`` picks here)."""
 
     name = "rlplane-native"
-    label = "rlplane (native)"
+    label = "rlplane (native, shm)"
     transport = "native"
+    data_path = "shm"
+
+
+class RlplaneNativeZmq(RlplaneNative):
+    """The native engine with every byte over ZMQ frames (what a client on another host uses)."""
+
+    name = "rlplane-native-zmq"
+    label = "rlplane (native, zmq)"
+    data_path = "zmq"
 
 
 class RlplaneTQ(RlplanePath):
@@ -285,7 +297,7 @@ def _as_column(value: Any) -> Column:
 
 #: Every path, in table order. Raw TransferQueue is the reference every ratio divides by.
 PATHS: dict[str, type[BenchPath]] = {
-    p.name: p for p in (RlplaneNative, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, MooncakeDataProto, RayObjectStore,
+    p.name: p for p in (RlplaneNative, RlplaneNativeZmq, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, MooncakeDataProto, RayObjectStore,
               LegacyObjectArray)
 }
 REFERENCE = RawTQ.name

@@ -42,7 +42,7 @@ SWEEP_PATHS = tuple(p for p in PATHS if p not in ("rlplane-http", "mooncake-data
 WRITERS_PATH = "rlplane-native"
 #: text-scale: the text fields at S=1024 over growing B, through these paths (cost per sample).
 SCALE_WORKLOAD = "text-scale"
-SCALE_PATHS = ("rlplane-native", "rlplane-tq", "raw-tq", "mooncake-dataproto", "ray-object-store")
+SCALE_PATHS = ("rlplane-native", "rlplane-native-zmq", "rlplane-tq", "raw-tq", "mooncake-dataproto", "ray-object-store")
 #: A data-parallel rank's read: every other sample of the vlm-step batch, two fields,
 #: through every path that can select rows.
 DP_SHARD_SECTION = "dp-shard"
@@ -136,7 +136,8 @@ def run_bench(
         from rlplane_service.quiet import stages
 
         with stages(console, "starting the embedded service") as say:
-            service = EmbeddedService(ServiceSettings(port=free_port()), say=say)
+            # 2 GiB slabs: the B=256 sweep puts ~700 MB in one local block
+            service = EmbeddedService(ServiceSettings(port=free_port(), unit_bytes=2 << 30), say=say)
             service.start()
         url, token = service.url, service.settings.token()
     try:

@@ -18,13 +18,17 @@ TQ_SHARE_OF_RAW = 0.9
 #: The HTTP transport moves at least this many GB/s each way on vlm-step.
 HTTP_MIN_GBPS = 0.5
 #: A small-batch put or read may cost at most this much more than the Ray object store's (p50).
-SMALL_OVERHEAD_MS = 1.0
+SMALL_OVERHEAD_MS = 0.0
 #: text-scale: µs per sample at the biggest B at most this multiple of the one at B=256.
 SCALE_FLAT = 1.2
 #: text-scale B=4096: the round trip at most this multiple of a memcpy of its bytes.
-MEMCPY_MULTIPLE = 40.0
+MEMCPY_MULTIPLE = 10.0
 #: text-step: the round trip at most this multiple of the Ray object store's.
-TEXT_VS_RAY = 1.5
+TEXT_VS_RAY = 1.0
+#: vlm-step over the slabs: round trip and get as a share of raw TransferQueue's time, round trip of DataProto's.
+SLAB_TRIP_VS_TQ, SLAB_GET_VS_TQ, SLAB_TRIP_VS_DATAPROTO = 0.4, 0.3, 0.6
+#: vlm-step sweep: native get GB/s at the biggest batch at least this share of the smallest's.
+SWEEP_HOLDS = 0.9
 #: claim section: p50 of a claim whose batch is ready, of a blocked claim's wake-up, and N claimers' rate.
 CLAIM_P50_MS, WAKE_P50_MS, CLAIMERS_MIN_RATE = 2.0, 20.0, 1000.0
 #: vlm-step: what the row checksums add (once on put, once on read) as a share of the native round trip.
@@ -82,6 +86,7 @@ def evaluate(results: dict) -> list[dict]:
                            value is not None and value >= TQ_SHARE_OF_RAW, f"GB/s ratio of {op}"))
 
     out.extend(_versus_dataproto(results, vlm, lat, scale))
+    out.extend(_slab_targets(results, vlm))
     ours, sums = _median(vlm, NATIVE, "round trip"), (vlm or {}).get("checksum_ms")
     value = 2 * sums / ours if ours and sums is not None else None
     out.append(_target(f"{TARGET_WORKLOAD}: row checksums (computed on put, checked on read) <= {CHECKSUM_SHARE:.0%} of "
@@ -145,6 +150,41 @@ def _versus_dataproto(results: dict, vlm: dict | None, lat: dict, scale: dict) -
     for op in ("put", "get"):
         faster(f"small: native {op} p50 < Mooncake DataProto's", lat.get(NATIVE, {}).get(op, {}).get("p50_ms"),
                lat.get(DATAPROTO, {}).get(op, {}).get("p50_ms"), f"ms, p50 of {op}")
+    return out
+
+
+def _slab_targets(results: dict, vlm: dict | None) -> list[dict]:
+    """What the shared-memory slabs promise: vlm-step against raw TransferQueue and
+    DataProto as time ratios, the DP-shard read against raw TransferQueue's, and a batch
+    sweep whose get holds its GB/s as B grows and beats raw TransferQueue's at every B."""
+    out = []
+
+    def at_most(name: str, ours: float | None, theirs: float | None, share: float, detail: str) -> None:
+        value = ours / theirs if ours is not None and theirs else None
+        out.append(_target(name, value, share, value is not None and value <= share, detail))
+
+    at_most(f"{TARGET_WORKLOAD}: native round trip <= {SLAB_TRIP_VS_TQ}x raw TransferQueue's",
+            _median(vlm, NATIVE, "round trip"), _median(vlm, REFERENCE, "round trip"), SLAB_TRIP_VS_TQ, "time ratio (median)")
+    at_most(f"{TARGET_WORKLOAD}: native get <= {SLAB_GET_VS_TQ}x raw TransferQueue's",
+            _median(vlm, NATIVE, "get"), _median(vlm, REFERENCE, "get"), SLAB_GET_VS_TQ, "time ratio (median)")
+    at_most(f"{TARGET_WORKLOAD}: native round trip < {SLAB_TRIP_VS_DATAPROTO}x Mooncake DataProto's",
+            _median(vlm, NATIVE, "round trip"), _median(vlm, DATAPROTO, "round trip"), SLAB_TRIP_VS_DATAPROTO,
+            "time ratio (median)")
+    shard = {r["path"]: r["get"]["p50_ms"] for r in (results.get("dp_shard") or {}).get("paths", [])}
+    ours, ref = shard.get(NATIVE), shard.get(REFERENCE)
+    out.append(_target("DP shard read: native p50 < raw TransferQueue's", ours, ref,
+                       ours is not None and ref is not None and ours < ref, "ms, p50"))
+    sweep = sorted(results.get("sweeps", {}).get("batch", []), key=lambda w: w["batch"])
+    if sweep:
+        gets = [_gbps(w) for w in sweep]
+        lo, hi = gets[0].get((NATIVE, "get")), gets[-1].get((NATIVE, "get"))
+        value = hi / lo if lo and hi is not None else None
+        out.append(_target(f"sweep: native get GB/s at B={sweep[-1]['batch']} >= {SWEEP_HOLDS}x B={sweep[0]['batch']}",
+                           value, SWEEP_HOLDS, value is not None and value >= SWEEP_HOLDS, "GB/s ratio"))
+        worst = min((g[(NATIVE, "get")] / g[(REFERENCE, "get")] for g in gets
+                     if g.get((NATIVE, "get")) and g.get((REFERENCE, "get"))), default=None)
+        out.append(_target("sweep: native get GB/s >= raw TransferQueue's at every B", worst, 1.0,
+                           worst is not None and worst >= 1.0, "lowest GB/s ratio over the sweep"))
     return out
 
 

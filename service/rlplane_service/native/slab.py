@@ -1,0 +1,134 @@
+"""A storage unit's slab: one pre-faulted shared-memory file, and the socket that shares it.
+
+:class:`Slab` is ``RLPLANE_UNIT_BYTES`` of ``memfd`` memory mapped into the unit and
+faulted in for writing by a background thread at start (the kernel zeroes each page
+once, ~2 s/GiB on a small VM; the unit serves meanwhile). Its allocator is
+:class:`~rlplane_service.native.allocator.Allocator`.
+
+:class:`SlabShare` hands the slab's descriptor to same-host clients: a thread serving
+an abstract Unix socket with an unguessable name, which answers a connection with the
+descriptor only if it presents a ticket the unit issued over its authenticated ZMQ
+connection (single use, valid ``TICKET_TTL_S``). See :mod:`rlplane.shm` for the client.
+
+Example::
+
+    slab = Slab(1 << 30)
+    share = SlabShare(slab.fd, "unit-0").start()
+    ticket = share.ticket()
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+
+import numpy as np
+
+from rlplane.shm import populate
+
+log = logging.getLogger(__name__)
+
+#: A ticket not presented within this long is void.
+TICKET_TTL_S = 30.0
+_MAX_TICKETS = 4096
+
+
+class Slab:
+    """``nbytes`` of shared memory (see the module docstring)."""
+
+    def __init__(self, nbytes: int, name: str = "unit") -> None:
+        self.nbytes = nbytes - nbytes % mmap.PAGESIZE
+        self.fd = os.memfd_create(f"rlplane-{name}", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, self.nbytes)
+        self.mm = mmap.mmap(self.fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.u8 = np.frombuffer(self.mm, np.uint8)
+        self.populated = threading.Event()
+        threading.Thread(target=self._populate, name=f"rlplane-{name}-prefault", daemon=True).start()
+
+    def _populate(self) -> None:
+        t0 = time.monotonic()
+        step = 256 << 20  # in slices, so a failing call says where
+        for at in range(0, self.nbytes, step):
+            if not populate(self.u8[at : at + step], write=True):
+                int(self.u8[at : at + step : mmap.PAGESIZE].sum())  # older kernels: read one byte a page
+        self.populated.set()
+        log.info("slab of %d MiB pre-faulted in %.1f s", self.nbytes >> 20, time.monotonic() - t0)
+
+
+class SlabShare:
+    """Serves the slab's descriptor to ticket holders (see the module docstring)."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.fd, self.name = fd, name
+        self.sock_name = f"rlplane-slab-{secrets.token_hex(16)}"
+        self._tickets: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + self.sock_name)
+        self._sock.listen(64)
+        self._sock.settimeout(0.5)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"rlplane-{name}-share", daemon=True)
+
+    def start(self) -> SlabShare:
+        self._thread.start()
+        return self
+
+    def ticket(self) -> str:
+        """A new single-use ticket (128 random bits)."""
+        t = secrets.token_hex(16)
+        now = time.monotonic()
+        with self._lock:
+            if len(self._tickets) >= _MAX_TICKETS:
+                self._tickets = {k: d for k, d in self._tickets.items() if d > now}
+                while len(self._tickets) >= _MAX_TICKETS:
+                    self._tickets.pop(next(iter(self._tickets)))
+            self._tickets[t] = now + TICKET_TTL_S
+        return t
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            try:
+                self._serve(conn)
+            except OSError as err:  # a peer that went away mid-way: nothing to do
+                log.debug("%s: slab share connection failed: %s", self.name, err)
+            finally:
+                conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(2.0)
+        data = b""
+        while b"\n" not in data and len(data) < 64:
+            chunk = conn.recv(64 - len(data))
+            if not chunk:
+                return
+            data += chunk
+        ticket = data.split(b"\n", 1)[0].decode("ascii", "replace")
+        with self._lock:
+            deadline = self._tickets.pop(ticket, None)
+        if deadline is None or deadline < time.monotonic():
+            conn.sendall(b"no")
+            return
+        socket.send_fds(conn, [b"ok"], [self.fd])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+
+__all__ = ["Slab", "SlabShare", "TICKET_TTL_S"]

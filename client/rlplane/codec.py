@@ -95,7 +95,9 @@ def encode(
         if out is None:
             continue
         columns[name], geoms[name] = out
-    sums = {name: row_sums(col).tolist() for name, col in columns.items()}
+    digests = {name: row_sums(col) for name, col in columns.items()}
+    columns = {name: Column(col.values, col.offsets, sums=digests[name], geom=geoms[name]) for name, col in columns.items()}
+    sums = {name: d.tolist() for name, d in digests.items()}
     tags = [{WIRE_TAG: {name: g[i] for name, g in geoms.items()}, SUM_TAG: {name: s[i] for name, s in sums.items()}}
             for i in range(batch)]
     return Encoded(columns, tags)
@@ -265,7 +267,7 @@ def decode(
         spec = registry.get(name)
         if col.num_rows != batch:
             raise WireFormatError(f"column has {col.num_rows} rows for {batch} samples", field=name)
-        geoms = _geometries(spec, tags, ids)
+        geoms = _geometries(spec, tags, ids, col.geom)
         out[name] = _DECODERS[(spec.alignment, spec.container)](spec, col, geoms, layout, pad_to_seqlen, ids)
     return out
 
@@ -320,15 +322,30 @@ def _stored_dtype(spec: FieldSpec, dtype: torch.dtype) -> torch.dtype:
     return spec.stored_dtype(dtype)
 
 
-def _geometries(spec: FieldSpec, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None) -> list[Any]:
-    """Each sample's geometry of ``spec``'s field, checked (WireFormatError naming the sample)."""
-    try:
-        geoms = [tag[WIRE_TAG][spec.name] for tag in tags]
-    except (KeyError, TypeError, IndexError):
-        return _geometries_checked(spec, tags, ids)
+def _geometries(spec: FieldSpec, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None,
+                given: list[Any] | None = None) -> list[Any]:
+    """Each sample's geometry of ``spec``'s field (``given``: the column's own, else from
+    the tags), checked (WireFormatError naming the sample)."""
+    if given is not None:
+        geoms = list(given)
+    else:
+        try:
+            geoms = [tag[WIRE_TAG][spec.name] for tag in tags]
+        except (KeyError, TypeError, IndexError):
+            return _geometries_checked(spec, [_tag_geometry(t, spec.name) for t in tags], ids)
     if spec.container != "packed" and _shapes_ok(spec, geoms):
         return geoms
-    return _geometries_checked(spec, tags, ids)  # packed, or something is off: sample by sample
+    return _geometries_checked(spec, geoms, ids)  # packed, or something is off: sample by sample
+
+
+_MISSING = object()
+
+
+def _tag_geometry(tag: Any, name: str) -> Any:
+    try:
+        return tag[WIRE_TAG][name]
+    except (KeyError, TypeError, IndexError):
+        return _MISSING
 
 
 def _shapes_ok(spec: FieldSpec, geoms: list[Any]) -> bool:
@@ -347,20 +364,16 @@ def _shapes_ok(spec: FieldSpec, geoms: list[Any]) -> bool:
     return a.shape[1] >= 1 if spec.alignment == "token" else True
 
 
-def _geometries_checked(spec: FieldSpec, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None) -> list[Any]:
-    geoms = []
-    for i, tag in enumerate(tags):
-        try:
-            g = tag[WIRE_TAG][spec.name]
-        except (KeyError, TypeError):
+def _geometries_checked(spec: FieldSpec, geoms: list[Any], ids: list[Any] | None) -> list[Any]:
+    for i, g in enumerate(geoms):
+        if g is _MISSING:
             raise WireFormatError(
                 "the sample's tags carry no wire geometry for this field; it was not written by rlplane's codec",
                 field=spec.name,
                 sample=_name(ids, i),
-            ) from None
+            )
         if not _valid_geometry(spec, g):
             raise WireFormatError(f"malformed wire geometry {g!r}", field=spec.name, sample=_name(ids, i))
-        geoms.append(g)
     return geoms
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from rlplane.errors import WireFormatError
@@ -34,13 +35,25 @@ def offsets_from_numels(numels: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class Column:
-    """One field's rows: ``values`` (1-D, contiguous) split by ``offsets`` (int64, B+1)."""
+    """One field's rows: ``values`` (1-D, contiguous) split by ``offsets`` (int64, B+1).
+
+    ``sums`` (uint64, one per row) and ``geom`` (one wire geometry per row), when set,
+    are the rows' digests and shapes as the codec recorded them: transports that keep
+    them per field (the native engine) move them as arrays instead of through each
+    sample's tags. None: look in the tags."""
 
     values: torch.Tensor
     offsets: torch.Tensor
+    sums: np.ndarray | None = None
+    geom: list[Any] | None = None
 
     def __post_init__(self) -> None:
         v, o = self.values, self.offsets
+        n = o.numel() - 1
+        if self.sums is not None and self.sums.shape != (n,):
+            raise WireFormatError(f"{self.sums.size} row digests for {n} rows")
+        if self.geom is not None and len(self.geom) != n:
+            raise WireFormatError(f"{len(self.geom)} row geometries for {n} rows")
         if v.dim() != 1 or not v.is_contiguous():
             raise WireFormatError(f"column values must be 1-D and contiguous, got shape {list(v.shape)}")
         if o.dim() != 1 or o.dtype != torch.int64 or o.numel() < 1:

@@ -374,7 +374,7 @@ def build_api(state: ServiceState) -> FastAPI:
             for name in body.fields:
                 registry.get(name)
             columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields)
-            parts = await offload(pack_parts, {"tags": tags}, columns)
+            parts = await offload(pack_parts, {"tags": list(tags)}, columns)
             event["nbytes"] = sum(col.nbytes for col in columns.values())
         # Streamed in pieces: no joined copy of the whole answer in fresh memory.
         size = sum(len(p) for p in parts)

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from rlplane import FieldSpec, PackedTensor, Registry, default_registry
 from rlplane.codec import WIRE_TAG, decode, encode
+from rlplane.column import Column
 from rlplane.errors import ContainerError, InvalidArgumentError, ShapeError, UnregisteredFieldError, WireFormatError
 from rlplane.transports import MemoryTransport
 from rlplane.testing.verify import diff_fields, same_bits
@@ -156,12 +157,18 @@ def test_jagged_input_is_accepted_for_token_fields():
 def test_decode_rejects_corrupt_or_foreign_columns(vlm):
     reg = default_registry()
     enc = encode(reg, {"input_ids": vlm.fields["input_ids"]}, vlm.lengths)
+    assert decode(reg, enc.columns, [{} for _ in enc.tags])["input_ids"].shape[0] == 6  # the column carries its geometry
+    bare = {k: Column(c.values, c.offsets) for k, c in enc.columns.items()}  # a transport that keeps only bytes
     with pytest.raises(WireFormatError, match="no wire geometry"):
-        decode(reg, enc.columns, [{} for _ in enc.tags])
+        decode(reg, bare, [{} for _ in enc.tags])
     bad = [dict(t) for t in enc.tags]
     bad[4] = {WIRE_TAG: {"input_ids": [int(vlm.lengths[4]) + 1]}}
     with pytest.raises(WireFormatError, match="sample 4"):
-        decode(reg, enc.columns, bad)
+        decode(reg, bare, bad)
+    geom = list(enc.columns["input_ids"].geom)
+    geom[4] = [int(vlm.lengths[4]) + 1]
+    with pytest.raises(WireFormatError, match="sample 4"):  # a column's own geometry is checked the same way
+        decode(reg, {"input_ids": Column(bare["input_ids"].values, bare["input_ids"].offsets, geom=geom)}, enc.tags)
     with pytest.raises(InvalidArgumentError, match="layout"):
         decode(reg, enc.columns, enc.tags, layout="ragged")
 

@@ -167,9 +167,12 @@ class NativeTransport(Transport):
              create: bool) -> None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
-        # Split tags: geometry per field (kept in the controller's arrays), user tags per sample.
-        geoms = {f: [t.get(WIRE_TAG, {}).get(f) for t in tags] for f in names}
-        sums = {f: _u64([(t.get(SUM_TAG) or {}).get(f, 0) for t in tags], f) for f in names}
+        # Split tags: geometry and digests per field (kept in the controller's arrays; the
+        # codec's columns carry them as arrays already), user tags per sample.
+        geoms = {f: c.geom if c.geom is not None else [t.get(WIRE_TAG, {}).get(f) for t in tags]
+                 for f, c in columns.items()}
+        sums = {f: c.sums.astype("<u8").tobytes() if c.sums is not None
+                else _u64([(t.get(SUM_TAG) or {}).get(f, 0) for t in tags], f) for f, c in columns.items()}
         user = [{k: v for k, v in t.items() if not k.startswith(RESERVED_TAG_PREFIX)} for t in tags]
         for f, g in geoms.items():
             if any(x is None for x in g):
@@ -390,10 +393,11 @@ class NativeTransport(Transport):
                 except TransportError:  # the channel failed: the pin lapses on its own
                     pass
         geoms, user = loc["g"], loc["user"]
-        sums = {f: np.frombuffer(loc["h"][f], "<u8").tolist() for f in fields}
-        tags = [{**user[i], WIRE_TAG: {f: geoms[f][i] for f in fields}, SUM_TAG: {f: sums[f][i] for f in fields}}
-                for i in range(len(ids))]
-        return columns, tags
+        sums = {f: np.frombuffer(loc["h"][f], "<u8") for f in fields}
+        if not isinstance(user, list) or len(user) != len(ids):
+            raise WireFormatError("the controller answered tags for other samples than asked")
+        columns = {f: Column(c.values, c.offsets, sums=sums[f], geom=geoms[f]) for f, c in columns.items()}
+        return columns, _Tags(user, geoms, sums, fields)
 
     def _gather(self, loc: dict[str, Any], partition: str, n: int, fields: list[str], copy: bool, deadline: float
                 ) -> tuple[dict[str, Column], list[np.ndarray]]:
@@ -617,6 +621,25 @@ def _offsets(x: Any, part: Mapping[str, Column], unit: str) -> dict[str, int]:
     if not isinstance(x, dict) or set(x) != set(part) or not all(isinstance(v, int) for v in x.values()):
         raise WireFormatError(f"storage unit {unit} did not say where it stored the block's fields")
     return dict(x)
+
+
+class _Tags(Sequence[dict[str, Any]]):
+    """The samples' tags of a read, each built only when asked for (the client takes the
+    rows' geometry and digests from the columns; the HTTP API serializes them all)."""
+
+    def __init__(self, user: list[Any], geoms: dict[str, list[Any]], sums: dict[str, np.ndarray],
+                 fields: list[str]) -> None:
+        self._user, self._geoms, self._sums, self._fields = user, geoms, sums, fields
+
+    def __len__(self) -> int:
+        return len(self._user)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        user = self._user[i]
+        return {**(user if isinstance(user, dict) else {}), WIRE_TAG: {f: self._geoms[f][i] for f in self._fields},
+                SUM_TAG: {f: int(self._sums[f][i]) for f in self._fields}}
 
 
 class _Sent:

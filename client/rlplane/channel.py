@@ -16,6 +16,12 @@ the server a single message.
 
 Not thread-safe: :class:`ChannelPool` gives each thread its own channels.
 
+A channel dropped without :meth:`Channel.close` closes its sockets when it is garbage
+(a finalizer), so a client that is never closed leaks no descriptor. All channels of a
+process share one ZMQ context; a forked child gets a context and channels of its own on
+first use (it never touches its parent's sockets). Running out of descriptors is a
+TransportError that says how many the process holds.
+
 Example::
 
     ch = Channel("tcp://127.0.0.1:5555", "unit-0", secret=b"...")
@@ -24,9 +30,13 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import itertools
+import os
 import threading
 import time
+import uuid
+import weakref
 from typing import Any, Callable, Mapping, Sequence
 
 import zmq
@@ -52,16 +62,46 @@ _rids = itertools.count(1)
 IO_THREADS = 4
 _ctx_lock = threading.Lock()
 _ctx: zmq.Context | None = None
+_ctx_pid = 0
 
 
 def _context() -> zmq.Context:
     """The process's ZMQ context for channels (several I/O threads: a read from two units
-    moves both shares at once instead of through one thread)."""
-    global _ctx
+    moves both shares at once instead of through one thread); a forked child makes its own."""
+    global _ctx, _ctx_pid
     with _ctx_lock:
-        if _ctx is None or _ctx.closed:
-            _ctx = zmq.Context(io_threads=IO_THREADS)
+        if _ctx is None or _ctx.closed or _ctx_pid != os.getpid():
+            _ctx = zmq.Context(io_threads=IO_THREADS)  # a parent's context is unusable after fork: never term it
+            _ctx_pid = os.getpid()
         return _ctx
+
+
+def open_descriptors() -> int:
+    """How many file descriptors this process holds (-1 where /proc is not there)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+def _no_descriptors(err: zmq.ZMQError, what: str) -> TransportError:
+    return TransportError(f"cannot open a connection to {what}: this process is out of file descriptors (it holds "
+                          f"{open_descriptors()}; ulimit -n) or ZMQ sockets ({_context().get(zmq.MAX_SOCKETS)} per process). "
+                          "Close clients you no longer use (client.close(), or `with rlplane.connect(...)`), or share "
+                          f"one client per process ({err})")
+
+
+def _close_sockets(sock: zmq.Socket, monitor: zmq.Socket, pid: int) -> None:
+    """Close a channel's sockets (its finalizer, and :meth:`Channel.close`); in a forked
+    child the parent's sockets are left alone (closing them there is undefined)."""
+    if pid != os.getpid():
+        return
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 class Channel:
@@ -72,7 +112,12 @@ class Channel:
         self.endpoint, self.name = endpoint, name
         self.connect_timeout = connect_timeout
         ctx = context or _context()
-        self._sock = ctx.socket(zmq.DEALER)
+        try:
+            self._sock = ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                raise _no_descriptors(err, f"{name} at {endpoint}") from None
+            raise
         self._sock.linger = 0
         self._sock.heartbeat_ivl = _HEARTBEAT_MS
         self._sock.heartbeat_timeout = _HEARTBEAT_TIMEOUT_MS
@@ -80,7 +125,14 @@ class Channel:
         if secret is not None:
             self._sock.plain_username = PLAIN_USER
             self._sock.plain_password = secret
-        self._monitor = self._sock.get_monitor_socket()
+        try:  # a unique address: pyzmq's default names it after the fd, which a dropped socket may still hold
+            self._monitor = self._sock.get_monitor_socket(addr=f"inproc://rlplane-monitor-{uuid.uuid4().hex}")
+        except zmq.ZMQError as err:
+            self._sock.close(linger=0)
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                raise _no_descriptors(err, f"{name} at {endpoint}") from None
+            raise
+        self._finalizer = weakref.finalize(self, _close_sockets, self._sock, self._monitor, os.getpid())
         self._created = time.monotonic()
         self._up = False
         self._pending: set[int] = set()
@@ -203,38 +255,44 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        try:
-            self._sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        self._finalizer()
+
+
+#: Per thread: (endpoint, secret) -> the channel every pool of this thread shares (weakly held).
+_shared = threading.local()
 
 
 class ChannelPool:
-    """Per-thread channels to named endpoints; a channel that failed is replaced on next
-    use, and the channels of threads that have ended are closed when a new one is made
-    (a client used from short-lived threads keeps one set of sockets per live thread)."""
+    """Per-thread channels to named endpoints, shared by every pool of the process: in one
+    thread, all clients of the same store use one channel per endpoint (a hundred clients
+    cost the sockets of one). A pool holds its channels; a channel closes when no pool
+    holds it any more (closed, or garbage), or when it failed, and is replaced on next
+    use. A forked child starts with no channels (its parent's are never used there)."""
 
     def __init__(self, secret: bytes | None = None) -> None:
         self.secret = secret
         self._local = threading.local()
         self._all: list[tuple[threading.Thread, Channel]] = []
         self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self.closed = False
 
     def get(self, endpoint: str, name: str) -> Channel:
+        if self.closed:
+            raise TransportError(f"this client was closed; connect again to reach {name}")
+        if self._pid != os.getpid():  # forked: the parent's channels are not ours to use (nor to close)
+            with self._lock:
+                self._all, self._pid = [], os.getpid()
+            self._local = threading.local()
         chans = getattr(self._local, "chans", None)
         if chans is None:
             chans = self._local.chans = {}
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
-            ch = chans[endpoint] = Channel(endpoint, name, secret=self.secret)
-            with self._lock:
-                ended = [c for t, c in self._all if not t.is_alive()]
+            ch = chans[endpoint] = _shared_channel(endpoint, name, self.secret)
+            with self._lock:  # the channels of threads that ended go with their thread
                 self._all = [(t, c) for t, c in self._all if t.is_alive() and not c.closed]
                 self._all.append((threading.current_thread(), ch))
-            for c in ended:  # its thread is gone: nobody else uses its sockets
-                c.close()
         return ch
 
     def __len__(self) -> int:
@@ -242,10 +300,29 @@ class ChannelPool:
             return sum(1 for _, c in self._all if not c.closed)
 
     def close(self) -> None:
+        """Let go of this pool's channels (each closes unless another pool still uses it)."""
+        self.closed = True
         with self._lock:
-            chans, self._all = self._all, []
-        for _, ch in chans:
-            ch.close()
+            self._all = []
+        self._local = threading.local()
+
+
+def _shared_channel(endpoint: str, name: str, secret: bytes | None) -> Channel:
+    """This thread's live channel to ``endpoint`` with ``secret``, or a new one."""
+    table = getattr(_shared, "table", None)
+    if table is None or getattr(_shared, "pid", None) != os.getpid():
+        table = _shared.table = {}
+        _shared.pid = os.getpid()
+    key = (endpoint, secret)
+    ref = table.get(key)
+    ch = ref() if ref is not None else None
+    if ch is None or ch.closed:
+        ch = Channel(endpoint, name, secret=secret)
+        table[key] = weakref.ref(ch)
+        if len(table) > 256:  # forget dead entries now and then
+            for k in [k for k, r in table.items() if r() is None]:
+                del table[k]
+    return ch
 
 
 async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: bytes | None,

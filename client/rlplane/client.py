@@ -20,6 +20,7 @@ import logging
 import re
 import time
 import uuid
+import weakref
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
@@ -57,6 +58,10 @@ class Client:
         self._service = service  # the ServiceAPI when made by rlplane.connect; closed with the client
         self.ops = OpStats(transport.name)
         self._last_report = time.monotonic()
+        self.closed = False
+        # A client dropped without close() still gives its connections back when it is
+        # garbage (the finalizer holds the transport and the service, not the client).
+        self._finalizer = weakref.finalize(self, _release, transport, service)
 
     # -- writing ---------------------------------------------------------------------
     def put_samples(
@@ -322,11 +327,13 @@ class Client:
             log.warning("could not report %d ops to the service: %s", len(events), err)
 
     def close(self) -> None:
-        """Release the transport's connections (and the service connection, if any)."""
+        """Release the transport's connections (and the service connection, if any).
+        Idempotent; a client used after it is a TransportError."""
+        if self.closed:
+            return
         self.report_ops()
-        self.transport.close()
-        if self._service is not None:
-            self._service.close()
+        self.closed = True
+        self._finalizer()
 
     @contextmanager
     def _buffers(self) -> Iterator[Any]:
@@ -338,6 +345,8 @@ class Client:
 
     @contextmanager
     def _op(self, name: str) -> Iterator[Any]:
+        if self.closed:
+            raise TransportError(f"{name} on a closed client; connect again (rlplane.connect)")
         with gc_paused(), self.ops.timed(name) as event:
             yield event
         if time.monotonic() - self._last_report >= REPORT_EVERY_S:
@@ -417,6 +426,15 @@ class Client:
 
 
 _PARTITION = re.compile(r"[A-Za-z0-9_.:@=+\-]{1,200}")
+
+
+def _release(transport: Transport, service: Any) -> None:
+    """Close a client's transport and service connection (its finalizer, and close())."""
+    try:
+        transport.close()
+    finally:
+        if service is not None:
+            service.close()
 
 
 def check_partition(partition: str) -> None:

@@ -12,6 +12,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import httpx
@@ -34,16 +36,33 @@ class ServiceAPI:
         if not url.startswith(("http://", "https://")):
             raise TransportError(f"service URL must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        if http is None:  # tests pass an in-process client (fastapi.testclient.TestClient)
-            http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0))
-        http.headers.update(headers)
-        self._http = http
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout
+        self._own = http is None  # tests pass an in-process client (fastapi.testclient.TestClient)
+        self._http = http if http is not None else self._new_http()
+        self._http.headers.update(self._headers)
+        self._pid = os.getpid()
+        self.closed = False
+
+    def _new_http(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=httpx.Timeout(self._timeout, connect=10.0))
+
+    @property
+    def http(self) -> httpx.Client:
+        """The HTTP client; a forked child gets its own (never its parent's connections)."""
+        if self.closed:
+            raise TransportError(f"the connection to {self.url} was closed; connect again (rlplane.connect)")
+        if self._pid != os.getpid() and self._own:
+            self._http = self._new_http()
+            self._http.headers.update(self._headers)
+            self._pid = os.getpid()
+        return self._http
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One request; a non-2xx answer raises the typed error it carries."""
+        http = self.http
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = http.request(method, path, **kwargs)
         except httpx.HTTPError as err:
             raise TransportError(f"{method} {self.url}{path} failed: {err}. Is the service running (rlplane serve)?") from err
         if response.is_success:
@@ -53,8 +72,9 @@ class ServiceAPI:
     def read_into(self, method: str, path: str, **kwargs: Any) -> bytearray:
         """A data call whose answer is streamed into one writable buffer (sized by the
         answer's Content-Length: no joining of chunks, no second copy)."""
+        http = self.http
         try:
-            with self._http.stream(method, path, **kwargs) as response:
+            with http.stream(method, path, **kwargs) as response:
                 if not response.is_success:
                     response.read()
                     raise self._error(response, f"{method} {path}")
@@ -78,7 +98,11 @@ class ServiceAPI:
         return self.request(method, path, **kwargs).json()
 
     def close(self) -> None:
-        self._http.close()
+        if self.closed:
+            return
+        self.closed = True
+        if self._pid == os.getpid():
+            self._http.close()
 
     def _error(self, response: httpx.Response, what: str) -> RlplaneError:
         try:

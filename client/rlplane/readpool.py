@@ -9,7 +9,8 @@ in, and the next read of a similar size reuses it. The caller never sees memory 
 read writes: a buffer is reused only once nothing refers to it any more.
 
 At most ``max_bytes`` of idle buffers are kept; a buffer is reused for a request of at
-least half its size.
+least half its size. Every native client of a process shares one pool
+(:meth:`ReadPool.shared`), so a process with many clients keeps one set of idle buffers.
 
 Example::
 
@@ -32,7 +33,7 @@ _ROUND = 1 << 21  # sizes are rounded up to 2 MiB, so similar requests share buf
 class ReadPool:
     """Reusable read buffers (see the module docstring). Thread-safe."""
 
-    def __init__(self, max_bytes: int = 2 << 30, min_bytes: int = 1 << 20) -> None:
+    def __init__(self, max_bytes: int = 1 << 30, min_bytes: int = 1 << 20) -> None:
         self.max_bytes = max_bytes
         self.min_bytes = min_bytes  # smaller requests get plain numpy memory (malloc reuses those itself)
         self._idle: list[mmap.mmap] = []
@@ -78,6 +79,19 @@ class ReadPool:
     def clear(self) -> None:
         with self._lock:
             self._idle = []
+
+    @classmethod
+    def shared(cls) -> ReadPool:
+        """The process's pool (made on first use)."""
+        global _SHARED
+        with _SHARED_LOCK:
+            if _SHARED is None:
+                _SHARED = cls()
+            return _SHARED
+
+
+_SHARED: ReadPool | None = None
+_SHARED_LOCK = threading.Lock()
 
 
 __all__ = ["ReadPool"]

@@ -23,6 +23,8 @@ import logging
 import mmap
 import os
 import socket
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +50,7 @@ def populate(u8: np.ndarray, *, write: bool) -> bool:
     return _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), advice) == 0
 
 
-@dataclass
+@dataclass(eq=False)
 class SlabView:
     """A unit's slab mapped read-write into this process."""
 
@@ -57,6 +59,7 @@ class SlabView:
     mm: mmap.mmap
     u8: np.ndarray
     ro: mmap.mmap  # the same memory mapped read-only: what zero-copy reads hand out (a write faults)
+    pid: int = 0  # the process that mapped it
 
     def close(self) -> None:
         self.u8 = np.empty(0, np.uint8)
@@ -65,6 +68,27 @@ class SlabView:
                 m.close()
             except BufferError:  # a view still uses it: the mapping goes with the last one
                 pass
+
+
+_views: dict[str, weakref.ref] = {}  # slab socket name -> the process's mapping of it
+_views_lock = threading.Lock()
+
+
+def shared_slab(sock_name: str, ticket: str, nbytes: int, *, unit: str, timeout: float) -> SlabView:
+    """The process's mapping of a unit's slab: the one another client of this process
+    already holds, else a new one (:func:`open_slab`). Every client of a process shares
+    it, so a hundred clients cost the descriptors of one."""
+    with _views_lock:
+        ref = _views.get(sock_name)
+        view = ref() if ref is not None else None
+        if view is not None and view.nbytes == nbytes and view.u8.size and os.getpid() == view.pid:
+            return view
+    view = open_slab(sock_name, ticket, nbytes, unit=unit, timeout=timeout)
+    with _views_lock:
+        for k in [k for k, r in _views.items() if r() is None]:
+            del _views[k]
+        _views[sock_name] = weakref.ref(view)
+    return view
 
 
 def open_slab(sock_name: str, ticket: str, nbytes: int, *, unit: str, timeout: float) -> SlabView:
@@ -96,7 +120,7 @@ def open_slab(sock_name: str, ticket: str, nbytes: int, *, unit: str, timeout: f
         raise TransportError(f"cannot map the slab of storage unit {unit}: {err}") from None
     finally:
         os.close(fd)
-    return SlabView(unit, nbytes, mm, np.frombuffer(mm, np.uint8), ro)
+    return SlabView(unit, nbytes, mm, np.frombuffer(mm, np.uint8), ro, os.getpid())
 
 
-__all__ = ["SlabView", "open_slab", "populate", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE"]
+__all__ = ["SlabView", "open_slab", "shared_slab", "populate", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE"]

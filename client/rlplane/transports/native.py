@@ -59,7 +59,7 @@ from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.errors import (InvalidArgumentError, MissingDataError, ShapeError, TransportError, UnavailableError,
                             WireFormatError)
 from rlplane.readpool import ReadPool
-from rlplane.shm import SlabView, open_slab
+from rlplane.shm import SlabView, shared_slab
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.streams import DirectStreams
 from rlplane.gather import BIG_RUN as _BIG_RUN
@@ -117,7 +117,7 @@ class NativeTransport(Transport):
         self.down: set[int] = {int(u) for u in hello.get("down", [])}  # units the controller declared lost
         self._cursor = secrets.randbelow(max(1, len(self.units)))
         self.data_path = data_path
-        self.pool = pool if pool is not None else ReadPool()
+        self.pool = pool if pool is not None else ReadPool.shared()
         self._slabs: dict[int, SlabView] = {}  # unit -> its slab, mapped (same host)
         self._views = _ViewPins(self)
         if data_path != "zmq":
@@ -136,8 +136,8 @@ class NativeTransport(Transport):
                 continue
             try:
                 share = self._unit(u).call({"op": "slab"}, timeout=min(self.timeout, 5.0))[0]
-                self._slabs[u] = open_slab(str(share["sock"]), str(share["ticket"]), int(share["bytes"]), unit=name,
-                                           timeout=min(self.timeout, 5.0))
+                self._slabs[u] = shared_slab(str(share["sock"]), str(share["ticket"]), int(share["bytes"]), unit=name,
+                                             timeout=min(self.timeout, 5.0))
             except (TransportError, KeyError, TypeError, ValueError) as err:
                 if required:
                     self.close()
@@ -258,9 +258,7 @@ class NativeTransport(Transport):
         self._views.stop()
         self._pool.close()
         self.streams.close()
-        for view in self._slabs.values():
-            view.close()
-        self._slabs = {}
+        self._slabs = {}  # the mappings go with the last client of this process that holds them
 
     # -- implementation --------------------------------------------------------------
     def _ctrl(self) -> Channel:
@@ -422,21 +420,18 @@ class NativeTransport(Transport):
                     columns[f], array = view
                     views.append(array)
         # A field one zmq unit holds whole is used as it arrives (the received frame, no copy).
-        whole = {f for f in fields if f not in columns and len(entries_of[f]) == 1 and entries_of[f][0][0] not in self._slabs}
+        whole = {f for f in fields if f not in columns and len(entries_of[f]) == 1
+                 and not self._mapped(*entries_of[f][0])}
         out = {f: self.pool.take(int(starts[f][-1])) for f in fields if f not in columns and f not in whole}
         dtypes: dict[str, set[str]] = {f: set() for f in out}
         sent = []
         for u, entries in loc["units"]:
-            mine = [e for e in entries if e[0] not in columns]
-            if not mine:
-                continue
-            if u in self._slabs:
-                for e in mine:
-                    if len(e) < 6:
-                        raise WireFormatError("the controller located rows in a mapped slab without their addresses",
-                                              field=e[0])
+            for e in entries:  # rows in a mapped slab: copied out here, no message
+                if e[0] not in columns and self._mapped(u, e):
                     self._copy_out(self._slabs[u], e, out[e[0]], starts[e[0]], row_bytes[e[0]])
                     dtypes[e[0]].add(str(e[5]))
+            mine = [e for e in entries if e[0] not in columns and not self._mapped(u, e)]
+            if not mine:
                 continue
             ch = self._unit(u)
             sinks = {}
@@ -462,6 +457,11 @@ class NativeTransport(Transport):
             else:
                 columns[f] = _assemble(f, parts[f], n, out[f], row_bytes[f], dtypes[f])
         return columns, views
+
+    def _mapped(self, u: int, entry: list[Any]) -> bool:
+        """Whether ``entry``'s rows are read out of unit ``u``'s mapped slab (the controller
+        sent their addresses); else over ZMQ."""
+        return u in self._slabs and len(entry) >= 6
 
     def _view(self, entries: list[tuple[int, list[Any]]], n: int, row_bytes: np.ndarray
               ) -> tuple[Column, np.ndarray] | None:

@@ -405,7 +405,7 @@ class ControllerCore(StreamOps):
                 for u in np.unique(unit_of).tolist():
                     pos = np.flatnonzero(unit_of == u)
                     entry = [name, ints(blk[pos]), ints(rows[pos]), ints(pos)]
-                    if u in local:
+                    if u in local and self._extents_known(blk[pos], u):  # else the client reads them over ZMQ
                         entry += self._addresses(name, u, blk[pos], fi.off[slots[pos]])
                     per_unit.setdefault(u, []).append(entry)
                 geoms[name] = fi.geom[slots].tolist()
@@ -448,6 +448,9 @@ class ControllerCore(StreamOps):
                 if u in local and u in self._block_ext.get(b, ({}, {}))[1]:
                     return u
         return units[0]
+
+    def _extents_known(self, blocks: np.ndarray, u: int) -> bool:
+        return all(u in self._block_ext.get(b, ({}, {}))[1] for b in np.unique(blocks).tolist())
 
     def _addresses(self, name: str, u: int, blocks: np.ndarray, off: np.ndarray) -> list[Any]:
         """``[slab address of each row, dtype]`` of field ``name``'s rows (in ``blocks``) on unit ``u``."""

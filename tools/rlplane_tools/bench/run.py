@@ -38,7 +38,11 @@ SWEEP_WORKLOAD = "vlm-step"
 #: The HTTP proxy moves ~0.1-0.2 GB/s (DESIGN.md): at B=256 it alone would take minutes. Mooncake
 #: DataProto's writer holds its batch three times (as given, converted, in its segment): at B=256
 #: (~700 MB stored) that and the other rows ran a 24 GiB host out of memory.
-SWEEP_PATHS = tuple(p for p in PATHS if p not in ("rlplane-http", "mooncake-dataproto"))
+#: The native engine's zmq row and rlplane on Mooncake sit out too: each rlplane path's client
+#: keeps its encode buffers (~700 MB at B=256), the units' slabs are pre-faulted, and with
+#: them the sweep ran the 24 GiB host out of memory.
+SWEEP_PATHS = tuple(p for p in PATHS if p not in ("rlplane-http", "mooncake-dataproto", "rlplane-native-zmq",
+                                                   "rlplane-mooncake"))
 WRITERS_PATH = "rlplane-native"
 #: text-scale: the text fields at S=1024 over growing B, through these paths (cost per sample).
 SCALE_WORKLOAD = "text-scale"
@@ -136,8 +140,9 @@ def run_bench(
         from rlplane_service.quiet import stages
 
         with stages(console, "starting the embedded service") as say:
-            # 2 GiB slabs: the B=256 sweep puts ~700 MB in one local block
-            service = EmbeddedService(ServiceSettings(port=free_port(), unit_bytes=2 << 30), say=say)
+            # 1 GiB slabs (pre-faulted): the B=256 sweep puts ~700 MB in one local block; bigger
+            # slabs, with the peers' own memory, ran the 24 GiB host out of memory
+            service = EmbeddedService(ServiceSettings(port=free_port(), unit_bytes=1 << 30), say=say)
             service.start()
         url, token = service.url, service.settings.token()
     try:

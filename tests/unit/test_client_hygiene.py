@@ -1,0 +1,172 @@
+"""Clients give back what they open: dropped without close(), by the hundred, across a
+fork, inside an event loop; a closed client says so; running out of descriptors is a
+typed error (the native engine in one process, no Ray)."""
+
+import asyncio
+import gc
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane.transports.native import NativeTransport
+from rlplane_service.native.controller import ControllerCore
+from rlplane_service.native.server import Server
+from rlplane_service.native.unit import UnitCore
+
+SECRET = b"hygiene-secret"
+#: The suite runs this many connect/put/read/drop cycles; the issue's 10,000 run the same
+#: loop with RLPLANE_HYGIENE_CYCLES=10000.
+CYCLES = int(os.environ.get("RLPLANE_HYGIENE_CYCLES", "1000"))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    cores = [UnitCore(f"u{i}", 32 << 20) for i in range(2)]
+    units = [Server(c, secret=SECRET, name=f"u{i}").start() for i, c in enumerate(cores)]
+    core = ControllerCore([(f"u{i}", u.endpoint) for i, u in enumerate(units)], secret=SECRET, lease_s=30)
+    ctrl = Server(core, secret=SECRET, name="controller").start()
+    yield {"controller": ctrl.endpoint, "secret": SECRET.decode()}
+    ctrl.stop()
+    core.stop()
+    for u, c in zip(units, cores):
+        u.stop()
+        c.stop()
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def batch(k: int = 0) -> dict:
+    return {"input_ids": torch.arange(32).reshape(4, 8) + k, "input_lengths": torch.full((4,), 8)}
+
+
+def cycle(engine, k: int, path: str) -> None:
+    client = Client(default_registry(), NativeTransport(engine, timeout=30, data_path=path))
+    meta = client.put_samples(f"h{k}", batch(k))
+    assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], batch(k)["input_ids"])
+    client.clear(meta.partition)
+    # dropped here without close(): what it opened must go with it
+
+
+def test_clients_dropped_without_close_leave_no_descriptor_behind(engine):
+    for k in range(20):  # warm up: the process's ZMQ context and its threads exist from here on
+        cycle(engine, k, "shm")
+    start = fds()
+    for k in range(CYCLES):
+        cycle(engine, k, "shm" if k % 2 else "zmq")
+    assert fds() <= start + 20, f"{fds() - start} descriptors more after {CYCLES} dropped clients"
+
+
+def test_a_hundred_clients_cost_about_the_descriptors_of_one(engine):
+    gc.collect()
+    base = fds()
+    one = Client(default_registry(), NativeTransport(engine, timeout=30, data_path="shm"))
+    one.put_samples("one", batch())
+    per_client = fds() - base
+    clients = [Client(default_registry(), NativeTransport(engine, timeout=30, data_path="shm")) for _ in range(100)]
+    for k, c in enumerate(clients):
+        c.read_columns(c.put_samples(f"many{k}", batch(k)), ["input_ids"])
+    held = fds() - base
+    # the same store in one thread: one channel per endpoint and one mapping per slab, shared
+    assert held <= 2 * per_client + 16, (held, per_client)
+    for c in clients:
+        c.close()
+    one.clear("one")
+    one.close()
+
+
+def test_closing_is_idempotent_and_a_closed_client_says_so(engine):
+    client = Client(default_registry(), NativeTransport(engine, timeout=30))
+    meta = client.put_samples("closed", batch())
+    client.close()
+    client.close()
+    with pytest.raises(E.TransportError, match="closed client"):
+        client.read_columns(meta, ["input_ids"])
+    with pytest.raises(E.TransportError, match="closed"):
+        client.transport.clear("closed")
+    other = Client(default_registry(), NativeTransport(engine, timeout=30))  # others of the process are unaffected
+    assert other.clear("closed") == 4
+    other.close()
+
+
+def _child_uses_parents_client(client: Client, q) -> None:
+    try:
+        meta = client.put_samples("forked-child", batch(7))
+        got = client.read_columns(meta, ["input_ids"])["input_ids"]
+        q.put("ok" if torch.equal(got, batch(7)["input_ids"]) else "wrong bytes")
+    except E.RlplaneError as err:  # a typed error is allowed; a shared socket is not
+        q.put(f"typed {type(err).__name__}")
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        q.put(f"untyped {type(err).__name__}: {err}")
+
+
+def test_a_forked_child_gets_its_own_connections_and_the_parent_keeps_working(engine):
+    client = Client(default_registry(), NativeTransport(engine, timeout=30))
+    meta = client.put_samples("forked-parent", batch(1))
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_child_uses_parents_client, args=(client, q))
+    child.start()
+    try:
+        answer = q.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+    assert answer == "ok" or answer.startswith("typed"), answer
+    assert child.exitcode == 0
+    for _ in range(3):  # the parent's sockets were never touched by the child
+        assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], batch(1)["input_ids"])
+    client.clear("forked-parent")
+    client.clear("forked-child")
+    client.close()
+
+
+def test_an_async_client_dropped_inside_a_running_loop_gives_its_sockets_back(engine):
+    async def use(k: int) -> None:
+        client = Client(default_registry(), NativeTransport(engine, timeout=30))
+        meta = await client.aput_samples(f"async{k}", batch(k))
+        await client.aread_columns(meta, ["input_ids"])
+        await client.aclear(meta.partition)
+
+    async def many() -> None:
+        for k in range(50):
+            await use(k)
+
+    asyncio.run(many())  # warm up the executor's threads
+    start = fds()
+    asyncio.run(many())
+    assert fds() <= start + 20
+
+
+RUN_OUT = textwrap.dedent("""
+    import resource, sys
+    from rlplane import errors as E
+    from rlplane.channel import Channel
+    resource.setrlimit(resource.RLIMIT_NOFILE, (96, 96))
+    held = []
+    try:
+        for k in range(500):
+            held.append(Channel(sys.argv[1], f"c{k}"))
+    except E.TransportError as err:
+        print("typed:", err)
+        sys.exit(0)
+    except Exception as err:
+        print("untyped:", type(err).__name__, err)
+        sys.exit(1)
+    print("never ran out")
+    sys.exit(1)
+""")
+
+
+def test_running_out_of_descriptors_is_a_typed_error_that_says_so(engine):
+    res = subprocess.run([sys.executable, "-c", RUN_OUT, engine["controller"]], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "out of file descriptors" in res.stdout and "holds" in res.stdout and "close" in res.stdout

@@ -16,8 +16,11 @@ the server a single message.
 
 Not thread-safe: :class:`ChannelPool` gives each thread its own channels.
 
-A channel dropped without :meth:`Channel.close` closes its sockets when it is garbage
-(a finalizer), so a client that is never closed leaks no descriptor. All channels of a
+A channel dropped without :meth:`Channel.close` has its sockets closed once it is
+garbage, so a client that is never closed leaks no descriptor. Its finalizer only hands
+the sockets to a reaper (a finalizer may run in any thread, even inside one of ZMQ's own
+I/O threads, where closing a socket would deadlock the context): the next channel made
+in this process, or the reaper thread within a second, closes them. All channels of a
 process share one ZMQ context; a forked child gets a context and channels of its own on
 first use (it never touches its parent's sockets). Running out of descriptors is a
 TransportError that says how many the process holds.
@@ -91,9 +94,39 @@ def _no_descriptors(err: zmq.ZMQError, what: str) -> TransportError:
                           f"one client per process ({err})")
 
 
+_graveyard: list[tuple[zmq.Socket, zmq.Socket, int]] = []  # sockets of dropped channels, to close
+_graveyard_lock = threading.Lock()
+_reaper: threading.Thread | None = None
+
+
+def _bury(sock: zmq.Socket, monitor: zmq.Socket, pid: int) -> None:
+    """A dropped channel's finalizer: queue its sockets for :func:`reap` (no ZMQ call here)."""
+    global _reaper
+    with _graveyard_lock:
+        _graveyard.append((sock, monitor, pid))
+        if _reaper is None or not _reaper.is_alive() or _reaper.ident is None:
+            _reaper = threading.Thread(target=_reap_loop, name="rlplane-socket-reaper", daemon=True)
+            _reaper.start()
+
+
+def reap() -> None:
+    """Close the sockets of channels that were dropped (from an ordinary thread)."""
+    with _graveyard_lock:
+        dead = _graveyard[:]
+        del _graveyard[:]
+    for sock, monitor, pid in dead:
+        _close_sockets(sock, monitor, pid)
+
+
+def _reap_loop() -> None:
+    while True:
+        time.sleep(0.5)
+        reap()
+
+
 def _close_sockets(sock: zmq.Socket, monitor: zmq.Socket, pid: int) -> None:
-    """Close a channel's sockets (its finalizer, and :meth:`Channel.close`); in a forked
-    child the parent's sockets are left alone (closing them there is undefined)."""
+    """Close a channel's sockets; in a forked child the parent's sockets are left alone
+    (closing them there is undefined)."""
     if pid != os.getpid():
         return
     try:
@@ -111,6 +144,7 @@ class Channel:
                  context: zmq.Context | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
         self.endpoint, self.name = endpoint, name
         self.connect_timeout = connect_timeout
+        reap()
         ctx = context or _context()
         try:
             self._sock = ctx.socket(zmq.DEALER)
@@ -132,7 +166,7 @@ class Channel:
             if err.errno in (errno.EMFILE, errno.ENFILE):
                 raise _no_descriptors(err, f"{name} at {endpoint}") from None
             raise
-        self._finalizer = weakref.finalize(self, _close_sockets, self._sock, self._monitor, os.getpid())
+        self._finalizer = weakref.finalize(self, _bury, self._sock, self._monitor, os.getpid())
         self._created = time.monotonic()
         self._up = False
         self._pending: set[int] = set()
@@ -255,7 +289,8 @@ class Channel:
         if self.closed:
             return
         self.closed = True
-        self._finalizer()
+        if self._finalizer.detach() is not None:
+            _close_sockets(self._sock, self._monitor, os.getpid())
 
 
 #: Per thread: (endpoint, secret) -> the channel every pool of this thread shares (weakly held).

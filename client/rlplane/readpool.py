@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 import weakref
@@ -38,6 +39,9 @@ class ReadPool:
         self.min_bytes = min_bytes  # smaller requests get plain numpy memory (malloc reuses those itself)
         self._idle: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        # Buffers given back by finalizers, which may run in any thread at any time (even
+        # inside take()): a deque append is all they do; take() files them under the lock.
+        self._returned: collections.deque[mmap.mmap] = collections.deque()
         self.reused = 0
         self.fresh = 0
 
@@ -46,6 +50,7 @@ class ReadPool:
         if nbytes < self.min_bytes:
             return np.empty(nbytes, np.uint8)
         with self._lock:
+            self._file_returned()
             fit = [m for m in self._idle if nbytes <= len(m) <= 2 * nbytes + _ROUND]
             mm = min(fit, key=len) if fit else None
             if mm is not None:
@@ -62,22 +67,30 @@ class ReadPool:
     @property
     def idle_bytes(self) -> int:
         with self._lock:
+            self._file_returned()
             return sum(len(m) for m in self._idle)
 
     def _give_back(self, mm: mmap.mmap) -> None:
-        with self._lock:
-            self._idle.append(mm)
-            self._idle.sort(key=len, reverse=True)
-            total = 0
-            keep = []
-            for m in self._idle:  # the biggest first: they are the costly ones to fault in again
-                if total + len(m) <= self.max_bytes:
-                    keep.append(m)
-                    total += len(m)
-            self._idle = keep
+        self._returned.append(mm)
+
+    def _file_returned(self) -> None:
+        """Move given-back buffers to the idle list, keeping at most ``max_bytes`` (under the lock)."""
+        if not self._returned:
+            return
+        while self._returned:
+            self._idle.append(self._returned.popleft())
+        self._idle.sort(key=len, reverse=True)
+        total = 0
+        keep = []
+        for m in self._idle:  # the biggest first: they are the costly ones to fault in again
+            if total + len(m) <= self.max_bytes:
+                keep.append(m)
+                total += len(m)
+        self._idle = keep
 
     def clear(self) -> None:
         with self._lock:
+            self._returned.clear()
             self._idle = []
 
     @classmethod

@@ -59,7 +59,7 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     ctl = data["controller"]
     assert [r["op"] for r in ctl["rows"]] == ["put_samples", "claim+ack", "read_columns"] and ctl["processes"] == 2
     assert all(r["ops"] > 0 and r["ops_per_s"] > 0 for r in ctl["rows"])
-    assert len(data["targets"]) == 23 and all(t["met"] in (True, False) for t in data["targets"])
+    assert len(data["targets"]) == 29 and all(t["met"] in (True, False) for t in data["targets"])
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]
     assert png.read_bytes()[:8] == PNG

@@ -40,7 +40,8 @@ def test_rows_round_trip_with_their_checksums_and_a_wrong_checksum_names_the_row
     # row looks like to the reader): stored as given, refused on read, the row named.
     q = part()
     enc = encode(client.registry, work.fields, work.lengths, sample_ids=ids)
-    enc.tags[2][SUM_TAG]["advantages"] ^= 1
+    enc.tags[2][SUM_TAG]["advantages"] ^= 1  # where the tq backends take it from
+    enc.columns["advantages"].sums[2] ^= 1  # where the native path takes it from (the column's digests)
     client.transport.put(q, ids, enc.columns, enc.tags, create=True)
     bad = SampleMeta(q, ids, meta.lengths, meta.fields, enc.tags)
     with pytest.raises(E.IntegrityError) as err:

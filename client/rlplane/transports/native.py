@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import logging
 import secrets
 import socket
@@ -653,11 +654,14 @@ class _Sent:
 
 class _ViewPins:
     """The pins of zero-copy reads whose views are alive: renewed in the background while
-    any view lives, unpinned when the last view of a read is garbage-collected."""
+    any view lives, unpinned when the last view of a read is garbage-collected. The
+    finalizers only queue the pin (they may run in any thread, even one of ZMQ's); this
+    transport's pin thread sends the unpins and renewals."""
 
     def __init__(self, transport: NativeTransport) -> None:
         self._transport = weakref.ref(transport)
         self._live: dict[str, int] = {}  # pin -> views of it still alive
+        self._gone: collections.deque[str] = collections.deque()  # one entry per view collected
         self._lease = 60.0
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -669,38 +673,43 @@ class _ViewPins:
             self._live[pin] = len(views)
             self._lease = lease_s
             if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._renew_loop, name="rlplane-view-pins", daemon=True)
+                self._thread = threading.Thread(target=self._loop, name="rlplane-view-pins", daemon=True)
                 self._thread.start()
         for v in views:
             weakref.finalize(v, self._dropped, pin)
 
     def _dropped(self, pin: str) -> None:
-        with self._lock:
-            left = self._live.get(pin, 0) - 1
-            if left > 0:
-                self._live[pin] = left
-                return
-            self._live.pop(pin, None)
-        transport = self._transport()
-        if transport is not None and not self._stopped:
-            try:
-                transport._ctrl().post({"op": "unpin", "pin": pin})
-            except Exception:  # noqa: BLE001 - from a finalizer: the pin lapses on its own
-                pass
+        self._gone.append(pin)
+        self._wake.set()
 
-    def _renew_loop(self) -> None:
+    def _loop(self) -> None:
+        renew_at = time.monotonic() + self._lease / 3
         while not self._stopped:
-            self._wake.wait(max(1.0, self._lease / 3))
-            with self._lock:
-                pins = list(self._live)
+            self._wake.wait(max(0.05, min(1.0, renew_at - time.monotonic())))
+            self._wake.clear()
             transport = self._transport()
             if transport is None or self._stopped:
                 return
-            if pins:
-                try:
+            done = []
+            with self._lock:
+                while self._gone:
+                    pin = self._gone.popleft()
+                    left = self._live.get(pin, 0) - 1
+                    if left > 0:
+                        self._live[pin] = left
+                    elif self._live.pop(pin, None) is not None:
+                        done.append(pin)
+                pins = list(self._live)
+            try:
+                for pin in done:
+                    transport._ctrl().post({"op": "unpin", "pin": pin})
+                if pins and time.monotonic() >= renew_at:
                     transport._ctrl().call({"op": "renew", "pins": pins}, timeout=min(10.0, self._lease / 3))
-                except Exception as err:  # noqa: BLE001 - retried next round; a lapsed pin is logged by the controller
-                    log.warning("could not renew %d zero-copy read pins: %s", len(pins), err)
+            except Exception as err:  # noqa: BLE001 - retried next round; a lapsed pin is logged by the controller
+                log.warning("could not unpin or renew zero-copy read pins: %s", err)
+            if time.monotonic() >= renew_at:
+                renew_at = time.monotonic() + self._lease / 3
+            del transport
 
     def stop(self) -> None:
         self._stopped = True

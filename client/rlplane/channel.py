@@ -167,6 +167,7 @@ class Channel:
                 raise _no_descriptors(err, f"{name} at {endpoint}") from None
             raise
         self._finalizer = weakref.finalize(self, _bury, self._sock, self._monitor, os.getpid())
+        self._finalizer.atexit = False  # at exit the process's sockets go with it
         self._created = time.monotonic()
         self._up = False
         self._pending: set[int] = set()

@@ -34,7 +34,9 @@ Example::
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
+import operator
 import os
 import threading
 import time
@@ -61,6 +63,10 @@ _HEARTBEAT_TIMEOUT_MS = 4000
 _AUTH_FAILED = {getattr(zmq, n) for n in ("EVENT_HANDSHAKE_FAILED_AUTH", "EVENT_HANDSHAKE_FAILED_PROTOCOL",
                                           "EVENT_HANDSHAKE_FAILED_NO_DETAIL")}
 _rids = itertools.count(1)
+#: The socket events a channel acts on. Only these: a socket retrying a dead peer emits
+#: connect events every reconnect interval, and a monitor pipe nobody drains (an idle
+#: channel) must not fill up with them.
+_MONITORED = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | functools.reduce(operator.or_, _AUTH_FAILED)
 #: ZMQ I/O threads of a client process: one per storage unit read in parallel, up to this.
 IO_THREADS = 4
 _ctx_lock = threading.Lock()
@@ -160,7 +166,8 @@ class Channel:
             self._sock.plain_username = PLAIN_USER
             self._sock.plain_password = secret
         try:  # a unique address: pyzmq's default names it after the fd, which a dropped socket may still hold
-            self._monitor = self._sock.get_monitor_socket(addr=f"inproc://rlplane-monitor-{uuid.uuid4().hex}")
+            self._monitor = self._sock.get_monitor_socket(events=_MONITORED,
+                                                          addr=f"inproc://rlplane-monitor-{uuid.uuid4().hex}")
         except zmq.ZMQError as err:
             self._sock.close(linger=0)
             if err.errno in (errno.EMFILE, errno.ENFILE):
@@ -294,16 +301,13 @@ class Channel:
             _close_sockets(self._sock, self._monitor, os.getpid())
 
 
-#: Per thread: (endpoint, secret) -> the channel every pool of this thread shares (weakly held).
-_shared = threading.local()
-
-
 class ChannelPool:
-    """Per-thread channels to named endpoints, shared by every pool of the process: in one
-    thread, all clients of the same store use one channel per endpoint (a hundred clients
-    cost the sockets of one). A pool holds its channels; a channel closes when no pool
-    holds it any more (closed, or garbage), or when it failed, and is replaced on next
-    use. A forked child starts with no channels (its parent's are never used there)."""
+    """Per-thread channels to named endpoints; a channel that failed is replaced on next
+    use, and the channels of threads that have ended are closed when a new one is made
+    (a client used from short-lived threads keeps one set of sockets per live thread).
+    ``close()`` closes them all; a pool dropped without it has its channels closed once
+    they are garbage (see :class:`Channel`). A forked child starts with no channels (its
+    parent's are never used there)."""
 
     def __init__(self, secret: bytes | None = None) -> None:
         self.secret = secret
@@ -325,10 +329,13 @@ class ChannelPool:
             chans = self._local.chans = {}
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
-            ch = chans[endpoint] = _shared_channel(endpoint, name, self.secret)
-            with self._lock:  # the channels of threads that ended go with their thread
+            ch = chans[endpoint] = Channel(endpoint, name, secret=self.secret)
+            with self._lock:
+                ended = [c for t, c in self._all if not t.is_alive()]
                 self._all = [(t, c) for t, c in self._all if t.is_alive() and not c.closed]
                 self._all.append((threading.current_thread(), ch))
+            for c in ended:  # its thread is gone: nobody else uses its sockets
+                c.close()
         return ch
 
     def __len__(self) -> int:
@@ -336,29 +343,14 @@ class ChannelPool:
             return sum(1 for _, c in self._all if not c.closed)
 
     def close(self) -> None:
-        """Let go of this pool's channels (each closes unless another pool still uses it)."""
         self.closed = True
         with self._lock:
-            self._all = []
+            chans, self._all = self._all, []
         self._local = threading.local()
-
-
-def _shared_channel(endpoint: str, name: str, secret: bytes | None) -> Channel:
-    """This thread's live channel to ``endpoint`` with ``secret``, or a new one."""
-    table = getattr(_shared, "table", None)
-    if table is None or getattr(_shared, "pid", None) != os.getpid():
-        table = _shared.table = {}
-        _shared.pid = os.getpid()
-    key = (endpoint, secret)
-    ref = table.get(key)
-    ch = ref() if ref is not None else None
-    if ch is None or ch.closed:
-        ch = Channel(endpoint, name, secret=secret)
-        table[key] = weakref.ref(ch)
-        if len(table) > 256:  # forget dead entries now and then
-            for k in [k for k, r in table.items() if r() is None]:
-                del table[k]
-    return ch
+        if self._pid != os.getpid():
+            return
+        for _, ch in chans:
+            ch.close()
 
 
 async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: bytes | None,

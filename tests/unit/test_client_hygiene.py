@@ -63,7 +63,10 @@ def test_clients_dropped_without_close_leave_no_descriptor_behind(engine):
     start = fds()
     for k in range(CYCLES):
         cycle(engine, k, "shm" if k % 2 else "zmq")
-    assert fds() <= start + 20, f"{fds() - start} descriptors more after {CYCLES} dropped clients"
+    deadline = time.monotonic() + 10  # the last clients' sockets go with the reaper (0.5 s) and ZMQ's own
+    while fds() > start + 20:
+        assert time.monotonic() < deadline, f"{fds() - start} descriptors more after {CYCLES} dropped clients"
+        time.sleep(0.1)
 
 
 def test_a_hundred_live_clients_share_the_slab_mappings_and_give_everything_back_on_close(engine):

@@ -31,8 +31,16 @@ from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.errors import WireFormatError
 
 VERSION = 1
-#: Largest header frame a peer accepts (ids and tags of a big batch fit easily).
-MAX_HEADER_BYTES = 256 << 20
+#: Largest header frame a peer accepts: the ids, geometry and tags of a put of ~500,000
+#: samples fit (a commit of 4,096 is ~130 kB). Decoded, a header costs at most ~20x its
+#: size (a hostile one of short strings), about what one put's bulk frames cost.
+MAX_HEADER_BYTES = 16 << 20
+#: A header over SMALL_HEADER_BYTES may hold at most MAX_CONTAINERS lists and maps: an
+#: empty one is one byte on the wire and ~60 in memory, so without a count one message
+#: could make a peer allocate 60x its size. (Smaller headers are decoded without the count.)
+SMALL_HEADER_BYTES, MAX_CONTAINERS = 1 << 20, 2 << 20
+#: Longest string and bytes value, and most items of one list or map, in a header.
+MAX_STR_LEN, MAX_BIN_LEN, MAX_ITEMS = 1 << 20, MAX_HEADER_BYTES, 4 << 20
 
 _NP_BY_TORCH = {
     torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
@@ -80,6 +88,9 @@ def pack_message(header: Mapping[str, Any], columns: Mapping[str, Column | RawCo
         frames += [raw(col.values), raw(col.offsets)]
     frames += list(buffers)
     frames[0] = msgpack.packb({**header, "v": VERSION, "c": layout, "nbuf": len(buffers)}, use_bin_type=True)
+    if len(frames[0]) > MAX_HEADER_BYTES:
+        raise WireFormatError(f"a {header.get('op', 'message')!s} header of {len(frames[0])} bytes is over the engine's "
+                              f"limit of {MAX_HEADER_BYTES}: split the batch into smaller calls")
     return frames
 
 
@@ -88,13 +99,35 @@ def unpack_header(frame: Any) -> dict[str, Any]:
     view = memoryview(frame)
     if view.nbytes > MAX_HEADER_BYTES:
         raise WireFormatError(f"message header of {view.nbytes} bytes is over the limit of {MAX_HEADER_BYTES}")
+    hooks = _counting_hooks() if view.nbytes > SMALL_HEADER_BYTES else {}
     try:
-        header = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as err:
+        header = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_STR_LEN,
+                                 max_bin_len=MAX_BIN_LEN, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS,
+                                 max_ext_len=0, **hooks)
+    except _TooMany:
+        raise WireFormatError(f"message header holds more than {MAX_CONTAINERS} lists and maps") from None
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as err:
         raise WireFormatError(f"message header is not msgpack ({type(err).__name__})") from None
     if not isinstance(header, dict) or header.get("v") != VERSION:
         raise WireFormatError(f"not an rlplane engine message of version {VERSION}")
     return header
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _counting_hooks() -> dict[str, Any]:
+    """msgpack hooks that raise once a header has decoded MAX_CONTAINERS lists and maps."""
+    left = [MAX_CONTAINERS]
+
+    def count(x: Any) -> Any:
+        left[0] -= 1
+        if left[0] < 0:
+            raise _TooMany
+        return x
+
+    return {"list_hook": count, "object_hook": count}
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import uuid
 import weakref
@@ -36,6 +35,7 @@ from rlplane.gcpause import gc_paused
 from rlplane.integrity import check_sums
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest
 from rlplane.meta import SampleMeta
+from rlplane.names import check_partition
 from rlplane.opstats import OpStats
 from rlplane.scratch import Scratch
 from rlplane.transports.base import Transport
@@ -425,7 +425,6 @@ class Client:
         return lengths
 
 
-_PARTITION = re.compile(r"[A-Za-z0-9_.:@=+\-]{1,200}")
 
 
 def _release(transport: Transport, service: Any) -> None:
@@ -435,15 +434,6 @@ def _release(transport: Transport, service: Any) -> None:
     finally:
         if service is not None:
             service.close()
-
-
-def check_partition(partition: str) -> None:
-    """InvalidArgumentError unless ``partition`` is a legal partition name (the client and
-    the service check the same rule). Example: ``check_partition("step-0")``."""
-    if not isinstance(partition, str) or not _PARTITION.fullmatch(partition):
-        raise InvalidArgumentError(
-            f"partition name {partition!r} must be 1-200 characters of letters, digits and _ . : @ = + -"
-        )
 
 
 def _new_ids(n: int) -> list[str]:

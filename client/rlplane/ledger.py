@@ -22,7 +22,8 @@ Example::
 
 from __future__ import annotations
 
-import itertools
+import math
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -30,6 +31,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from rlplane import errors as E
+from rlplane.names import MAX_NAME_LEN
 from rlplane.tags import merge_tags
 
 UNSEEN, LEASED, ACKED, EXPIRED = 0, 1, 2, 3
@@ -87,19 +89,17 @@ class ClaimRequest:
 
     @classmethod
     def parse(cls, h: Mapping[str, Any]) -> ClaimRequest:
-        """Checked request from a header; InvalidArgumentError/WireFormatError names what is wrong."""
-        try:
-            p, task = h["p"], h["task"]
-            n = h["n"]
-            fields = h.get("fields") or []
-            if not (isinstance(p, str) and p and isinstance(task, str) and task and isinstance(fields, list)
-                    and all(isinstance(f, str) for f in fields)):
-                raise E.WireFormatError("claim needs partition 'p', 'task' and a list of 'fields'")
-            req = cls(p, task, int(n), tuple(fields), float(h.get("wait") or 0.0), int(h.get("min") or n),
-                      _opt(h.get("group"), str), _opt(h.get("version"), int), _opt(h.get("stale"), int),
-                      _opt(h.get("lease_s"), float))
-        except (KeyError, TypeError, ValueError) as err:
-            raise E.WireFormatError(f"malformed claim request ({err})") from None
+        """Checked request from a header; InvalidArgumentError/WireFormatError names what is wrong.
+        Numbers must be numbers (a string such as ``"nan"`` is refused) and finite."""
+        p, task, fields = h.get("p"), h.get("task"), h.get("fields") or []
+        if not (isinstance(p, str) and p and isinstance(task, str) and task and isinstance(fields, list)
+                and all(isinstance(f, str) for f in fields)):
+            raise E.WireFormatError("claim needs partition 'p', 'task' and a list of 'fields'")
+        n = _num(h.get("n"), int, "n")
+        req = cls(p, task, n, tuple(fields), _num(h.get("wait") or 0.0, float, "wait"),
+                  _num(h.get("min") or n, int, "min"), _opt(h.get("group"), str, "group"),
+                  _opt(h.get("version"), int, "version"), _opt(h.get("stale"), int, "stale"),
+                  _opt(h.get("lease_s"), float, "lease_s"))
         req.check()
         return req
 
@@ -117,12 +117,31 @@ class ClaimRequest:
             raise E.InvalidArgumentError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.lease_s is not None and not 0 < self.lease_s <= 86400:
             raise E.InvalidArgumentError(f"lease_s must be in (0, 86400], got {self.lease_s}")
-        if self.wait_s < 0:
-            raise E.InvalidArgumentError(f"timeout must be >= 0, got {self.wait_s}")
+        if not 0 <= self.wait_s <= 86400:
+            raise E.InvalidArgumentError(f"timeout must be in [0, 86400] seconds, got {self.wait_s}")
+        if len(self.fields) > 1024 or len(self.partition) > MAX_NAME_LEN or len(self.task) > MAX_NAME_LEN:
+            raise E.InvalidArgumentError(f"partition and task names are at most {MAX_NAME_LEN} characters, and a "
+                                         "claim names at most 1024 fields")
 
 
-def _opt(x: Any, kind: type) -> Any:
-    return None if x is None else kind(x)
+def _num(x: Any, kind: type, what: str) -> Any:
+    """``x`` as an int (``kind=int``: an int of at most 63 bits) or a finite float; WireFormatError otherwise."""
+    ok = isinstance(x, int) and not isinstance(x, bool) and -(1 << 63) <= x < 1 << 63
+    if kind is float:
+        ok = (ok or isinstance(x, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if not ok:
+        raise E.WireFormatError(f"claim field {what!r} must be a finite {kind.__name__}, got {str(x)[:40]!r}")
+    return kind(x)
+
+
+def _opt(x: Any, kind: type, what: str) -> Any:
+    if x is None:
+        return None
+    if kind is str:
+        if not isinstance(x, str) or len(x) > 256:
+            raise E.WireFormatError(f"claim field {what!r} must be a string of at most 256 characters")
+        return x
+    return _num(x, kind, what)
 
 
 @dataclass
@@ -225,10 +244,17 @@ class Ledger:
         self.lease_s = lease_s
         self._parts: dict[str, PartState] = {}
         self._leases: dict[int, Lease] = {}
-        self._ids = itertools.count(1)
         self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
         self.wait_sum = 0.0
         self.dirty = False  # something a parked claim may be waiting for happened
+
+    def _new_lease_id(self) -> int:
+        """A lease id nobody can guess: 63 bits from the OS's CSPRNG (and bound to its
+        partition and task, which an ack must name too)."""
+        while True:
+            lid = secrets.randbits(63)
+            if lid and lid not in self._leases:
+                return lid
 
     # -- claiming --------------------------------------------------------------------
     def claim(self, req: ClaimRequest, *, final: bool, now: float | None = None) -> dict[str, Any] | None:
@@ -260,7 +286,7 @@ class Ledger:
         else:
             take, full = self._whole_groups(ps, req, cand)
         if full or (final and take.size >= req.min_batch):
-            lid = next(self._ids)
+            lid = self._new_lease_id()
             ts.state[take] = LEASED
             ts.lease[take] = lid
         unseen = np.flatnonzero(ts.state[lo:n] == UNSEEN)

@@ -62,14 +62,14 @@ class DirectStreams:
     def reserve(self, partition: str, ids: Sequence[str]) -> int:
         """Take new ids before writing them (TransferQueue-based stores): DuplicateSampleError
         when any is stored or being written by another put. Returns the reservation."""
-        return int(self._call({"op": "reserve", "p": partition, "ids": [str(s) for s in ids]})["res"])
+        return str(self._call({"op": "reserve", "p": partition, "ids": [str(s) for s in ids]})["res"])
 
-    def abort(self, reservation: int) -> None:
+    def abort(self, reservation: str) -> None:
         """Give up a reservation (the write failed)."""
         self._call({"op": "abort", "res": reservation})
 
     def record(self, partition: str, ids: Sequence[str], fields: Sequence[str], tags: Sequence[Mapping[str, Any]], *,
-               create: bool, reservation: int | None = None) -> None:
+               create: bool, reservation: str | None = None) -> None:
         """Tell a ledger that keeps its own index what a put stored (TransferQueue-based
         stores); it ends the put's ``reservation``."""
         self._call({"op": "record", "p": partition, "ids": list(ids), "fields": list(fields),

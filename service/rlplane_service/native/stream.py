@@ -14,13 +14,14 @@ Example::
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import threading
 import time
 from typing import Any
 
 from rlplane import errors as E
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest, Ledger, SimpleIndexes
+from rlplane.names import MAX_ID_LEN, check_partition, check_task
 from rlplane_service.native.server import Park
 
 
@@ -32,7 +33,7 @@ class StreamOps:
 
     def op_claim(self, header: dict, columns: dict, extra: list) -> Any:
         req = ClaimRequest.parse(header)
-        t0 = float(header.get("_t0") or time.monotonic())
+        t0 = float(header.get("_t0") or time.monotonic())  # set by the server, never by a client
         final = bool(header.get("_final")) or req.wait_s <= 0
         with self._lock:
             out = self.ledger.claim(req, final=final)
@@ -53,8 +54,8 @@ class StreamOps:
 
     def op_consumption(self, header: dict, columns: dict, extra: list) -> Any:
         p, task = header.get("p"), header.get("task")
-        if not isinstance(p, str) or not isinstance(task, str):
-            raise E.WireFormatError("consumption needs partition 'p' and 'task'")
+        check_partition(p)
+        check_task(task)
         with self._lock:
             return self.ledger.consumption(p, task), {}, []
 
@@ -72,8 +73,8 @@ class StreamOps:
 
 def _lease_args(header: dict) -> tuple[str, str, int, list[str] | None]:
     p, task, lease, ids = header.get("p"), header.get("task"), header.get("lease"), header.get("ids")
-    if not (isinstance(p, str) and isinstance(task, str) and isinstance(lease, int)
-            and (ids is None or (isinstance(ids, list) and all(isinstance(s, str) for s in ids)))):
+    if not (isinstance(p, str) and isinstance(task, str) and isinstance(lease, int) and not isinstance(lease, bool)
+            and (ids is None or _strs(ids))):
         raise E.WireFormatError("ack/nack needs 'p', 'task', an int 'lease' and optionally 'ids'")
     return p, task, lease, ids
 
@@ -94,16 +95,16 @@ class LedgerCore(StreamOps):
         self.ledger = Ledger(self.indexes.get, lease_s=lease_s)
         self._lock = threading.RLock()
         self.put_lease_s = put_lease_s
-        self._held: dict[int, tuple[str, list[str], float]] = {}  # reservation -> (partition, ids, deadline)
-        self._rids = itertools.count(1)
+        self._held: dict[str, tuple[str, list[str], float]] = {}  # reservation -> (partition, ids, deadline)
         self.lost: dict[str, dict[str, str]] = {}  # partition -> {sample id: the storage unit it was lost with}
         self.lost_units: set[str] = set()
         self.lost_samples = 0  # since the store started, like the native controller's count
 
     def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
         p, ids = header.get("p"), header.get("ids")
-        if not (isinstance(p, str) and p and _strs(ids)):
-            raise E.WireFormatError("reserve needs 'p' and 'ids'")
+        check_partition(p)
+        if not _strs(ids) or len(set(ids)) != len(ids):
+            raise E.WireFormatError("reserve needs 'p' and distinct 'ids'")
         with self._lock:
             now = time.monotonic()
             for rid in [r for r, (_, _, deadline) in self._held.items() if deadline <= now]:
@@ -116,7 +117,7 @@ class LedgerCore(StreamOps):
                 if pending:
                     err.args = (f"{err} ({len(pending)} of them are being written by another put right now)",)
                 raise err
-            rid = next(self._rids)
+            rid = secrets.token_hex(12)
             self._held[rid] = (p, list(ids), now + self.put_lease_s)
         return {"res": rid}, {}, []
 
@@ -185,7 +186,7 @@ class LedgerCore(StreamOps):
 
 
 def _strs(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(s, str) for s in x)
+    return isinstance(x, list) and all(isinstance(s, str) and 0 < len(s) <= MAX_ID_LEN for s in x)
 
 
 def stream_actor_class() -> Any:

@@ -168,6 +168,11 @@ class AuthenticationError(RlplaneError, PermissionError):
     """The service wants ``Authorization: Bearer <token>`` and got none or a wrong one."""
 
 
+class ForbiddenError(RlplaneError, PermissionError):
+    """The caller is authenticated but may not do this (an operation for the controller
+    only, or a partition outside the token's scope)."""
+
+
 class PayloadTooLargeError(InvalidArgumentError):
     """One HTTP request body is over the service's limit. Nothing was written."""
 
@@ -244,8 +249,10 @@ __all__ = [
     "LeaseError",
     "IntegrityError",
     "AuthenticationError",
+    "ForbiddenError",
     "PayloadTooLargeError",
     "error_payload",
+    "ERROR_NAMES",
     "error_from_payload",
     "lost_hint",
 ]
@@ -257,6 +264,8 @@ _BY_NAME: dict[str, type[RlplaneError]] = {
         RlplaneError, RegistryError, InvalidArgumentError, UnknownStageError, FieldValidationError,
         UnregisteredFieldError, ContainerError, DtypeError, ShapeError, WireFormatError,
         MissingDataError, DuplicateSampleError, TransportError, UnavailableError, StorageFullError,
-        NotReadyError, LeaseError, IntegrityError, AuthenticationError, PayloadTooLargeError,
+        NotReadyError, LeaseError, IntegrityError, AuthenticationError, ForbiddenError, PayloadTooLargeError,
     )
 }
+#: The class names a peer may report an error under (anything else is not an rlplane error).
+ERROR_NAMES = frozenset(_BY_NAME)

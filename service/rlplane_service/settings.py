@@ -67,6 +67,12 @@ class ServiceSettings(BaseSettings):
         60.0, gt=0, le=3600,
         description="native: how long a put's reserved ids wait for its commit; a writer that dies frees them after this.",
     )
+    unit_grace_s: float = Field(
+        60.0, gt=0, le=86400,
+        description="native: how long a storage unit that does not answer stays 'suspect' (its data kept, reads and "
+        "writes going to other units) before it is declared lost, unless Ray reports its actor dead first. Longer "
+        "than a live process stalls (a big GC, swapping, a debugger).",
+    )
     claim_lease_s: float = Field(
         300.0, gt=0, le=86400,
         description="How long a claim's samples stay leased to its consumer without an ack; then they go back to the "

@@ -17,9 +17,7 @@ import torch
 from rlplane import Client, default_registry
 from rlplane import errors as E
 from rlplane.transports.native import NativeTransport
-from rlplane_service.native.controller import ControllerCore
-from rlplane_service.native.server import Server
-from rlplane_service.native.unit import UnitCore
+from rlplane_service.native.local import LocalEngine
 
 SECRET = b"hygiene-secret"
 #: The suite runs this many connect/put/read/drop cycles; the issue's 10,000 run the same
@@ -29,16 +27,8 @@ CYCLES = int(os.environ.get("RLPLANE_HYGIENE_CYCLES", "1000"))
 
 @pytest.fixture(scope="module")
 def engine():
-    cores = [UnitCore(f"u{i}", 32 << 20) for i in range(2)]
-    units = [Server(c, secret=SECRET, name=f"u{i}").start() for i, c in enumerate(cores)]
-    core = ControllerCore([(f"u{i}", u.endpoint) for i, u in enumerate(units)], secret=SECRET, lease_s=30)
-    ctrl = Server(core, secret=SECRET, name="controller").start()
-    yield {"controller": ctrl.endpoint, "secret": SECRET.decode()}
-    ctrl.stop()
-    core.stop()
-    for u, c in zip(units, cores):
-        u.stop()
-        c.stop()
+    with LocalEngine(2, secret=SECRET, slab_bytes=32 << 20, lease_s=30) as eng:
+        yield dict(eng.info)
 
 
 def fds() -> int:

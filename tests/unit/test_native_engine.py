@@ -14,23 +14,15 @@ from rlplane.transports.native import NativeTransport
 from rlplane.testing.verify import diff_fields
 from rlplane.wire import RawColumn, int_array, ints, pack_message, unpack_message
 from rlplane.testing.workloads import vlm_step
-from rlplane_service.native.controller import ControllerCore
-from rlplane_service.native.server import Server
-from rlplane_service.native.unit import UnitCore
+from rlplane_service.native.local import LocalEngine
 
 SECRET = b"unit-test-secret"
 
 
 @pytest.fixture(scope="module")
 def engine():
-    units = [Server(UnitCore(f"u{i}"), secret=SECRET, name=f"u{i}").start() for i in range(3)]
-    core = ControllerCore([(f"u{i}", u.endpoint) for i, u in enumerate(units)], secret=SECRET, lease_s=30)
-    ctrl = Server(core, secret=SECRET, name="controller").start()
-    yield {"controller": ctrl.endpoint, "secret": SECRET.decode(), "core": core, "units": units}
-    ctrl.stop()
-    core.stop()
-    for u in units:
-        u.stop()
+    with LocalEngine(3, secret=SECRET, lease_s=30) as eng:
+        yield {"controller": eng.server.endpoint, "secret": SECRET.decode(), "core": eng.core, "units": eng.units}
 
 
 @pytest.fixture(params=["shm", "zmq"])

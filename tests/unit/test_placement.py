@@ -8,9 +8,7 @@ import torch
 from rlplane import Client, default_registry
 from rlplane.placement import spread
 from rlplane.transports.native import NativeTransport
-from rlplane_service.native.controller import ControllerCore
-from rlplane_service.native.server import Server
-from rlplane_service.native.unit import UnitCore
+from rlplane_service.native.local import LocalEngine
 
 SECRET = b"placement-test-secret"
 
@@ -26,16 +24,15 @@ def test_spread_prefers_hosts_without_a_copy_and_falls_back_to_distinct_units():
 def test_copies_land_on_two_hosts_and_a_lost_copy_is_remade_on_the_host_without_one():
     """Units on 127.0.0.1 and 127.0.0.2 (both loopback) stand for two nodes."""
     hosts = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
-    units = [Server(UnitCore(f"u{i}"), host=h, secret=SECRET, name=f"u{i}").start() for i, h in enumerate(hosts)]
-    core = ControllerCore([(f"u{i}", u.endpoint) for i, u in enumerate(units)], secret=SECRET, replicas=2)
-    ctrl = Server(core, secret=SECRET, name="controller").start()
-    client = Client(default_registry(), NativeTransport({"controller": ctrl.endpoint, "secret": SECRET.decode()}, timeout=30))
+    eng = LocalEngine(4, secret=SECRET, hosts=hosts, replicas=2)
+    core = eng.core
+    client = Client(default_registry(), NativeTransport(eng.info, timeout=30))
     try:
         fields = [{"input_ids": torch.arange(k, k + 64).reshape(8, 8), "input_lengths": torch.full((8,), 8)} for k in range(8)]
         metas = [client.put_samples(f"p{k}", f) for k, f in enumerate(fields)]
         placed = dict(core._block_units)
         assert placed and all({hosts[u] for u in us} == set(hosts[1:3]) for us in placed.values()), placed
-        units[2].stop()  # a 127.0.0.2 unit dies: its copies are made again on the other one there
+        eng.kill_unit(2)  # a 127.0.0.2 unit dies: its copies are made again on the other one there
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and (not core._lost_units or core.stats()["under_replicated_samples"]):
             time.sleep(0.1)
@@ -46,7 +43,4 @@ def test_copies_land_on_two_hosts_and_a_lost_copy_is_remade_on_the_host_without_
             assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], f["input_ids"])
     finally:
         client.close()
-        ctrl.stop()
-        core.stop()
-        for u in units:
-            u.stop()
+        eng.stop()

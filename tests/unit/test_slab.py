@@ -20,9 +20,7 @@ from rlplane.shm import open_slab
 from rlplane.testing.verify import diff_fields
 from rlplane.testing.workloads import vlm_step
 from rlplane.transports.native import NativeTransport
-from rlplane_service.native.controller import ControllerCore
-from rlplane_service.native.server import Server
-from rlplane_service.native.unit import UnitCore
+from rlplane_service.native.local import LocalEngine
 
 SECRET = b"slab-test-secret"
 SLAB = 64 << 20
@@ -30,18 +28,8 @@ SLAB = 64 << 20
 
 @pytest.fixture(scope="module")
 def engine():
-    cores = [UnitCore(f"u{i}", SLAB) for i in range(2)]
-    units = [Server(c, secret=SECRET, name=f"u{i}").start() for i, c in enumerate(cores)]
-    core = ControllerCore([(f"u{i}", u.endpoint) for i, u in enumerate(units)], secret=SECRET, lease_s=30,
-                          replicas=2)
-    ctrl = Server(core, secret=SECRET, name="controller").start()
-    yield {"info": {"controller": ctrl.endpoint, "secret": SECRET.decode()}, "core": core, "cores": cores,
-           "units": units}
-    ctrl.stop()
-    core.stop()
-    for u, c in zip(units, cores):
-        u.stop()
-        c.stop()
+    with LocalEngine(2, secret=SECRET, slab_bytes=SLAB, lease_s=30, replicas=2) as eng:
+        yield {"info": eng.info, "core": eng.core, "cores": eng.cores, "units": eng.units}
 
 
 def connect(engine, path: str, registry: Registry | None = None) -> Client:

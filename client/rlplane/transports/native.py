@@ -75,6 +75,8 @@ _ENVELOPE_KEYS = {"ok", "rid", "v", "c", "nbuf"}
 CHUNK_BYTES = 8 << 20
 #: How long an abort of a failed put may take before the reservation is left to lapse.
 _ABORT_TIMEOUT_S = 5.0
+#: How often a client that places around down or suspect units asks which they are now.
+_DOWN_REFRESH_S = 5.0
 #: The data paths a client may ask for (see the module docstring).
 DATA_PATHS = ("auto", "shm", "zmq")
 #: Copies of at least this many bytes go through torch (several threads); smaller through numpy.
@@ -115,7 +117,9 @@ class NativeTransport(Transport):
         hello = self._ctrl().call({"op": "hello"}, timeout=min(timeout, 10.0))[0]
         self.units: list[tuple[str, str]] = [(str(n), str(e)) for n, e in hello["units"]]
         self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
-        self.down: set[int] = {int(u) for u in hello.get("down", [])}  # units the controller declared lost
+        # Units the controller declared lost, or suspects (it does not answer): puts go around them.
+        self.down: set[int] = {int(u) for u in hello.get("down", [])} | {int(u) for u in hello.get("suspect", [])}
+        self._down_at = time.monotonic()
         self._cursor = secrets.randbelow(max(1, len(self.units)))
         self.data_path = data_path
         self.pool = pool if pool is not None else ReadPool.shared()
@@ -277,8 +281,9 @@ class NativeTransport(Transport):
         index = next((k for k, (name, _) in enumerate(self.units) if name == err.component), None)
         if index is None:
             return False
-        down = self._ctrl().call({"op": "unit_down", "u": index}, timeout=min(self.timeout, 30.0))[0]["down"]
-        self.down = {int(u) for u in down}
+        reply = self._ctrl().call({"op": "unit_down", "u": index}, timeout=min(self.timeout, 30.0))[0]
+        self.down = {int(u) for u in reply["down"]} | {int(u) for u in reply.get("suspect", [])}
+        self._down_at = time.monotonic()
         return index in self.down
 
     def _left(self, deadline: float) -> float:
@@ -291,6 +296,10 @@ class NativeTransport(Transport):
         """Blocks for ``n`` rows: one unit per block, split over units when the put is big
         (so the shares move in parallel); fresh random ids; units taken in turn. With a
         unit mapped here, one block whose first copy is local (a put is then a memcpy)."""
+        if self.down and time.monotonic() - self._down_at > _DOWN_REFRESH_S:  # a suspect unit may answer again
+            self._down_at = time.monotonic()
+            hello = self._ctrl().call({"op": "hello"}, timeout=min(self.timeout, 10.0))[0]
+            self.down = {int(u) for u in hello.get("down", [])} | {int(u) for u in hello.get("suspect", [])}
         live = [u for u in range(len(self.units)) if u not in self.down]
         if not live:
             raise UnavailableError("every storage unit of the store is lost; the service needs a restart",
@@ -364,13 +373,15 @@ class NativeTransport(Transport):
             _copy(view.u8[start : start + n], c.values.view(torch.uint8).numpy())
 
     def _drop_blocks(self, blocks: list[list[Any]]) -> None:
-        """After a refused reservation (the writes have landed): free what they stored."""
-        for bid, units, _, _ in blocks:
-            for u in units:
-                try:
-                    self._unit(u).call({"op": "free", "b": ints([bid])}, timeout=_ABORT_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 - best effort; the unit may be gone
-                    pass
+        """After a refused reservation (the writes have landed): the controller frees what
+        they stored (only it may free blocks on a unit)."""
+        if not blocks:
+            return
+        try:
+            self._ctrl().call({"op": "discard", "blocks": [[bid, units] for bid, units, _, _ in blocks]},
+                              timeout=_ABORT_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - best effort; the store may be going away
+            pass
 
     def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool
              ) -> tuple[dict[str, Column], list[dict[str, Any]]]:

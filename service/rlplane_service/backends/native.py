@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,16 +67,18 @@ class NativeStore:
         host = settings.native_host or None
         ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
         Unit, Controller = unit_actor_class(), controller_actor_class()
+        control = secrets.token_hex(32)  # the controller's own credential on the units; no client ever sees it
         units = {
             f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **_unit_options(settings, common))
-            .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes)
+            .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control)
             for i in range(settings.storage_units)
         }
         try:
             unit_infos = ray.get([u.info.remote() for u in units.values()], timeout=_START_TIMEOUT_S)
             controller = Controller.options(name=f"{prefix}-native-controller", **common).remote(
                 host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
-                settings.put_lease_s, settings.replicas, settings.claim_lease_s)
+                settings.put_lease_s, settings.replicas, settings.claim_lease_s,
+                [i["control"] for i in unit_infos], control, settings.unit_grace_s)
             cinfo = ray.get(controller.info.remote(), timeout=_START_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as err:
             raise TransportError(f"the native store's actors did not start: {err}") from err
@@ -108,15 +111,23 @@ class NativeStore:
         return ray.get(self.controller.streams.remote(), timeout=timeout)
 
     def health(self, timeout: float = 2.0) -> dict[str, bool]:
-        """Per component: ``controller`` and each storage unit by name."""
-        refs = {"controller": self.controller.info.remote(), **{n: u.info.remote() for n, u in self.units.items()}}
+        """Per component: ``controller`` and each storage unit by name (False when it does
+        not answer); plus ``<component> <loop>`` False for a server or background loop of
+        one that died (the component answers Ray but no longer does that part of its work)."""
+        refs = {"controller": self.controller.health.remote(), **{n: u.health.remote() for n, u in self.units.items()}}
         out = {}
         for name, ref in refs.items():
             try:
-                ray.get(ref, timeout=timeout)
+                got = ray.get(ref, timeout=timeout)
                 out[name] = True
             except (ray.exceptions.RayError, TimeoutError):
                 out[name] = False
+                continue
+            if not got.get("server", {}).get("alive", True):
+                out[f"{name} server loop"] = False
+            for loop, alive in got.get("threads", {}).items():
+                if not alive:
+                    out[f"{name} {loop}"] = False
         return out
 
     def alive(self, timeout: float = 2.0) -> bool:

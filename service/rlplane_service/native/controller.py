@@ -31,12 +31,23 @@ their memory until the rest goes (``stats`` reports those bytes as ``retained_by
 
 Replicas and loss: a put may place each block on ``replicas`` distinct units
 (RLPLANE_REPLICAS); reads go to the first live copy. The controller pings every unit
-each second; a unit whose connection drops (or that misses pings) is *lost*: its blocks
+each second. A unit that misses a ping, whose connection drops, or that a client reports
+unreachable is *suspect*: reads prefer its blocks' other copies and writers place
+around it, but it keeps its data, and once it answers again it is a unit like the
+others. It is *lost* only when the host says its process is dead (``is_dead``: the
+service asks Ray whether the actor died) or it stayed suspect for ``grace_s``
+(RLPLANE_UNIT_GRACE_S). A lost unit's blocks
 keep their other copies (``under_replicated_samples`` counts what now has fewer than
 ``replicas``), and samples that had their only copy there leave the index (listings,
 counts, claims) while a read of them raises MissingDataError naming the unit. The
 controller then re-replicates: it copies each short block from a live copy to a live
 unit that lacks it, so with R=2 and a spare unit the store survives the next loss too.
+
+Every value a request carries is checked before use (names and ids bounded, ids and
+fields unique, block ids fresh 63-bit ints, a commit only into the partition it
+reserved in); handles (reservations, pins, leases) are random. No request and no
+failure of a background loop stops the controller: ``health()`` names a loop that
+died anyway.
 
 Example::
 
@@ -52,13 +63,14 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
 from rlplane.ledger import Ledger, grown
+from rlplane.names import MAX_ID_LEN, MAX_NAME_LEN, check_partition
 from rlplane.placement import spread
 from rlplane.tags import WIRE_TAG
 from rlplane.wire import int_array, ints
@@ -67,9 +79,18 @@ from rlplane_service.native.stream import StreamOps
 log = logging.getLogger(__name__)
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
-#: The controller pings every storage unit this often; a unit whose connection dropped,
-#: or that missed LOST_AFTER pings in a row (each waiting CHECK_TIMEOUT_S), is lost.
-WATCH_EVERY_S, CHECK_TIMEOUT_S, LOST_AFTER = 1.0, 3.0, 2
+#: The controller pings every storage unit this often, each ping waiting CHECK_TIMEOUT_S.
+WATCH_EVERY_S, CHECK_TIMEOUT_S = 1.0, 3.0
+#: A unit suspect this long is declared lost (unless it answers again first): longer
+#: than a live process stalls (a full collection of a big heap, a swap storm, a stop by
+#: a debugger), short enough that claims do not wait on a dead host for long.
+UNIT_GRACE_S = 60.0
+#: How long a client's report that a unit is unreachable waits for the unit's answer.
+REPORT_TIMEOUT_S = 1.0
+#: How often the controller asks the units for blocks it does not know (orphans: their
+#: writer died between writing and reserving, or wrote outside any put), and how much
+#: older than a put's lease such a block must be before it is freed.
+SWEEP_EVERY_S, ORPHAN_MARGIN_S = 30.0, 60.0
 #: A block copy (re-replication) from one unit to another gives up after this long.
 REPAIR_TIMEOUT_S = 60.0
 #: How long a read's pin holds its blocks without being renewed (longer than a read's
@@ -187,6 +208,7 @@ class Partition:
 class Reservation:
     rid: str
     partition: str
+    part: Partition  # the partition it reserved in (one cleared and made again meanwhile is another)
     slots: np.ndarray
     create: bool
     fields: list[str]
@@ -200,8 +222,17 @@ class ControllerCore(StreamOps):
 
     def __init__(self, units: Sequence[tuple[str, str]], *, secret: bytes | None = None, capacity: int | None = None,
                  lease_s: float = 60.0, replicas: int = 1, claim_lease_s: float = 300.0,
-                 pin_lease_s: float = PIN_LEASE_S) -> None:
+                 pin_lease_s: float = PIN_LEASE_S, control: Sequence[str] | None = None,
+                 control_secret: bytes | None = None, grace_s: float = UNIT_GRACE_S,
+                 is_dead: Callable[[int], bool] | None = None) -> None:
+        """``units``: (name, data endpoint) of each storage unit; ``control``: their control
+        endpoints (served with ``control_secret``), where the controller sends what only it
+        may (free, block copies); without them it uses the data endpoints. ``is_dead(u)``:
+        True once unit ``u``'s process is known dead (see the module docstring)."""
         self.units = list(units)
+        self.grace_s = grace_s
+        self.is_dead = is_dead
+        self._control = list(control) if control is not None else [e for _, e in self.units]
         self.capacity = capacity
         self.lease_s = lease_s
         self.replicas = max(1, min(replicas, len(self.units)))
@@ -221,42 +252,66 @@ class ControllerCore(StreamOps):
         self._cursor = 0
         self._lock = threading.RLock()
         self.ledger = Ledger(self._parts.get, lease_s=claim_lease_s)
-        self._pool = ChannelPool(secret)
+        self._pool = ChannelPool(control_secret if control is not None else secret)
         self._frees: queue.Queue[tuple[int, list[int]] | None] = queue.Queue()
         self._stop = threading.Event()
         self._lost_units: dict[int, str] = {}  # unit index -> why it was declared lost
+        self._suspect: dict[int, tuple[float, str]] = {}  # unit index -> (suspect since, why)
         self._lost_samples = 0
-        self._threads = [threading.Thread(target=self._reap, name="rlplane-reaper", daemon=True),
-                         threading.Thread(target=self._free_loop, name="rlplane-free", daemon=True),
-                         threading.Thread(target=self._watch, name="rlplane-watch", daemon=True),
-                         threading.Thread(target=self._repair_loop, name="rlplane-repair", daemon=True)]
+        self.loop_errors: dict[str, int] = {}  # background loop -> iterations that failed (and were survived)
+        self.orphans_freed = 0  # blocks freed on units because nothing referred to them
+        self._threads = [threading.Thread(target=self._run, args=(name, every, body), name=f"rlplane-{name}", daemon=True)
+                         for name, every, body in (("reaper", 0.5, self._reap), ("free", 0.0, self._free_some),
+                                                   ("watch", WATCH_EVERY_S, self._watch),
+                                                   ("repair", WATCH_EVERY_S, self._repair_round),
+                                                   ("sweep", SWEEP_EVERY_S, self._sweep))]
         for t in self._threads:
             t.start()
+
+    def _run(self, name: str, every: float, body: Callable[[], None]) -> None:
+        """A background loop: ``body`` every ``every`` seconds until stop; an error in one
+        round is logged and counted, and the loop goes on."""
+        while not self._stop.wait(every):
+            try:
+                body()
+            except Exception:  # noqa: BLE001 - a loop that dies would leave the store without it
+                self.loop_errors[name] = self.loop_errors.get(name, 0) + 1
+                log.exception("controller loop %s failed a round; it goes on", name)
+
+    def health(self) -> dict[str, Any]:
+        """Each background loop: running or not (a dead one makes /readyz name it), and
+        how many rounds failed."""
+        return {"threads": {t.name: t.is_alive() for t in self._threads}, "loop_errors": dict(self.loop_errors)}
 
     # -- puts ----------------------------------------------------------------------------
     def op_hello(self, header: dict, columns: dict, extra: list) -> Any:
         """The topology a client needs to place its blocks: the storage units, how many
         copies of a block to write, and the reservation lease."""
         return {"units": [list(u) for u in self.units], "lease_s": self.lease_s, "replicas": self.replicas,
-                "down": sorted(self._lost_units)}, {}, []
+                "down": sorted(self._lost_units), "suspect": sorted(self._suspect)}, {}, []
 
     def op_unit_down(self, header: dict, columns: dict, extra: list) -> Any:
-        """A client could not reach unit ``u``: ping it now; if it does not answer, it is
-        lost (its only copies go, see :meth:`_lose_unit`). Answers the lost units."""
+        """A client could not reach unit ``u``: ping it now (REPORT_TIMEOUT_S); if it does
+        not answer it is suspect (never lost on a client's word, see the module docstring).
+        Answers the lost units (``down``) and the suspect ones."""
         u = header.get("u")
-        if not isinstance(u, int) or not 0 <= u < len(self.units):
+        if not isinstance(u, int) or isinstance(u, bool) or not 0 <= u < len(self.units):
             raise E.WireFormatError(f"unit_down needs a unit index 'u' below {len(self.units)}")
         if u not in self._lost_units:
             try:
-                self._ping(u)
+                self._ping(u, timeout=REPORT_TIMEOUT_S)
+                self._answers(u)
             except E.RlplaneError as err:
-                self._lose_unit(u, str(err))
-        return {"down": sorted(self._lost_units)}, {}, []
+                self._suspected(u, f"a client could not reach it, nor could the controller: {err}")
+        return {"down": sorted(self._lost_units), "suspect": sorted(self._suspect)}, {}, []
 
     def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
-        p, ids = _partition(header), _strs(header.get("ids"), "ids")
-        create, fields = bool(header.get("create")), _strs(header.get("fields"), "fields")
+        p, ids = _partition(header), _ids(header.get("ids"))
+        create, fields = header.get("create") is True, _fields(header.get("fields"))
         blocks = self._blocks_of(header.get("blocks"), len(ids))
+        taken = [b for b, _, _, _ in blocks if b in self._block_units or b in self._deferred]
+        if taken:  # checked before anything is taken, so a refused reserve holds nothing
+            raise E.WireFormatError(f"block id(s) {taken[:3]} are already in use; a client must draw fresh ones")
         on_lost = sorted({u for _, units, _, _ in blocks for u in units} & self._lost_units.keys())
         if on_lost:
             name = self.units[on_lost[0]][0]
@@ -281,22 +336,23 @@ class ControllerCore(StreamOps):
                 slots = part.take(ids)
             else:
                 slots = self._slots(p, part, ids)
-            taken = [b for b, _, _, _ in blocks if b in self._block_units]
-            if taken:
-                raise E.WireFormatError(f"block id(s) {taken[:3]} are already in use; a client must draw fresh ones")
             for b, units, _, _ in blocks:
                 self._block_units[b] = units
                 self._block_refs[b] = 0
-            res = Reservation(secrets.token_hex(12), p, slots, create, fields, blocks, time.monotonic() + self.lease_s)
+            res = Reservation(secrets.token_hex(12), p, part, slots, create, fields, blocks,  # type: ignore[arg-type]
+                              time.monotonic() + self.lease_s)
             self._res[res.rid] = res
         return {"res": res.rid, "lease_s": self.lease_s}, {}, []
 
     def op_commit(self, header: dict, columns: dict, extra: list) -> Any:
         geoms, user, sizes, sums = header.get("g"), header.get("user"), header.get("nb"), header.get("h") or {}
-        if not isinstance(geoms, dict) or not isinstance(sizes, dict):
+        if not isinstance(geoms, dict) or not isinstance(sizes, dict) or not isinstance(sums, dict):
             raise E.WireFormatError("commit needs 'g' (geometry per field) and 'nb' (row bytes per field)")
+        if user is not None and not (isinstance(user, list) and all(t is None or isinstance(t, dict) for t in user)):
+            raise E.WireFormatError("commit 'user' must be one tag map per sample")
+        rid = header.get("res")
         with self._lock:
-            res = self._res.get(header.get("res"))  # type: ignore[arg-type]
+            res = self._res.get(rid) if isinstance(rid, str) else None
             if res is None:
                 raise E.LeaseError("this put's reservation expired before it committed (the put took longer than "
                                    f"the service's lease of {self.lease_s:.0f} s, RLPLANE_PUT_LEASE_S); nothing was "
@@ -306,7 +362,11 @@ class ControllerCore(StreamOps):
                 raise E.WireFormatError("commit must describe exactly the reserved fields")
             if res.create and (not isinstance(user, list) or len(user) != n):
                 raise E.WireFormatError("commit of new samples needs 'user': one tag map per sample")
-            part = self._parts[res.partition]
+            part = res.part
+            if self._parts.get(res.partition) is not part:
+                self._abort(res)
+                raise E.MissingDataError(res.partition, {}, hint="the partition was cleared while this write was in "
+                                         "flight; nothing of the write was stored")
             if any(b not in self._block_units for b, _, _, _ in res.blocks):
                 self._abort(res)
                 raise E.UnavailableError("a storage unit holding this put's only copy was lost before the commit; "
@@ -364,11 +424,33 @@ class ControllerCore(StreamOps):
         return {"committed": n}, {}, []
 
     def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
+        rid = header.get("res")
         with self._lock:
-            res = self._res.get(header.get("res"))  # type: ignore[arg-type]
+            res = self._res.get(rid) if isinstance(rid, str) else None
             if res is not None:
                 self._abort(res)
         return {"aborted": res is not None}, {}, []
+
+    def op_discard(self, header: dict, columns: dict, extra: list) -> Any:
+        """A writer whose reserve was refused asks for the blocks it sent to be freed:
+        ``blocks`` = ``[[block id, [units]], ...]``. Only blocks the index does not know
+        are freed (a block of a reservation or of a sample is never touched this way)."""
+        given = header.get("blocks")
+        if not isinstance(given, list) or len(given) > 4096:
+            raise E.WireFormatError("discard needs 'blocks': [[block id, [units]], ...]")
+        freed = 0
+        with self._lock:
+            for entry in given:
+                if not (isinstance(entry, list) and len(entry) == 2 and _block_id_ok(entry[0])
+                        and isinstance(entry[1], list) and len(entry[1]) <= len(self.units)
+                        and all(isinstance(u, int) and 0 <= u < len(self.units) for u in entry[1])):
+                    raise E.WireFormatError(f"bad discard entry {str(entry)[:80]}")
+                b = entry[0]
+                if b in self._block_units or b in self._deferred:
+                    continue
+                self._queue_frees(b, tuple(set(entry[1])))
+                freed += 1
+        return {"discarded": freed}, {}, []
 
     # -- reads ---------------------------------------------------------------------------
     def op_locate(self, header: dict, columns: dict, extra: list) -> Any:
@@ -376,9 +458,9 @@ class ControllerCore(StreamOps):
         positions in the request]`` plus, for units in ``shm`` (slabs the client mapped),
         each row's slab address and the field's dtype. The blocks named are pinned
         (``pin`` in the answer) until the client unpins them or the pin's lease passes."""
-        p, ids, fields = _partition(header), _strs(header.get("ids"), "ids"), _strs(header.get("fields"), "fields")
+        p, ids, fields = _partition(header), _ids(header.get("ids"), unique=False), _fields(header.get("fields"))
         shm = header.get("shm") or []
-        if not isinstance(shm, list) or not all(isinstance(u, int) for u in shm):
+        if not isinstance(shm, list) or len(shm) > len(self.units) or not all(isinstance(u, int) for u in shm):
             raise E.WireFormatError("'shm' must list unit indices")
         local = {u for u in shm if 0 <= u < len(self.units)}
         with self._lock:
@@ -441,8 +523,11 @@ class ControllerCore(StreamOps):
         return {"gone": gone}, {}, []
 
     def _copy_for(self, b: int, local: set[int]) -> int:
-        """The copy of block ``b`` a read uses: one on a unit the client mapped, if any."""
+        """The copy of block ``b`` a read uses: one on a unit the client mapped, if any; a
+        copy on a suspect unit only when there is no other."""
         units = self._block_units[b]
+        if self._suspect and len(units) > 1:
+            units = tuple(u for u in units if u not in self._suspect) or units
         if local:
             for u in units:
                 if u in local and u in self._block_ext.get(b, ({}, {}))[1]:
@@ -507,6 +592,8 @@ class ControllerCore(StreamOps):
     def op_clear(self, header: dict, columns: dict, extra: list) -> Any:
         p = _partition(header)
         ids = header.get("ids")
+        if ids is not None:
+            ids = _ids(ids, unique=False)
         with self._lock:
             part = self._parts.get(p)
             if part is None:
@@ -514,7 +601,7 @@ class ControllerCore(StreamOps):
             if ids is None:
                 slots = part.committed()
             else:
-                got = [part.ids.get(s, -1) for s in _strs(ids, "ids")]
+                got = [part.ids.get(s, -1) for s in ids]
                 slots = np.asarray([s for s in got if s >= 0], np.int64)
                 slots = slots[part.state[slots] == COMMITTED] if slots.size else slots
             if ids is None:
@@ -569,6 +656,8 @@ class ControllerCore(StreamOps):
                 "units": per_unit,
                 "replicas": self.replicas,
                 "lost_units": sorted(self.units[u][0] for u in self._lost_units),
+                "suspect_units": sorted(self.units[u][0] for u in self._suspect),
+                "orphan_blocks_freed": self.orphans_freed,
                 "lost_samples": self._lost_samples,
                 "under_replicated_samples": self._under_replicated(),
             }
@@ -640,6 +729,7 @@ class ControllerCore(StreamOps):
             if u in self._lost_units:
                 return
             self._lost_units[u] = why
+            self._suspect.pop(u, None)
             gone = []
             for b, units in list(self._block_units.items()):
                 if u in units:
@@ -669,43 +759,86 @@ class ControllerCore(StreamOps):
                   name, why, lost, sum(1 for units in self._block_units.values() if len(units) < self.replicas))
 
     def _watch(self) -> None:
-        """Ping every unit each WATCH_EVERY_S: a dropped connection, or LOST_AFTER timeouts
-        in a row, and it is lost."""
-        misses = [0] * len(self.units)
-        while not self._stop.wait(WATCH_EVERY_S):
-            for u in range(len(self.units)):
-                if u in self._lost_units:
-                    continue
-                try:
-                    self._ping(u)
-                    misses[u] = 0
-                except E.RlplaneError as err:
-                    misses[u] += 1
-                    if getattr(err, "dropped", False) or misses[u] >= LOST_AFTER:
-                        self._lose_unit(u, str(err))
+        """One round of pings: a unit that answers is well; one that does not is suspect,
+        and lost once ``is_dead`` says so or it stayed suspect for ``grace_s``."""
+        for u in range(len(self.units)):
+            if u in self._lost_units or self._stop.is_set():
+                continue
+            try:
+                self._ping(u)
+                self._answers(u)
+            except E.RlplaneError as err:
+                self._suspected(u, str(err))
+            if u in self._suspect:
+                since, why = self._suspect[u]
+                if self._dead(u):
+                    self._lose_unit(u, f"its process is dead ({why})")
+                elif time.monotonic() - since >= self.grace_s:
+                    self._lose_unit(u, f"it did not answer for {self.grace_s:.0f} s (RLPLANE_UNIT_GRACE_S): {why}")
 
-    def _ping(self, u: int) -> None:
-        """Unit ``u`` answers within CHECK_TIMEOUT_S, or a typed error (``dropped`` when its connection went)."""
-        name, endpoint = self.units[u]
-        reply = self._pool.get(endpoint, name).call({"op": "ping"}, timeout=CHECK_TIMEOUT_S)[0]
+    def _dead(self, u: int) -> bool:
+        if self.is_dead is None:
+            return False
+        try:
+            return bool(self.is_dead(u))
+        except Exception as err:  # noqa: BLE001 - a failing oracle says nothing; the grace period decides
+            log.warning("could not tell whether storage unit %s is dead: %s", self.units[u][0], err)
+            return False
+
+    def _suspected(self, u: int, why: str) -> None:
+        with self._lock:
+            if u not in self._suspect and u not in self._lost_units:
+                self._suspect[u] = (time.monotonic(), why)
+                log.warning("storage unit %s is suspect (%s): reads prefer other copies, writes go elsewhere; it is "
+                            "declared lost if its process is dead or after %.0f s", self.units[u][0], why, self.grace_s)
+
+    def _answers(self, u: int) -> None:
+        with self._lock:
+            if self._suspect.pop(u, None) is not None:
+                log.warning("storage unit %s answers again; it keeps its data", self.units[u][0])
+
+    def _ping(self, u: int, timeout: float = CHECK_TIMEOUT_S) -> None:
+        """Unit ``u`` answers within ``timeout``, or a typed error."""
+        name, _ = self.units[u]
+        reply = self._pool.get(self._control[u], name).call({"op": "ping"}, timeout=timeout)[0]
         if isinstance(reply.get("slab"), dict):
             self._unit_slabs[u] = reply["slab"]
 
-    def _repair_loop(self) -> None:
+    def _repair_round(self) -> None:
         """Re-replication: once a unit is lost, copy every committed block that has fewer
         than ``replicas`` copies from a live copy to a live unit that lacks it (the least
         loaded first), one block at a time, until each has its copies or no unit is spare."""
-        while not self._stop.wait(WATCH_EVERY_S):
-            if not self._lost_units:
+        if not self._lost_units:
+            return
+        for b, source, target in self._repairs():
+            if self._stop.is_set() or not self._repair(b, source, target):
+                break  # a unit failed mid-way: plan again next round, from what is true then
+
+    def _sweep(self) -> None:
+        """Free the blocks units hold that the index does not know and that are older than
+        any put still in flight could be (twice the put lease, plus a margin)."""
+        age = max(0.0, 2 * self.lease_s + ORPHAN_MARGIN_S)
+        for u, (name, _) in enumerate(self.units):
+            if u in self._lost_units or u in self._suspect or self._stop.is_set():
                 continue
-            for b, source, target in self._repairs():
-                if self._stop.is_set() or not self._repair(b, source, target):
-                    break  # a unit failed mid-way: plan again next round, from what is true then
+            try:
+                old = int_array(self._pool.get(self._control[u], name).call({"op": "old", "age": age},
+                                                                             timeout=CHECK_TIMEOUT_S)[0].get("b", b""))
+            except E.RlplaneError as err:
+                log.warning("could not list old blocks on %s: %s", name, err)
+                continue
+            with self._lock:
+                orphans = [b for b in old.tolist() if b not in self._block_units and b not in self._deferred]
+            if orphans:
+                log.warning("freeing %d blocks on %s that no sample or put refers to (a writer died mid-put?)",
+                            len(orphans), name)
+                self._frees.put((u, orphans))
+                self.orphans_freed += len(orphans)
 
     def _repairs(self) -> list[tuple[int, int, int]]:
         """(block, a unit holding it, the unit to copy it to) for every block short of copies."""
         with self._lock:
-            live = [u for u in range(len(self.units)) if u not in self._lost_units]
+            live = [u for u in range(len(self.units)) if u not in self._lost_units and u not in self._suspect]
             load = dict.fromkeys(live, 0)
             short = []
             for b, units in self._block_units.items():
@@ -726,7 +859,8 @@ class ControllerCore(StreamOps):
 
     def _repair(self, b: int, source: int, target: int) -> bool:
         """Copy block ``b`` from ``source`` to ``target``; False when either unit failed."""
-        (src, src_at), (dst, dst_at) = self.units[source], self.units[target]
+        (src, _), (dst, _) = self.units[source], self.units[target]
+        src_at, dst_at = self._control[source], self._control[target]
         with self._lock:
             if b not in self._block_units:
                 return True  # freed meanwhile
@@ -790,7 +924,7 @@ class ControllerCore(StreamOps):
             raise E.WireFormatError("reserve needs 'blocks': [[block id, [units], first row, end row], ...]")
         out, at = [], 0
         for entry in given:
-            ok = (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], int) and entry[0] > 0
+            ok = (isinstance(entry, list) and len(entry) == 4 and _block_id_ok(entry[0])
                   and isinstance(entry[1], list) and entry[1] and len(set(entry[1])) == len(entry[1])
                   and all(isinstance(u, int) and 0 <= u < len(self.units) for u in entry[1])
                   and entry[2] == at and isinstance(entry[3], int) and entry[3] > at)
@@ -800,6 +934,8 @@ class ControllerCore(StreamOps):
             at = entry[3]
         if at != n and not (n == 0 and not out):
             raise E.WireFormatError(f"the blocks cover {at} of {n} rows")
+        if len({b for b, _, _, _ in out}) != len(out):
+            raise E.WireFormatError("a put names the same block id twice")
         return out
 
     def _release(self, blocks: np.ndarray, nbytes: np.ndarray) -> None:
@@ -836,13 +972,13 @@ class ControllerCore(StreamOps):
 
     def _abort(self, res: Reservation) -> None:
         self._res.pop(res.rid, None)
-        part = self._parts.get(res.partition)
-        if res.create and part is not None:
+        part = res.part
+        if res.create:
             part.state[res.slots] = FREE
             for name in part.names[res.slots].tolist():
                 part.ids.pop(name, None)
             part.names[res.slots] = None
-            if not part.ids:
+            if not part.ids and not part.lost and self._parts.get(res.partition) is part:
                 del self._parts[res.partition]
         self._drop_blocks([b for b, _, _, _ in res.blocks])
 
@@ -862,26 +998,28 @@ class ControllerCore(StreamOps):
 
     def _reap(self) -> None:
         """Abort reservations whose writer never committed (it died, or hangs)."""
-        while not self._stop.wait(0.5):
-            now = time.monotonic()
-            with self._lock:
-                for res in [r for r in self._res.values() if r.deadline < now]:
-                    log.warning("put into %r of %d samples never committed; its reservation lapsed",
-                                res.partition, res.slots.size)
-                    self._abort(res)
-                self._expire_pins(now)
+        now = time.monotonic()
+        with self._lock:
+            for res in [r for r in self._res.values() if r.deadline < now]:
+                log.warning("put into %r of %d samples never committed; its reservation lapsed",
+                            res.partition, res.slots.size)
+                self._abort(res)
+            self._expire_pins(now)
 
-    def _free_loop(self) -> None:
-        while True:
-            item = self._frees.get()
-            if item is None:
-                return
-            u, bids = item
-            name, endpoint = self.units[u]
-            try:
-                self._pool.get(endpoint, name).call({"op": "free", "b": ints(bids)}, timeout=10.0)
-            except E.RlplaneError as err:
-                log.warning("could not free %d blocks on %s: %s", len(bids), name, err)
+    def _free_some(self) -> None:
+        """Send the frees queued so far (waits up to half a second for one)."""
+        try:
+            item = self._frees.get(timeout=0.5)
+        except queue.Empty:
+            return
+        if item is None:
+            return
+        u, bids = item
+        name = self.units[u][0]
+        try:
+            self._pool.get(self._control[u], name).call({"op": "free", "b": ints(bids)}, timeout=10.0)
+        except E.RlplaneError as err:
+            log.warning("could not free %d blocks on %s: %s", len(bids), name, err)
 
 
 def _extents(given: Any, res: Reservation) -> dict[int, tuple[dict[str, str], dict[int, dict[str, int]]]]:
@@ -914,15 +1052,33 @@ def _extents(given: Any, res: Reservation) -> dict[int, tuple[dict[str, str], di
 
 def _partition(header: dict) -> str:
     p = header.get("p")
-    if not isinstance(p, str) or not p:
-        raise E.WireFormatError("request needs a partition name 'p'")
-    return p
+    check_partition(p)
+    return p  # type: ignore[return-value]
 
 
-def _strs(x: Any, what: str) -> list[str]:
-    if not isinstance(x, list) or not all(isinstance(s, str) for s in x):
-        raise E.WireFormatError(f"'{what}' must be a list of strings")
+def _ids(x: Any, *, unique: bool = True) -> list[str]:
+    """Sample ids from a request: strings of 1-MAX_ID_LEN characters (``unique``: no repeats)."""
+    if not isinstance(x, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_ID_LEN for s in x):
+        raise E.WireFormatError(f"'ids' must be a list of sample ids (strings of 1-{MAX_ID_LEN} characters)")
+    if unique and len(set(x)) != len(x):
+        seen: set[str] = set()
+        twice = [s for s in x if s in seen or seen.add(s)]  # type: ignore[func-returns-value]
+        raise E.InvalidArgumentError(f"a put names sample id(s) {twice[:3]} twice")
     return x
+
+
+def _fields(x: Any) -> list[str]:
+    """Field names from a request: distinct strings of 1-MAX_NAME_LEN characters, at most 1024."""
+    if not isinstance(x, list) or len(x) > 1024 or not all(isinstance(s, str) and 0 < len(s) <= MAX_NAME_LEN for s in x):
+        raise E.WireFormatError(f"'fields' must be a list of at most 1024 field names of 1-{MAX_NAME_LEN} characters")
+    if len(set(x)) != len(x):
+        raise E.InvalidArgumentError(f"a request names a field twice: {sorted(f for f in set(x) if x.count(f) > 1)[:3]}")
+    return x
+
+
+def _block_id_ok(b: Any) -> bool:
+    """A block id is a positive int of at most 63 bits (it travels as int64)."""
+    return isinstance(b, int) and not isinstance(b, bool) and 0 < b < 1 << 63
 
 
 def controller_actor_class() -> Any:
@@ -934,12 +1090,32 @@ def controller_actor_class() -> Any:
         """Hosts a :class:`ControllerCore` and its server thread."""
 
         def __init__(self, host: str | None, secret: str | None, units: list[tuple[str, str]], capacity: int | None,
-                     lease_s: float, replicas: int, claim_lease_s: float = 300.0) -> None:
+                     lease_s: float, replicas: int, claim_lease_s: float = 300.0, control: list[str] | None = None,
+                     control_secret: str | None = None, grace_s: float = UNIT_GRACE_S) -> None:
             from rlplane_service.native.server import Server
 
             key = secret.encode() if secret else None
+            names = [name for name, _ in units]
+            handles: dict[int, Any] = {}
+
+            def is_dead(u: int) -> bool:
+                """Ray's word on unit ``u``: dead once its actor is gone (killed, or its node died);
+                a stopped or busy process only times out, which says nothing."""
+                try:
+                    handle = handles.get(u) or handles.setdefault(u, ray.get_actor(names[u]))
+                    ray.get(handle.info.remote(), timeout=CHECK_TIMEOUT_S)
+                    return False
+                except ValueError:  # no actor of that name any more
+                    return True
+                except ray.exceptions.RayActorError:
+                    return True
+                except ray.exceptions.GetTimeoutError:
+                    return False
+
             self._core = ControllerCore(units, secret=key, capacity=capacity, lease_s=lease_s, replicas=replicas,
-                                        claim_lease_s=claim_lease_s)
+                                        claim_lease_s=claim_lease_s, control=control,
+                                        control_secret=control_secret.encode() if control_secret else None,
+                                        grace_s=grace_s, is_dead=is_dead)
             bind = host or ray.util.get_node_ip_address()
             self._server = Server(self._core, host=bind, secret=key, name="controller").start()
             self._secret = secret
@@ -949,6 +1125,10 @@ def controller_actor_class() -> Any:
 
         def stats(self) -> dict[str, Any]:
             return self._core.stats()
+
+        def health(self) -> dict[str, Any]:
+            """The server loop's and every background loop's state (see :meth:`ControllerCore.health`)."""
+            return {"server": self._server.health(), **self._core.health()}
 
         def streams(self) -> dict[str, Any]:
             with self._core._lock:

@@ -14,7 +14,17 @@ request arrived; keys starting with ``_`` from the network are dropped. A reques
 whose header has ``nr: true`` is one-way: it is handled and never answered.
 
 With a secret, the socket is a ZMQ PLAIN server and a ZAP handler admits only peers
-that present it: unauthenticated peers cannot deliver a single message.
+that present it: unauthenticated peers cannot deliver a single message. With a
+``control_secret`` the server binds a second socket (``control_endpoint``) that admits
+only peers holding that one: the handler's ``CONTROL_OPS`` (a storage unit's ``free``,
+``block``...) are served there and refused on the data socket with ForbiddenError,
+so a data client cannot delete or copy out what the controller manages.
+
+No request can stop the loop: whatever one request raises is answered or logged, a
+parked request's deadline is clamped to a finite time at most ``MAX_PARK_S`` away, at
+most ``MAX_PARKED`` requests wait at once, and ``health()`` says whether the loop
+thread is alive and how many requests failed with a bug (``/readyz`` and ``/metrics``
+show it).
 
 Example::
 
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -45,6 +56,8 @@ log = logging.getLogger(__name__)
 Reply = tuple[dict[str, Any], dict[str, Any], list[Any]]
 #: Largest frame a server accepts (bounds what one message can make it allocate).
 MAX_FRAME_BYTES = 16 << 30
+#: Longest a parked request waits for its final run, and most requests parked at once.
+MAX_PARK_S, MAX_PARKED = 3600.0, 4096
 
 
 class Park(Exception):
@@ -59,29 +72,43 @@ class Server:
     """Serves ``handler.op_<name>`` on a ROUTER socket from one thread (see the module docstring)."""
 
     def __init__(self, handler: Any, *, host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
-                 name: str = "server") -> None:
+                 name: str = "server", control_secret: bytes | None = None, control_port: int = 0) -> None:
         self.handler, self.name = handler, name
         self._ctx = zmq.Context()
         self._auth = None
-        if secret is not None:
+        if secret is not None or control_secret is not None:
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
             self._auth.start()
-            self._auth.configure_plain(domain="rlplane", passwords={PLAIN_USER.decode(): secret.decode()})
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.linger = 0
-        self._sock.maxmsgsize = MAX_FRAME_BYTES
-        self._sock.router_mandatory = False
-        if secret is not None:
-            self._sock.plain_server = True
-            self._sock.zap_domain = b"rlplane"
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            self._sock.bind_to_random_port(f"tcp://{host}")
+        self._sock = self._bind(host, port, secret, "rlplane")
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._control = self._bind(host, control_port, control_secret, "rlplane-ctl") if control_secret else None
+        self.control_endpoint = self._control.getsockopt_string(zmq.LAST_ENDPOINT) if self._control else None
+        self._control_ops = frozenset(getattr(handler, "CONTROL_OPS", ())) if self._control else frozenset()
         self._stop = threading.Event()
-        self._parked: list[tuple[Any, list[Any], float, float]] = []  # (identity, frames, arrival, deadline)
+        self._parked: list[tuple[Any, Any, list[Any], float, float]] = []  # (socket, identity, frames, arrival, deadline)
+        self.failures = 0  # requests that failed with a bug (not a typed error), and loop iterations that did
         self._thread = threading.Thread(target=self._loop, name=f"rlplane-{name}", daemon=True)
+
+    def _bind(self, host: str, port: int, secret: bytes | None, domain: str) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.maxmsgsize = MAX_FRAME_BYTES
+        sock.router_mandatory = False
+        if secret is not None:
+            assert self._auth is not None
+            self._auth.configure_plain(domain=domain, passwords={PLAIN_USER.decode(): secret.decode()})
+            sock.plain_server = True
+            sock.zap_domain = domain.encode()
+        if port:
+            sock.bind(f"tcp://{host}:{port}")
+        else:
+            sock.bind_to_random_port(f"tcp://{host}")
+        return sock
+
+    def health(self) -> dict[str, Any]:
+        """Whether the loop thread runs, and how many requests failed with a bug so far."""
+        return {"alive": self._thread.is_alive() and not self._stop.is_set(), "failures": self.failures,
+                "parked": len(self._parked)}
 
     def start(self) -> Server:
         gc.freeze()  # what the process holds by now (torch, Ray) is never scanned again by the collector
@@ -90,51 +117,67 @@ class Server:
 
     def _loop(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        socks = [self._sock] + ([self._control] if self._control is not None else [])
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
         wake = getattr(self.handler, "wake", None)
         while not self._stop.is_set():
-            wait_ms = 200
-            if self._parked:
-                first = min(p[3] for p in self._parked)
-                wait_ms = max(0, min(wait_ms, int((first - time.monotonic()) * 1000) + 1))
-            if poller.poll(wait_ms):
-                frames = self._sock.recv_multipart(copy=False)
-                if len(frames) >= 2:  # else not even an identity and a header: nothing to answer
-                    self._answer(frames[0], frames[1:], time.monotonic(), final=False)
-            changed = bool(wake()) if wake is not None else False
-            if self._parked:
-                self._rerun(changed)
+            try:
+                wait_ms = 200
+                if self._parked:
+                    first = min(p[4] for p in self._parked)
+                    wait_ms = max(0, min(wait_ms, int((first - time.monotonic()) * 1000) + 1))
+                for sock, _ in poller.poll(wait_ms):
+                    frames = sock.recv_multipart(copy=False)
+                    if len(frames) >= 2:  # else not even an identity and a header: nothing to answer
+                        self._answer(sock, frames[0], frames[1:], time.monotonic(), final=False)
+                changed = bool(wake()) if wake is not None else False
+                if self._parked:
+                    self._rerun(changed)
+            except Exception:  # noqa: BLE001 - nothing one request does may stop the loop
+                if self._stop.is_set():
+                    return
+                self.failures += 1
+                log.exception("%s: the server loop caught an error and goes on", self.name)
 
     def _rerun(self, changed: bool) -> None:
         """Run parked requests again: all when the handler says something changed, else
         only those whose deadline passed (their final run)."""
         now = time.monotonic()
         parked, self._parked = self._parked, []
-        for ident, body, t0, deadline in parked:
+        for sock, ident, body, t0, deadline in parked:
             if changed or deadline <= now:
-                self._answer(ident, body, t0, final=deadline <= now)
+                self._answer(sock, ident, body, t0, final=deadline <= now)
             else:
-                self._parked.append((ident, body, t0, deadline))
+                self._parked.append((sock, ident, body, t0, deadline))
 
-    def _answer(self, ident: Any, body: list[Any], t0: float, *, final: bool) -> None:
+    def _answer(self, sock: Any, ident: Any, body: list[Any], t0: float, *, final: bool) -> None:
         try:
             with gc_paused():
-                reply = self._handle(body, t0, final)
+                reply = self._handle(body, t0, final, control=sock is self._control)
         except Park as park:
-            self._parked.append((ident, body, t0, park.deadline))
-            return
+            if len(self._parked) < MAX_PARKED:
+                now = time.monotonic()
+                deadline = park.deadline if math.isfinite(park.deadline) else now
+                self._parked.append((sock, ident, body, t0, min(max(deadline, now), now + MAX_PARK_S)))
+                return
+            reply = pack_message({"ok": False, "rid": _rid(body), "error": _payload(E.UnavailableError(
+                f"{self.name} has {MAX_PARKED} requests waiting already; retry later", component=self.name))})
         if reply is None:  # a one-way message (``nr``): nobody waits for an answer
             return
         try:
-            self._sock.send_multipart([ident, *reply], copy=False)
+            sock.send_multipart([ident, *reply], copy=False)
         except zmq.ZMQError as err:
             log.warning("%s: could not answer a peer: %s", self.name, err)
 
-    def _handle(self, frames: list[Any], t0: float = 0.0, final: bool = False) -> list[Any] | None:
+    def _handle(self, frames: list[Any], t0: float = 0.0, final: bool = False, control: bool = False,
+                ) -> list[Any] | None:
         rid, one_way = None, False
         try:
             header = unpack_header(frames[0])
             rid = header.get("rid")  # first, so that even a bad body gets its answer
+            if not isinstance(rid, (int, str, type(None))) or isinstance(rid, bool):
+                rid = None
             one_way = header.get("nr") is True
             header, columns, extra = unpack_message(frames, header)
             header = {k: v for k, v in header.items() if not (isinstance(k, str) and k.startswith("_"))}
@@ -142,7 +185,9 @@ class Server:
             op = header.get("op")
             fn: Callable[..., Reply] | None = getattr(self.handler, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
             if fn is None:
-                raise E.WireFormatError(f"unknown operation {op!r}")
+                raise E.WireFormatError(f"unknown operation {str(op)[:64]!r}")
+            if op in self._control_ops and not control:
+                raise E.ForbiddenError(f"{self.name}: operation {op!r} is for the controller only")
             out, cols, bufs = fn(header, columns, extra)
             return None if one_way else pack_message({**out, "ok": True, "rid": rid}, cols, bufs)
         except Park:
@@ -150,6 +195,7 @@ class Server:
         except E.RlplaneError as err:
             return None if one_way else pack_message({"ok": False, "rid": rid, "error": _payload(err)})
         except Exception as err:  # noqa: BLE001 - a bug in one request must not stop the server
+            self.failures += 1
             log.exception("%s: request failed", self.name)
             if one_way:
                 return None
@@ -161,9 +207,19 @@ class Server:
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._sock.close(linger=0)
+        if self._control is not None:
+            self._control.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
+
+
+def _rid(body: list[Any]) -> Any:
+    try:
+        rid = unpack_header(body[0]).get("rid")
+    except E.RlplaneError:
+        return None
+    return rid if isinstance(rid, (int, str)) and not isinstance(rid, bool) else None
 
 
 def _payload(err: E.RlplaneError) -> dict[str, Any]:

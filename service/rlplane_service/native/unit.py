@@ -19,7 +19,10 @@ the addresses the controller located) or ``read``: the unit gathers the rows ask
 with one vectorized copy per field (:func:`rlplane.gather.gather`) and answers one
 column per field. ``block`` hands a whole block back as stored (re-replication).
 
-A block's extents go back to the allocator only on ``free``, which the controller sends
+Only the controller (on the unit's control socket, with its own credential) may ``free``
+blocks, copy a whole ``block`` out, or list the ``old`` ones: a data client can neither
+delete nor copy out what it did not locate. A block's extents go back to the allocator
+only on ``free``, which the controller sends
 once no sample points at the block and no read that located it is still pinned (see
 the controller), so an extent is never reused under a read in flight. Block ids come
 from the writer (62 random bits) and are never reused. ``slab`` issues a ticket for
@@ -34,7 +37,9 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +48,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.dtypes import dtype_from_name
 from rlplane.gather import gather
-from rlplane.wire import RawColumn, check_offsets, int_array, numpy_dtype
+from rlplane.wire import RawColumn, check_offsets, int_array, ints, numpy_dtype
 from rlplane_service.native.allocator import Allocator
 from rlplane_service.native.slab import Slab, SlabShare
 
@@ -53,6 +58,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SLAB_BYTES = 256 << 20
 #: Most fields one block may hold (bounds what one request makes a unit allocate).
 MAX_FIELDS = 256
+#: Most bytes one ``read`` answers (rows asked for twice count twice): a small request
+#: cannot make a unit build an answer of any size.
+MAX_READ_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -73,12 +81,17 @@ class Extent:
 class UnitCore:
     """The slab and blocks of one storage unit and the operations on them (called by :class:`Server`)."""
 
+    #: Served only on the control socket (the controller's credential): dropping blocks,
+    #: and copying a whole block out (re-replication).
+    CONTROL_OPS = frozenset({"free", "block", "old"})
+
     def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True) -> None:
         self.name = name
         self.slab = Slab(slab_bytes, name)
         self.alloc = Allocator(self.slab.nbytes)
         self.share = SlabShare(self.slab.fd, name).start() if share else None
         self._blocks: dict[int, dict[str, Extent]] = {}
+        self._born: dict[int, float] = {}  # block -> when it was stored (monotonic)
         self._lock = threading.Lock()
 
     # -- operations (header, columns, buffers) -> (reply, columns, buffers) ------------
@@ -119,9 +132,9 @@ class UnitCore:
     def op_read(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Per requested field, the rows ``(block, row)`` in the order asked, as one column."""
         wanted = header.get("f")
-        if not isinstance(wanted, list):
-            raise E.WireFormatError("read needs 'f': [[field, blocks, rows], ...]")
-        out: dict[str, RawColumn] = {}
+        if not isinstance(wanted, list) or len(wanted) > MAX_FIELDS:
+            raise E.WireFormatError(f"read needs 'f': [[field, blocks, rows], ...] (at most {MAX_FIELDS} fields)")
+        asks = []
         for entry in wanted:
             if not (isinstance(entry, list) and len(entry) >= 3 and isinstance(entry[0], str)):
                 raise E.WireFormatError(f"bad read entry {str(entry)[:80]}")
@@ -129,15 +142,23 @@ class UnitCore:
             blocks, rows = int_array(entry[1], "blocks"), int_array(entry[2], "rows")
             if blocks.size != rows.size:
                 raise E.WireFormatError("blocks and rows differ in length", field=name)
-            out[name] = self._gather(name, blocks, rows, header.get("p"))
-        return {}, out, []
+            asks.append((name, blocks, rows))
+        if len({name for name, _, _ in asks}) != len(asks):
+            raise E.WireFormatError("a read names a field twice")
+        partition = header.get("p") if isinstance(header.get("p"), str) else "?"
+        plans = [(name, *self._sources(name, blocks, rows, partition)) for name, blocks, rows in asks]
+        total = sum(nbytes for *_, nbytes in plans)
+        if total > MAX_READ_BYTES:
+            raise E.PayloadTooLargeError(f"a read of {total} bytes from storage unit {self.name} is over the limit of "
+                                         f"{MAX_READ_BYTES} per request: read fewer samples per call")
+        return {}, {name: self._gather(name, *plan) for name, *plan, _ in plans}, []
 
     def op_block(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Every column of block ``b`` as stored (the controller copies it to another unit
         when a copy was lost with a unit). MissingDataError when it is not here."""
-        bid = header.get("b")
+        bid = _block_id(header)
         with self._lock:
-            block = self._blocks.get(bid) if isinstance(bid, int) else None
+            block = self._blocks.get(bid)
         if block is None:
             raise E.MissingDataError("(block copy)", {}, hint=f"block {bid!r} is not on {self.name}")
         return {}, {name: RawColumn(x.dtype, self._values(x), x.offsets) for name, x in block.items()}, []
@@ -149,11 +170,22 @@ class UnitCore:
         with self._lock:
             for bid in bids:
                 block = self._blocks.pop(bid, None)
+                self._born.pop(bid, None)
                 if block is not None:
                     freed += 1
                     for x in block.values():
                         self.alloc.free(x.start)
         return {"freed": freed}, {}, []
+
+    def op_old(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """Ids of the blocks stored more than ``age`` seconds ago (the controller frees those
+        it does not know: a writer that died before its reserve, or wrote outside one)."""
+        age = header.get("age")
+        if not isinstance(age, (int, float)) or isinstance(age, bool) or not 0 <= age < 1e9:
+            raise E.WireFormatError("old needs 'age': seconds")
+        cut = time.monotonic() - age
+        with self._lock:
+            return {"b": ints([b for b, t in self._born.items() if t < cut])}, {}, []
 
     def op_slab(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """How to map this unit's slab from the same host: its socket and a fresh ticket."""
@@ -216,32 +248,44 @@ class UnitCore:
                 got.append(start)
             self._blocks[bid] = {name: Extent(dname, np.dtype(npd), start, nbytes, off)
                                  for (name, dname, npd, nbytes, off), start in zip(layout, got)}
+            self._born[bid] = time.monotonic()
         return {name: start for (name, *_), start in zip(layout, got)}
 
     def _values(self, x: Extent) -> np.ndarray:
         return self.slab.u8[x.start : x.start + x.nbytes].view(x.np_dtype)
 
-    def _gather(self, name: str, blocks: np.ndarray, rows: np.ndarray, partition: Any) -> RawColumn:
+    def _sources(self, name: str, blocks: np.ndarray, rows: np.ndarray, partition: str,
+                 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray, str, int]:
+        """What a read of field ``name``'s rows ``(blocks, rows)`` copies: the source
+        extents, which of them each row is in, the rows, the dtype, the bytes it answers."""
         uniq, which = np.unique(blocks, return_inverse=True)
-        sources = []
-        dtypes = set()
+        sources, dtypes, nbytes = [], set(), 0
         with self._lock:
-            for bid in uniq.tolist():
+            for k, bid in enumerate(uniq.tolist()):
                 x = self._blocks.get(bid, {}).get(name)
                 if x is None:
-                    raise E.MissingDataError(str(partition), {}, hint=f"field {name!r}: block {bid} is gone from "
+                    raise E.MissingDataError(partition, {}, hint=f"field {name!r}: block {bid} is gone from "
                                              f"{self.name} (the samples were cleared while this read was in flight)")
+                mine = rows[which == k]
+                if mine.size and (int(mine.min()) < 0 or int(mine.max()) >= x.num_rows):
+                    raise E.WireFormatError(f"read asks for a row block {bid} does not hold", field=name)
+                nbytes += int((x.offsets[mine + 1] - x.offsets[mine]).sum()) * x.np_dtype.itemsize
                 sources.append((self._values(x), x.offsets))
                 dtypes.add(x.dtype)
         if len(dtypes) > 1:
             raise E.ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
+        return sources, which.astype(np.int64), rows, dtypes.pop() if dtypes else "uint8", nbytes
+
+    @staticmethod
+    def _gather(name: str, sources: list[tuple[np.ndarray, np.ndarray]], which: np.ndarray, rows: np.ndarray,
+                dtype: str) -> RawColumn:
         if not sources:
             return RawColumn("uint8", np.empty(0, np.uint8), np.zeros(1, np.int64))
         try:
-            values, offsets = gather(sources, which.astype(np.int64), rows)
+            values, offsets = gather(sources, which, rows)
         except IndexError as err:
             raise E.WireFormatError(f"read asks for a row the block does not hold ({err})", field=name) from None
-        return RawColumn(dtypes.pop(), values, offsets)
+        return RawColumn(dtype, values, offsets)
 
 
 def _block_id(header: dict[str, Any]) -> int:
@@ -267,18 +311,24 @@ def unit_actor_class() -> Any:
         """Hosts a :class:`UnitCore` and its server thread; Ray calls are for the service only."""
 
         def __init__(self, name: str, host: str | None, secret: str | None,
-                     slab_bytes: int = DEFAULT_SLAB_BYTES) -> None:
+                     slab_bytes: int = DEFAULT_SLAB_BYTES, control_secret: str | None = None) -> None:
             from rlplane_service.native.server import Server
 
             self._core = UnitCore(name, slab_bytes)
             bind = host or ray.util.get_node_ip_address()
-            self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name).start()
+            self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name,
+                                  control_secret=control_secret.encode() if control_secret else None).start()
 
         def info(self) -> dict[str, Any]:
-            return {"name": self._core.name, "endpoint": self._server.endpoint}
+            """Name, data endpoint, control endpoint (the controller's) and the process id."""
+            return {"name": self._core.name, "endpoint": self._server.endpoint,
+                    "control": self._server.control_endpoint, "pid": os.getpid()}
 
         def stats(self) -> dict[str, Any]:
             return self._core.stats()
+
+        def health(self) -> dict[str, Any]:
+            return {"server": self._server.health(), "threads": {}}
 
         def damage(self, bid: int, name: str, row: int) -> bool:
             """Test hook: flip a stored bit (see :meth:`UnitCore.damage`)."""

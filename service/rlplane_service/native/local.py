@@ -1,0 +1,143 @@
+"""The native engine in this process, without Ray: storage units and a controller served
+on loopback threads, wired as the service wires them (a data secret for clients, the
+controller's own credential on the units' control sockets).
+
+For tests and local experiments; the service runs the same cores in Ray actors. A unit
+counts as dead (``is_dead``) once it was stopped with :meth:`LocalEngine.kill_unit`.
+``processes=True`` runs each unit in a child process of its own instead (``python -m
+rlplane_service.native.local``), so a test can stop it with a signal by pid
+(``unit_pid(i)``); such a unit is dead once its process has exited.
+
+Example::
+
+    with LocalEngine(units=2, slab_bytes=64 << 20) as engine:
+        client = Client(default_registry(), NativeTransport(engine.info, timeout=30))
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any, Sequence
+
+from rlplane_service.native.controller import ControllerCore
+from rlplane_service.native.server import Server
+from rlplane_service.native.unit import DEFAULT_SLAB_BYTES, UnitCore
+
+
+class LocalEngine:
+    """A controller and ``units`` storage units on loopback (see the module docstring).
+
+    ``hosts``: the address each unit binds (127.0.0.x stand for distinct nodes); the
+    other keywords go to :class:`ControllerCore`."""
+
+    def __init__(self, units: int = 2, *, secret: bytes | None = b"local-engine-secret",
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, hosts: Sequence[str] | None = None, processes: bool = False,
+                 **controller: Any) -> None:
+        self.secret = secret
+        control = secrets.token_hex(16).encode()
+        hosts = list(hosts) if hosts is not None else ["127.0.0.1"] * units
+        self._killed: set[int] = set()
+        self.cores: list[UnitCore] = []
+        self.units: list[Server] = []
+        self.procs: list[subprocess.Popen] = []
+        if processes:
+            self.procs = [_spawn(f"u{i}", h, slab_bytes, secret, control) for i, h in enumerate(hosts)]
+            started = [json.loads(p.stdout.readline() or "{}") for p in self.procs]  # type: ignore[union-attr]
+            if not all("endpoint" in s for s in started):
+                self.stop()
+                raise RuntimeError(f"a storage unit process did not start: {started}")
+            endpoints = [(s["endpoint"], s["control"]) for s in started]
+        else:
+            self.cores = [UnitCore(f"u{i}", slab_bytes) for i in range(units)]
+            self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control).start()
+                          for i, (c, h) in enumerate(zip(self.cores, hosts))]
+            endpoints = [(u.endpoint, u.control_endpoint) for u in self.units]
+        self.core = ControllerCore([(f"u{i}", e) for i, (e, _) in enumerate(endpoints)], secret=secret,
+                                   control=[c for _, c in endpoints], control_secret=control,
+                                   is_dead=self._is_dead, **controller)
+        self.server = Server(self.core, secret=secret, name="controller").start()
+        self.info = {"controller": self.server.endpoint, "secret": secret.decode() if secret else None}
+
+    def _is_dead(self, i: int) -> bool:
+        return i in self._killed or (bool(self.procs) and self.procs[i].poll() is not None)
+
+    def unit_pid(self, i: int) -> int:
+        """The process id of unit ``i`` (``processes=True`` only)."""
+        return self.procs[i].pid
+
+    def kill_unit(self, i: int) -> None:
+        """Stop unit ``i`` for good (what a killed process is to the controller)."""
+        self._killed.add(i)
+        if self.procs:
+            self.procs[i].kill()
+            self.procs[i].wait(timeout=10)
+        else:
+            self.units[i].stop()
+            self.cores[i].stop()
+
+    def stop(self) -> None:
+        if hasattr(self, "server"):
+            self.server.stop()
+            self.core.stop()
+        for i, (u, c) in enumerate(zip(self.units, self.cores)):
+            if i not in self._killed:
+                u.stop()
+                c.stop()
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)  # a test may have left it stopped
+                p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _spawn(name: str, host: str, slab_bytes: int, secret: bytes | None, control: bytes) -> subprocess.Popen:
+    env = dict(os.environ, RLPLANE_LOCAL_SECRET=(secret or b"").decode(), RLPLANE_LOCAL_CONTROL=control.decode())
+    return subprocess.Popen([sys.executable, "-m", "rlplane_service.native.local", "--name", name, "--host", host,
+                             "--slab-bytes", str(slab_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=env, text=True)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve one storage unit until stdin closes or SIGTERM; print its endpoints as one JSON line.
+    The secrets come from RLPLANE_LOCAL_SECRET and RLPLANE_LOCAL_CONTROL (not the command line)."""
+    ap = argparse.ArgumentParser(prog="python -m rlplane_service.native.local",
+                                 description="One native storage unit in this process (tests, experiments).")
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--slab-bytes", type=int, default=DEFAULT_SLAB_BYTES)
+    args = ap.parse_args(argv)
+    secret = os.environ.get("RLPLANE_LOCAL_SECRET", "").encode() or None
+    control = os.environ.get("RLPLANE_LOCAL_CONTROL", "").encode() or None
+    core = UnitCore(args.name, args.slab_bytes)
+    server = Server(core, host=args.host, secret=secret, name=args.name, control_secret=control).start()
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    print(json.dumps({"endpoint": server.endpoint, "control": server.control_endpoint, "pid": os.getpid()}), flush=True)
+    done.wait()
+    server.stop()
+    core.stop()
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["LocalEngine"]

@@ -1,0 +1,385 @@
+"""A buggy or hostile client cannot take the native engine down, change what is not its
+own or make it forget data (issue 23). Each test sends what a bad client would, asserts
+the typed error, and then that the engine still answers and what it held reads back
+bit-exactly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane.channel import PLAIN_USER, Channel
+from rlplane.transports.native import NativeTransport
+from rlplane.wire import VERSION, ints
+from rlplane_service.native import unit as unit_mod
+from rlplane_service.native.local import LocalEngine
+
+SECRET = b"hardening-secret"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with LocalEngine(2, secret=SECRET, slab_bytes=32 << 20, lease_s=30) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    c = Client(default_registry(), NativeTransport(engine.info, timeout=20))
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def known(client):
+    """A partition every test checks afterwards: it must read back bit-exactly."""
+    fields = {"input_ids": torch.arange(40).reshape(5, 8), "input_lengths": torch.tensor([8, 3, 8, 1, 5])}
+    meta = client.put_samples("known", fields, sample_ids=[f"k{i}" for i in range(5)])
+    return meta, fields
+
+
+def intact(client, known) -> None:
+    meta, fields = known
+    got = client.read_columns(meta, ["input_ids", "input_lengths"])
+    assert torch.equal(got["input_lengths"], fields["input_lengths"])
+    for i, n in enumerate(fields["input_lengths"].tolist()):
+        assert torch.equal(got["input_ids"][i, :n], fields["input_ids"][i, :n])
+
+
+@pytest.fixture
+def ctrl(engine):
+    ch = Channel(engine.info["controller"], "controller", secret=SECRET)
+    yield ch
+    ch.close()
+
+
+def test_a_claim_whose_wait_is_not_a_finite_number_is_refused_and_the_controller_keeps_serving(ctrl, client, known):
+    base = {"op": "claim", "p": "known", "task": "t", "n": 1, "fields": ["input_ids"]}
+    for wait in ("nan", float("nan"), float("inf"), -1.0, 1e300, "5", True):
+        with pytest.raises((E.WireFormatError, E.InvalidArgumentError)):
+            ctrl.call({**base, "wait": wait}, timeout=5)
+    for n in (0, "3", 2**64 - 1, None):
+        with pytest.raises((E.WireFormatError, E.InvalidArgumentError)):
+            ctrl.call({**base, "n": n}, timeout=5)
+    assert ctrl.call({"op": "ping"}, timeout=5)[0]["ok"] is True
+    intact(client, known)
+
+
+def test_a_parked_request_with_any_deadline_cannot_stop_the_loop(engine, ctrl, client, known):
+    """The loop clamps what a handler parks: even a NaN deadline from a bug is answered."""
+    from rlplane_service.native.server import Park
+
+    core = engine.core
+    core.op_nanpark = lambda h, c, x: (_ for _ in ()).throw(Park(float("nan"))) if not h["_final"] else ({"late": 1}, {}, [])
+    try:
+        assert ctrl.call({"op": "nanpark"}, timeout=5)[0]["late"] == 1
+    finally:
+        del core.op_nanpark
+    intact(client, known)
+
+
+def test_a_refused_reserve_takes_no_ids(ctrl, client, known):
+    """Refused for a reused block id, the reserve's sample ids stay free for the next put."""
+    block = next(iter(client.transport._ctrl().call({"op": "locate", "p": "known", "ids": ["k0"],
+                                                      "fields": ["input_ids"]}, timeout=5)[0]["units"]))
+    used = int(np.frombuffer(block[1][0][1], "<i8")[0])
+    ask = {"op": "reserve", "p": "fresh", "ids": ["f0", "f1"], "create": True, "fields": ["input_ids"],
+           "blocks": [[used, [0], 0, 2]]}
+    with pytest.raises(E.WireFormatError, match="already in use"):
+        ctrl.call(ask, timeout=5)
+    meta = client.put_samples("fresh", {"input_ids": torch.ones(2, 3, dtype=torch.int64),
+                                        "input_lengths": torch.tensor([3, 3])}, sample_ids=["f0", "f1"])
+    assert meta.sample_ids == ["f0", "f1"]
+    assert client.clear("fresh") == 2
+    intact(client, known)
+
+
+def test_a_reserve_naming_an_id_or_a_field_twice_is_refused_and_clear_still_works(ctrl, client, known):
+    for ids, fields in ((["a", "a"], ["input_ids"]), (["a", "b"], ["input_ids", "input_ids"])):
+        with pytest.raises(E.InvalidArgumentError, match="twice"):
+            ctrl.call({"op": "reserve", "p": "twice", "ids": ids, "create": True, "fields": fields,
+                       "blocks": [[12345, [0], 0, 2]]}, timeout=5)
+    for bad in ({"p": "../x"}, {"p": "x" * 201}, {"ids": ["y" * 600, "b"]}, {"blocks": [[1 << 63, [0], 0, 2]]},
+                {"blocks": [[5, [0], 0, 1], [5, [1], 1, 2]]}, {"create": "yes"}):
+        ask = {"op": "reserve", "p": "twice", "ids": ["a", "b"], "create": True, "fields": ["input_ids"],
+               "blocks": [[4321, [0], 0, 2]], **bad}
+        # create="yes" is not True: an update of ids that do not exist
+        with pytest.raises((E.WireFormatError, E.InvalidArgumentError, E.MissingDataError)):
+            ctrl.call(ask, timeout=5)
+    assert client.clear("twice") == 0
+    assert ctrl.call({"op": "stats"}, timeout=5)[0]["reservations"] == 0
+    intact(client, known)
+
+
+def test_a_data_client_cannot_free_or_copy_out_blocks_on_a_unit(engine, client, known):
+    meta, _ = known
+    loc = client.transport._ctrl().call({"op": "locate", "p": "known", "ids": meta.sample_ids,
+                                         "fields": ["input_ids"]}, timeout=5)[0]
+    u, entries = loc["units"][0]
+    blocks = np.frombuffer(entries[0][1], "<i8")
+    unit = Channel(engine.units[u].endpoint, f"u{u}", secret=SECRET)  # the data endpoint a client knows
+    try:
+        with pytest.raises(E.ForbiddenError, match="controller only"):
+            unit.call({"op": "free", "b": ints(blocks)}, timeout=5)
+        with pytest.raises(E.ForbiddenError):
+            unit.call({"op": "block", "b": int(blocks[0])}, timeout=5)
+        assert unit.call({"op": "ping"}, timeout=5)[0]["unit"] == f"u{u}"
+    finally:
+        unit.close()
+    intact(client, known)
+
+
+def test_a_client_cannot_reach_the_control_socket_with_the_data_secret(engine):
+    ch = Channel(engine.units[0].control_endpoint, "u0 control", secret=SECRET)
+    try:
+        with pytest.raises((E.AuthenticationError, E.UnavailableError, E.TransportError)):
+            ch.call({"op": "free", "b": ints([1])}, timeout=3)
+    finally:
+        ch.close()
+
+
+def test_discard_frees_only_blocks_the_index_does_not_know(ctrl, client, known):
+    meta, _ = known
+    loc = ctrl.call({"op": "locate", "p": "known", "ids": meta.sample_ids, "fields": ["input_ids"]}, timeout=5)[0]
+    blocks = [int(b) for _, entries in loc["units"] for b in np.frombuffer(entries[0][1], "<i8")]
+    got = ctrl.call({"op": "discard", "blocks": [[b, [0, 1]] for b in set(blocks)]}, timeout=5)[0]
+    assert got["discarded"] == 0
+    time.sleep(0.3)
+    intact(client, known)
+
+
+def test_a_small_read_cannot_ask_a_unit_for_more_than_the_cap(engine, client, known, monkeypatch):
+    meta, _ = known
+    loc = client.transport._ctrl().call({"op": "locate", "p": "known", "ids": meta.sample_ids[:1],
+                                         "fields": ["input_ids"]}, timeout=5)[0]
+    u, entries = loc["units"][0]
+    field, blocks, rows = entries[0][:3]
+    monkeypatch.setattr(unit_mod, "MAX_READ_BYTES", 64 << 10)
+    unit = Channel(engine.units[u].endpoint, f"u{u}", secret=SECRET)
+    try:
+        times = 20_000  # one 64-byte row asked for 20,000 times: 1.28 MB from a 300 kB request
+        many = [[field, ints(np.repeat(np.frombuffer(blocks, "<i8"), times)),
+                 ints(np.repeat(np.frombuffer(rows, "<i8"), times))]]
+        with pytest.raises(E.PayloadTooLargeError, match="fewer samples"):
+            unit.call({"op": "read", "f": many}, timeout=10)
+        with pytest.raises(E.WireFormatError, match="twice"):
+            unit.call({"op": "read", "f": [entries[0][:3], entries[0][:3]]}, timeout=5)
+        with pytest.raises(E.WireFormatError, match="does not hold"):
+            unit.call({"op": "read", "f": [[field, blocks, ints([10**6])]]}, timeout=5)
+    finally:
+        unit.close()
+    intact(client, known)
+
+
+def test_a_header_that_would_decode_to_a_huge_object_is_refused(engine, client, known):
+    """2 MiB of empty maps (~130 MiB as Python objects) is refused before it is built."""
+    raw = _raw(engine.info["controller"], SECRET)
+    try:
+        n = 3 << 20
+        body = b"\x83" + msgpack.packb("v") + msgpack.packb(VERSION) + msgpack.packb("op") + msgpack.packb("ping")
+        body += msgpack.packb("x") + b"\xdd" + n.to_bytes(4, "big") + b"\x80" * n
+        reply = _ask(raw, [body])
+        assert reply["ok"] is False and reply["error"]["error"] == "WireFormatError"
+        assert "lists and maps" in reply["error"]["message"]
+    finally:
+        raw.close(linger=0)
+    intact(client, known)
+
+
+def test_lease_and_reservation_ids_cannot_be_guessed(ctrl, client, known):
+    leases = []
+    for task in ("g1", "g2", "g3"):
+        got = ctrl.call({"op": "claim", "p": "known", "task": task, "n": 1, "fields": ["input_ids"]}, timeout=5)[0]
+        leases.append(got["lease"])
+    assert len(set(leases)) == 3 and all(x > 1 << 20 for x in leases), leases  # 63 random bits each
+    with pytest.raises(E.LeaseError):  # a lease is bound to its task too
+        ctrl.call({"op": "ack", "p": "known", "task": "g2", "lease": leases[0]}, timeout=5)
+    with pytest.raises(E.LeaseError):
+        ctrl.call({"op": "ack", "p": "known", "task": "g1", "lease": leases[0] ^ 1}, timeout=5)
+    for task, lease in zip(("g1", "g2", "g3"), leases):
+        ctrl.call({"op": "nack", "p": "known", "task": task, "lease": lease}, timeout=5)
+    res = ctrl.call({"op": "reserve", "p": "g", "ids": ["x"], "create": True, "fields": ["input_ids"],
+                     "blocks": [[98765, [0], 0, 1]]}, timeout=5)[0]["res"]
+    assert isinstance(res, str) and len(res) == 24
+    assert ctrl.call({"op": "abort", "res": 1}, timeout=5)[0]["aborted"] is False
+    assert ctrl.call({"op": "abort", "res": res}, timeout=5)[0]["aborted"] is True
+    intact(client, known)
+
+
+def test_a_write_into_a_partition_cleared_and_made_again_meanwhile_is_refused(engine, client, known, monkeypatch):
+    """The update reserved in the old partition; committing it into the new one would
+    write another sample's rows."""
+    fields = {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])}
+    meta = client.put_samples("again", fields, sample_ids=["a", "b"])
+    transport = client.transport
+    real = transport._land_blocks
+
+    def clear_and_remake(*args, **kwargs):
+        where = real(*args, **kwargs)
+        other = Client(default_registry(), NativeTransport(engine.info, timeout=20))
+        other.clear("again")
+        other.put_samples("again", fields, sample_ids=["a", "b"])
+        other.close()
+        return where
+
+    monkeypatch.setattr(transport, "_land_blocks", clear_and_remake)
+    with pytest.raises(E.MissingDataError, match="cleared"):
+        client.write_columns(meta, {"prev_logprobs": torch.zeros(2, 4)})
+    monkeypatch.undo()
+    with pytest.raises(E.MissingDataError):
+        client.read_columns(meta, ["prev_logprobs"])
+    assert client.clear("again") == 2
+    intact(client, known)
+
+
+def test_a_failing_background_round_or_server_iteration_is_survived_and_counted(engine, ctrl, client, known,
+                                                                                 monkeypatch):
+    core = engine.core
+
+    def broken(now: float, oldest: int = 0) -> None:
+        raise RuntimeError("a bug in the reaper")
+
+    monkeypatch.setattr(core, "_expire_pins", broken)  # what the reaper's rounds call
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and core.loop_errors.get("reaper", 0) < 2:
+        time.sleep(0.1)
+    assert core.loop_errors.get("reaper", 0) >= 2
+    assert all(core.health()["threads"].values())
+    monkeypatch.undo()
+    def bad_expire(now: float | None = None) -> int:
+        raise RuntimeError("a bug in what the server loop's wake() calls")
+
+    before = engine.server.failures
+    monkeypatch.setattr(core.ledger, "expire", bad_expire)
+    time.sleep(0.5)
+    monkeypatch.undo()
+    assert engine.server.failures > before and engine.server.health()["alive"]
+    assert ctrl.call({"op": "ping"}, timeout=5)[0]["ok"] is True
+    intact(client, known)
+
+
+def test_unauthenticated_or_garbage_frames_never_stop_a_server(engine, client, known):
+    """Bursts of garbage at the controller and a unit, with and without the secret."""
+    rng = np.random.default_rng(7)
+    for endpoint in (engine.info["controller"], engine.units[0].endpoint):
+        for secret in (SECRET, None, b"wrong"):
+            raw = _raw(endpoint, secret)
+            try:
+                for _ in range(50):
+                    frames = [rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(1, 4)))]
+                    raw.send_multipart(frames)
+            finally:
+                raw.close(linger=200)
+    assert Channel(engine.units[0].endpoint, "u0", secret=SECRET).call({"op": "ping"}, timeout=5)[0]["ok"]
+    intact(client, known)
+
+
+# -- stalls are not losses ---------------------------------------------------------------
+
+def test_a_stopped_unit_is_suspect_not_lost_and_keeps_its_data_when_it_resumes():
+    """SIGSTOP a unit's process for longer than the controller's pings wait (and have a
+    client report it down meanwhile); after SIGCONT every sample reads back."""
+    with LocalEngine(2, secret=SECRET, slab_bytes=16 << 20, processes=True, grace_s=3600) as eng:
+        c = Client(default_registry(), NativeTransport(eng.info, timeout=10, data_path="zmq"))
+        try:
+            fields = {"input_ids": torch.arange(64).reshape(8, 8), "input_lengths": torch.full((8,), 8)}
+            meta = c.put_samples("stall", fields)
+            on = {u for u, _ in c.transport._ctrl().call({"op": "locate", "p": "stall", "ids": meta.sample_ids,
+                                                          "fields": ["input_ids"]}, timeout=5)[0]["units"]}
+            u = on.pop()
+            os.kill(eng.unit_pid(u), signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline and u not in eng.core._suspect:
+                    time.sleep(0.2)
+                assert u in eng.core._suspect and not eng.core._lost_units
+                t0 = time.monotonic()
+                with pytest.raises(E.UnavailableError):  # typed, within the client's deadline; reports it down
+                    c.read_columns(meta, ["input_ids"])
+                assert time.monotonic() - t0 < 25
+                time.sleep(8)  # past what used to make it lost: two missed pings and a client's report
+                stats = eng.core.stats()
+                assert stats["lost_units"] == [] and stats["suspect_units"] == [f"u{u}"] and stats["lost_samples"] == 0
+                other = c.put_samples("stall-2", fields)  # writes go around the suspect unit
+                assert torch.equal(c.read_columns(other, ["input_ids"])["input_ids"], fields["input_ids"])
+            finally:
+                os.kill(eng.unit_pid(u), signal.SIGCONT)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and eng.core._suspect:
+                time.sleep(0.2)
+            assert eng.core.stats()["suspect_units"] == []
+            assert torch.equal(c.read_columns(meta, ["input_ids"])["input_ids"], fields["input_ids"])
+        finally:
+            c.close()
+
+
+def test_a_killed_unit_is_lost_at_once_and_puts_route_around_it_within_two_seconds():
+    with LocalEngine(3, secret=SECRET, slab_bytes=16 << 20, processes=True, replicas=2, grace_s=3600) as eng:
+        c = Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="zmq"))
+        try:
+            fields = {"input_ids": torch.arange(64).reshape(8, 8), "input_lengths": torch.full((8,), 8)}
+            metas = [c.put_samples(f"kill-{k}", fields) for k in range(3)]
+            eng.kill_unit(0)
+            t0 = time.monotonic()
+            meta = c.put_samples("after", fields)
+            took = time.monotonic() - t0
+            assert took < 2.0, f"the put after a unit died took {took:.1f} s"
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not eng.core._lost_units:
+                time.sleep(0.1)
+            assert eng.core.stats()["lost_units"] == ["u0"] and eng.core.stats()["lost_samples"] == 0
+            for m in [*metas, meta]:
+                assert torch.equal(c.read_columns(m, ["input_ids"])["input_ids"], fields["input_ids"])
+        finally:
+            c.close()
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+def _raw(endpoint: str, secret: bytes | None) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    if secret is not None:
+        sock.plain_username = PLAIN_USER
+        sock.plain_password = secret
+    sock.connect(endpoint)
+    return sock
+
+
+def _ask(sock: zmq.Socket, frames: list[bytes], timeout_s: float = 10.0) -> dict:
+    sock.send_multipart(frames)
+    if not sock.poll(int(timeout_s * 1000)):
+        raise AssertionError("no answer")
+    return msgpack.unpackb(sock.recv_multipart()[0], raw=False)
+
+
+def test_blocks_written_outside_any_put_are_swept_and_known_ones_are_kept(engine, client, known, monkeypatch):
+    from rlplane.wire import RawColumn
+    from rlplane_service.native import controller as controller_mod
+
+    unit = Channel(engine.units[1].endpoint, "u1", secret=SECRET)
+    try:
+        orphan = 0x1234_5678_9ABC
+        col = RawColumn("int64", np.arange(16, dtype=np.int64), np.array([0, 16], np.int64))
+        unit.call({"op": "write", "b": orphan}, {"x": col}, timeout=5)  # no reservation names it
+    finally:
+        unit.close()
+    assert orphan in engine.cores[1]._blocks
+    monkeypatch.setattr(controller_mod, "ORPHAN_MARGIN_S", -1e9)  # every block is old enough
+    before = engine.core.orphans_freed
+    engine.core._sweep()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and orphan in engine.cores[1]._blocks:
+        time.sleep(0.05)
+    assert orphan not in engine.cores[1]._blocks
+    assert engine.core.orphans_freed == before + 1  # only the orphan: the known partition's blocks stay
+    intact(client, known)

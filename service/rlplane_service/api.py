@@ -44,7 +44,11 @@ from rlplane_service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
+#: How long one /readyz probe of the store is reused.
+READY_TTL_S = 1.0
+
 _STATUS: list[tuple[type[E.RlplaneError], int]] = [
+    (E.ForbiddenError, 403),
     (E.AuthenticationError, 401),
     (E.PayloadTooLargeError, 413),
     (E.FieldValidationError, 422),
@@ -171,37 +175,48 @@ def build_api(state: ServiceState) -> FastAPI:
         """The process answers (liveness)."""
         return {"status": "ok"}
 
-    @api.get("/readyz", tags=["health"])
-    async def readyz() -> JSONResponse:
-        """Ready only when the store answers: every component (controller, storage units,
-        the Mooncake master's /health) responds and a listing round-trips."""
+    def probe() -> tuple[int, dict[str, Any]]:
+        """What /readyz answers: (status code, body). Blocking; see ``probes``."""
         body: dict[str, Any] = {}
         if state.mooncake is not None:
             body["mooncake_master"] = {k: state.mooncake[k] for k in ("master_address", "metrics_url") if k in state.mooncake}
         try:
-            components = await asyncio.wait_for(offload(state.health), timeout=10.0)
+            components = state.health()
             body["components"] = components
             down = sorted(name for name, ok in components.items() if not ok)
             if not down:
-                await asyncio.wait_for(offload(transport.partitions), timeout=5.0)
-        except (asyncio.TimeoutError, E.RlplaneError) as err:
-            return JSONResponse({"status": "not ready", "reason": str(err) or type(err).__name__, **body}, status_code=503)
+                transport.partitions()
+        except E.RlplaneError as err:
+            return 503, {"status": "not ready", "reason": str(err) or type(err).__name__, **body}
         if down:
-            loss = await _loss(transport, down)
+            loss = _loss(transport, down)
             if loss is not None:  # every sample still has a live copy: serving, with fewer copies
-                return JSONResponse({"status": "degraded", "reason": f"not answering: {', '.join(down)}; every sample "
-                                     f"still has a copy ({loss['under_replicated_samples']} under-replicated)", **body})
-            return JSONResponse({"status": "not ready", "reason": f"not answering: {', '.join(down)}", **body}, status_code=503)
-        return JSONResponse({"status": "ready", **body})
+                return 200, {"status": "degraded", "reason": f"not answering: {', '.join(down)}; every sample still "
+                             f"has a copy ({loss['under_replicated_samples']} under-replicated)", **body}
+            return 503, {"status": "not ready", "reason": f"not answering: {', '.join(down)}", **body}
+        return 200, {"status": "ready", **body}
 
-    async def _loss(transport: Any, down: list[str]) -> dict[str, Any] | None:
+    probes = ScrapeCache(probe, ttl=READY_TTL_S)  # a flood of probes costs one store round per READY_TTL_S
+
+    @api.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        """Ready only when the store answers: every component (controller, storage units,
+        the Mooncake master's /health) responds and a listing round-trips. Probed at most
+        once a second; concurrent probes share the answer."""
+        try:
+            code, body = await asyncio.wait_for(probes.get(), timeout=15.0)
+        except asyncio.TimeoutError:
+            return JSONResponse({"status": "not ready", "reason": "the store did not answer within 15 s"}, status_code=503)
+        return JSONResponse(body, status_code=code)
+
+    def _loss(transport: Any, down: list[str]) -> dict[str, Any] | None:
         """The native controller's loss counts when only storage units are down and no
         sample was lost (the store serves on from the other copies); else None."""
         if "controller" in down or not hasattr(transport, "unit_usage"):
             return None
         try:
-            stats = await asyncio.wait_for(offload(transport.stats), timeout=5.0)
-        except (asyncio.TimeoutError, E.RlplaneError):
+            stats = transport.stats()
+        except E.RlplaneError:
             return None
         declared = set(stats.get("lost_units", []))
         if stats.get("lost_samples", 1) or not set(down) <= declared or len(declared) >= len(stats.get("units", {})):

@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -33,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, Field
 
 import rlplane
+from rlplane.errors import ERROR_NAMES
 from rlplane.opstats import OPS
 
 log = logging.getLogger(__name__)
@@ -40,17 +40,20 @@ log = logging.getLogger(__name__)
 #: Upper bounds (seconds) of the op latency histogram.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TRANSPORTS = ("native", "tq", "http")
-_ERROR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+#: Partitions (and partition/task pairs) with labels of their own: the biggest ones; the
+#: rest are summed under ``other``, so a store of many partitions keeps /metrics small.
+TOP_LABELLED = 50
 
 
 class OpReport(BaseModel):
     """One finished operation, as a client reports it."""
 
-    op: str = Field(..., description=f"One of {', '.join(OPS)}.")
-    transport: str = Field("tq", description="native, tq or http.")
+    op: str = Field(..., max_length=64, description=f"One of {', '.join(OPS)}.")
+    transport: str = Field("tq", max_length=16, description="native, tq or http.")
     seconds: float = Field(..., ge=0, le=86_400)
-    nbytes: int = Field(0, ge=0)
-    error: str | None = Field(None, description="Error class name when the op failed.")
+    nbytes: int = Field(0, ge=0, le=1 << 50)
+    error: str | None = Field(None, max_length=64, description="Error class name when the op failed (one of "
+                              "rlplane.errors'; anything else counts as 'Other').")
 
 
 class OpsReport(BaseModel):
@@ -79,7 +82,7 @@ class Ledger:
             status = "error" if error else "ok"
             self.ops[(op, transport, status)] = self.ops.get((op, transport, status), 0) + 1
             if error:
-                kind = str(error) if _ERROR_NAME.match(str(error)) else "Other"
+                kind = str(error) if str(error) in ERROR_NAMES else "Other"  # a fixed set: no label flooding
                 self.errors[(op, kind)] = self.errors.get((op, kind), 0) + 1
             else:
                 direction = "out" if op == "read_columns" else "in"
@@ -204,16 +207,16 @@ class ScrapeCache:
         body = await cache.get()
     """
 
-    def __init__(self, produce: Callable[[], bytes], ttl: float = SCRAPE_TTL_S) -> None:
+    def __init__(self, produce: Callable[[], Any], ttl: float = SCRAPE_TTL_S) -> None:
         import asyncio
         from concurrent.futures import ThreadPoolExecutor
 
         self._produce, self._ttl = produce, ttl
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="rlplane-scrape")
         self._lock = asyncio.Lock()
-        self._started, self._body = float("-inf"), b""
+        self._started, self._body = float("-inf"), None
 
-    async def get(self) -> bytes:
+    async def get(self) -> Any:
         import asyncio
 
         async with self._lock:
@@ -269,7 +272,7 @@ class _Collector:
         yield _gauge("rlplane_partitions", "Partitions holding samples.", len(v.partitions))
         samples = GaugeMetricFamily("rlplane_partition_samples", "Samples per partition.", labels=["partition"])
         nbytes = GaugeMetricFamily("rlplane_partition_bytes", "Stored bytes per partition.", labels=["partition"])
-        for name, (n, b) in sorted(v.partitions.items()):
+        for name, (n, b) in sorted(_top_partitions(v.partitions).items()):
             samples.add_metric([name], n)
             nbytes.add_metric([name], b)
         yield samples
@@ -317,6 +320,29 @@ class _Collector:
         yield info
 
 
+def _top_partitions(parts: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """The TOP_LABELLED biggest partitions (bytes, then samples) by name, the rest summed as ``other``."""
+    if len(parts) <= TOP_LABELLED:
+        return dict(parts)
+    ranked = sorted(parts.items(), key=lambda kv: (kv[1][1], kv[1][0], kv[0]), reverse=True)
+    out = dict(ranked[: TOP_LABELLED])
+    rest = ranked[TOP_LABELLED:]
+    out["other"] = (sum(n for _, (n, _) in rest), sum(b for _, (_, b) in rest))
+    return out
+
+
+def _top_tasks(tasks: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The TOP_LABELLED (partition, task) pairs holding the most samples, the rest summed as ``other``/``other``."""
+    if len(tasks) <= TOP_LABELLED:
+        return tasks
+    size = lambda t: sum(int(t.get(k, 0)) for k in CONSUMPTION_STATES)  # noqa: E731
+    ranked = sorted(tasks, key=size, reverse=True)
+    rest = ranked[TOP_LABELLED:]
+    other = {"partition": "other", "task": "other",
+             **{k: sum(int(t.get(k, 0)) for t in rest) for k in (*CONSUMPTION_STATES, "redelivered")}}
+    return [*ranked[: TOP_LABELLED], other]
+
+
 #: Per-task sample states exported by rlplane_consumption_samples.
 CONSUMPTION_STATES = ("pending", "claimed", "acked", "expired")
 
@@ -329,7 +355,7 @@ def _consumption(streams: Mapping[str, Any]) -> Iterable[Any]:
                             labels=["partition", "task", "state"])
     again = CounterMetricFamily("rlplane_claim_redelivered", "Samples whose lease lapsed and went back to the task.",
                                 labels=["partition", "task"])
-    for t in streams.get("tasks", []):
+    for t in _top_tasks(streams.get("tasks", [])):
         for state in CONSUMPTION_STATES:
             per.add_metric([t["partition"], t["task"], state], t.get(state, 0))
         again.add_metric([t["partition"], t["task"]], t.get("redelivered", 0))

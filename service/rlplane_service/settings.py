@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlplane.errors import RegistryError
@@ -63,6 +63,12 @@ class ServiceSettings(BaseSettings):
     native_host: str = Field(
         "", description="Address the native engine's controller and units bind and advertise ('' = the Ray node address)."
     )
+    engine_port_min: int = Field(
+        0, ge=0, le=65535,
+        description="native: lowest port the controller's and the units' data sockets bind (0 with engine_port_max "
+        "0: any free port). A fixed range lets a NetworkPolicy admit clients to exactly these ports.",
+    )
+    engine_port_max: int = Field(0, ge=0, le=65535, description="native: highest port of that range.")
     put_lease_s: float = Field(
         60.0, gt=0, le=3600,
         description="native: how long a put's reserved ids wait for its commit; a writer that dies frees them after this.",
@@ -111,6 +117,18 @@ class ServiceSettings(BaseSettings):
         description="Custom Ray resource each storage unit requests one of, so units run only on nodes that "
         "offer it (the Helm chart gives its worker group 'rlplane_storage'). None: any node.",
     )
+
+    @model_validator(mode="after")
+    def _engine_ports(self) -> "ServiceSettings":
+        lo, hi = self.engine_port_min, self.engine_port_max
+        if (lo == 0) != (hi == 0) or lo > hi or (lo and lo < 1024):
+            raise ValueError(f"engine_port_min..engine_port_max must be a range of ports >= 1024 (or both 0), "
+                             f"got {lo}..{hi}")
+        return self
+
+    def engine_ports(self) -> tuple[int, int] | None:
+        """The native engine's port range, or None (any free port)."""
+        return (self.engine_port_min, self.engine_port_max) if self.engine_port_min else None
 
     @field_validator("api_token")
     @classmethod

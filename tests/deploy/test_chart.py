@@ -224,6 +224,17 @@ def test_pod_monitor_scrapes_the_head_metrics_ports(rendered):
     assert ("mooncake-metrics" in endpoints) == mooncake == ("mooncake-metrics" in ports)
 
 
+#: Ray's ports a client must never reach (job submission, the raylet, workers, agents, metrics).
+RAY_PORTS = (6379, 6380, 6381, 8080, 8265, 10001, 10002, 10500, 10999, 52365, 52366, 52367)
+
+
+def _client_ports(out: dict) -> list[tuple[int, int]]:
+    rules = out["NetworkPolicy"]["spec"]["ingress"]
+    clients = [r for r in rules if r["from"][0].get("podSelector", {}).get("matchLabels") == {"rlplane.io/client": "true"}]
+    assert len(clients) == 1
+    return [(p.get("port", 1), p.get("endPort", p.get("port", 65535))) for p in clients[0]["ports"]]
+
+
 def test_network_policy_admits_own_pods_clients_and_monitoring(rendered):
     values, out = rendered
     np = out["NetworkPolicy"]["spec"]
@@ -233,17 +244,44 @@ def test_network_policy_admits_own_pods_clients_and_monitoring(rendered):
     rules = np["ingress"]
     own = [r for r in rules if r["from"] == [{"podSelector": {"matchLabels": dict(selector)}}]]
     assert len(own) == 1 and "ports" not in own[0]
-    clients = [r for r in rules if r["from"][0].get("podSelector", {}).get("matchLabels") == {"rlplane.io/client": "true"}]
-    assert len(clients) == 1
-    covered = [(p.get("port", 1), p.get("endPort", p.get("port", 65535))) for p in clients[0]["ports"]]
-    for ray_port in (6379, 8265, 10001):  # GCS, dashboard (job submission runs code), Ray client
+    covered = _client_ports(out)
+    for ray_port in RAY_PORTS:
         assert not any(lo <= ray_port <= hi for lo, hi in covered), ray_port
-    for data_port in (1024, 8000, 9003, 15000, 40000, 65535):  # HTTP, Mooncake, run-time ZMQ/transfer ports
-        assert any(lo <= data_port <= hi for lo, hi in covered), data_port
+    backend = render_values(values)["service"]["backend"]
+    if backend == "native":  # the HTTP port and the engine's range, nothing else
+        engine = render_values(values)["service"]["enginePorts"]
+        assert sorted(covered) == sorted([(8000, 8000), (engine["min"], engine["max"])])
+    else:
+        for data_port in (1024, 8000, 9003, 15000, 40000, 65535):  # HTTP, Mooncake, run-time ZMQ/transfer ports
+            assert any(lo <= data_port <= hi for lo, hi in covered), data_port
     monitoring = [r for r in rules if r["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]]
     (mon,) = monitoring
-    metrics_ports = {8000} | ({9003} if render_values(values)["service"]["backend"] == "mooncake" else set())
+    metrics_ports = {8000} | ({9003} if backend == "mooncake" else set())
     assert {p["port"] for p in mon["ports"]} == metrics_ports
+
+
+@pytest.mark.parametrize("backend", ["native", "simple", "mooncake"])
+def test_ray_ports_are_pinned_where_the_policy_keeps_clients_off_them(backend):
+    out = render({"service": {"backend": backend}})
+    for name, group in groups(out["RayService"]).items():
+        params = group["rayStartParams"]
+        assert params["node-manager-port"] == "6380" and params["object-manager-port"] == "6381", name
+        assert (params["min-worker-port"], params["max-worker-port"]) == ("10002", "10999"), name
+        assert {params[k] for k in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                    "runtime-env-agent-port")} == {"52365", "52366", "52367"}, name
+    covered = _client_ports(out)
+    for port in RAY_PORTS:
+        assert not any(lo <= port <= hi for lo, hi in covered), (backend, port)
+
+
+def test_the_engine_port_range_reaches_the_app_and_the_policy():
+    out = render({"service": {"enginePorts": {"min": 31000, "max": 31010}}})
+    serve = yaml.safe_load(out["RayService"]["spec"]["serveConfigV2"])
+    args = serve["applications"][0]["args"]
+    assert (args["engine_port_min"], args["engine_port_max"]) == (31000, 31010)
+    assert (31000, 31010) in _client_ports(out)
+    with pytest.raises(helm.HelmError, match="enginePorts"):
+        render({"service": {"enginePorts": {"min": 80, "max": 90}}})
 
 
 def test_network_policy_http_port_peers_and_client_namespaces():

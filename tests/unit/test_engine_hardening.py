@@ -383,3 +383,25 @@ def test_blocks_written_outside_any_put_are_swept_and_known_ones_are_kept(engine
     assert orphan not in engine.cores[1]._blocks
     assert engine.core.orphans_freed == before + 1  # only the orphan: the known partition's blocks stay
     intact(client, known)
+
+
+def test_servers_bind_inside_the_engine_port_range_and_say_when_it_is_full():
+    from rlplane_service.native.server import Server
+    from rlplane_service.native.unit import UnitCore
+    from rlplane_service.net import free_port
+    from rlplane_service.settings import ServiceSettings
+
+    lo = free_port()
+    core = UnitCore("ranged", 1 << 20, share=False)
+    first = Server(core, port=(lo, lo), secret=SECRET, name="ranged").start()
+    try:
+        assert first.endpoint.endswith(f":{lo}")
+        with pytest.raises(E.UnavailableError, match="no free port"):
+            Server(core, port=(lo, lo), secret=SECRET, name="second")
+    finally:
+        first.stop()
+    assert ServiceSettings(engine_port_min=20000, engine_port_max=20199).engine_ports() == (20000, 20199)
+    assert ServiceSettings().engine_ports() is None
+    for lo_hi in ((20000, 0), (30000, 20000), (80, 90)):
+        with pytest.raises(ValueError, match="engine_port"):
+            ServiceSettings(engine_port_min=lo_hi[0], engine_port_max=lo_hi[1])

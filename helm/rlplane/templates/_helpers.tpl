@@ -85,3 +85,17 @@ volumes:
       medium: Memory
       sizeLimit: {{ .Values.shm.sizeLimit }}
 {{- end -}}
+
+{{/* Ray's own ports, pinned so the NetworkPolicy can keep clients off them: the raylet
+     (node manager), object manager, worker processes, dashboard agent, runtime-env agent
+     and metrics export. Clients never need any of them. */}}
+{{- define "rlplane.rayPorts" -}}
+node-manager-port: "6380"
+object-manager-port: "6381"
+min-worker-port: "10002"
+max-worker-port: "10999"
+dashboard-agent-listen-port: "52365"
+dashboard-agent-grpc-port: "52366"
+runtime-env-agent-port: "52367"
+metrics-export-port: "8080"
+{{- end -}}

@@ -70,7 +70,7 @@ class NativeStore:
         control = secrets.token_hex(32)  # the controller's own credential on the units; no client ever sees it
         units = {
             f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **_unit_options(settings, common))
-            .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control)
+            .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control, settings.engine_ports())
             for i in range(settings.storage_units)
         }
         try:
@@ -78,7 +78,7 @@ class NativeStore:
             controller = Controller.options(name=f"{prefix}-native-controller", **common).remote(
                 host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
                 settings.put_lease_s, settings.replicas, settings.claim_lease_s,
-                [i["control"] for i in unit_infos], control, settings.unit_grace_s)
+                [i["control"] for i in unit_infos], control, settings.unit_grace_s, settings.engine_ports())
             cinfo = ray.get(controller.info.remote(), timeout=_START_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as err:
             raise TransportError(f"the native store's actors did not start: {err}") from err

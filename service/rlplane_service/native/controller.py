@@ -1091,7 +1091,8 @@ def controller_actor_class() -> Any:
 
         def __init__(self, host: str | None, secret: str | None, units: list[tuple[str, str]], capacity: int | None,
                      lease_s: float, replicas: int, claim_lease_s: float = 300.0, control: list[str] | None = None,
-                     control_secret: str | None = None, grace_s: float = UNIT_GRACE_S) -> None:
+                     control_secret: str | None = None, grace_s: float = UNIT_GRACE_S,
+                     ports: Sequence[int] | None = None) -> None:
             from rlplane_service.native.server import Server
 
             key = secret.encode() if secret else None
@@ -1117,7 +1118,8 @@ def controller_actor_class() -> Any:
                                         control_secret=control_secret.encode() if control_secret else None,
                                         grace_s=grace_s, is_dead=is_dead)
             bind = host or ray.util.get_node_ip_address()
-            self._server = Server(self._core, host=bind, secret=key, name="controller").start()
+            self._server = Server(self._core, host=bind, secret=key, name="controller",
+                                  port=(int(ports[0]), int(ports[1])) if ports else 0).start()
             self._secret = secret
 
         def info(self) -> dict[str, Any]:

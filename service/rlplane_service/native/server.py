@@ -71,17 +71,25 @@ class Park(Exception):
 class Server:
     """Serves ``handler.op_<name>`` on a ROUTER socket from one thread (see the module docstring)."""
 
-    def __init__(self, handler: Any, *, host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
-                 name: str = "server", control_secret: bytes | None = None, control_port: int = 0) -> None:
+    def __init__(self, handler: Any, *, host: str = "127.0.0.1", port: int | tuple[int, int] = 0,
+                 secret: bytes | None = None, name: str = "server", control_secret: bytes | None = None,
+                 control_port: int = 0) -> None:
+        """``port``: a port, ``(lowest, highest)`` to bind a free one of that range, or 0 for any."""
         self.handler, self.name = handler, name
         self._ctx = zmq.Context()
         self._auth = None
         if secret is not None or control_secret is not None:
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
             self._auth.start()
-        self._sock = self._bind(host, port, secret, "rlplane")
+        try:
+            self._sock = self._bind(host, port, secret, "rlplane")
+            self._control = self._bind(host, control_port, control_secret, "rlplane-ctl") if control_secret else None
+        except BaseException:
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.destroy(linger=0)
+            raise
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._control = self._bind(host, control_port, control_secret, "rlplane-ctl") if control_secret else None
         self.control_endpoint = self._control.getsockopt_string(zmq.LAST_ENDPOINT) if self._control else None
         self._control_ops = frozenset(getattr(handler, "CONTROL_OPS", ())) if self._control else frozenset()
         self._stop = threading.Event()
@@ -89,7 +97,7 @@ class Server:
         self.failures = 0  # requests that failed with a bug (not a typed error), and loop iterations that did
         self._thread = threading.Thread(target=self._loop, name=f"rlplane-{name}", daemon=True)
 
-    def _bind(self, host: str, port: int, secret: bytes | None, domain: str) -> zmq.Socket:
+    def _bind(self, host: str, port: int | tuple[int, int], secret: bytes | None, domain: str) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.maxmsgsize = MAX_FRAME_BYTES
@@ -99,7 +107,15 @@ class Server:
             self._auth.configure_plain(domain=domain, passwords={PLAIN_USER.decode(): secret.decode()})
             sock.plain_server = True
             sock.zap_domain = domain.encode()
-        if port:
+        if isinstance(port, tuple):
+            lo, hi = port
+            try:
+                sock.bind_to_random_port(f"tcp://{host}", min_port=lo, max_port=hi + 1, max_tries=4 * (hi - lo + 1))
+            except zmq.ZMQBindError:
+                sock.close(linger=0)
+                raise E.UnavailableError(f"{self.name}: no free port in {lo}-{hi} (RLPLANE_ENGINE_PORT_MIN/MAX): widen "
+                                         "the range", component=self.name) from None
+        elif port:
             sock.bind(f"tcp://{host}:{port}")
         else:
             sock.bind_to_random_port(f"tcp://{host}")

@@ -41,7 +41,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -311,12 +311,14 @@ def unit_actor_class() -> Any:
         """Hosts a :class:`UnitCore` and its server thread; Ray calls are for the service only."""
 
         def __init__(self, name: str, host: str | None, secret: str | None,
-                     slab_bytes: int = DEFAULT_SLAB_BYTES, control_secret: str | None = None) -> None:
+                     slab_bytes: int = DEFAULT_SLAB_BYTES, control_secret: str | None = None,
+                     ports: Sequence[int] | None = None) -> None:
             from rlplane_service.native.server import Server
 
             self._core = UnitCore(name, slab_bytes)
             bind = host or ray.util.get_node_ip_address()
             self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name,
+                                  port=(int(ports[0]), int(ports[1])) if ports else 0,
                                   control_secret=control_secret.encode() if control_secret else None).start()
 
         def info(self) -> dict[str, Any]:

@@ -147,7 +147,9 @@ class Channel:
     """A deadline-bound request/reply connection (see the module docstring)."""
 
     def __init__(self, endpoint: str, name: str, *, secret: bytes | None = None,
-                 context: zmq.Context | None = None, connect_timeout: float = CONNECT_TIMEOUT_S) -> None:
+                 context: zmq.Context | None = None, connect_timeout: float = CONNECT_TIMEOUT_S,
+                 user: bytes = PLAIN_USER) -> None:
+        """``secret`` (and ``user``, a tenant's engine credential): ZMQ PLAIN credentials."""
         self.endpoint, self.name = endpoint, name
         self.connect_timeout = connect_timeout
         reap()
@@ -163,7 +165,7 @@ class Channel:
         self._sock.heartbeat_timeout = _HEARTBEAT_TIMEOUT_MS
         self._sock.reconnect_ivl = 100
         if secret is not None:
-            self._sock.plain_username = PLAIN_USER
+            self._sock.plain_username = user
             self._sock.plain_password = secret
         try:  # a unique address: pyzmq's default names it after the fd, which a dropped socket may still hold
             self._monitor = self._sock.get_monitor_socket(events=_MONITORED,
@@ -309,8 +311,8 @@ class ChannelPool:
     they are garbage (see :class:`Channel`). A forked child starts with no channels (its
     parent's are never used there)."""
 
-    def __init__(self, secret: bytes | None = None) -> None:
-        self.secret = secret
+    def __init__(self, secret: bytes | None = None, user: bytes = PLAIN_USER) -> None:
+        self.secret, self.user = secret, user
         self._local = threading.local()
         self._all: list[tuple[threading.Thread, Channel]] = []
         self._lock = threading.Lock()
@@ -329,7 +331,7 @@ class ChannelPool:
             chans = self._local.chans = {}
         ch = chans.get(endpoint)
         if ch is None or ch.closed:
-            ch = chans[endpoint] = Channel(endpoint, name, secret=self.secret)
+            ch = chans[endpoint] = Channel(endpoint, name, secret=self.secret, user=self.user)
             with self._lock:
                 ended = [c for t, c in self._all if not t.is_alive()]
                 self._all = [(t, c) for t, c in self._all if t.is_alive() and not c.closed]
@@ -354,7 +356,7 @@ class ChannelPool:
 
 
 async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: bytes | None,
-                timeout: float) -> dict[str, Any]:
+                timeout: float, user: bytes = PLAIN_USER) -> dict[str, Any]:
     """One request/reply from asyncio code, on a socket of its own (for calls that may wait
     long on the server, such as a parked claim, without holding a thread). Header-only
     replies; raises the reply's typed error, or TransportError at the deadline.
@@ -368,7 +370,7 @@ async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: 
     sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     if secret is not None:
-        sock.plain_username = PLAIN_USER
+        sock.plain_username = user
         sock.plain_password = secret
     try:
         sock.connect(endpoint)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from rlplane.channel import ChannelPool, acall
+from rlplane.channel import PLAIN_USER, ChannelPool, acall
 from rlplane.errors import TransportError
 from rlplane.ledger import ClaimRequest
 
@@ -31,11 +31,12 @@ class DirectStreams:
         try:
             self.endpoint = str(info["endpoint"])
             secret = info.get("secret")
+            self.user = str(info.get("user") or PLAIN_USER.decode()).encode()  # a tenant's engine user
         except (KeyError, TypeError) as err:
             raise TransportError(f"the service's streams address is malformed ({err})") from None
         self.secret = secret.encode() if secret else None
         self.timeout, self.name = timeout, name
-        self._pool = ChannelPool(self.secret)
+        self._pool = ChannelPool(self.secret, self.user)
 
     def _call(self, header: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         ch = self._pool.get(self.endpoint, self.name)
@@ -94,7 +95,8 @@ class DirectStreams:
 
     async def acall(self, header: dict[str, Any], wait_s: float = 0.0) -> dict[str, Any]:
         """Any op from asyncio code (the service's HTTP endpoints), holding no thread while it waits."""
-        return await acall(self.endpoint, self.name, header, secret=self.secret, timeout=wait_s + self.timeout)
+        return await acall(self.endpoint, self.name, header, secret=self.secret, timeout=wait_s + self.timeout,
+                           user=self.user)
 
     def close(self) -> None:
         self._pool.close()

@@ -17,7 +17,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 import inspect
 import logging
@@ -41,6 +40,7 @@ from rlplane.ledger import MAX_WAIT_S, ClaimRequest
 from rlplane.transports.base import PartitionInfo, Transport
 from rlplane_service.metrics import Ledger, OpsReport, ScrapeCache, render, store_view
 from rlplane_service.settings import ServiceSettings
+from rlplane_service.tenants import Access, Tenants
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,9 @@ class ServiceState:
     publish_key: str = "tq"  # /v1/transport publishes transport_info under this key (the backend's data path)
     streams: Optional[Callable[[], dict[str, Any]]] = None  # every task's consumption, for /metrics (Store.streams)
     loss: Optional[Callable[[], dict[str, Any]]] = None  # simple, mooncake: lost_samples / lost_units (Store.loss)
+    # What /v1/transport publishes to a tenant (None: the HTTP data path only); full access gets transport_info.
+    transport_for: Optional[Callable[[Access], Optional[dict[str, Any]]]] = None
+    tenants: Optional[Tenants] = None  # the tokens accepted (default: RLPLANE_API_TOKEN and RLPLANE_TOKENS_FILE)
 
 
 class ClearRequest(BaseModel):
@@ -137,7 +140,7 @@ def build_api(state: ServiceState) -> FastAPI:
         version=rlplane.__version__,
         description="The data plane for RL post-training: declared fields, bit-exact from rollout to trainer.",
     )
-    token = state.settings.token()
+    tenants = state.tenants or Tenants.load(state.settings.token(), str(state.settings.tokens_file or ""))
     registry, transport = state.registry, state.transport
 
     async def offload(fn: Callable[..., Any], *args: Any) -> Any:
@@ -160,14 +163,14 @@ def build_api(state: ServiceState) -> FastAPI:
         return JSONResponse({"error": "InvalidArgumentError", "message": f"invalid request: {where}", "detail": detail},
                             status_code=422)
 
-    async def authorize(request: Request) -> None:
-        if token is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+    async def caller(request: Request) -> Access:
+        """Who the request comes from (its bearer token's scope); 401 without a known token."""
+        who = tenants.lookup_header(request.headers.get("authorization", ""))
+        if who is None:
             raise _unauthorized()
+        return who
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(caller)])
 
     # -- health ----------------------------------------------------------------------
     @api.get("/healthz", tags=["health"])
@@ -268,18 +271,21 @@ def build_api(state: ServiceState) -> FastAPI:
         return {"version": registry.version, **registry.to_dict()}
 
     @v1.get("/registry/stages/{stage}", tags=["registry"])
-    async def stage_fields(stage: str, partition: Optional[str] = Query(None)) -> dict[str, Any]:
+    async def stage_fields(stage: str, partition: Optional[str] = Query(None),
+                           who: Access = Depends(caller)) -> dict[str, Any]:
         """The fields ``stage`` reads: its required fields, plus its optional fields present in ``partition``."""
         present = None
         if partition is not None:
+            who.check(partition, write=False)
             present = set((await offload(transport.describe, partition)).fields)
         return {"stage": stage, "partition": partition, "fields": registry.fields_for_stage(stage, present)}
 
     # -- partitions ------------------------------------------------------------------
     @v1.get("/partitions", tags=["partitions"])
-    async def list_partitions() -> dict[str, Any]:
-        """Every partition holding samples, with sample count, fields present and bytes."""
-        names = await offload(transport.partitions)
+    async def list_partitions(who: Access = Depends(caller)) -> dict[str, Any]:
+        """Every partition holding samples (of those the caller's token may see), with sample
+        count, fields present and bytes."""
+        names = [n for n in await offload(transport.partitions) if who.sees(n)]
         out = []
         for name in names:
             try:
@@ -289,20 +295,23 @@ def build_api(state: ServiceState) -> FastAPI:
         return {"partitions": out}
 
     @v1.get("/partitions/{partition}", tags=["partitions"])
-    async def describe(partition: str) -> dict[str, Any]:
+    async def describe(partition: str, who: Access = Depends(caller)) -> dict[str, Any]:
         """One partition: its samples, how many hold each field, stored bytes."""
+        who.check(partition, write=False)
         info = await offload(transport.describe, partition)
         return {**_info(info), "sample_ids": info.sample_ids}
 
     @v1.delete("/partitions/{partition}", tags=["partitions"])
-    async def delete_partition(partition: str) -> dict[str, Any]:
+    async def delete_partition(partition: str, who: Access = Depends(caller)) -> dict[str, Any]:
         """Drop every sample of the partition."""
+        who.check(partition, write=True)
         async with observed("delete_partition"):
             return {"partition": partition, "cleared": await offload(transport.clear, partition, None)}
 
     @v1.post("/partitions/{partition}/clear", tags=["partitions"])
-    async def clear_samples(partition: str, body: ClearRequest) -> dict[str, Any]:
+    async def clear_samples(partition: str, body: ClearRequest, who: Access = Depends(caller)) -> dict[str, Any]:
         """Drop the given samples of the partition."""
+        who.check(partition, write=True)
         async with observed("clear"):
             return {"partition": partition, "cleared": await offload(transport.clear, partition, body.sample_ids)}
 
@@ -315,13 +324,14 @@ def build_api(state: ServiceState) -> FastAPI:
         return streams
 
     @v1.post("/partitions/{partition}/claim", tags=["streaming"])
-    async def claim(partition: str, body: ClaimBody) -> dict[str, Any]:
+    async def claim(partition: str, body: ClaimBody, who: Access = Depends(caller)) -> dict[str, Any]:
         """Claim up to ``batch_size`` ready samples for ``task`` (exactly once per task, oldest
         first), waiting up to ``timeout`` s: the answer names the samples, their tags and the
         lease to ack. 408 NotReadyError when fewer than ``min_batch`` were ready in time.
         A waiting claim holds no server thread."""
         async with observed("claim"):
             check_partition(partition)
+            who.check(partition, write=False)
             if body.fields is None and body.stage is None:
                 raise E.InvalidArgumentError("claim needs fields=[...] or stage=...")
             names = list(body.fields) if body.fields is not None else registry.fields_for_stage(body.stage)  # type: ignore[arg-type]
@@ -342,49 +352,61 @@ def build_api(state: ServiceState) -> FastAPI:
         return int(out[f"{verb}ed"])
 
     @v1.post("/partitions/{partition}/ack", tags=["streaming"])
-    async def ack(partition: str, body: LeaseBody) -> dict[str, Any]:
+    async def ack(partition: str, body: LeaseBody, who: Access = Depends(caller)) -> dict[str, Any]:
         """Mark a lease's samples consumed by the task (409 LeaseError once the lease expired)."""
+        who.check(partition, write=False)
         return {"acked": await settle("ack", partition, body)}
 
     @v1.post("/partitions/{partition}/nack", tags=["streaming"])
-    async def nack(partition: str, body: LeaseBody) -> dict[str, Any]:
+    async def nack(partition: str, body: LeaseBody, who: Access = Depends(caller)) -> dict[str, Any]:
         """Give a lease's samples back to the task at once."""
+        who.check(partition, write=False)
         return {"nacked": await settle("nack", partition, body)}
 
     @v1.get("/partitions/{partition}/consumption", tags=["streaming"])
-    async def consumption(partition: str, task: str = Query(..., min_length=1, max_length=200)) -> dict[str, Any]:
+    async def consumption(partition: str, task: str = Query(..., min_length=1, max_length=200),
+                          who: Access = Depends(caller)) -> dict[str, Any]:
         """How ``task`` stands: samples, ready, claimed, acked, expired, pending, redelivered."""
+        who.check(partition, write=False)
         out = await ledger().acall({"op": "consumption", "p": partition, "task": task})
         return {k: out[k] for k in ("samples", "ready", "claimed", "acked", "expired", "pending", "redelivered")}
 
     # -- data path -------------------------------------------------------------------
     @v1.get("/transport", tags=["data"])
-    async def transport_description() -> dict[str, Any]:
+    async def transport_description(who: Access = Depends(caller)) -> dict[str, Any]:
         """How a client reaches the data path: the store's direct address (``native`` or ``tq``,
-        by backend; ``native`` carries the data-path secret) and the HTTP fallback."""
+        by backend; ``native`` carries the data-path credential, a tenant's its own) and the
+        HTTP fallback (a tenant's only path on the TransferQueue-based backends)."""
+        if who.full:
+            direct = state.transport_info or None
+        else:
+            direct = state.transport_for(who) if state.transport_for is not None else None
         return {
             "registry_version": registry.version,
             "backend": state.transport_info.get("backend", transport.name),
-            state.publish_key: state.transport_info or None,
+            state.publish_key: direct,
             "http": {"put": "/v1/data/{partition}/put", "get": "/v1/data/{partition}/get",
                      "content_type": CONTENT_TYPE, "max_request_bytes": state.settings.max_request_bytes},
         }
 
     @v1.post("/data/{partition}/put", tags=["data"])
-    async def put(partition: str, request: Request, create: bool = Query(True)) -> dict[str, Any]:
+    async def put(partition: str, request: Request, create: bool = Query(True),
+                  who: Access = Depends(caller)) -> dict[str, Any]:
         """Store encoded columns (body: rlplane envelope with ``sample_ids`` and ``tags``).
 
         Checked against the registry first; a body that fails stores nothing.
         """
         async with observed("put_samples" if create else "write_columns") as event:
             check_partition(partition)
+            who.check(partition, write=True)
             body = await _read_body(request, state.settings.max_request_bytes)
             stored, event["nbytes"] = await offload(_check_and_store, registry, transport, partition, body, create)
         return {"partition": partition, "stored": stored, "nbytes": len(body)}
 
     @v1.post("/data/{partition}/get", tags=["data"])
-    async def get(partition: str, body: GetRequest) -> Response:
+    async def get(partition: str, body: GetRequest, who: Access = Depends(caller)) -> Response:
         """Every requested (sample, field) as an rlplane envelope, or 404 naming what is missing."""
+        who.check(partition, write=False)
         async with observed("read_columns") as event:
             for name in body.fields:
                 registry.get(name)
@@ -403,11 +425,13 @@ def build_api(state: ServiceState) -> FastAPI:
         return {"received": len(events)}
 
     @v1.get("/status", tags=["status"])
-    async def status() -> dict[str, Any]:
-        """Registry version, store layout, partitions and bytes (what ``rlplane status`` prints)."""
-        parts = (await list_partitions())["partitions"]
+    async def status(who: Access = Depends(caller)) -> dict[str, Any]:
+        """Registry version, store layout, partitions and bytes (what ``rlplane status`` prints;
+        a tenant sees its own partitions and tasks)."""
+        parts = (await list_partitions(who))["partitions"]
         info = state.transport_info or {}
         streams = await offload(state.streams) if state.streams is not None else {"tasks": []}
+        streams = {**streams, "tasks": [t for t in streams.get("tasks", []) if who.sees(str(t.get("partition")))]}
         return {
             "version": rlplane.__version__,
             "registry_version": registry.version,
@@ -445,7 +469,7 @@ def build_api(state: ServiceState) -> FastAPI:
         return {k: stats.get(k) for k in ("lost_samples", "lost_units", "under_replicated_samples")}
 
     api.include_router(v1)
-    api.add_middleware(Guard, token=token, limit=state.settings.max_request_bytes)
+    api.add_middleware(Guard, tenants=tenants, limit=state.settings.max_request_bytes)
     return api
 
 
@@ -454,9 +478,8 @@ class Guard:
     announced over the limit, *before* a byte of the body is read (FastAPI reads the body
     before its dependencies run). The route's own ``authorize`` check stays as a second line."""
 
-    def __init__(self, app: Any, *, token: str | None, limit: int) -> None:
-        self.app, self.limit = app, limit
-        self.expected = f"Bearer {token}".encode() if token is not None else None
+    def __init__(self, app: Any, *, tenants: Tenants, limit: int) -> None:
+        self.app, self.limit, self.tenants = app, limit, tenants
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -466,9 +489,7 @@ class Guard:
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root):]
-        if self.expected is not None and path.startswith("/v1") and not hmac.compare_digest(
-            headers.get(b"authorization", b""), self.expected
-        ):
+        if path.startswith("/v1") and self.tenants.lookup_header(headers.get(b"authorization", b"")) is None:
             return await _refuse(send, 401, _unauthorized(), {"WWW-Authenticate": "Bearer"})
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:

@@ -44,7 +44,7 @@ class RlplaneService:
         self._state = ServiceState(
             settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger),
             store.master_info, publish_key=store.publish_key, streams=store.streams,
-            loss=store.loss if tq else None,
+            loss=store.loss if tq else None, transport_for=store.transport_for,
         )
         log.info("rlplane replica up: %d fields (registry %s)", len(registry.names()), registry.version)
 

@@ -48,6 +48,10 @@ class ServiceSettings(BaseSettings):
     api_token: Optional[SecretStr] = Field(
         None, description="When set, every /v1 call needs 'Authorization: Bearer <token>'."
     )
+    tokens_file: Optional[Path] = Field(
+        None, description="Tenants: a YAML/JSON file of tokens scoped to partition-name prefixes, read or "
+        "read-write (see rlplane_service.tenants). RLPLANE_API_TOKEN stays a full-access token.",
+    )
     max_request_bytes: int = Field(
         2 << 30, ge=1 << 10, description="Largest HTTP data request body; larger ones get 413."
     )

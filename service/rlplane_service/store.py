@@ -28,6 +28,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlplane.errors import TransportError
 from rlplane.transports.tq import server_info_to_dict
 from rlplane_service.settings import ServiceSettings
+from rlplane_service.tenants import Access
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,11 @@ class Store:
             stream_actor=streams,
             streams_info=streams_info,
         )
+
+    def transport_for(self, access: Access) -> dict[str, Any] | None:
+        """What ``GET /v1/transport`` publishes to ``access``: a tenant's token gets no direct
+        path (TransferQueue's units authenticate nobody), so its bytes go over HTTP."""
+        return self.transport_info() if access.full else None
 
     def transport_info(self) -> dict[str, Any]:
         """The ``tq`` entry of ``GET /v1/transport``: what TQTransport needs."""

@@ -389,3 +389,14 @@ def test_every_value_changes_the_rendered_output():
         if not any(changed):
             dead.append(".".join(path))
     assert dead == [], f"values that change nothing: {dead}"
+
+
+def test_a_tokens_secret_is_mounted_on_the_head_and_named_in_its_env():
+    assert "RLPLANE_TOKENS_FILE" not in env(containers(render()["RayService"])[0])
+    rs = render({"tokensSecret": "rl-tenants"})["RayService"]
+    head = groups(rs)["head"]["template"]["spec"]
+    (c,) = head["containers"]
+    assert env(c)["RLPLANE_TOKENS_FILE"]["value"] == "/etc/rlplane/tokens/tokens.yaml"
+    assert {"name": "tokens", "mountPath": "/etc/rlplane/tokens", "readOnly": True} in c["volumeMounts"]
+    (vol,) = [v for v in head["volumes"] if v["name"] == "tokens"]
+    assert vol["secret"]["secretName"] == "rl-tenants"

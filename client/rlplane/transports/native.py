@@ -51,13 +51,13 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from rlplane.channel import Channel, ChannelPool
+from rlplane.channel import PLAIN_USER, Channel, ChannelPool
 from rlplane.placement import spread
 from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
 from rlplane.integrity import SUM_TAG
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
-from rlplane.errors import (InvalidArgumentError, MissingDataError, ShapeError, TransportError, UnavailableError,
+from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataError, ShapeError, TransportError, UnavailableError,
                             WireFormatError)
 from rlplane.readpool import ReadPool
 from rlplane.shm import SlabView, shared_slab
@@ -108,12 +108,14 @@ class NativeTransport(Transport):
         try:
             self.controller = str(info["controller"])
             secret = info.get("secret")
+            user = str(info.get("user") or PLAIN_USER.decode())  # a tenant's own engine credential
         except (KeyError, TypeError) as err:
             raise TransportError(f"the service's native-engine address is malformed ({err})") from None
         self.info = dict(info)
         self.timeout = timeout
-        self._pool = ChannelPool(secret.encode() if secret else None)
-        self.streams = DirectStreams({"endpoint": self.controller, "secret": secret}, timeout=timeout, name="controller")
+        self._pool = ChannelPool(secret.encode() if secret else None, user.encode())
+        self.streams = DirectStreams({"endpoint": self.controller, "secret": secret, "user": user}, timeout=timeout,
+                                     name="controller")
         hello = self._ctrl().call({"op": "hello"}, timeout=min(timeout, 10.0))[0]
         self.units: list[tuple[str, str]] = [(str(n), str(e)) for n, e in hello["units"]]
         self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
@@ -143,7 +145,7 @@ class NativeTransport(Transport):
                 share = self._unit(u).call({"op": "slab"}, timeout=min(self.timeout, 5.0))[0]
                 self._slabs[u] = shared_slab(str(share["sock"]), str(share["ticket"]), int(share["bytes"]), unit=name,
                                              timeout=min(self.timeout, 5.0))
-            except (TransportError, KeyError, TypeError, ValueError) as err:
+            except (TransportError, ForbiddenError, KeyError, TypeError, ValueError) as err:
                 if required:
                     self.close()
                     raise TransportError(f"data_path='shm' needs every storage unit on this host, but {name} cannot "

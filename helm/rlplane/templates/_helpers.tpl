@@ -39,6 +39,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
       key: token
 - name: RLPLANE_BACKEND
   value: {{ .Values.service.backend | quote }}
+{{- if .Values.tokensSecret }}
+- name: RLPLANE_TOKENS_FILE
+  value: /etc/rlplane/tokens/tokens.yaml
+{{- end }}
 {{- if eq .Values.service.backend "mooncake" }}
 - name: RLPLANE_MOONCAKE_PROTOCOL
   value: {{ .Values.mooncake.protocol | quote }}
@@ -84,6 +88,12 @@ volumes:
     emptyDir:
       medium: Memory
       sizeLimit: {{ .Values.shm.sizeLimit }}
+  {{- if .Values.tokensSecret }}
+  - name: tokens
+    secret:
+      secretName: {{ .Values.tokensSecret }}
+      items: [{key: tokens.yaml, path: tokens.yaml}]
+  {{- end }}
 {{- end -}}
 
 {{/* Ray's own ports, pinned so the NetworkPolicy can keep clients off them: the raylet

@@ -27,6 +27,7 @@ import ray
 from rlplane.errors import TransportError
 from rlplane.transports.native import NativeTransport
 from rlplane_service.settings import ServiceSettings
+from rlplane_service.tenants import Access, Tenants
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +35,12 @@ _START_TIMEOUT_S = 60.0
 
 
 def data_secret(settings: ServiceSettings) -> str | None:
-    """The data-path secret of a store: None without an API token."""
+    """The full-access data-path secret of a store: derived from the API token; a random
+    one when only tenants' tokens exist (the controller keeps it, for the service's own
+    connections); None when nothing needs a token."""
     token = settings.token()
     if token is None:
-        return None
+        return secrets.token_hex(32) if settings.tokens_file else None
     return hmac.new(token.encode(), f"rlplane-data:{settings.store_name}".encode(), hashlib.sha256).hexdigest()
 
 
@@ -54,6 +57,7 @@ class NativeStore:
     backend: str = "native"
     publish_key: str = "native"
     _unit_endpoints: dict[str, str] = field(default_factory=dict)
+    users: dict[str, tuple[str, Access]] = field(default_factory=dict)  # tenant -> (engine secret, scope)
 
     @classmethod
     def attach_or_create(cls, settings: ServiceSettings) -> NativeStore:
@@ -64,13 +68,16 @@ class NativeStore:
 
         common = _actor_options(settings)
         prefix, secret = settings.store_name, data_secret(settings)
+        users = Tenants.load(settings.token(), str(settings.tokens_file or "")).data_users(prefix)
+        scoped = {name: [s, access.wire()] for name, (s, access) in users.items()}  # user -> [secret, scope]
         host = settings.native_host or None
         ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
         Unit, Controller = unit_actor_class(), controller_actor_class()
         control = secrets.token_hex(32)  # the controller's own credential on the units; no client ever sees it
         units = {
             f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **_unit_options(settings, common))
-            .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control, settings.engine_ports())
+            .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control, settings.engine_ports(),
+                    {name: s for name, (s, _) in scoped.items()})
             for i in range(settings.storage_units)
         }
         try:
@@ -78,7 +85,7 @@ class NativeStore:
             controller = Controller.options(name=f"{prefix}-native-controller", **common).remote(
                 host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
                 settings.put_lease_s, settings.replicas, settings.claim_lease_s,
-                [i["control"] for i in unit_infos], control, settings.unit_grace_s, settings.engine_ports())
+                [i["control"] for i in unit_infos], control, settings.unit_grace_s, settings.engine_ports(), scoped)
             cinfo = ray.get(controller.info.remote(), timeout=_START_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as err:
             raise TransportError(f"the native store's actors did not start: {err}") from err
@@ -93,15 +100,26 @@ class NativeStore:
             "streams": {"endpoint": cinfo["endpoint"], "secret": cinfo["secret"]},  # the controller keeps consumption
         }
         log.info("native store %r: controller %s, %d storage units", prefix, cinfo["endpoint"], len(units))
-        return cls(settings, controller, units, info, ledger)
+        return cls(settings, controller, units, info, ledger, users=users)
 
     @staticmethod
     def stop_processes(settings: ServiceSettings) -> None:
         """Nothing runs outside Ray: the actors go with it."""
 
     def transport_info(self) -> dict[str, Any]:
-        """What ``GET /v1/transport`` publishes under ``native``."""
+        """What ``GET /v1/transport`` publishes under ``native`` (full access)."""
         return dict(self.info)
+
+    def transport_for(self, access: Access) -> dict[str, Any] | None:
+        """What ``GET /v1/transport`` publishes to ``access``: a tenant gets its own
+        credential (``user``, ``secret``), whose scope the controller enforces."""
+        if access.full:
+            return dict(self.info)
+        if access.tenant not in self.users:
+            return None  # a tenant added after the store was made: its data goes over HTTP
+        secret = self.users[access.tenant][0]
+        return {**self.info, "user": access.tenant, "secret": secret,
+                "streams": {**self.info["streams"], "user": access.tenant, "secret": secret}}
 
     def service_transport(self) -> NativeTransport:
         return NativeTransport(self.info, timeout=60.0)

@@ -63,7 +63,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -224,12 +224,16 @@ class ControllerCore(StreamOps):
                  lease_s: float = 60.0, replicas: int = 1, claim_lease_s: float = 300.0,
                  pin_lease_s: float = PIN_LEASE_S, control: Sequence[str] | None = None,
                  control_secret: bytes | None = None, grace_s: float = UNIT_GRACE_S,
-                 is_dead: Callable[[int], bool] | None = None) -> None:
+                 is_dead: Callable[[int], bool] | None = None,
+                 scopes: Mapping[str, tuple[Sequence[str], bool]] | None = None) -> None:
         """``units``: (name, data endpoint) of each storage unit; ``control``: their control
         endpoints (served with ``control_secret``), where the controller sends what only it
         may (free, block copies); without them it uses the data endpoints. ``is_dead(u)``:
-        True once unit ``u``'s process is known dead (see the module docstring)."""
+        True once unit ``u``'s process is known dead (see the module docstring). ``scopes``:
+        tenants' engine users -> (partition-name prefixes, may write); every other user
+        has full access."""
         self.units = list(units)
+        self.scopes = {user: (tuple(prefixes), bool(write)) for user, (prefixes, write) in (scopes or {}).items()}
         self.grace_s = grace_s
         self.is_dead = is_dead
         self._control = list(control) if control is not None else [e for _, e in self.units]
@@ -307,6 +311,7 @@ class ControllerCore(StreamOps):
 
     def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
         p, ids = _partition(header), _ids(header.get("ids"))
+        self._access(header, p, write=True)
         create, fields = header.get("create") is True, _fields(header.get("fields"))
         blocks = self._blocks_of(header.get("blocks"), len(ids))
         taken = [b for b, _, _, _ in blocks if b in self._block_units or b in self._deferred]
@@ -353,6 +358,8 @@ class ControllerCore(StreamOps):
         rid = header.get("res")
         with self._lock:
             res = self._res.get(rid) if isinstance(rid, str) else None
+            if res is not None:
+                self._access(header, res.partition, write=True)
             if res is None:
                 raise E.LeaseError("this put's reservation expired before it committed (the put took longer than "
                                    f"the service's lease of {self.lease_s:.0f} s, RLPLANE_PUT_LEASE_S); nothing was "
@@ -428,6 +435,7 @@ class ControllerCore(StreamOps):
         with self._lock:
             res = self._res.get(rid) if isinstance(rid, str) else None
             if res is not None:
+                self._access(header, res.partition, write=True)
                 self._abort(res)
         return {"aborted": res is not None}, {}, []
 
@@ -459,6 +467,7 @@ class ControllerCore(StreamOps):
         each row's slab address and the field's dtype. The blocks named are pinned
         (``pin`` in the answer) until the client unpins them or the pin's lease passes."""
         p, ids, fields = _partition(header), _ids(header.get("ids"), unique=False), _fields(header.get("fields"))
+        self._access(header, p, write=False)
         shm = header.get("shm") or []
         if not isinstance(shm, list) or len(shm) > len(self.units) or not all(isinstance(u, int) for u in shm):
             raise E.WireFormatError("'shm' must list unit indices")
@@ -591,6 +600,7 @@ class ControllerCore(StreamOps):
     # -- housekeeping --------------------------------------------------------------------
     def op_clear(self, header: dict, columns: dict, extra: list) -> Any:
         p = _partition(header)
+        self._access(header, p, write=True)
         ids = header.get("ids")
         if ids is not None:
             ids = _ids(ids, unique=False)
@@ -611,11 +621,13 @@ class ControllerCore(StreamOps):
 
     def op_list(self, header: dict, columns: dict, extra: list) -> Any:
         with self._lock:
-            out = [self._describe(name, part, with_ids=False) for name, part in sorted(self._parts.items())]
+            out = [self._describe(name, part, with_ids=False) for name, part in sorted(self._parts.items())
+                   if self._sees(header, name)]
         return {"partitions": [d for d in out if d["num_samples"]]}, {}, []
 
     def op_describe(self, header: dict, columns: dict, extra: list) -> Any:
         p = _partition(header)
+        self._access(header, p, write=False)
         with self._lock:
             part = self._parts.get(p)
             d = self._describe(p, part, with_ids=True) if part is not None else None
@@ -1092,10 +1104,12 @@ def controller_actor_class() -> Any:
         def __init__(self, host: str | None, secret: str | None, units: list[tuple[str, str]], capacity: int | None,
                      lease_s: float, replicas: int, claim_lease_s: float = 300.0, control: list[str] | None = None,
                      control_secret: str | None = None, grace_s: float = UNIT_GRACE_S,
-                     ports: Sequence[int] | None = None) -> None:
+                     ports: Sequence[int] | None = None, tenants: dict[str, Any] | None = None) -> None:
+            """``tenants``: engine user -> [secret, [prefixes, may write]] (rlplane_service.tenants)."""
             from rlplane_service.native.server import Server
 
             key = secret.encode() if secret else None
+            tenants = tenants or {}
             names = [name for name, _ in units]
             handles: dict[int, Any] = {}
 
@@ -1116,10 +1130,12 @@ def controller_actor_class() -> Any:
             self._core = ControllerCore(units, secret=key, capacity=capacity, lease_s=lease_s, replicas=replicas,
                                         claim_lease_s=claim_lease_s, control=control,
                                         control_secret=control_secret.encode() if control_secret else None,
-                                        grace_s=grace_s, is_dead=is_dead)
+                                        grace_s=grace_s, is_dead=is_dead,
+                                        scopes={user: tuple(scope) for user, (_, scope) in tenants.items()})
             bind = host or ray.util.get_node_ip_address()
             self._server = Server(self._core, host=bind, secret=key, name="controller",
-                                  port=(int(ports[0]), int(ports[1])) if ports else 0).start()
+                                  port=(int(ports[0]), int(ports[1])) if ports else 0,
+                                  users={user: s.encode() for user, (s, _) in tenants.items()}).start()
             self._secret = secret
 
         def info(self) -> dict[str, Any]:

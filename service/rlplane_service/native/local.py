@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from rlplane_service.native.controller import ControllerCore
 from rlplane_service.native.server import Server
@@ -39,8 +39,13 @@ class LocalEngine:
 
     def __init__(self, units: int = 2, *, secret: bytes | None = b"local-engine-secret",
                  slab_bytes: int = DEFAULT_SLAB_BYTES, hosts: Sequence[str] | None = None, processes: bool = False,
+                 tenants: Mapping[str, tuple[bytes, tuple[Sequence[str], bool]]] | None = None,
                  **controller: Any) -> None:
+        """``tenants``: engine user -> (secret, (partition prefixes, may write)), as the
+        service derives them from RLPLANE_TOKENS_FILE (in-process units only)."""
         self.secret = secret
+        tenants = dict(tenants or {})
+        users = {name: s for name, (s, _) in tenants.items()}
         control = secrets.token_hex(16).encode()
         hosts = list(hosts) if hosts is not None else ["127.0.0.1"] * units
         self._killed: set[int] = set()
@@ -56,13 +61,14 @@ class LocalEngine:
             endpoints = [(s["endpoint"], s["control"]) for s in started]
         else:
             self.cores = [UnitCore(f"u{i}", slab_bytes) for i in range(units)]
-            self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control).start()
+            self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control, users=users).start()
                           for i, (c, h) in enumerate(zip(self.cores, hosts))]
             endpoints = [(u.endpoint, u.control_endpoint) for u in self.units]
         self.core = ControllerCore([(f"u{i}", e) for i, (e, _) in enumerate(endpoints)], secret=secret,
                                    control=[c for _, c in endpoints], control_secret=control,
-                                   is_dead=self._is_dead, **controller)
-        self.server = Server(self.core, secret=secret, name="controller").start()
+                                   is_dead=self._is_dead, scopes={u: scope for u, (_, scope) in tenants.items()},
+                                   **controller)
+        self.server = Server(self.core, secret=secret, name="controller", users=users).start()
         self.info = {"controller": self.server.endpoint, "secret": secret.decode() if secret else None}
 
     def _is_dead(self, i: int) -> bool:

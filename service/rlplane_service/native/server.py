@@ -18,7 +18,10 @@ that present it: unauthenticated peers cannot deliver a single message. With a
 ``control_secret`` the server binds a second socket (``control_endpoint``) that admits
 only peers holding that one: the handler's ``CONTROL_OPS`` (a storage unit's ``free``,
 ``block``...) are served there and refused on the data socket with ForbiddenError,
-so a data client cannot delete or copy out what the controller manages.
+so a data client cannot delete or copy out what the controller manages. ``users`` adds
+PLAIN users of their own to the data socket (tenants, :mod:`rlplane_service.tenants`):
+every request's header then carries ``_user``, the name its connection authenticated
+as (``rlplane`` for the full-access secret), for the handler to check its scope.
 
 No request can stop the loop: whatever one request raises is answered or logged, a
 parked request's deadline is clamped to a finite time at most ``MAX_PARK_S`` away, at
@@ -40,7 +43,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -73,7 +76,7 @@ class Server:
 
     def __init__(self, handler: Any, *, host: str = "127.0.0.1", port: int | tuple[int, int] = 0,
                  secret: bytes | None = None, name: str = "server", control_secret: bytes | None = None,
-                 control_port: int = 0) -> None:
+                 control_port: int = 0, users: Mapping[str, bytes] | None = None) -> None:
         """``port``: a port, ``(lowest, highest)`` to bind a free one of that range, or 0 for any."""
         self.handler, self.name = handler, name
         self._ctx = zmq.Context()
@@ -82,7 +85,7 @@ class Server:
             self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger(f"{__name__}.zap"))
             self._auth.start()
         try:
-            self._sock = self._bind(host, port, secret, "rlplane")
+            self._sock = self._bind(host, port, secret, "rlplane", users)
             self._control = self._bind(host, control_port, control_secret, "rlplane-ctl") if control_secret else None
         except BaseException:
             if self._auth is not None:
@@ -97,14 +100,16 @@ class Server:
         self.failures = 0  # requests that failed with a bug (not a typed error), and loop iterations that did
         self._thread = threading.Thread(target=self._loop, name=f"rlplane-{name}", daemon=True)
 
-    def _bind(self, host: str, port: int | tuple[int, int], secret: bytes | None, domain: str) -> zmq.Socket:
+    def _bind(self, host: str, port: int | tuple[int, int], secret: bytes | None, domain: str,
+              users: Mapping[str, bytes] | None = None) -> zmq.Socket:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.maxmsgsize = MAX_FRAME_BYTES
         sock.router_mandatory = False
         if secret is not None:
             assert self._auth is not None
-            self._auth.configure_plain(domain=domain, passwords={PLAIN_USER.decode(): secret.decode()})
+            passwords = {name: pw.decode() for name, pw in (users or {}).items()}
+            self._auth.configure_plain(domain=domain, passwords={**passwords, PLAIN_USER.decode(): secret.decode()})
             sock.plain_server = True
             sock.zap_domain = domain.encode()
         if isinstance(port, tuple):
@@ -198,6 +203,7 @@ class Server:
             header, columns, extra = unpack_message(frames, header)
             header = {k: v for k, v in header.items() if not (isinstance(k, str) and k.startswith("_"))}
             header["_t0"], header["_final"] = t0, final
+            header["_user"] = "controller" if control else self._user_of(frames[0])
             op = header.get("op")
             fn: Callable[..., Reply] | None = getattr(self.handler, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
             if fn is None:
@@ -217,6 +223,15 @@ class Server:
                 return None
             return pack_message({"ok": False, "rid": rid,
                                  "error": {"error": "TransportError", "message": f"{self.name} failed: {type(err).__name__}: {err}"}})
+
+    def _user_of(self, frame: Any) -> str | None:
+        """The PLAIN user a message's connection authenticated as (None: no authentication)."""
+        if self._auth is None:
+            return None
+        try:
+            return frame.get("User-Id")
+        except (zmq.ZMQError, AttributeError):
+            return None
 
     def stop(self) -> None:
         self._stop.set()

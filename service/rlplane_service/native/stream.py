@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from rlplane import errors as E
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest, Ledger, SimpleIndexes
@@ -26,13 +26,34 @@ from rlplane_service.native.server import Park
 
 
 class StreamOps:
-    """Ops over ``self.ledger``, each under ``self._lock``."""
+    """Ops over ``self.ledger``, each under ``self._lock``; every op on a partition is
+    checked against the caller's scope (``scopes``: engine user -> (prefixes, may write);
+    a user not in it has full access)."""
 
     ledger: Ledger
     _lock: threading.RLock
+    scopes: Mapping[str, tuple[tuple[str, ...], bool]] = {}
+
+    def _access(self, header: dict, partition: str, *, write: bool) -> None:
+        """ForbiddenError unless the request's user may read (or ``write``) ``partition``."""
+        scope = self.scopes.get(header.get("_user")) if self.scopes else None  # type: ignore[arg-type]
+        if scope is None:
+            return
+        prefixes, may_write = scope
+        if not partition.startswith(prefixes):
+            raise E.ForbiddenError(f"tenant {header.get('_user')!r} may not touch partition {partition!r}: its "
+                                   f"token is scoped to partitions starting with {list(prefixes)}")
+        if write and not may_write:
+            raise E.ForbiddenError(f"tenant {header.get('_user')!r} has a read-only token; it cannot change "
+                                   f"{partition!r}")
+
+    def _sees(self, header: dict, partition: str) -> bool:
+        scope = self.scopes.get(header.get("_user")) if self.scopes else None  # type: ignore[arg-type]
+        return scope is None or partition.startswith(scope[0])
 
     def op_claim(self, header: dict, columns: dict, extra: list) -> Any:
         req = ClaimRequest.parse(header)
+        self._access(header, req.partition, write=False)
         t0 = float(header.get("_t0") or time.monotonic())  # set by the server, never by a client
         final = bool(header.get("_final")) or req.wait_s <= 0
         with self._lock:
@@ -44,11 +65,13 @@ class StreamOps:
 
     def op_ack(self, header: dict, columns: dict, extra: list) -> Any:
         p, task, lease, ids = _lease_args(header)
+        self._access(header, p, write=False)
         with self._lock:
             return {"acked": self.ledger.ack(p, task, lease, ids)}, {}, []
 
     def op_nack(self, header: dict, columns: dict, extra: list) -> Any:
         p, task, lease, ids = _lease_args(header)
+        self._access(header, p, write=False)
         with self._lock:
             return {"nacked": self.ledger.nack(p, task, lease, ids)}, {}, []
 
@@ -56,12 +79,16 @@ class StreamOps:
         p, task = header.get("p"), header.get("task")
         check_partition(p)
         check_task(task)
+        self._access(header, p, write=False)  # type: ignore[arg-type]
         with self._lock:
             return self.ledger.consumption(p, task), {}, []
 
     def op_streams(self, header: dict, columns: dict, extra: list) -> Any:
         with self._lock:
-            return self.ledger.snapshot(), {}, []
+            snap = self.ledger.snapshot()
+        if self.scopes and header.get("_user") in self.scopes:
+            snap = {**snap, "tasks": [t for t in snap.get("tasks", []) if self._sees(header, t["partition"])]}
+        return snap, {}, []
 
     def wake(self) -> bool:
         """Whether parked claims should look again (a commit, a nack, a lapsed lease)."""

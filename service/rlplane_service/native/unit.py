@@ -46,6 +46,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rlplane import errors as E
+from rlplane.channel import PLAIN_USER
 from rlplane.dtypes import dtype_from_name
 from rlplane.gather import gather
 from rlplane.wire import RawColumn, check_offsets, int_array, ints, numpy_dtype
@@ -99,6 +100,7 @@ class UnitCore:
         """Extents for block ``b``: ``f`` = ``[[field, dtype, nbytes], ...]``, each field's
         int64 element offsets in the extra buffers, in that order. Answers ``x``: the
         slab offset of each field's extent; the writer copies its values there."""
+        _full_access(header, "allocate extents in the slab (they may hold another tenant's old bytes)")
         bid = _block_id(header)
         wanted = header.get("f")
         if not isinstance(wanted, list) or not 0 < len(wanted) <= MAX_FIELDS or len(extra) != len(wanted):
@@ -188,7 +190,9 @@ class UnitCore:
             return {"b": ints([b for b, t in self._born.items() if t < cut])}, {}, []
 
     def op_slab(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
-        """How to map this unit's slab from the same host: its socket and a fresh ticket."""
+        """How to map this unit's slab from the same host: its socket and a fresh ticket.
+        Only for full-access credentials: the slab holds every tenant's bytes."""
+        _full_access(header, "map this unit's slab")
         if self.share is None:
             raise E.UnavailableError(f"storage unit {self.name} does not share its slab", component=self.name)
         return {"sock": self.share.sock_name, "ticket": self.share.ticket(), "bytes": self.slab.nbytes}, {}, []
@@ -288,6 +292,14 @@ class UnitCore:
         return RawColumn(dtype, values, offsets)
 
 
+def _full_access(header: dict[str, Any], what: str) -> None:
+    """ForbiddenError for a tenant's (scoped) credential: only full access may ``what``."""
+    user = header.get("_user")
+    if user not in (None, PLAIN_USER.decode(), "controller"):
+        raise E.ForbiddenError(f"a tenant's credential ({user!r}) may not {what}; its bytes move over the engine's "
+                               "sockets (data_path='zmq')")
+
+
 def _block_id(header: dict[str, Any]) -> int:
     bid = header.get("b")
     if not isinstance(bid, int) or not 0 < bid < 1 << 63:
@@ -312,14 +324,16 @@ def unit_actor_class() -> Any:
 
         def __init__(self, name: str, host: str | None, secret: str | None,
                      slab_bytes: int = DEFAULT_SLAB_BYTES, control_secret: str | None = None,
-                     ports: Sequence[int] | None = None) -> None:
+                     ports: Sequence[int] | None = None, tenants: dict[str, str] | None = None) -> None:
+            """``tenants``: engine user -> secret of each tenant (they may not map the slab)."""
             from rlplane_service.native.server import Server
 
             self._core = UnitCore(name, slab_bytes)
             bind = host or ray.util.get_node_ip_address()
             self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name,
                                   port=(int(ports[0]), int(ports[1])) if ports else 0,
-                                  control_secret=control_secret.encode() if control_secret else None).start()
+                                  control_secret=control_secret.encode() if control_secret else None,
+                                  users={u: s.encode() for u, s in (tenants or {}).items()}).start()
 
         def info(self) -> dict[str, Any]:
             """Name, data endpoint, control endpoint (the controller's) and the process id."""

@@ -1,0 +1,130 @@
+"""Tenants (issue 23): tokens scoped to partition-name prefixes, read or read-write. The
+rules, the tokens file, and the native engine enforcing a tenant's engine credential."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane.transports.native import NativeTransport
+from rlplane_service.native.local import LocalEngine
+from rlplane_service.tenants import FULL, Tenants
+
+FILE = """
+tokens:
+  - {name: job-a, token: "token-of-job-a-0123", prefixes: ["job-a:"]}
+  - {name: eval, token: "token-of-eval-45678", prefixes: ["job-a:eval", "shared."], access: read}
+"""
+
+
+@pytest.fixture
+def tenants(tmp_path):
+    path = tmp_path / "tokens.yaml"
+    path.write_text(FILE)
+    return Tenants.load("admin-token-xyz", str(path))
+
+
+def test_a_token_stands_for_its_tenant_and_scope(tenants):
+    a = tenants.lookup("token-of-job-a-0123")
+    assert a.tenant == "job-a" and a.write
+    a.check("job-a:step-0", write=True)
+    with pytest.raises(E.ForbiddenError, match="job-a"):
+        a.check("job-b:step-0", write=False)
+    ev = tenants.lookup("token-of-eval-45678")
+    ev.check("shared.prompts", write=False)
+    with pytest.raises(E.ForbiddenError, match="read-only"):
+        ev.check("job-a:eval-1", write=True)
+    assert tenants.lookup("admin-token-xyz") is FULL
+    assert tenants.lookup("nope") is None and tenants.lookup(None) is None
+    assert tenants.lookup_header("Bearer token-of-job-a-0123").tenant == "job-a"
+    assert tenants.lookup_header("token-of-job-a-0123") is None
+    assert Tenants.load(None, None).lookup(None) is FULL  # no tokens at all: open, as without RLPLANE_API_TOKEN
+
+
+@pytest.mark.parametrize("text, what", [
+    ("tokens: [{name: a, token: short, prefixes: [x]}]", "16 characters"),
+    ("tokens: [{name: a, token: aaaaaaaaaaaaaaaaaa, prefixes: []}]", "prefixes"),
+    ("tokens: [{name: a, token: aaaaaaaaaaaaaaaaaa, prefixes: [a/]}]", "no '/'"),
+    ("tokens: [{name: a, token: aaaaaaaaaaaaaaaaaa, prefixes: [x]}, {name: a, token: bbbbbbbbbbbbbbbbbb, prefixes: [y]}]",
+     "distinct"),
+    ("tokens: [{name: a, token: aaaaaaaaaaaaaaaaaa, prefixes: [x]}, {name: b, token: aaaaaaaaaaaaaaaaaa, prefixes: [y]}]",
+     "share a token"),
+    ("tokens: [{name: a, token: aaaaaaaaaaaaaaaaaa, prefixes: [x], access: admin}]", "access"),
+    ("tokens: {{{", "tokens.yaml"),
+])
+def test_a_bad_tokens_file_is_refused_naming_the_file_and_the_fault(tmp_path, text, what):
+    path = tmp_path / "tokens.yaml"
+    path.write_text(text)
+    with pytest.raises(E.InvalidArgumentError, match="tokens.yaml") as err:
+        Tenants.load(None, str(path))
+    assert what in str(err.value)
+    with pytest.raises(E.InvalidArgumentError, match="cannot read"):
+        Tenants.load(None, str(tmp_path / "missing.yaml"))
+
+
+SECRET = b"tenant-engine-secret"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tenants = {"job-a": (b"secret-a", (("job-a:",), True)), "reader": (b"secret-r", (("job-a:",), False))}
+    with LocalEngine(2, secret=SECRET, slab_bytes=16 << 20, tenants=tenants) as eng:
+        yield eng
+
+
+def _client(engine, user: str | None, secret: bytes) -> Client:
+    info = {**engine.info, "secret": secret.decode(), **({"user": user} if user else {})}
+    return Client(default_registry(), NativeTransport(info, timeout=10))
+
+
+FIELDS = {"input_ids": torch.arange(24).reshape(3, 8), "input_lengths": torch.tensor([8, 5, 2])}
+#: What a read gives back: each row's tokens up to its length, zero padding after.
+WANT = FIELDS["input_ids"] * (torch.arange(8) < FIELDS["input_lengths"][:, None])
+
+
+def test_the_native_engine_holds_a_tenant_to_its_prefixes(engine):
+    admin, a, reader = _client(engine, None, SECRET), _client(engine, "job-a", b"secret-a"), _client(engine, "reader", b"secret-r")
+    try:
+        assert set(a.transport.paths().values()) == {"zmq"}  # a tenant never maps a slab (every tenant's bytes)
+        assert set(admin.transport.paths().values()) == {"shm"}
+        other = admin.put_samples("job-b:step", FIELDS, sample_ids=["x", "y", "z"])
+        mine = a.put_samples("job-a:step", FIELDS)
+        assert torch.equal(a.read_columns(mine, ["input_ids"])["input_ids"], WANT)
+        assert a.partitions() == ["job-a:step"] and sorted(admin.partitions()) == ["job-a:step", "job-b:step"]
+        for attempt in (lambda c: c.put_samples("job-b:new", FIELDS),
+                        lambda c: c.read_columns(other, ["input_ids"]),
+                        lambda c: c.clear("job-b:step"),
+                        lambda c: c.transport.describe("job-b:step"),
+                        lambda c: c.claim("job-b:step", "train", batch_size=1, fields=["input_ids"], timeout=0)):
+            with pytest.raises(E.ForbiddenError, match="job-b:"):
+                attempt(a)
+        got = reader.read_columns(mine, ["input_ids"])["input_ids"]  # read-only: reads and claims its prefix
+        assert torch.equal(got, WANT)
+        batch = reader.claim("job-a:step", "eval", batch_size=3, fields=["input_ids"], timeout=5)
+        reader.ack(batch, "eval")
+        with pytest.raises(E.ForbiddenError, match="read-only"):
+            reader.put_samples("job-a:more", FIELDS)
+        with pytest.raises(E.ForbiddenError, match="read-only"):
+            reader.clear("job-a:step")
+        assert torch.equal(admin.read_columns(other, ["input_ids"])["input_ids"], WANT)  # untouched
+        assert a.clear("job-a:step") == 3 and admin.clear("job-b:step") == 3
+    finally:
+        for c in (admin, a, reader):
+            c.close()
+
+
+def test_a_tenant_credential_cannot_map_or_allocate_in_a_slab(engine):
+    from rlplane.channel import Channel
+
+    ch = Channel(engine.units[0].endpoint, "u0", secret=b"secret-a", user=b"job-a")
+    try:
+        with pytest.raises(E.ForbiddenError, match="slab"):
+            ch.call({"op": "slab"}, timeout=5)
+        with pytest.raises(E.ForbiddenError, match="allocate"):
+            ch.call({"op": "alloc", "b": 99, "f": [["x", "int64", 8]]}, [], timeout=5)
+        with pytest.raises(E.ForbiddenError):
+            ch.call({"op": "free", "b": b""}, timeout=5)
+    finally:
+        ch.close()

@@ -145,3 +145,22 @@ def live(request, service):
     if request.param == "native":
         return Live(service.url, TOKEN, "native", "rlplane")
     return request.getfixturevalue(f"{request.param}_service")
+
+
+@pytest.fixture(scope="session")
+def readyz():
+    """``readyz(url, lambda r: r.status_code == 503)``: GET /readyz until the answer
+    satisfies the predicate (a probe is reused for up to a second) or 5 s pass; the last answer."""
+    import time
+
+    import httpx
+
+    def poll(url: str, ok, within: float = 5.0):
+        deadline = time.monotonic() + within
+        r = httpx.get(f"{url}/readyz", timeout=30)
+        while not ok(r) and time.monotonic() < deadline:
+            time.sleep(0.25)
+            r = httpx.get(f"{url}/readyz", timeout=30)
+        return r
+
+    return poll

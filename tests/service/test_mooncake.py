@@ -158,7 +158,7 @@ def test_deleting_a_partition_whose_samples_hold_different_fields_frees_the_pool
     assert _pool_keys(metrics_url) == base, "the partition's values stayed in the Mooncake pool after its delete"
 
 
-def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_process(tiny_mooncake, pid_alive):
+def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_process(tiny_mooncake, pid_alive, readyz):
     import ray
 
     ready = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
@@ -173,7 +173,7 @@ def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_proce
     while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not pid_alive(pid), "the master outlived the actor that started it"
-    r = httpx.get(f"{tiny_mooncake}/readyz", timeout=30)
+    r = readyz(tiny_mooncake, lambda r: r.status_code == 503)
     assert r.status_code == 503 and r.json()["components"]["mooncake_master"] is False
     assert "mooncake_master" in json.dumps(r.json()["reason"])
 

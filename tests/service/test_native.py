@@ -207,7 +207,7 @@ def test_garbage_and_pickles_sent_to_every_data_port_execute_nothing(nat, tmp_pa
         client.clear(p)
 
 
-def test_a_killed_unit_loses_only_its_samples_named_within_seconds_and_readyz_names_it(nat):
+def test_a_killed_unit_loses_only_its_samples_named_within_seconds_and_readyz_names_it(nat, readyz):
     """Last in this module: it leaves the app without one of its units. With one copy of
     each block (RLPLANE_REPLICAS=1), the samples whose only copy was there are lost: a
     read of them is a MissingDataError naming them and the unit within 10 s, they leave
@@ -257,7 +257,7 @@ def test_a_killed_unit_loses_only_its_samples_named_within_seconds_and_readyz_na
             meta = client.put_samples(part(), batch(4, k))
             assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], batch(4, k)["input_ids"])
             assert time.monotonic() - start < 10
-    r = httpx.get(f"{nat}/readyz", timeout=30)
+    r = readyz(nat, lambda r: r.status_code == 503)
     assert r.status_code == 503 and r.json()["components"]["nat-native-unit-1"] is False
     assert "nat-native-unit-1" in r.json()["reason"]
     time.sleep(1.0)  # /metrics reuses a body for a second

@@ -62,7 +62,7 @@ def test_storage_full_is_http_507_with_the_typed_error(tiny_simple):
         client.clear(meta.partition)
 
 
-def test_a_killed_storage_unit_fails_calls_within_seconds_naming_it(tiny_simple):
+def test_a_killed_storage_unit_fails_calls_within_seconds_naming_it(tiny_simple, readyz):
     """Last in this module (it leaves the app without its unit). TransferQueue retries a
     dead unit for minutes; rlplane gives the call up within seconds, naming the unit: a put
     is UnavailableError; a read of what it held is UnavailableError until the service has
@@ -82,5 +82,5 @@ def test_a_killed_storage_unit_fails_calls_within_seconds_naming_it(tiny_simple)
                 call()
             assert time.monotonic() - start < 10
             assert "tq-tiny-tq-unit-0" in str(err.value)
-    r = httpx.get(f"{tiny_simple}/readyz", timeout=30)
+    r = readyz(tiny_simple, lambda r: r.status_code == 503)
     assert r.status_code == 503 and "tq-tiny-tq-unit-0" in r.json()["reason"]

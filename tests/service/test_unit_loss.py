@@ -50,7 +50,7 @@ def one_by_one(client, meta) -> dict[str, torch.Tensor | E.MissingDataError]:
     return out
 
 
-def test_a_killed_unit_loses_its_samples_named_and_nothing_else(two_units):
+def test_a_killed_unit_loses_its_samples_named_and_nothing_else(two_units, readyz):
     import ray
 
     backend, two_units = two_units
@@ -102,7 +102,7 @@ def test_a_killed_unit_loses_its_samples_named_and_nothing_else(two_units):
         metrics = httpx.get(f"{two_units}/metrics", timeout=30).text
         assert f"rlplane_lost_samples {float(len(lost))}" in metrics
         assert f'rlplane_partition_samples{{partition="{p}"}} {float(N - len(lost))}' in metrics
-        r = httpx.get(f"{two_units}/readyz", timeout=30)
+        r = readyz(two_units, lambda r: r.status_code == 503)
         assert r.status_code == 503 and dead in r.json()["reason"]
 
         landed = 0

@@ -113,6 +113,7 @@ class StoreView:
     streams: dict[str, Any] | None = None  # the consumption ledger's snapshot (rlplane.ledger.Ledger.snapshot)
     loss: dict[str, int] | None = None  # lost_samples (every backend), under_replicated_samples (native)
     slabs: dict[str, dict[str, Any]] = field(default_factory=dict)  # native: unit -> its slab's figures
+    components: dict[str, bool] = field(default_factory=dict)  # every component and loop the store's health names
 
 
 def store_view(
@@ -168,7 +169,8 @@ def store_view(
             counts = {"lost_samples": int(loss()["lost_samples"])}
         except Exception as err:  # noqa: BLE001 - a scrape reports what it can
             log.warning("could not read the lost samples: %s", err)
-    view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity, loss=counts)
+    view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity, loss=counts,
+                     components={str(k): bool(v) for k, v in health.items()})
     if counts is not None and backend == "native":
         view.slabs = slabs
     if streams is not None:
@@ -305,6 +307,13 @@ class _Collector:
                 frag.add_metric([unit], float(d.get("fragmentation", 0.0)))
             yield slab
             yield frag
+        if v.components:
+            comp = GaugeMetricFamily("rlplane_component_up", "1 when a component of the store answers and does its "
+                                     "work; 0 for one that does not, or for a loop of one that died ('controller "
+                                     "rlplane-watch').", labels=["component"])
+            for name, ok in sorted(v.components.items()):
+                comp.add_metric([name], 1.0 if ok else 0.0)
+            yield comp
         up = GaugeMetricFamily("rlplane_storage_unit_up", "1 when the storage unit answers.", labels=["unit"])
         for unit, ok in sorted(v.units_up.items()):
             up.add_metric([unit], 1.0 if ok else 0.0)

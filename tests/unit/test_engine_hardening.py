@@ -405,3 +405,32 @@ def test_servers_bind_inside_the_engine_port_range_and_say_when_it_is_full():
     for lo_hi in ((20000, 0), (30000, 20000), (80, 90)):
         with pytest.raises(ValueError, match="engine_port"):
             ServiceSettings(engine_port_min=lo_hi[0], engine_port_max=lo_hi[1])
+
+
+@pytest.mark.parametrize("lie", ["row bytes", "seal", "no seals"])
+def test_a_commit_cannot_claim_extents_or_sizes_its_units_did_not_seal(engine, client, known, monkeypatch, lie):
+    """A writer that lies about its rows' sizes (readers would copy past its extents) or
+    forges a unit's seal is refused, and nothing of the put becomes visible."""
+    real = Channel.call
+
+    def lying(self, header, *args, **kwargs):
+        if header.get("op") == "commit":
+            header = dict(header)
+            if lie == "row bytes":
+                header["nb"] = {f: ints(np.frombuffer(v, "<i8") * 2) for f, v in header["nb"].items()}
+            elif lie == "seal":
+                header["xs"] = [[b, u, {f: [d, n, r, "0" * 32] for f, (d, n, r, _) in fs.items()}]
+                                for b, u, fs in header["xs"]]
+            else:
+                header.pop("xs")
+        return real(self, header, *args, **kwargs)
+
+    monkeypatch.setattr(Channel, "call", lying)
+    fields = {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])}
+    with pytest.raises(E.WireFormatError, match="seal|differ"):
+        client.put_samples("liar", fields, sample_ids=["l0", "l1"])
+    monkeypatch.undo()
+    assert "liar" not in client.partitions()
+    meta = client.put_samples("liar", fields, sample_ids=["l0", "l1"])  # the ids came free with the abort
+    assert client.clear("liar") == 2 and meta.sample_ids == ["l0", "l1"]
+    intact(client, known)

@@ -37,3 +37,10 @@ def test_many_partitions_and_tasks_are_summed_beyond_the_biggest():
     pending = [ln for ln in _lines(body, "rlplane_consumption_samples") if 'state="pending"' in ln]
     assert len(pending) == TOP_LABELLED + 1
     assert float(next(ln for ln in pending if 'task="other"' in ln).rsplit(" ", 1)[1]) == sum(range(250))
+
+
+def test_a_dead_loop_of_a_component_shows_as_down():
+    view = StoreView("native", {}, {}, {}, None, components={"controller": True, "controller rlplane-watch": False})
+    body = render({"ops": {}, "nbytes": {}, "errors": {}, "latency": {}}, view).decode()
+    assert 'rlplane_component_up{component="controller"} 1.0' in body
+    assert 'rlplane_component_up{component="controller rlplane-watch"} 0.0' in body

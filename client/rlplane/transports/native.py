@@ -192,9 +192,9 @@ class NativeTransport(Transport):
         writes = self._send_blocks(blocks, columns)
         failed: BaseException | None = None
         try:
-            where = self._land_blocks(writes, deadline)  # shm: the copies into the slabs happen here
+            where, seals = self._land_blocks(writes, deadline)  # shm: the copies into the slabs happen here
         except BaseException as err:  # noqa: BLE001 - raised below, once the reservation is settled
-            failed, where = err, {}
+            failed, where, seals = err, {}, []
         try:
             res = ctrl.receive(rid, deadline)[0]
         except BaseException:
@@ -206,7 +206,8 @@ class NativeTransport(Transport):
             commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": geoms, "h": sums,
                                       "nb": {f: ints(c.row_numels() * c.values.element_size()) for f, c in columns.items()},
                                       "x": [[b, {f: dtype_name(c.dtype) for f, c in columns.items()},
-                                             [[u, x] for u, x in copies.items()]] for b, copies in where.items()]}
+                                             [[u, x] for u, x in copies.items()]] for b, copies in where.items()],
+                                      "xs": seals}
             if create or any(user):
                 commit["user"] = user
             ctrl.call(commit, timeout=self._left(deadline))
@@ -343,11 +344,15 @@ class NativeTransport(Transport):
                 sent.append(_Sent(bid, u, part, ch, rid))
         return sent
 
-    def _land_blocks(self, sent: list[_Sent], deadline: float) -> dict[int, dict[int, dict[str, int]]]:
+    def _land_blocks(self, sent: list[_Sent], deadline: float
+                     ) -> tuple[dict[int, dict[int, dict[str, int]]], list[list[Any]]]:
         """Wait for every unit's answer; copy the values into each allocated extent.
-        Returns per block, per unit, each field's slab offset. Raises the first failure
-        once every answer is in (so no unit still works on this put)."""
+        Returns per block, per unit, each field's slab offset, and the units' seals of
+        them (``[block, unit, {field: [dtype, nbytes, rows, seal]}]``, relayed to the
+        controller at commit). Raises the first failure once every answer is in (so no
+        unit still works on this put)."""
         where: dict[int, dict[int, dict[str, int]]] = {}
+        seals: list[list[Any]] = []
         failed: BaseException | None = None
         for w in sent:
             try:
@@ -357,11 +362,12 @@ class NativeTransport(Transport):
                 if failed is None and w.unit in self._slabs:
                     self._copy_in(self._slabs[w.unit], got, w.part)
                 where.setdefault(w.bid, {})[w.unit] = got
+                seals.append([w.bid, w.unit, reply.get("xs") or {}])
             except BaseException as err:  # noqa: BLE001 - the first failure is raised below
                 failed = failed or err
         if failed is not None:
             raise failed
-        return where
+        return where, seals
 
     @staticmethod
     def _copy_in(view: SlabView, where: dict[str, int], part: Mapping[str, Column]) -> None:

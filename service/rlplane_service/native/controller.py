@@ -57,6 +57,7 @@ Example::
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import secrets
@@ -75,6 +76,7 @@ from rlplane.placement import spread
 from rlplane.tags import WIRE_TAG
 from rlplane.wire import int_array, ints
 from rlplane_service.native.stream import StreamOps
+from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +239,7 @@ class ControllerCore(StreamOps):
         self.grace_s = grace_s
         self.is_dead = is_dead
         self._control = list(control) if control is not None else [e for _, e in self.units]
+        self.seal_key = control_secret if control is not None else None  # the units seal extents with it
         self.capacity = capacity
         self.lease_s = lease_s
         self.replicas = max(1, min(replicas, len(self.units)))
@@ -396,6 +399,8 @@ class ControllerCore(StreamOps):
                 if bool((nb < 0).any()):
                     raise E.WireFormatError("row byte counts must not be negative", field=name)
             ext = _extents(header.get("x"), res)
+            if self.seal_key is not None:
+                self._check_seals(header.get("xs"), res, ext, sizes)
             for name in res.fields:
                 fi = part.field_index(name)
                 self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
@@ -429,6 +434,43 @@ class ControllerCore(StreamOps):
             del self._res[res.rid]
             self.ledger.dirty = True  # parked claims may be ready now
         return {"committed": n}, {}, []
+
+    def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], sizes: dict[str, Any]) -> None:
+        """Every copy of every block the commit names must come with its unit's seal of
+        each field's extent (where, dtype, bytes, rows), and the commit's row sizes must add
+        up to what the unit stored: a writer cannot point readers at bytes it was not given."""
+        want = {(b, u) for b, units, _, _ in res.blocks for u in units}
+        if not isinstance(given, list) or len(given) != len(want):
+            raise E.WireFormatError("commit needs 'xs': each copy's extents as its storage unit sealed them")
+        span = {b: (a, z) for b, _, a, z in res.blocks}
+        nb = {f: int_array(sizes[f], "row bytes") for f in res.fields}
+        seen = set()
+        for entry in given:
+            ok = (isinstance(entry, list) and len(entry) == 3 and (entry[0], entry[1]) in want
+                  and isinstance(entry[2], dict) and set(entry[2]) == set(res.fields))
+            if not ok:
+                raise E.WireFormatError(f"bad sealed extent {str(entry)[:80]}")
+            b, u, fields = entry
+            seen.add((b, u))
+            a, z = span[b]
+            dtypes, where = ext.get(b, ({}, {}))
+            for f, sealed in fields.items():
+                start = where.get(u, {}).get(f)
+                if not (isinstance(sealed, list) and len(sealed) == 4 and start is not None
+                        and sealed[0] == dtypes.get(f) and isinstance(sealed[1], int) and isinstance(sealed[2], int)
+                        and isinstance(sealed[3], str)):
+                    raise E.WireFormatError(f"the extent of block {b} on {self.units[u][0]} is not as sealed", field=f)
+                dtype, nbytes, rows, tag = sealed
+                expect = unit_seal(self.seal_key, b, self.units[u][0], f, dtype, start, nbytes, rows)
+                if not hmac.compare_digest(tag, expect):
+                    raise E.WireFormatError(f"storage unit {self.units[u][0]} did not seal this extent of block {b}",
+                                            field=f)
+                if rows != z - a or nbytes != int(nb[f][a:z].sum()):
+                    raise E.WireFormatError(f"the commit's row sizes of block {b} ({int(nb[f][a:z].sum())} bytes in "
+                                            f"{z - a} rows) differ from what {self.units[u][0]} stored ({nbytes} in "
+                                            f"{rows})", field=f)
+        if seen != want:
+            raise E.WireFormatError("commit 'xs' must seal every copy of every block once")
 
     def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
         rid = header.get("res")

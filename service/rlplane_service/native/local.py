@@ -60,7 +60,7 @@ class LocalEngine:
                 raise RuntimeError(f"a storage unit process did not start: {started}")
             endpoints = [(s["endpoint"], s["control"]) for s in started]
         else:
-            self.cores = [UnitCore(f"u{i}", slab_bytes) for i in range(units)]
+            self.cores = [UnitCore(f"u{i}", slab_bytes, seal_key=control) for i in range(units)]
             self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control, users=users).start()
                           for i, (c, h) in enumerate(zip(self.cores, hosts))]
             endpoints = [(u.endpoint, u.control_endpoint) for u in self.units]
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = ap.parse_args(argv)
     secret = os.environ.get("RLPLANE_LOCAL_SECRET", "").encode() or None
     control = os.environ.get("RLPLANE_LOCAL_CONTROL", "").encode() or None
-    core = UnitCore(args.name, args.slab_bytes)
+    core = UnitCore(args.name, args.slab_bytes, seal_key=control)
     server = Server(core, host=args.host, secret=secret, name=args.name, control_secret=control).start()
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

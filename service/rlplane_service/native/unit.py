@@ -36,6 +36,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import threading
@@ -86,8 +88,12 @@ class UnitCore:
     #: and copying a whole block out (re-replication).
     CONTROL_OPS = frozenset({"free", "block", "old"})
 
-    def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True) -> None:
+    def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True,
+                 seal_key: bytes | None = None) -> None:
+        """``seal_key`` (the controller's credential): every extent the unit hands out is
+        sealed with it (:func:`seal`), so a commit cannot claim extents or sizes it was not given."""
         self.name = name
+        self.seal_key = seal_key
         self.slab = Slab(slab_bytes, name)
         self.alloc = Allocator(self.slab.nbytes)
         self.share = SlabShare(self.slab.fd, name).start() if share else None
@@ -117,7 +123,8 @@ class UnitCore:
             offsets = int_array(off, "offsets").copy()
             check_offsets(offsets, nbytes // np_dtype.itemsize, max(offsets.size - 1, 0), name)
             layout.append((name, dname, np_dtype, nbytes, offsets))
-        return {"x": self._store(bid, layout)}, {}, []
+        where = self._store(bid, layout)
+        return {"x": where, "xs": self._seals(bid, layout, where)}, {}, []
 
     def op_write(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Store ``columns`` as block ``b`` (a block is written once): copied into new extents."""
@@ -129,7 +136,7 @@ class UnitCore:
         for name, c in columns.items():
             start = where[name]
             self.slab.u8[start : start + c.values.nbytes] = c.values.view(np.uint8)
-        return {"x": where, "stored": sum(c.nbytes for c in columns.values())}, {}, []
+        return {"x": where, "xs": self._seals(bid, layout, where), "stored": sum(c.nbytes for c in columns.values())}, {}, []
 
     def op_read(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Per requested field, the rows ``(block, row)`` in the order asked, as one column."""
@@ -255,6 +262,13 @@ class UnitCore:
             self._born[bid] = time.monotonic()
         return {name: start for (name, *_), start in zip(layout, got)}
 
+    def _seals(self, bid: int, layout: list[tuple[str, str, Any, int, np.ndarray]], where: dict[str, int],
+               ) -> dict[str, list[Any]]:
+        """Per field ``[dtype, nbytes, rows, seal]`` of what was just stored (no seal without a key)."""
+        return {name: [dname, nbytes, int(off.size - 1),
+                       seal(self.seal_key, bid, self.name, name, dname, where[name], nbytes, int(off.size - 1))]
+                for name, dname, _, nbytes, off in layout}
+
     def _values(self, x: Extent) -> np.ndarray:
         return self.slab.u8[x.start : x.start + x.nbytes].view(x.np_dtype)
 
@@ -290,6 +304,16 @@ class UnitCore:
         except IndexError as err:
             raise E.WireFormatError(f"read asks for a row the block does not hold ({err})", field=name) from None
         return RawColumn(dtype, values, offsets)
+
+
+def seal(key: bytes | None, bid: int, unit: str, field: str, dtype: str, start: int, nbytes: int, rows: int) -> str:
+    """The unit's attestation that block ``bid``'s field ``field`` lies at ``start`` in its
+    slab, ``nbytes`` of ``dtype`` in ``rows`` rows: 128 bits of HMAC-SHA256 under the
+    controller's key ("" without one). The controller checks it at commit."""
+    if key is None:
+        return ""
+    msg = f"{bid}|{unit}|{field}|{dtype}|{start}|{nbytes}|{rows}".encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
 
 
 def _full_access(header: dict[str, Any], what: str) -> None:
@@ -328,7 +352,7 @@ def unit_actor_class() -> Any:
             """``tenants``: engine user -> secret of each tenant (they may not map the slab)."""
             from rlplane_service.native.server import Server
 
-            self._core = UnitCore(name, slab_bytes)
+            self._core = UnitCore(name, slab_bytes, seal_key=control_secret.encode() if control_secret else None)
             bind = host or ray.util.get_node_ip_address()
             self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name,
                                   port=(int(ports[0]), int(ports[1])) if ports else 0,
@@ -353,4 +377,4 @@ def unit_actor_class() -> Any:
     return NativeUnitActor
 
 
-__all__ = ["UnitCore", "unit_actor_class"]
+__all__ = ["UnitCore", "unit_actor_class", "seal"]

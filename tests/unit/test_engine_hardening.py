@@ -248,7 +248,7 @@ def test_a_failing_background_round_or_server_iteration_is_survived_and_counted(
     def broken(now: float, oldest: int = 0) -> None:
         raise RuntimeError("a bug in the reaper")
 
-    monkeypatch.setattr(core, "_expire_pins", broken)  # what the reaper's rounds call
+    monkeypatch.setattr(core.pins, "expire", broken)  # what the reaper's rounds call
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and core.loop_errors.get("reaper", 0) < 2:
         time.sleep(0.1)
@@ -364,7 +364,7 @@ def _ask(sock: zmq.Socket, frames: list[bytes], timeout_s: float = 10.0) -> dict
 
 def test_blocks_written_outside_any_put_are_swept_and_known_ones_are_kept(engine, client, known, monkeypatch):
     from rlplane.wire import RawColumn
-    from rlplane_service.native import controller as controller_mod
+    from rlplane_service.native import health as health_mod
 
     unit = Channel(engine.units[1].endpoint, "u1", secret=SECRET)
     try:
@@ -374,7 +374,7 @@ def test_blocks_written_outside_any_put_are_swept_and_known_ones_are_kept(engine
     finally:
         unit.close()
     assert orphan in engine.cores[1]._blocks
-    monkeypatch.setattr(controller_mod, "ORPHAN_MARGIN_S", -1e9)  # every block is old enough
+    monkeypatch.setattr(health_mod, "ORPHAN_MARGIN_S", -1e9)  # every block is old enough
     before = engine.core.orphans_freed
     engine.core._sweep()
     deadline = time.monotonic() + 5

@@ -1,0 +1,140 @@
+"""The native controller's index: per partition, arrays over *slots* (one per sample id).
+
+A slot's state (free / reserved / committed), per field the block and row holding the
+sample's bytes, the row's byte count, wire geometry, digest and offset in its block's
+extent, and the samples' user tags. No per-sample Python object beyond the id map and
+the tags themselves. :class:`Partition` is also the index a consumption ledger reads
+(:class:`rlplane.ledger.Index`).
+
+Example::
+
+    part = Partition()
+    slots = part.take(["a", "b"])        # reserved
+    part.state[slots] = COMMITTED
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from rlplane.ledger import grown
+from rlplane.tags import WIRE_TAG
+
+FREE, RESERVED, COMMITTED = 0, 1, 2
+
+
+def rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
+    """Committed slots of ``part`` with a row of any field in one of ``blocks`` (sorted ids)."""
+    hit = np.zeros(part.used, bool)
+    for fi in part.fields.values():
+        hit |= np.isin(fi.block[: part.used], blocks)
+    return np.flatnonzero(hit & (part.state[: part.used] == COMMITTED))
+
+
+def objects(items: Sequence[Any]) -> np.ndarray:
+    out = np.empty(len(items), dtype=object)
+    for i, x in enumerate(items):  # numpy would turn lists of lists into a 2-D array
+        out[i] = x
+    return out
+
+
+@dataclass
+class FieldIndex:
+    """Where one field of every slot lives."""
+
+    block: np.ndarray
+    row: np.ndarray
+    nbytes: np.ndarray
+    geom: np.ndarray
+    sums: np.ndarray  # uint64 xxh3 digest of each row's bytes as the writer stored them (0: none recorded)
+    off: np.ndarray  # byte offset of the row in its block's extent of this field
+
+    @classmethod
+    def empty(cls, cap: int) -> FieldIndex:
+        return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object),
+                   np.zeros(cap, np.uint64), np.zeros(cap, np.int64))
+
+    def grow(self, cap: int) -> None:
+        for name, fill in (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0), ("off", 0)):
+            old = getattr(self, name)
+            new = np.full(cap, fill, dtype=old.dtype) if fill is not None else np.empty(cap, dtype=object)
+            new[: old.size] = old
+            setattr(self, name, new)
+
+
+@dataclass
+class Partition:
+    """The index of one partition (see the module docstring)."""
+
+    ids: dict[str, int] = field(default_factory=dict)
+    names: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
+    user: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    fields: dict[str, FieldIndex] = field(default_factory=dict)
+    used: int = 0  # slots handed out so far
+    lost: dict[str, str] = field(default_factory=dict)  # sample id -> the storage unit it was lost with
+
+    def take(self, ids: list[str]) -> np.ndarray:
+        n = len(ids)
+        need = self.used + n
+        if need > self.state.size:
+            cap = max(need, 2 * self.state.size, 64)
+            self.names = grown(self.names, cap)
+            self.state = grown(self.state, cap)
+            self.user = grown(self.user, cap)
+            for fi in self.fields.values():
+                fi.grow(cap)
+        slots = np.arange(self.used, need, dtype=np.int64)
+        self.names[self.used : need] = objects(ids)
+        self.state[self.used : need] = RESERVED
+        self.ids.update(zip(ids, range(self.used, need)))
+        self.used = need
+        return slots
+
+    def field_index(self, name: str) -> FieldIndex:
+        fi = self.fields.get(name)
+        if fi is None:
+            fi = self.fields[name] = FieldIndex.empty(self.state.size)
+        return fi
+
+    def committed(self) -> np.ndarray:
+        return np.flatnonzero(self.state[: self.used] == COMMITTED)
+
+    # -- the ledger's view (rlplane.ledger.Index) -----------------------------------------
+    def live(self) -> np.ndarray:
+        return self.state[: self.used] == COMMITTED
+
+    def has(self, name: str) -> np.ndarray:
+        fi = self.fields.get(name)
+        return fi.block[: self.used] >= 0 if fi is not None else np.zeros(self.used, bool)
+
+    def field_names(self) -> list[str]:
+        return list(self.fields)
+
+    def ids_of(self, slots: np.ndarray) -> list[str]:
+        return self.names[slots].tolist()
+
+    def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
+        geoms = {name: (fi.block[slots] >= 0, fi.geom[slots].tolist()) for name, fi in self.fields.items()}
+        return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]}}
+                for i, u in enumerate(self.user[slots].tolist())]
+
+
+@dataclass
+class Reservation:
+    rid: str
+    partition: str
+    part: Partition  # the partition it reserved in (one cleared and made again meanwhile is another)
+    slots: np.ndarray
+    create: bool
+    fields: list[str]
+    blocks: list[tuple[int, tuple[int, ...], int, int]]  # (block id, units, first row, end row)
+    deadline: float
+
+
+
+
+__all__ = ["FREE", "RESERVED", "COMMITTED", "FieldIndex", "Partition", "Reservation", "rows_in", "objects"]

@@ -411,12 +411,22 @@ def ledger_actor_class() -> Any:
     class LedgerActor:
         def __init__(self) -> None:
             self._ledger = Ledger()
+            self._secrets: dict[str, str] = {}
 
         def record(self, events: list[dict[str, Any]]) -> int:
             return self._ledger.record(events)
 
         def snapshot(self) -> dict[str, Any]:
             return self._ledger.snapshot()
+
+        def store_secret(self, kind: str) -> str:
+            """A random secret of this store (``control``: the controller's credential on the
+            units), drawn by the first call and the same for every later one: replicas that
+            create the store at once agree on it (this actor is the store's first, made
+            once by name)."""
+            import secrets
+
+            return self._secrets.setdefault(kind, secrets.token_hex(32))
 
     return LedgerActor
 

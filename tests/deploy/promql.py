@@ -27,6 +27,7 @@ METRICS = frozenset({
     "rlplane_storage_unit_samples",
     "rlplane_storage_unit_bytes",
     "rlplane_storage_unit_up",
+    "rlplane_component_up",
     "rlplane_storage_unit_slab_bytes",
     "rlplane_storage_unit_slab_fragmentation",
     "rlplane_stored_samples",

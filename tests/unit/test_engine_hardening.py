@@ -163,6 +163,7 @@ def test_a_small_read_cannot_ask_a_unit_for_more_than_the_cap(engine, client, kn
                                          "fields": ["input_ids"]}, timeout=5)[0]
     u, entries = loc["units"][0]
     field, blocks, rows = entries[0][:3]
+    caps = dict(loc["caps"])[u]
     monkeypatch.setattr(unit_mod, "MAX_READ_BYTES", 64 << 10)
     unit = Channel(engine.units[u].endpoint, f"u{u}", secret=SECRET)
     try:
@@ -170,11 +171,14 @@ def test_a_small_read_cannot_ask_a_unit_for_more_than_the_cap(engine, client, kn
         many = [[field, ints(np.repeat(np.frombuffer(blocks, "<i8"), times)),
                  ints(np.repeat(np.frombuffer(rows, "<i8"), times))]]
         with pytest.raises(E.PayloadTooLargeError, match="fewer samples"):
-            unit.call({"op": "read", "f": many}, timeout=10)
+            unit.call({"op": "read", "f": many, "caps": caps}, timeout=10)
         with pytest.raises(E.WireFormatError, match="twice"):
-            unit.call({"op": "read", "f": [entries[0][:3], entries[0][:3]]}, timeout=5)
+            unit.call({"op": "read", "f": [entries[0][:3], entries[0][:3]], "caps": caps}, timeout=5)
         with pytest.raises(E.WireFormatError, match="does not hold"):
-            unit.call({"op": "read", "f": [[field, blocks, ints([10**6])]]}, timeout=5)
+            unit.call({"op": "read", "f": [[field, blocks, ints([10**6])]], "caps": caps}, timeout=5)
+        assert unit.call({"op": "read", "f": [[field, blocks, rows]], "caps": caps}, timeout=5)[1][field].num_rows == 1
+        with pytest.raises(E.ForbiddenError, match="capability"):  # the same read without the locate's capability
+            unit.call({"op": "read", "f": [[field, blocks, rows]]}, timeout=5)
     finally:
         unit.close()
     intact(client, known)

@@ -15,6 +15,7 @@ from rlplane.testing.verify import diff_fields
 from rlplane.wire import RawColumn, int_array, ints, pack_message, unpack_message
 from rlplane.testing.workloads import vlm_step
 from rlplane_service.native.local import LocalEngine
+from rlplane_service.native.unit import read_cap
 
 SECRET = b"unit-test-secret"
 
@@ -22,7 +23,8 @@ SECRET = b"unit-test-secret"
 @pytest.fixture(scope="module")
 def engine():
     with LocalEngine(3, secret=SECRET, lease_s=30) as eng:
-        yield {"controller": eng.server.endpoint, "secret": SECRET.decode(), "core": eng.core, "units": eng.units}
+        yield {"controller": eng.server.endpoint, "secret": SECRET.decode(), "core": eng.core, "units": eng.units,
+               "seal_key": eng.seal_key}
 
 
 @pytest.fixture(params=["shm", "zmq"])
@@ -103,8 +105,13 @@ def test_garbage_gets_an_error_reply_and_the_server_keeps_serving(engine):
         ch.call({"op": "nope"}, timeout=5)
     with pytest.raises(E.WireFormatError):
         ch.call({"op": "read", "f": [["x", b"abc", b""]]}, timeout=5)
-    with pytest.raises(E.MissingDataError):
+    with pytest.raises(E.ForbiddenError, match="capability"):  # no locate handed this read a capability
         ch.call({"op": "read", "f": [["x", ints([10**9]), ints([0])]]}, timeout=5)
+    cap = read_cap(engine["seal_key"], 10**9, "u0")
+    with pytest.raises(E.ForbiddenError, match="capability"):  # nor a capability for another block
+        ch.call({"op": "read", "f": [["x", ints([10**9]), ints([0])]], "caps": [[10**9 + 1, cap]]}, timeout=5)
+    with pytest.raises(E.MissingDataError):  # a capability, but the block is not there
+        ch.call({"op": "read", "f": [["x", ints([10**9]), ints([0])]], "caps": [[10**9, cap]]}, timeout=5)
     with pytest.raises(E.WireFormatError):
         bad = RawColumn("int64", np.arange(3), np.array([0, 5], np.int64))  # offsets past the values
         ch.call({"op": "write", "b": 10**12}, {"x": bad}, timeout=5)

@@ -128,3 +128,30 @@ def test_a_tenant_credential_cannot_map_or_allocate_in_a_slab(engine):
             ch.call({"op": "free", "b": b""}, timeout=5)
     finally:
         ch.close()
+
+
+def test_a_tenant_cannot_read_another_tenants_block_even_knowing_its_id(engine):
+    """Block ids travel only in locate answers (scope-checked), and a unit reads a block
+    only for the holder of the controller's capability for it."""
+    from rlplane.channel import Channel
+
+    admin = _client(engine, None, SECRET)
+    try:
+        admin.transport.data_path = "zmq"
+        meta = admin.put_samples("job-b:secret", FIELDS)
+        loc = admin.transport._ctrl().call({"op": "locate", "p": "job-b:secret", "ids": meta.sample_ids,
+                                            "fields": ["input_ids"]}, timeout=5)[0]
+        u, entries = loc["units"][0]
+        field, blocks, rows = entries[0][:3]
+        ch = Channel(engine.units[u].endpoint, f"u{u}", secret=b"secret-a", user=b"job-a")
+        try:
+            with pytest.raises(E.ForbiddenError, match="capability"):
+                ch.call({"op": "read", "f": [[field, blocks, rows]]}, timeout=5)
+            forged = [[int.from_bytes(blocks[:8], "little"), "0" * 32]]  # the right block, a made-up capability
+            with pytest.raises(E.ForbiddenError, match="capability"):
+                ch.call({"op": "read", "f": [[field, blocks, rows]], "caps": forged}, timeout=5)
+        finally:
+            ch.close()
+        admin.clear("job-b:secret")
+    finally:
+        admin.close()

@@ -425,6 +425,7 @@ class NativeTransport(Transport):
         row_bytes = {f: int_array(loc["nb"][f], "row bytes") for f in fields}
         starts = {f: np.concatenate([[0], np.cumsum(row_bytes[f])]) for f in fields}
         entries_of: dict[str, list[tuple[int, list[Any]]]] = {f: [] for f in fields}
+        caps = {int(u): c for u, c in loc.get("caps") or []}  # the controller's read capabilities, per unit
         for u, entries in loc["units"]:
             for e in entries:
                 if not (isinstance(e, list) and len(e) >= 4 and e[0] in entries_of):
@@ -459,7 +460,8 @@ class NativeTransport(Transport):
                 p = int_array(pos, "positions")
                 if name in out and p.size and p[-1] - p[0] + 1 == p.size:  # contiguous rows of the request
                     sinks[name] = memoryview(out[name])[int(starts[name][p[0]]) : int(starts[name][p[-1] + 1])]
-            sent.append((mine, ch, ch.send({"op": "read", "p": partition, "f": [e[:3] for e in mine]}), sinks))
+            sent.append((mine, ch, ch.send({"op": "read", "p": partition, "f": [e[:3] for e in mine],
+                                             "caps": caps.get(u, [])}), sinks))
         parts: dict[str, list[tuple[RawColumn, np.ndarray, bool]]] = {f: [] for f in fields}
         for entries, ch, rid, sinks in sent:
             cols = ch.receive(rid, deadline, _sink(sinks))[1]

@@ -18,9 +18,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -34,13 +33,13 @@ log = logging.getLogger(__name__)
 _START_TIMEOUT_S = 60.0
 
 
-def data_secret(settings: ServiceSettings) -> str | None:
-    """The full-access data-path secret of a store: derived from the API token; a random
-    one when only tenants' tokens exist (the controller keeps it, for the service's own
+def data_secret(settings: ServiceSettings, random: Callable[[], str] | None = None) -> str | None:
+    """The full-access data-path secret of a store: derived from the API token; with only
+    tenants' tokens, ``random()`` (the store's own random secret, for the service's own
     connections); None when nothing needs a token."""
     token = settings.token()
     if token is None:
-        return secrets.token_hex(32) if settings.tokens_file else None
+        return random() if settings.tokens_file and random is not None else None
     return hmac.new(token.encode(), f"rlplane-data:{settings.store_name}".encode(), hashlib.sha256).hexdigest()
 
 
@@ -67,13 +66,18 @@ class NativeStore:
         from rlplane_service.store import _actor_options, _unit_options
 
         common = _actor_options(settings)
-        prefix, secret = settings.store_name, data_secret(settings)
+        prefix = settings.store_name
+        ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
+
+        def store_secret(kind: str) -> str:  # the same for every replica creating the store at once
+            return ray.get(ledger.store_secret.remote(kind), timeout=_START_TIMEOUT_S)
+
+        secret = data_secret(settings, lambda: store_secret("data"))
         users = Tenants.load(settings.token(), str(settings.tokens_file or "")).data_users(prefix)
         scoped = {name: [s, access.wire()] for name, (s, access) in users.items()}  # user -> [secret, scope]
         host = settings.native_host or None
-        ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
         Unit, Controller = unit_actor_class(), controller_actor_class()
-        control = secrets.token_hex(32)  # the controller's own credential on the units; no client ever sees it
+        control = store_secret("control")  # the controller's own credential on the units; no client ever sees it
         units = {
             f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **_unit_options(settings, common))
             .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control, settings.engine_ports(),

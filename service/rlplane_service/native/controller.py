@@ -63,6 +63,7 @@ from rlplane_service.native.pins import MAX_PINS, PIN_LEASE_S, Pins
 from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
                                              sample_ids)
 from rlplane_service.native.stream import StreamOps
+from rlplane_service.native.unit import read_cap
 from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
@@ -397,8 +398,20 @@ class ControllerCore(UnitHealth, StreamOps):
                 raise E.MissingDataError(p, missing)
             user = part.user[slots].tolist()
             pin = self.pins.pin(sorted(pinned)) if pinned else None
+            caps = self._read_caps(per_unit)
         return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
-                "h": digests, "pin": pin, "pin_lease_s": self.pin_lease_s}, {}, []
+                "h": digests, "pin": pin, "pin_lease_s": self.pin_lease_s, "caps": caps}, {}, []
+
+    def _read_caps(self, per_unit: dict[int, list[list[Any]]]) -> list[list[Any]]:
+        """Per unit ``[unit, [[block, capability], ...]]`` for every block a locate names there
+        (a unit reads a block only for a holder of its capability); [] without a seal key."""
+        if self.seal_key is None:
+            return []
+        out = []
+        for u, entries in per_unit.items():
+            blocks = np.unique(np.concatenate([int_array(e[1], "blocks") for e in entries]))
+            out.append([u, [[b, read_cap(self.seal_key, b, self.units[u][0])] for b in blocks.tolist()]])
+        return out
 
     def op_unpin(self, header: dict, columns: dict, extra: list) -> Any:
         """A read is done with the blocks its locate pinned (sent one-way)."""

@@ -46,7 +46,7 @@ class LocalEngine:
         self.secret = secret
         tenants = dict(tenants or {})
         users = {name: s for name, (s, _) in tenants.items()}
-        control = secrets.token_hex(16).encode()
+        control = self.seal_key = secrets.token_hex(16).encode()  # the controller's credential on the units
         hosts = list(hosts) if hosts is not None else ["127.0.0.1"] * units
         self._killed: set[int] = set()
         self.cores: list[UnitCore] = []

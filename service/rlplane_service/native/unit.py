@@ -154,6 +154,7 @@ class UnitCore:
             asks.append((name, blocks, rows))
         if len({name for name, _, _ in asks}) != len(asks):
             raise E.WireFormatError("a read names a field twice")
+        self._check_caps(header, asks)
         partition = header.get("p") if isinstance(header.get("p"), str) else "?"
         plans = [(name, *self._sources(name, blocks, rows, partition)) for name, blocks, rows in asks]
         total = sum(nbytes for *_, nbytes in plans)
@@ -272,6 +273,21 @@ class UnitCore:
     def _values(self, x: Extent) -> np.ndarray:
         return self.slab.u8[x.start : x.start + x.nbytes].view(x.np_dtype)
 
+    def _check_caps(self, header: dict[str, Any], asks: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
+        """With a seal key, every block a read names needs the controller's capability for
+        it on this unit (``caps``: ``[[block, token], ...]``, from the locate that found it)."""
+        if self.seal_key is None or header.get("_user") == "controller":
+            return
+        given = header.get("caps")
+        caps = {b: t for b, t in given if isinstance(b, int) and isinstance(t, str)} if isinstance(given, list) and \
+            all(isinstance(c, list) and len(c) == 2 for c in given) else {}
+        wanted = np.unique(np.concatenate([blocks for _, blocks, _ in asks])) if asks else np.empty(0, np.int64)
+        for b in wanted.tolist():
+            token = caps.get(b)
+            if token is None or not hmac.compare_digest(token, read_cap(self.seal_key, b, self.name)):
+                raise E.ForbiddenError(f"{self.name}: a read of block {b} without the controller's capability for it "
+                                       "(locate the samples first)")
+
     def _sources(self, name: str, blocks: np.ndarray, rows: np.ndarray, partition: str,
                  ) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray, str, int]:
         """What a read of field ``name``'s rows ``(blocks, rows)`` copies: the source
@@ -314,6 +330,12 @@ def seal(key: bytes | None, bid: int, unit: str, field: str, dtype: str, start: 
         return ""
     msg = f"{bid}|{unit}|{field}|{dtype}|{start}|{nbytes}|{rows}".encode()
     return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
+
+
+def read_cap(key: bytes, bid: int, unit: str) -> str:
+    """The controller's capability to read block ``bid`` on unit ``unit`` (128 bits of
+    HMAC-SHA256): a locate hands it out to a caller allowed to read the block's partition."""
+    return hmac.new(key, f"read|{bid}|{unit}".encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def _full_access(header: dict[str, Any], what: str) -> None:
@@ -377,4 +399,4 @@ def unit_actor_class() -> Any:
     return NativeUnitActor
 
 
-__all__ = ["UnitCore", "unit_actor_class", "seal"]
+__all__ = ["UnitCore", "unit_actor_class", "seal", "read_cap"]

@@ -246,7 +246,7 @@ class Ledger:
         self._leases: dict[int, Lease] = {}
         self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
         self.wait_sum = 0.0
-        self.dirty = False  # something a parked claim may be waiting for happened
+        self._touched: set[str] = set()  # partitions where something a parked claim may wait for happened
 
     def _new_lease_id(self) -> int:
         """A lease id nobody can guess: 63 bits from the OS's CSPRNG (and bound to its
@@ -345,7 +345,7 @@ class Ledger:
     def nack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None = None) -> int:
         """Give the lease's samples (or those of ``ids``) back to the task at once."""
         le, slots = self._lease(partition, task, lease, ids, "nack")
-        self._release(le.state, slots)
+        self._release(le.state, slots, partition)
         self._settle(le, slots)
         return int(slots.size)
 
@@ -357,8 +357,17 @@ class Ledger:
             del self._leases[le.lid]
             held = le.slots[(le.state.state[le.slots] == LEASED) & (le.state.lease[le.slots] == le.lid)]
             le.state.redelivered += int(held.size)
-            self._release(le.state, held)
+            self._release(le.state, held, le.partition)
         return len(gone)
+
+    def touch(self, partition: str) -> None:
+        """Something a parked claim on ``partition`` may wait for happened (a commit, a loss)."""
+        self._touched.add(partition)
+
+    def touched(self) -> set[str]:
+        """The partitions touched since the last call (and forget them)."""
+        out, self._touched = self._touched, set()
+        return out
 
     def next_deadline(self) -> float | None:
         return min((le.deadline for le in self._leases.values()), default=None)
@@ -384,12 +393,12 @@ class Ledger:
         if not bool((le.state.state[le.slots] == LEASED).any()):
             self._leases.pop(le.lid, None)
 
-    def _release(self, ts: TaskState, slots: np.ndarray) -> None:
+    def _release(self, ts: TaskState, slots: np.ndarray, partition: str) -> None:
         if slots.size:
             ts.state[slots] = UNSEEN
             ts.lease[slots] = 0
             ts.cursor = min(ts.cursor, int(slots.min()))
-            self.dirty = True
+            self.touch(partition)
 
     # -- reporting -------------------------------------------------------------------
     def consumption(self, partition: str, task: str) -> dict[str, int]:

@@ -438,3 +438,45 @@ def test_a_commit_cannot_claim_extents_or_sizes_its_units_did_not_seal(engine, c
     meta = client.put_samples("liar", fields, sample_ids=["l0", "l1"])  # the ids came free with the abort
     assert client.clear("liar") == 2 and meta.sample_ids == ["l0", "l1"]
     intact(client, known)
+
+
+def test_a_commit_wakes_only_the_claims_parked_on_its_partition(engine, client, known, monkeypatch):
+    """Hundreds of waiting claims on one partition cost nothing per commit to another."""
+    core = engine.core
+    runs = {"n": 0}
+    real = core.op_claim
+
+    def counted(header, columns, extra):
+        runs["n"] += 1
+        return real(header, columns, extra)
+
+    monkeypatch.setattr(core, "op_claim", counted)
+    raw = _raw(engine.info["controller"], SECRET)
+    try:
+        waiting = 200
+        for k in range(waiting):
+            raw.send_multipart([msgpack.packb({"op": "claim", "rid": k, "p": "idle", "task": "t", "n": 1,
+                                               "fields": ["input_ids"], "wait": 8.0, "v": VERSION, "c": [], "nbuf": 0})])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and engine.server.health()["parked"] < waiting:
+            time.sleep(0.05)
+        assert engine.server.health()["parked"] == waiting
+        before = runs["n"]
+        fields = {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])}
+        for k in range(3):
+            client.put_samples(f"busy-{k}", fields)
+        time.sleep(0.5)  # the loop has seen the commits (it wakes every request)
+        assert runs["n"] == before  # no parked claim ran again
+        client.put_samples("idle", fields, sample_ids=["i0", "i1"])  # two samples: two claims of one answered
+        got = []
+        while len(got) < 2 and raw.poll(5000):
+            got.append(msgpack.unpackb(raw.recv_multipart()[0], raw=False))
+        assert [r["ok"] for r in got] == [True, True] and sorted(r["ids"][0] for r in got) == ["i0", "i1"]
+        assert runs["n"] >= before + waiting  # every claim parked on "idle" looked again
+        assert engine.server.health()["parked"] == waiting - 2
+    finally:
+        raw.close(linger=0)
+        for k in range(3):
+            client.clear(f"busy-{k}")
+        client.clear("idle")
+    intact(client, known)

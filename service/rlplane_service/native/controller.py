@@ -282,7 +282,7 @@ class ControllerCore(UnitHealth, StreamOps):
                 if self._block_refs.get(b, 0) == 0:
                     self._drop_blocks([b])
             del self._res[res.rid]
-            self.ledger.dirty = True  # parked claims may be ready now
+            self.ledger.touch(res.partition)  # parked claims on it may be ready now
         return {"committed": n}, {}, []
 
     def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], sizes: dict[str, Any]) -> None:

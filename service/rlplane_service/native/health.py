@@ -117,7 +117,8 @@ class UnitHealth:
                     self._block_bytes.pop(b, None)
                     self._block_ext.pop(b, None)
             self._lost_samples += lost
-            self.ledger.dirty = True
+            for p in self._parts:
+                self.ledger.touch(p)
         log.error("storage unit %s is lost (%s): %d samples lost with it, %d blocks keep a copy elsewhere",
                   name, why, lost, sum(1 for units in self._block_units.values() if len(units) < self.replicas))
 

@@ -7,9 +7,10 @@ reply: an rlplane error keeps its type; anything else (a bug) is logged and answ
 a TransportError. Malformed frames get a WireFormatError reply and the loop goes on.
 
 A handler may *park* a request (a claim waiting for samples) by raising :class:`Park`
-with a deadline: the loop keeps it, without a thread, and runs it again whenever the
-handler's ``wake()`` says something changed, and once more, marked final
-(``header["_final"]``), when its deadline passes. Headers carry ``_t0``, when the
+with a deadline and a key (its partition): the loop keeps it, without a thread, and runs
+it again whenever the handler's ``wake()`` names its key among those that changed (or
+answers True: all), and once more, marked final (``header["_final"]``), when its
+deadline passes. Headers carry ``_t0``, when the
 request arrived; keys starting with ``_`` from the network are dropped. A request
 whose header has ``nr: true`` is one-way: it is handled and never answered.
 
@@ -66,9 +67,9 @@ MAX_PARK_S, MAX_PARKED = 3600.0, 4096
 class Park(Exception):
     """Raised by a handler op: answer this request later (see the module docstring)."""
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, key: Any = None) -> None:
         super().__init__(deadline)
-        self.deadline = deadline
+        self.deadline, self.key = deadline, key
 
 
 class Server:
@@ -96,7 +97,8 @@ class Server:
         self.control_endpoint = self._control.getsockopt_string(zmq.LAST_ENDPOINT) if self._control else None
         self._control_ops = frozenset(getattr(handler, "CONTROL_OPS", ())) if self._control else frozenset()
         self._stop = threading.Event()
-        self._parked: list[tuple[Any, Any, list[Any], float, float]] = []  # (socket, identity, frames, arrival, deadline)
+        # (socket, identity, frames, arrival, deadline, key)
+        self._parked: list[tuple[Any, Any, list[Any], float, float, Any]] = []
         self.failures = 0  # requests that failed with a bug (not a typed error), and loop iterations that did
         self._thread = threading.Thread(target=self._loop, name=f"rlplane-{name}", daemon=True)
 
@@ -152,7 +154,7 @@ class Server:
                     frames = sock.recv_multipart(copy=False)
                     if len(frames) >= 2:  # else not even an identity and a header: nothing to answer
                         self._answer(sock, frames[0], frames[1:], time.monotonic(), final=False)
-                changed = bool(wake()) if wake is not None else False
+                changed = wake() if wake is not None else False
                 if self._parked:
                     self._rerun(changed)
             except Exception:  # noqa: BLE001 - nothing one request does may stop the loop
@@ -161,16 +163,17 @@ class Server:
                 self.failures += 1
                 log.exception("%s: the server loop caught an error and goes on", self.name)
 
-    def _rerun(self, changed: bool) -> None:
-        """Run parked requests again: all when the handler says something changed, else
-        only those whose deadline passed (their final run)."""
+    def _rerun(self, changed: Any) -> None:
+        """Run parked requests again: those whose key is in ``changed`` (every one when it
+        is True), and those whose deadline passed (their final run)."""
         now = time.monotonic()
         parked, self._parked = self._parked, []
-        for sock, ident, body, t0, deadline in parked:
-            if changed or deadline <= now:
+        for sock, ident, body, t0, deadline, key in parked:
+            again = changed is True or (bool(changed) and (key is None or key in changed))
+            if again or deadline <= now:
                 self._answer(sock, ident, body, t0, final=deadline <= now)
             else:
-                self._parked.append((sock, ident, body, t0, deadline))
+                self._parked.append((sock, ident, body, t0, deadline, key))
 
     def _answer(self, sock: Any, ident: Any, body: list[Any], t0: float, *, final: bool) -> None:
         try:
@@ -180,7 +183,7 @@ class Server:
             if len(self._parked) < MAX_PARKED:
                 now = time.monotonic()
                 deadline = park.deadline if math.isfinite(park.deadline) else now
-                self._parked.append((sock, ident, body, t0, min(max(deadline, now), now + MAX_PARK_S)))
+                self._parked.append((sock, ident, body, t0, min(max(deadline, now), now + MAX_PARK_S), park.key))
                 return
             reply = pack_message({"ok": False, "rid": _rid(body), "error": _payload(E.UnavailableError(
                 f"{self.name} has {MAX_PARKED} requests waiting already; retry later", component=self.name))})

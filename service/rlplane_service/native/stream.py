@@ -59,7 +59,7 @@ class StreamOps:
         with self._lock:
             out = self.ledger.claim(req, final=final)
             if out is None:
-                raise Park(t0 + min(req.wait_s, MAX_WAIT_S))
+                raise Park(t0 + min(req.wait_s, MAX_WAIT_S), key=req.partition)
             self.ledger.observe_wait(time.monotonic() - t0)
         return out, {}, []
 
@@ -90,12 +90,13 @@ class StreamOps:
             snap = {**snap, "tasks": [t for t in snap.get("tasks", []) if self._sees(header, t["partition"])]}
         return snap, {}, []
 
-    def wake(self) -> bool:
-        """Whether parked claims should look again (a commit, a nack, a lapsed lease)."""
+    def wake(self) -> set[str]:
+        """The partitions whose parked claims should look again (a commit, a nack, a lapsed
+        lease there): only those are run again, so a flood of waiting claims costs nothing
+        per commit elsewhere."""
         with self._lock:
-            lapsed = self.ledger.expire()
-            changed, self.ledger.dirty = self.ledger.dirty, False
-        return changed or lapsed > 0
+            self.ledger.expire()
+            return self.ledger.touched()
 
 
 def _lease_args(header: dict) -> tuple[str, str, int, list[str] | None]:
@@ -164,7 +165,7 @@ class LedgerCore(StreamOps):
             if header.get("create") and p in self.lost:
                 for s in ids:  # written again: no longer lost
                     self.lost[p].pop(s, None)
-            self.ledger.dirty = True
+            self.ledger.touch(p)
         return {}, {}, []
 
     def op_drop(self, header: dict, columns: dict, extra: list) -> Any:
@@ -188,7 +189,7 @@ class LedgerCore(StreamOps):
                 self.indexes.drop(p, ids)
                 self.lost.setdefault(p, {}).update(dict.fromkeys(ids, unit))
                 self.lost_samples += len(ids)
-                self.ledger.dirty = True
+                self.ledger.touch(p)
         return {}, {}, []
 
     def op_lost(self, header: dict, columns: dict, extra: list) -> Any:

@@ -280,7 +280,10 @@ def test_unauthenticated_or_garbage_frames_never_stop_a_server(engine, client, k
             try:
                 for _ in range(50):
                     frames = [rng.bytes(int(rng.integers(0, 64))) for _ in range(int(rng.integers(1, 4)))]
-                    raw.send_multipart(frames)
+                    try:
+                        raw.send_multipart(frames, flags=zmq.NOBLOCK)
+                    except zmq.Again:  # no peer (yet, or any more: a refused handshake)
+                        pass
             finally:
                 raw.close(linger=200)
     assert Channel(engine.units[0].endpoint, "u0", secret=SECRET).call({"op": "ping"}, timeout=5)[0]["ok"]
@@ -352,6 +355,7 @@ def test_a_killed_unit_is_lost_at_once_and_puts_route_around_it_within_two_secon
 def _raw(endpoint: str, secret: bytes | None) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
+    sock.sndtimeo = 5000  # bounded: a refused handshake leaves no peer to queue for
     if secret is not None:
         sock.plain_username = PLAIN_USER
         sock.plain_password = secret

@@ -32,7 +32,7 @@ from pydantic import BaseModel, Field
 
 import rlplane
 from rlplane import errors as E
-from rlplane.client import check_partition
+from rlplane.names import check_partition
 from rlplane.codec import check_columns
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry

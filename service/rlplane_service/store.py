@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlplane.errors import TransportError
 from rlplane.transports.tq import server_info_to_dict
+from rlplane_service.actors import actor_options, data_secret, unit_options
 from rlplane_service.settings import ServiceSettings
 from rlplane_service.tenants import Access
 
@@ -66,12 +67,11 @@ class Store:
 
         from rlplane_service.metrics import ledger_actor_class
 
-        common = _actor_options(settings)
+        common = actor_options(settings)
         prefix = settings.store_name
         controller = TransferQueueController.options(name=f"{prefix}-tq-controller", **common).remote(
             sampler=SequentialSampler, polling_mode=True
         )
-        from rlplane_service.backends.native import data_secret
         from rlplane_service.native.stream import stream_actor_class
 
         ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
@@ -202,21 +202,6 @@ class Store:
                 log.warning("could not kill a store actor: %s", err)
 
 
-def _actor_options(settings: ServiceSettings) -> dict[str, Any]:
-    return {
-        "namespace": settings.namespace,
-        "lifetime": "detached",
-        "get_if_exists": True,
-        "num_cpus": 0,
-        "runtime_env": {"env_vars": {"TQ_NUM_THREADS": str(settings.tq_num_threads)}},
-    }
-
-
-def _unit_options(settings: ServiceSettings, common: dict[str, Any]) -> dict[str, Any]:
-    """Pinning: with a storage resource each unit takes one, so a node offering N of it hosts at most N units."""
-    return dict(common, resources={settings.storage_resource: 1}) if settings.storage_resource else common
-
-
 def _simple_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     from transfer_queue.storage.simple_storage import SimpleStorageUnit
 
@@ -227,7 +212,7 @@ def _simple_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[di
     }
     prefix = settings.store_name
     units = {
-        f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}", **_unit_options(settings, common)).remote(config=config)
+        f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}", **unit_options(settings, common)).remote(config=config)
         for i in range(settings.storage_units)
     }
     infos = {name: ray.get(h.get_zmq_server_info.remote(), timeout=_PING_TIMEOUT_S) for name, h in units.items()}
@@ -247,7 +232,7 @@ def _mooncake_units(settings: ServiceSettings, common: dict[str, Any]) -> tuple[
     master_info = ray.get(master.info.remote(), timeout=_PING_TIMEOUT_S)
     units = {
         f"{prefix}-mooncake-unit-{i}": UnitActor.options(
-            name=f"{prefix}-mooncake-unit-{i}", **_unit_options(settings, common)
+            name=f"{prefix}-mooncake-unit-{i}", **unit_options(settings, common)
         ).remote(args, master_info)
         for i in range(settings.storage_units)
     }

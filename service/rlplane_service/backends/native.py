@@ -15,32 +15,21 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
 from rlplane.errors import TransportError
 from rlplane.transports.native import NativeTransport
+from rlplane_service.actors import actor_options, data_secret, unit_options
 from rlplane_service.settings import ServiceSettings
 from rlplane_service.tenants import Access, Tenants
 
 log = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 60.0
-
-
-def data_secret(settings: ServiceSettings, random: Callable[[], str] | None = None) -> str | None:
-    """The full-access data-path secret of a store: derived from the API token; with only
-    tenants' tokens, ``random()`` (the store's own random secret, for the service's own
-    connections); None when nothing needs a token."""
-    token = settings.token()
-    if token is None:
-        return random() if settings.tokens_file and random is not None else None
-    return hmac.new(token.encode(), f"rlplane-data:{settings.store_name}".encode(), hashlib.sha256).hexdigest()
 
 
 @dataclass
@@ -63,9 +52,8 @@ class NativeStore:
         from rlplane_service.metrics import ledger_actor_class
         from rlplane_service.native.controller import controller_actor_class
         from rlplane_service.native.unit import unit_actor_class
-        from rlplane_service.store import _actor_options, _unit_options
 
-        common = _actor_options(settings)
+        common = actor_options(settings)
         prefix = settings.store_name
         ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
 
@@ -79,7 +67,7 @@ class NativeStore:
         Unit, Controller = unit_actor_class(), controller_actor_class()
         control = store_secret("control")  # the controller's own credential on the units; no client ever sees it
         units = {
-            f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **_unit_options(settings, common))
+            f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **unit_options(settings, common))
             .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control, settings.engine_ports(),
                     {name: s for name, (s, _) in scoped.items()})
             for i in range(settings.storage_units)

@@ -63,6 +63,7 @@ from rlplane_service.native.pins import MAX_PINS, PIN_LEASE_S, Pins
 from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
                                              sample_ids)
 from rlplane_service.native.stream import StreamOps
+from rlplane_service.tenants import Access
 from rlplane_service.native.unit import read_cap
 from rlplane_service.native.unit import seal as unit_seal
 
@@ -87,7 +88,7 @@ class ControllerCore(UnitHealth, StreamOps):
         tenants' engine users -> (partition-name prefixes, may write); every other user
         has full access."""
         self.units = list(units)
-        self.scopes = {user: (tuple(prefixes), bool(write)) for user, (prefixes, write) in (scopes or {}).items()}
+        self.scopes = {user: Access(user, tuple(prefixes), bool(write)) for user, (prefixes, write) in (scopes or {}).items()}
         self.grace_s = grace_s
         self.is_dead = is_dead
         self._control = list(control) if control is not None else [e for _, e in self.units]

@@ -22,34 +22,25 @@ from typing import Any, Mapping
 from rlplane import errors as E
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest, Ledger, SimpleIndexes
 from rlplane.names import MAX_ID_LEN, check_partition, check_task
+from rlplane_service.tenants import FULL, Access
 from rlplane_service.native.server import Park
 
 
 class StreamOps:
     """Ops over ``self.ledger``, each under ``self._lock``; every op on a partition is
-    checked against the caller's scope (``scopes``: engine user -> (prefixes, may write);
-    a user not in it has full access)."""
+    checked against the caller's scope (``scopes``: engine user -> its tenant's
+    :class:`~rlplane_service.tenants.Access`; a user not in it has full access)."""
 
     ledger: Ledger
     _lock: threading.RLock
-    scopes: Mapping[str, tuple[tuple[str, ...], bool]] = {}
+    scopes: Mapping[str, Access] = {}
 
     def _access(self, header: dict, partition: str, *, write: bool) -> None:
         """ForbiddenError unless the request's user may read (or ``write``) ``partition``."""
-        scope = self.scopes.get(header.get("_user")) if self.scopes else None  # type: ignore[arg-type]
-        if scope is None:
-            return
-        prefixes, may_write = scope
-        if not partition.startswith(prefixes):
-            raise E.ForbiddenError(f"tenant {header.get('_user')!r} may not touch partition {partition!r}: its "
-                                   f"token is scoped to partitions starting with {list(prefixes)}")
-        if write and not may_write:
-            raise E.ForbiddenError(f"tenant {header.get('_user')!r} has a read-only token; it cannot change "
-                                   f"{partition!r}")
+        self.scopes.get(header.get("_user"), FULL).check(partition, write=write)  # type: ignore[arg-type]
 
     def _sees(self, header: dict, partition: str) -> bool:
-        scope = self.scopes.get(header.get("_user")) if self.scopes else None  # type: ignore[arg-type]
-        return scope is None or partition.startswith(scope[0])
+        return self.scopes.get(header.get("_user"), FULL).sees(partition)  # type: ignore[arg-type]
 
     def op_claim(self, header: dict, columns: dict, extra: list) -> Any:
         req = ClaimRequest.parse(header)

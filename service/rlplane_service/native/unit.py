@@ -279,12 +279,12 @@ class UnitCore:
         if self.seal_key is None or header.get("_user") == "controller":
             return
         given = header.get("caps")
-        caps = {b: t for b, t in given if isinstance(b, int) and isinstance(t, str)} if isinstance(given, list) and \
-            all(isinstance(c, list) and len(c) == 2 for c in given) else {}
+        caps = ({c[0]: c[1] for c in given if isinstance(c, list) and len(c) == 2 and isinstance(c[0], int)}
+                if isinstance(given, list) else {})
         wanted = np.unique(np.concatenate([blocks for _, blocks, _ in asks])) if asks else np.empty(0, np.int64)
         for b in wanted.tolist():
             token = caps.get(b)
-            if token is None or not hmac.compare_digest(token, read_cap(self.seal_key, b, self.name)):
+            if not isinstance(token, str) or not hmac.compare_digest(token, read_cap(self.seal_key, b, self.name)):
                 raise E.ForbiddenError(f"{self.name}: a read of block {b} without the controller's capability for it "
                                        "(locate the samples first)")
 

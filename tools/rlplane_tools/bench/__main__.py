@@ -2,6 +2,6 @@
 
 import sys
 
-from rlplane_service.cli import app
+from rlplane_tools.cli import app
 
 app(["bench", *sys.argv[1:]], prog_name="python -m rlplane_tools.bench")

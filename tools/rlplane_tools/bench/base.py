@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -102,3 +103,10 @@ class BenchPath:
 
     def close(self) -> None:
         """Release clients."""
+
+
+def percentiles(seconds: list[float]) -> dict:
+    """p50, p99, min and max in ms of op times in seconds, and their count."""
+    ms = sorted(s * 1e3 for s in seconds)
+    q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
+    return {"p50_ms": statistics.median(ms), "p99_ms": q[98], "min_ms": ms[0], "max_ms": ms[-1], "ops": len(ms)}

@@ -44,7 +44,7 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
     """Measure the three rows (see the module docstring); returns the section's results."""
     import rlplane
 
-    from rlplane_tools.bench.run import _percentiles
+    from rlplane_tools.bench.base import percentiles
 
     work = text_step(batch=cfg.batch, seqlen=cfg.seqlen, seed=7)
     fields = {k: work.fields[k] for k in FIELDS}
@@ -69,7 +69,7 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
                 ack_s.append(t2 - t1)
             progress.advance(task)
         c.clear(p)
-        out["claim"], out["ack"] = _percentiles(claim_s), _percentiles(ack_s)
+        out["claim"], out["ack"] = percentiles(claim_s), percentiles(ack_s)
         progress.remove_task(task)
 
         # -- wake-up: a blocked claimer, then the put that makes its batch ready ----------------
@@ -95,7 +95,7 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
                     wake.append(got["t"] - put_done)
                 c.clear(p)
                 progress.advance(task)
-        out["wake"] = _percentiles(wake) if wake else None
+        out["wake"] = percentiles(wake) if wake else None
         out["wake_missed"] = cfg.wakeups - len(wake)
         progress.remove_task(task)
 

@@ -77,7 +77,7 @@ def run_controller_bench(url: str, token: str | None, cfg: ControllerBenchConfig
     """Each operation of :data:`OPS` from ``cfg.processes`` processes at once; ops/s and latency."""
     import rlplane
 
-    from rlplane_tools.bench.run import _percentiles
+    from rlplane_tools.bench.base import percentiles
 
     out: dict[str, Any] = {"processes": cfg.processes, "seconds": cfg.seconds, "rows": []}
     with rlplane.connect(url, token=token, transport=cfg.transport) as c:
@@ -93,7 +93,7 @@ def run_controller_bench(url: str, token: str | None, cfg: ControllerBenchConfig
                 reports = _run(url, token, cfg, op, p)
             lat = [s for r in reports for s in r["seconds"]]
             out["rows"].append({"op": op, "ops": len(lat), "ops_per_s": len(lat) / cfg.seconds,
-                                "latency": _percentiles(lat) if lat else None,
+                                "latency": percentiles(lat) if lat else None,
                                 "not_ready": sum(r["not_ready"] for r in reports)})
             c.clear(p)
     return out

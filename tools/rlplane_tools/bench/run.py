@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import os
-import statistics
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
@@ -26,6 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rlplane.errors import RlplaneError
 
+from rlplane_tools.bench.base import percentiles
 from rlplane_tools.bench.paths import PATHS, REFERENCE, WorkerEnv
 from rlplane_tools.bench.report import machine_facts, print_report
 from rlplane_tools.bench.targets import evaluate
@@ -373,7 +373,7 @@ def _latency(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
                 put[path].append(moved[0])
                 get[path].append(moved[1])
             progress.advance(task)
-    rows = [{"path": path, "label": PATHS[path].label, "put": _percentiles(put[path]), "get": _percentiles(get[path])}
+    rows = [{"path": path, "label": PATHS[path].label, "put": percentiles(put[path]), "get": percentiles(get[path])}
             for path in cfg.paths if path not in wrong]
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
@@ -399,13 +399,7 @@ def _dp_shard(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
             "rows": len(rows), "fields": DP_SHARD_FIELDS, "wrong": wrong,
-            "paths": [{"path": p, "label": PATHS[p].label, "get": _percentiles(gets[p])} for p in paths if p not in wrong]}
-
-
-def _percentiles(seconds: list[float]) -> dict:
-    ms = sorted(s * 1e3 for s in seconds)
-    q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
-    return {"p50_ms": statistics.median(ms), "p99_ms": q[98], "min_ms": ms[0], "max_ms": ms[-1], "ops": len(ms)}
+            "paths": [{"path": p, "label": PATHS[p].label, "get": percentiles(gets[p])} for p in paths if p not in wrong]}
 
 
 def _writers(cfg: BenchConfig, pool: _Pool, n: int, progress: Progress) -> dict:

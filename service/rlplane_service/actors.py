@@ -1,0 +1,44 @@
+"""What every store's Ray actors share, whatever the backend: their options (named,
+detached, ``num_cpus=0``, pinned to storage nodes) and the full-access data secret.
+
+Example::
+
+    common = actor_options(settings)
+    Unit.options(name="rlplane-native-unit-0", **unit_options(settings, common)).remote(...)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any, Callable
+
+from rlplane_service.settings import ServiceSettings
+
+
+def actor_options(settings: ServiceSettings) -> dict[str, Any]:
+    return {
+        "namespace": settings.namespace,
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "runtime_env": {"env_vars": {"TQ_NUM_THREADS": str(settings.tq_num_threads)}},
+    }
+
+
+def unit_options(settings: ServiceSettings, common: dict[str, Any]) -> dict[str, Any]:
+    """Pinning: with a storage resource each unit takes one, so a node offering N of it hosts at most N units."""
+    return dict(common, resources={settings.storage_resource: 1}) if settings.storage_resource else common
+
+
+def data_secret(settings: ServiceSettings, random: Callable[[], str] | None = None) -> str | None:
+    """The full-access data-path secret of a store: derived from the API token; with only
+    tenants' tokens, ``random()`` (the store's own random secret, for the service's own
+    connections); None when nothing needs a token."""
+    token = settings.token()
+    if token is None:
+        return random() if settings.tokens_file and random is not None else None
+    return hmac.new(token.encode(), f"rlplane-data:{settings.store_name}".encode(), hashlib.sha256).hexdigest()
+
+
+__all__ = ["actor_options", "unit_options", "data_secret"]

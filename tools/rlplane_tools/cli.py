@@ -1,0 +1,278 @@
+"""The ``rlplane`` script: the service's commands (``serve``, ``status``, from
+:mod:`rlplane_service.cli`) plus the tools' ``demo`` (the main job), ``bench`` and ``soak``.
+
+The tools register their commands here, on the service's Typer app, so the service never
+imports the tools (they are left out of production images that do not need them).
+
+Example::
+
+    rlplane demo                       # one VLM GRPO step through the service, verified bit for bit
+    rlplane bench --quick --json out/bench.json --plot out/bench.png
+    rlplane soak --minutes 10
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from rlplane_service.cli import TOKEN_OPTION, URL_OPTION, Backend, app, console
+from rlplane_service.quiet import captured_output
+
+
+class Layout(str, Enum):
+    padded = "padded"
+    jagged = "jagged"
+
+
+class WorkloadName(str, Enum):
+    vlm_step = "vlm-step"
+    text_step = "text-step"
+    small = "small"
+    text_scale = "text-scale"
+    dp_shard = "dp-shard"
+    claim = "claim"
+    controller = "controller"
+
+
+class TransportName(str, Enum):
+    auto = "auto"
+    direct = "direct"
+    native = "native"
+    tq = "tq"
+    http = "http"
+
+
+@app.command()
+def demo(
+    url: str = URL_OPTION,
+    token: Optional[str] = TOKEN_OPTION,
+    transport: TransportName = typer.Option(TransportName.auto, help="Data path: straight to the store (direct: native or tq, whichever the service offers), HTTP, or auto."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", min=1, help="Samples in the step (default: the reference "
+                                        "64); with --async, rollout batches of 16 samples (default 8)."),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", "-s", min=4, help="Max sequence length (default: the "
+                                         "reference 2048; with --async 256)."),
+    dp_size: int = typer.Option(2, "--dp", min=1, help="Data-parallel ranks per stage."),
+    text_only: bool = typer.Option(False, "--text-only", help="A text-only batch: no multimodal field may be requested."),
+    layout: Layout = typer.Option(Layout.padded, help="How token fields come back."),
+    seed: int = typer.Option(0, help="Seed of the generated batch."),
+    embedded: bool = typer.Option(True, "--embedded/--no-embedded", help="Start the embedded service when none answers at --url."),
+    backend: Optional[Backend] = typer.Option(
+        None, help="Storage backend of the embedded service, when one is started (default: RLPLANE_BACKEND or native).",
+        show_default=False,
+    ),
+    async_: bool = typer.Option(
+        False, "--async", help="Asynchronous GRPO instead: a rollout process keeps producing groups while a logprob "
+        "worker and two train workers claim them as they become ready (one trainer is killed mid-lease); checks "
+        "every sample was consumed exactly once per task. --batch/--seqlen set its batch count and length.",
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
+                                 "output live instead of in the log file."),
+) -> None:
+    """Run one VLM GRPO step through a live service (rollout -> logprob -> reference -> train), verified bit for bit.
+
+    Uses the service at --url, or starts the embedded one there (and stops it after).
+    Exits 1 if any rank read anything other than what was written. With --async, the
+    streaming pipeline instead (claim / ack / lease redelivery), checked for exactly-once.
+    """
+    from rlplane.errors import RlplaneError
+    from rlplane_tools.demo import DemoConfig, run_demo
+
+    if async_:
+        with captured_output(console, "demo", verbose=verbose):
+            _async_demo(url, token, transport.value, embedded, backend.value if backend else None,
+                        batches=batch or 8, seqlen=seqlen or 256)
+        return
+    cfg = DemoConfig(url, token, transport.value, batch or 64, seqlen or 2048, dp_size, seed, text_only, layout.value, embedded, backend.value if backend else None)
+    try:
+        with captured_output(console, "demo", verbose=verbose):
+            problems = run_demo(cfg, console)
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
+    if problems:
+        for line in problems:
+            console.print(f"[red]MISMATCH[/] {line}")
+        raise typer.Exit(1)
+    console.print("[green]OK[/]: every rank read exactly what was written; train and logprob saw the same multimodal fields")
+
+
+def _async_demo(url: str, token: str | None, transport: str, embedded: bool, backend: str | None, *, batches: int,
+                seqlen: int) -> None:
+    from rlplane.errors import RlplaneError
+    from rlplane_tools.demo import live_service
+    from rlplane_tools.demo_async import AsyncDemoConfig, run_async_demo
+
+    cfg = AsyncDemoConfig(url=url, token=token, transport=transport, batches=batches, seqlen=seqlen)
+    try:
+        with live_service(url, start_embedded=embedded, backend=backend, console=console):
+            problems = run_async_demo(cfg, console)
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
+    if problems:
+        for line in problems:
+            console.print(f"[red]VIOLATION[/] {line}")
+        raise typer.Exit(1)
+    console.print("[green]OK[/]: every sample was consumed exactly once per task (stale ones expired and counted), "
+                  "and the killed trainer's samples were redelivered")
+
+
+@app.command()
+def bench(
+    workloads: Optional[list[WorkloadName]] = typer.Option(
+        None, "--workload", "-w", help="Workload(s) to run (repeat the flag); default: all, and the sweeps "
+        "(text-scale is the sweep over B at S=1024; dp-shard: a DP rank reads every other vlm-step sample's input_ids + pixel_values, through every path that can select rows; claim is the streaming section: claim latency, wake-up, 4 claimers; controller: B=1 puts, claim+ack and one-sample reads per second from 8 processes)."
+    ),
+    paths: Optional[list[str]] = typer.Option(
+        None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native, rlplane-tq, rlplane-http, rlplane-mooncake, raw-tq, "
+        "mooncake-dataproto (Mooncake's structured DataProto store; the bench starts its mooncake_master), ray-object-store, legacy-pickle."
+    ),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", min=1, help="Batch size of vlm-step / text-step (default: theirs)."),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", "-s", min=4, help="Sequence length of every workload (default: theirs)."),
+    reps: Optional[int] = typer.Option(None, min=1, help="Timed repetitions after one checked warm-up (default 5)."),
+    ops: Optional[int] = typer.Option(None, min=2, help="Operations per path for the small-batch latency (default 200)."),
+    scale_batches: Optional[list[int]] = typer.Option(
+        None, "--scale-batch", min=1, help="Batch sizes of the text-scale sweep (repeat) (default 64 256 1024 4096 8192)."
+    ),
+    sweep_batches: Optional[list[int]] = typer.Option(
+        None, "--sweep-batch", min=1, help="Batch sizes of the vlm-step sweep (repeat) (default 16 64 256)."
+    ),
+    writers: Optional[list[int]] = typer.Option(
+        None, "--writers", min=1, help="Concurrent writer counts (repeat) (default 1 2 4)."
+    ),
+    sweeps: bool = typer.Option(True, "--sweeps/--no-sweeps", help="Run the batch, writers and text-scale sweeps "
+                                "(an explicit --scale-batch still runs its sweep)."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Every path, workload and sweep on small batches, 3 reps, 50 ops (under 2 minutes on 2 cores)."
+    ),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write machine-readable results here."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of GB/s per path and of the sweeps."),
+    url: Optional[str] = typer.Option(
+        None, "--url", help="Bench this running service (default: start the embedded one on a free port, stop it after)."
+    ),
+    token: Optional[str] = TOKEN_OPTION,
+    mooncake_url: Optional[str] = typer.Option(
+        None, "--mooncake-url", help="With --url: an rlplane app on the Mooncake backend for the rlplane-mooncake row "
+        "(same token). Embedded runs deploy one themselves.",
+    ),
+    tq_url: Optional[str] = typer.Option(
+        None, "--tq-url", help="With --url: an rlplane app on the TransferQueue backend (simple) for the rlplane-tq and "
+        "raw-tq rows (same token; default: --url itself when it publishes one). Embedded runs deploy one themselves.",
+    ),
+    codec: bool = typer.Option(False, "--codec", help="Only the codec: encode -> in-memory transport -> decode vs memcpy, no service."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
+                                 "output live instead of in the log file."),
+) -> None:
+    """Move the same batch writer process -> reader process through every path and compare.
+
+    Paths: rlplane on its native engine (the default), on TransferQueue (tq), over HTTP
+    and on Mooncake (put_samples / read_columns, encode and decode included); raw
+    TransferQueue on the same store and bytes; the Ray object store (ray.put / ray.get); the legacy object array pickled
+    through a Ray actor call; memcpy of the same bytes as the bound. Workloads:
+    vlm-step (DESIGN.md), text-step, small (latency p50/p99), text-scale (µs per sample
+    as B grows). Sweeps: vlm-step batch sizes, concurrent writers (every sample checked after). Reports median and min..max
+    ms, GB/s of stored bytes, the ratio to raw TransferQueue and whether each target is
+    met. One warm-up per path is checked bit for bit; a mismatch fails the run (exit 1).
+
+    Examples: rlplane bench --quick --plot out/bench.png;
+    rlplane bench --url http://127.0.0.1:8000 --workload vlm-step --no-sweeps --json out/bench.json
+    """
+    from rlplane.errors import RlplaneError
+    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+        console.print("[red]error[/]: --plot draws with matplotlib, which this install lacks: "
+                      "pip install 'rlplane[bench]' (or drop --plot)")
+        raise typer.Exit(1)
+    from rlplane_tools.bench.report import write_json
+
+    if codec:
+        from rlplane_tools.bench.codec import CodecConfig, run_codec_bench
+
+        one = (workloads or [WorkloadName.vlm_step])[0].value
+        if quick:
+            batch, seqlen, reps = batch or 8, seqlen or 512, min(reps or 3, 3)
+        results = run_codec_bench(CodecConfig(one, batch, seqlen, reps or 5), console)
+    else:
+        from rlplane_tools.bench.run import BenchConfig, quick_config, run_bench
+
+        given = {k: v for k, v in (("batch", batch), ("seqlen", seqlen), ("reps", reps), ("ops", ops),
+                                   ("sweep_batches", sweep_batches), ("scale_batches", scale_batches)) if v is not None}
+        cfg = BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in given.items()})
+        if workloads:
+            cfg.workloads = tuple(w.value for w in workloads)
+        if paths:
+            cfg.paths = tuple(paths)
+        if writers:
+            cfg.writers = tuple(writers)
+        if not sweeps:
+            cfg.sweep_batches, cfg.writers = (), ()
+            if "scale_batches" not in given:
+                cfg.scale_batches = ()
+        if quick:
+            cfg = quick_config(cfg, set(given) | ({"sweep_batches", "scale_batches"} if not sweeps else set()))
+        try:
+            with captured_output(console, "bench", verbose=verbose):
+                results = run_bench(cfg, console, url=url, token=token, mooncake_url=mooncake_url, tq_url=tq_url)
+        except RlplaneError as err:
+            console.print(f"[red]error[/]: {err}")
+            raise typer.Exit(1)
+    if json_path is not None:  # first: a chart that fails must not cost the numbers
+        write_json(results, json_path)
+        console.print(f"results written to {json_path}")
+    if plot_path is not None and not codec:
+        from rlplane_tools.bench.plot import write_plot
+
+        write_plot(results, plot_path)
+        console.print(f"chart written to {plot_path}")
+
+
+@app.command()
+def soak(
+    minutes: float = typer.Option(10.0, min=0.05, help="How long the writers write (the readers read 5 s longer)."),
+    writers: int = typer.Option(8, min=1, max=64, help="Writer processes (put_samples of text-step batches)."),
+    readers: int = typer.Option(4, min=1, max=64, help="Reader processes (claim, read, check bit for bit, ack)."),
+    batch: int = typer.Option(8, min=1, help="Samples per put."),
+    seqlen: int = typer.Option(256, min=4, help="Sequence length."),
+    kill: bool = typer.Option(True, "--kill/--no-kill", help="At half time kill storage unit 1 and the Serve "
+                              "replica (embedded service only; it runs with replicas=2, so nothing may be lost)."),
+    url: Optional[str] = typer.Option(None, "--url", help="Soak this running service (default: start the embedded one "
+                                      "with 3 storage units and replicas=2; stop it after)."),
+    token: Optional[str] = TOKEN_OPTION,
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's and Serve's own logs here."),
+) -> None:
+    """Writers and readers for minutes, a unit and the replica killed midway, every byte checked.
+
+    Exits 1 on a wrong byte, a lost acknowledged write or an untyped error. Example:
+
+    rlplane soak --minutes 10 --json out/soak.json
+    """
+    from rlplane.errors import RlplaneError
+    from rlplane_tools.soak import SoakConfig, run_soak
+
+    cfg = SoakConfig(minutes=minutes, writers=writers, readers=readers, batch=batch, seqlen=seqlen, kill=kill)
+    try:
+        with captured_output(console, "soak", verbose=verbose):
+            report = run_soak(cfg, console, url=url, token=token)
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=1))
+        console.print(f"report written to {json_path}")
+    raise typer.Exit(1 if report["violations"] else 0)
+
+
+def main() -> None:
+    """Entry point of the ``rlplane`` script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

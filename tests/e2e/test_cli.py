@@ -8,7 +8,7 @@ import pytest
 
 
 def rlplane(*args, timeout=240):
-    return subprocess.run([sys.executable, "-m", "rlplane_service", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rlplane_tools", *args], capture_output=True, text=True,
                           timeout=timeout, env={"COLUMNS": "160", "PATH": "/usr/bin:/bin"})
 
 
@@ -98,7 +98,7 @@ def test_serve_on_mooncake_stops_its_master_on_sigterm(tmp_path, pid_alive):
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "rlplane_service", "serve", "--port", str(port), "--backend", "mooncake",
+    proc = subprocess.Popen([sys.executable, "-m", "rlplane_tools", "serve", "--port", str(port), "--backend", "mooncake",
                              "--storage-units", "1"], stdout=log, stderr=subprocess.STDOUT,
                             env={"PATH": "/usr/bin:/bin", "RLPLANE_MOONCAKE_SEGMENT_BYTES": str(64 << 20),
                                  "RAY_AUTH_MODE": "disabled"})
@@ -151,7 +151,7 @@ def test_demo_prints_only_rlplanes_lines_and_names_the_log_with_the_rest(tmp_pat
     from rlplane_service.net import free_port
 
     env = {"COLUMNS": "200", "PATH": "/usr/bin:/bin", "RLPLANE_LOG_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, "-m", "rlplane_service", "demo", "--url", f"http://127.0.0.1:{free_port()}",
+    res = subprocess.run([sys.executable, "-m", "rlplane_tools", "demo", "--url", f"http://127.0.0.1:{free_port()}",
                           "--batch", "4", "--seqlen", "64"], capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = (res.stdout + res.stderr).splitlines()

@@ -15,7 +15,7 @@ def test_a_short_soak_with_a_unit_and_the_replica_killed_loses_and_corrupts_noth
            "RLPLANE_LOG_DIR": str(tmp_path)}
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    res = subprocess.run([sys.executable, "-m", "rlplane_service", "soak", "--minutes", "0.5", "--writers", "4",
+    res = subprocess.run([sys.executable, "-m", "rlplane_tools", "soak", "--minutes", "0.5", "--writers", "4",
                           "--readers", "2", "--json", str(out)], capture_output=True, text=True, timeout=240, env=env)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     report = json.loads(out.read_text())

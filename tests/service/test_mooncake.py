@@ -73,7 +73,7 @@ def test_dp_ranks_in_separate_processes_each_get_their_own_engine(mooncake_servi
     import sys
 
     res = subprocess.run(
-        [sys.executable, "-m", "rlplane_service", "demo", "--url", mooncake_service.url, "--token", mooncake_service.token,
+        [sys.executable, "-m", "rlplane_tools", "demo", "--url", mooncake_service.url, "--token", mooncake_service.token,
          "--batch", "9", "--seqlen", "128", "--dp", "3", "--transport", "tq", "--no-embedded"],
         capture_output=True, text=True, timeout=240,
     )

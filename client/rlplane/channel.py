@@ -14,7 +14,9 @@ answer to a later request (each request carries an id). Authentication is ZMQ's 
 mechanism checked by the server's ZAP handler: a peer without the secret cannot hand
 the server a single message.
 
-Not thread-safe: :class:`ChannelPool` gives each thread its own channels.
+Not thread-safe: :class:`ChannelPool` gives each thread its own channels, and
+:class:`SharedChannels` lets every client of a process with the same credentials use one
+pool (a hundred clients hold the sockets of one).
 
 A channel dropped without :meth:`Channel.close` has its sockets closed once it is
 garbage, so a client that is never closed leaks no descriptor. Its finalizer only hands
@@ -302,6 +304,11 @@ class Channel:
         if self._finalizer.detach() is not None:
             _close_sockets(self._sock, self._monitor, os.getpid())
 
+    def abandon(self) -> None:
+        """Close without a ZMQ call (from a finalizer): the reaper closes the sockets."""
+        self.closed = True
+        self._finalizer()
+
 
 class ChannelPool:
     """Per-thread channels to named endpoints; a channel that failed is replaced on next
@@ -344,7 +351,8 @@ class ChannelPool:
         with self._lock:
             return sum(1 for _, c in self._all if not c.closed)
 
-    def close(self) -> None:
+    def close(self, *, abandon: bool = False) -> None:
+        """Close every channel; ``abandon`` (from a finalizer) leaves the ZMQ calls to the reaper."""
         self.closed = True
         with self._lock:
             chans, self._all = self._all, []
@@ -352,7 +360,79 @@ class ChannelPool:
         if self._pid != os.getpid():
             return
         for _, ch in chans:
-            ch.close()
+            ch.abandon() if abandon else ch.close()
+
+
+_shared_lock = threading.Lock()
+_shared: dict[tuple[int, bytes | None, bytes], list[Any]] = {}  # key -> [pool, holders]
+
+
+def _hold(key: tuple[int, bytes | None, bytes]) -> ChannelPool:
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None or entry[0].closed:
+            entry = _shared[key] = [ChannelPool(key[1], key[2]), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _let_go(key: tuple[int, bytes | None, bytes], pool: ChannelPool, abandon: bool) -> None:
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None or entry[0] is not pool:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _shared[key]
+    pool.close(abandon=abandon)
+
+
+class SharedChannels:
+    """A client's hold on its process's channels for one set of credentials.
+
+    Every client of a process that presents the same data secret and user shares one
+    :class:`ChannelPool` (per thread, one channel per endpoint), so a hundred clients
+    cost the sockets of one. The pool is closed when its last holder closes or is
+    garbage; closing one holder leaves the others' channels alone. A forked child holds
+    a pool of its own from its first call (it never uses its parent's sockets).
+
+    Example::
+
+        chans = SharedChannels(b"secret")
+        chans.get("tcp://127.0.0.1:5555", "controller").call({"op": "ping"}, timeout=5)
+        chans.close()
+    """
+
+    def __init__(self, secret: bytes | None = None, user: bytes = PLAIN_USER) -> None:
+        self.secret, self.user = secret, user
+        self.closed = False
+        self._take()
+
+    def _take(self) -> None:
+        key = (os.getpid(), self.secret, self.user)
+        self._pool = _hold(key)
+        self._finalizer = weakref.finalize(self, _let_go, key, self._pool, True)
+        self._finalizer.atexit = False
+
+    def get(self, endpoint: str, name: str) -> Channel:
+        if self.closed:
+            raise TransportError(f"this client was closed; connect again to reach {name}")
+        if self._pool._pid != os.getpid():  # forked: hold the child's own pool
+            self._finalizer.detach()
+            self._take()
+        return self._pool.get(endpoint, name)
+
+    def __len__(self) -> int:
+        return len(self._pool)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        args = self._finalizer.detach()
+        if args is not None:
+            _let_go(args[2][0], args[2][1], False)
 
 
 async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: bytes | None,
@@ -391,4 +471,4 @@ async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: 
         sock.close(linger=0)
 
 
-__all__ = ["Channel", "ChannelPool", "PLAIN_USER", "CONNECT_TIMEOUT_S", "acall"]
+__all__ = ["Channel", "ChannelPool", "SharedChannels", "PLAIN_USER", "CONNECT_TIMEOUT_S", "acall"]

@@ -13,7 +13,8 @@ Example::
 from __future__ import annotations
 
 import os
-
+import threading
+import weakref
 from typing import Any
 
 import httpx
@@ -27,8 +28,42 @@ from rlplane.errors import (
 )
 
 
+_HttpKey = tuple[int, str, "str | None", float]
+_shared_lock = threading.Lock()
+_shared: dict[_HttpKey, list[Any]] = {}  # (pid, url, token, timeout) -> [httpx.Client, holders]
+
+
+def _hold(key: _HttpKey) -> httpx.Client:
+    """The process's HTTP client for ``key``: clients of one service with one token share
+    its connection pool (httpx.Client is thread-safe), so a hundred cost the sockets of one."""
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None or entry[0].is_closed:
+            http = httpx.Client(base_url=key[1], timeout=httpx.Timeout(key[3], connect=10.0))
+            if key[2]:
+                http.headers["Authorization"] = f"Bearer {key[2]}"
+            entry = _shared[key] = [http, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _let_go(key: _HttpKey, http: httpx.Client) -> None:
+    with _shared_lock:
+        entry = _shared.get(key)
+        if entry is None or entry[0] is not http:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _shared[key]
+    if key[0] == os.getpid():  # a parent's connections are never closed in a forked child
+        http.close()
+
+
 class ServiceAPI:
-    """HTTP access to one service (see the module docstring)."""
+    """HTTP access to one service (see the module docstring). Every ServiceAPI of a
+    process for the same URL, token and timeout shares one connection pool; it closes with
+    the last of them (close(), or garbage)."""
 
     def __init__(
         self, url: str, *, token: str | None = None, timeout: float = 300.0, http: httpx.Client | None = None
@@ -37,15 +72,22 @@ class ServiceAPI:
             raise TransportError(f"service URL must start with http:// or https://, got {url!r}")
         self.url = url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._timeout = timeout
+        self._token, self._timeout = token, timeout
         self._own = http is None  # tests pass an in-process client (fastapi.testclient.TestClient)
-        self._http = http if http is not None else self._new_http()
-        self._http.headers.update(self._headers)
+        self._finalizer: weakref.finalize | None = None
+        if http is None:
+            self._take()
+        else:
+            self._http = http
+            self._http.headers.update(self._headers)
         self._pid = os.getpid()
         self.closed = False
 
-    def _new_http(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, timeout=httpx.Timeout(self._timeout, connect=10.0))
+    def _take(self) -> None:
+        key = (os.getpid(), self.url, self._token, float(self._timeout))
+        self._http = _hold(key)
+        self._finalizer = weakref.finalize(self, _let_go, key, self._http)
+        self._finalizer.atexit = False
 
     @property
     def http(self) -> httpx.Client:
@@ -53,8 +95,9 @@ class ServiceAPI:
         if self.closed:
             raise TransportError(f"the connection to {self.url} was closed; connect again (rlplane.connect)")
         if self._pid != os.getpid() and self._own:
-            self._http = self._new_http()
-            self._http.headers.update(self._headers)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._take()
             self._pid = os.getpid()
         return self._http
 
@@ -101,7 +144,9 @@ class ServiceAPI:
         if self.closed:
             return
         self.closed = True
-        if self._pid == os.getpid():
+        if self._finalizer is not None:
+            self._finalizer()  # let go of the shared pool (closed with its last holder)
+        elif self._pid == os.getpid():
             self._http.close()
 
     def _error(self, response: httpx.Response, what: str) -> RlplaneError:

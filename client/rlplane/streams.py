@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from rlplane.channel import PLAIN_USER, ChannelPool, acall
+from rlplane.channel import PLAIN_USER, SharedChannels, acall
 from rlplane.errors import TransportError
 from rlplane.ledger import ClaimRequest
 
@@ -36,7 +36,7 @@ class DirectStreams:
             raise TransportError(f"the service's streams address is malformed ({err})") from None
         self.secret = secret.encode() if secret else None
         self.timeout, self.name = timeout, name
-        self._pool = ChannelPool(self.secret, self.user)
+        self._pool = SharedChannels(self.secret, self.user)
 
     def _call(self, header: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         ch = self._pool.get(self.endpoint, self.name)

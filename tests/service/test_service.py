@@ -302,3 +302,44 @@ def test_ids_a_killed_writer_left_in_transferqueue_are_written_again_by_the_retr
             client.put_samples(p, fields, sample_ids=["g1", "g2"])
         assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], fields["input_ids"])
         client.clear(p)
+
+
+@pytest.mark.parametrize("transport", ["direct", "http"])
+def test_a_hundred_connected_clients_cost_at_most_twice_one(service, transport):
+    """Clients of one process with one URL and token share their HTTP and engine
+    connections: a hundred hold at most twice the descriptors of one, plus 8 (the
+    default backend; the sharing under test is the client's)."""
+    import gc
+    import os
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def use(client, p: str) -> None:
+        w = vlm_step(2, 64, seed=3)
+        meta = client.put_samples(p, w.fields)
+        assert diff_fields(client.registry, w.fields, client.read_columns(meta, list(w.fields)), w.lengths,
+                           sample_ids=meta.sample_ids) == []
+
+    url, token = service.url, service.settings.token()
+    p = part()
+    with rlplane.connect(url, token=token, transport=transport) as warm:  # context, threads, mappings
+        use(warm, p)
+        gc.collect()
+        base = fds()
+        first = rlplane.connect(url, token=token, transport=transport)
+        use(first, p + "-0")
+        one = fds() - base
+        clients = [first] + [rlplane.connect(url, token=token, transport=transport) for _ in range(99)]
+        for k, c in enumerate(clients[1:], 1):
+            use(c, f"{p}-{k}")
+        held = fds() - base
+        assert held <= 2 * max(one, 1) + 8, (held, one)
+        for c in clients[1:]:
+            c.close()
+        use(first, p + "-after")  # the others' close left its connections working
+        first.close()
+        for k in range(100):
+            warm.clear(f"{p}-{k}")
+        warm.clear(p + "-after")
+        warm.clear(p)

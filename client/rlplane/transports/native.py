@@ -51,7 +51,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from rlplane.channel import PLAIN_USER, Channel, ChannelPool
+from rlplane.channel import PLAIN_USER, Channel, SharedChannels
 from rlplane.placement import spread
 from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
 from rlplane.integrity import SUM_TAG
@@ -113,7 +113,7 @@ class NativeTransport(Transport):
             raise TransportError(f"the service's native-engine address is malformed ({err})") from None
         self.info = dict(info)
         self.timeout = timeout
-        self._pool = ChannelPool(secret.encode() if secret else None, user.encode())
+        self._pool = SharedChannels(secret.encode() if secret else None, user.encode())
         self.streams = DirectStreams({"endpoint": self.controller, "secret": secret, "user": user}, timeout=timeout,
                                      name="controller")
         hello = self._ctrl().call({"op": "hello"}, timeout=min(timeout, 10.0))[0]

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import socket
 import time
 import uuid
@@ -38,22 +37,15 @@ import torch
 from rlplane.codec import WIRE_TAG, merge_tags
 from rlplane.streams import DirectStreams
 from rlplane.column import Column
-from rlplane.errors import (DuplicateSampleError, MissingDataError, StorageFullError, TransportError, UnavailableError,
+from rlplane.errors import (DuplicateSampleError, MissingDataError, TransportError, UnavailableError,
                             WireFormatError, lost_hint)
 from rlplane.transports.base import PartitionInfo, Transport, check_put
+from rlplane.transports.tq_errors import mooncake_not_found, translate
 
 log = logging.getLogger(__name__)
 
-#: How TransferQueue's Mooncake client reports Mooncake's NO_AVAILABLE_HANDLE (no segment has room).
 #: A call still running after this long starts checking whether a TransferQueue process died.
 PROBE_EVERY_S, PROBE_TIMEOUT_S = 1.0, 0.5
-_MOONCAKE_NO_SPACE = re.compile(r"error codes \[[^\]]*-200\b")
-#: TransferQueue's simple storage unit refusing a write past its capacity (it stores none of it).
-_SIMPLE_FULL = re.compile(r"Storage capacity exceeded")
-#: ...a read from a segment whose process does not answer (TRANSFER_FAIL)...
-_MOONCAKE_TRANSFER_FAIL = re.compile(r"error codes \[[^\]]*-800\b")
-#: ...and a read that outlived its objects' lease (LEASE_EXPIRED).
-_MOONCAKE_LEASE = re.compile(r"error codes \[[^\]]*-707\b")
 
 #: Per-sample bookkeeping this transport keeps in the tags: stored bytes of every field.
 NBYTES_TAG = "_rlplane_nbytes"
@@ -362,30 +354,7 @@ class TQTransport(Transport):
                 hint=f"TransferQueue no longer holds {err}: the samples were cleared while this call ran",
             ) from err
         except (RuntimeError, OSError, ValueError, asyncio.TimeoutError) as err:
-            if not self._kv and _SIMPLE_FULL.search(str(err)):
-                raise StorageFullError(
-                    "the TransferQueue storage units have no room for this write (nothing of it was kept); clear "
-                    "consumed partitions, or raise RLPLANE_CAPACITY / RLPLANE_STORAGE_UNITS"
-                ) from err
-            if self._kv and _MOONCAKE_NO_SPACE.search(str(err)):
-                raise StorageFullError(
-                    "the Mooncake pool has no room for this write (nothing of it was kept); clear "
-                    "consumed partitions, or raise RLPLANE_MOONCAKE_SEGMENT_BYTES / RLPLANE_STORAGE_UNITS"
-                ) from err
-            if self._kv and _MOONCAKE_TRANSFER_FAIL.search(str(err)):
-                dead = self._lost_units()
-                why = f"declared dead: {', '.join(dead)}" if dead else "its process died, or it is out of reach"
-                raise UnavailableError(
-                    f"a Mooncake storage unit this call needs does not answer ({why}); "
-                    "a dead unit's samples are declared lost within seconds, and Mooncake's master stops placing "
-                    "new values on its segment within its client TTL (30 s): retry, and check /readyz",
-                    component=dead[0] if len(dead) == 1 else None) from err
-            if self._kv and _MOONCAKE_LEASE.search(str(err)):
-                raise TransportError(
-                    "a Mooncake read took longer than the lease on its objects and was refused; read fewer "
-                    "samples per call, or raise RLPLANE_MOONCAKE_LEASE_TTL_MS on the service"
-                ) from err
-            raise TransportError(f"TransferQueue call failed: {err}") from err
+            raise translate("mooncake" if self._kv else "simple", err, self._lost_units) from err
 
     def _lost_units(self) -> list[str]:
         """The storage units the service has declared dead (best effort: [] if it cannot say)."""
@@ -528,7 +497,7 @@ class TQTransport(Transport):
         try:
             got = await self._client.async_get_data(meta.select_fields(fields))
         except RuntimeError as err:
-            gone = _mooncake_not_found(str(err), dict(zip(meta.global_indexes, ids))) if self._kv else {}
+            gone = mooncake_not_found(str(err), dict(zip(meta.global_indexes, ids))) if self._kv else {}
             if not gone:
                 raise
             raise await self._missing(partition, list(gone), gone) from err
@@ -579,25 +548,6 @@ class TQTransport(Transport):
             await self._forget_meta(meta)
         else:
             await self._client.async_clear_samples(meta)
-
-
-_MOONCAKE_FAILED = re.compile(r"failed for keys \[([^\]]*)\] with error codes \[([^\]]*)\]")
-
-
-def _mooncake_not_found(message: str, ids_by_index: Mapping[int, str]) -> dict[str, list[str]]:
-    """From TransferQueue's Mooncake read error: sample id -> fields whose value the pool
-    reported OBJECT_NOT_FOUND (-704), for the keys (``{global index}@{field}``) it names."""
-    found = _MOONCAKE_FAILED.search(message)
-    if not found:
-        return {}
-    keys = re.findall(r"'([^']*)'", found.group(1))
-    codes = [c.strip() for c in found.group(2).split(",")]
-    out: dict[str, list[str]] = {}
-    for key, code in zip(keys, codes):
-        gi, _, name = key.partition("@")
-        if code == "-704" and gi.isdigit() and int(gi) in ids_by_index:
-            out.setdefault(ids_by_index[int(gi)], []).append(name)
-    return out
 
 
 def _replica_endpoints(client: Any, keys: list[str]) -> dict[str, set[str]]:

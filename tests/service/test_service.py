@@ -34,19 +34,6 @@ def vlm():
 
 
 @pytest.mark.parametrize("transport", ["direct", "http"])
-def test_full_vlm_batch_round_trips_bit_exactly(live, vlm, transport):
-    with rlplane.connect(live.url, token=live.token, transport=transport) as client:
-        assert client.transport.name == (live.direct if transport == "direct" else transport)
-        p = part()
-        meta = client.put_samples(p, vlm.fields)
-        got = client.read_columns(meta, list(vlm.fields))
-        assert diff_fields(client.registry, vlm.fields, got, vlm.lengths, sample_ids=meta.sample_ids) == []
-        stats = client.stats()["partitions"][p]
-        assert stats["num_samples"] == 64 and stats["fields"]["pixel_values"] == 64
-        assert client.clear(p) == 64
-
-
-@pytest.mark.parametrize("transport", ["direct", "http"])
 def test_a_client_reusing_its_encode_buffers_never_changes_what_it_stored(live, transport):
     with rlplane.connect(live.url, token=live.token, transport=transport) as client:
         metas = [client.put_samples(part(), vlm_step(4, 64, seed=seed).fields) for seed in (1, 2)]
@@ -94,26 +81,6 @@ def test_a_plain_process_with_only_url_and_token_can_put_and_read(live, transpor
         assert client.read_columns(meta, ["input_lengths"])["input_lengths"].tolist() == [4, 2, 3]
 
 
-@pytest.mark.parametrize("transport", ["direct", "http"])
-@pytest.mark.parametrize(
-    "fields, error, field",
-    [
-        ({"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4]),
-          "pixel_vals": rlplane.PackedTensor([torch.ones(1, 3), None])}, E.UnregisteredFieldError, "pixel_vals"),
-        ({"input_ids": torch.ones(2, 4, dtype=torch.float32), "input_lengths": torch.tensor([4, 4])}, E.DtypeError, "input_ids"),
-        ({"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 9])}, E.ShapeError, "input_ids"),
-    ],
-    ids=["unregistered", "dtype", "length"],
-)
-def test_bad_input_is_a_typed_error_and_stores_nothing(live, transport, fields, error, field):
-    with rlplane.connect(live.url, token=live.token, transport=transport) as client:
-        p = part()
-        with pytest.raises(error) as err:
-            client.put_samples(p, fields)
-        assert err.value.field == field
-        assert p not in client.partitions()
-
-
 def test_a_raw_http_put_that_fails_validation_is_a_4xx_naming_the_field(live):
     enc = encode(rlplane.default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
     body = pack({"sample_ids": ["a"], "tags": enc.tags}, {"input_idz": enc.columns["input_ids"]})
@@ -123,25 +90,6 @@ def test_a_raw_http_put_that_fails_validation_is_a_4xx_naming_the_field(live):
     assert r.status_code == 422 and r.json()["field"] == "input_idz"
     r = httpx.get(f"{live.url}/v1/partitions/{p}", headers={"Authorization": f"Bearer {live.token}"})
     assert r.status_code == 404
-
-
-@pytest.mark.parametrize("transport", ["direct", "http"])
-def test_reading_cleared_or_unknown_samples_raises_missing_data(live, transport):
-    with rlplane.connect(live.url, token=live.token, transport=transport) as client:
-        p = part()
-        fields = {"input_ids": torch.ones(3, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 3, 2])}
-        meta = client.put_samples(p, fields, sample_ids=["a", "b", "c"])
-        assert client.clear(p, ["b"]) == 1
-        with pytest.raises(E.MissingDataError) as err:
-            client.read_columns(meta, ["input_ids"])
-        assert list(err.value.missing) == ["b"]
-        client.write_columns(meta.subset([0]), {"prev_logprobs": torch.zeros(1, 4)})
-        with pytest.raises(E.MissingDataError) as err:
-            client.read_columns(meta.subset([0, 2]), ["prev_logprobs"])
-        assert err.value.missing == {"c": ["prev_logprobs"]}
-        client.clear(p)
-        with pytest.raises(E.MissingDataError):
-            client.read_columns(meta.subset([0]), ["input_ids"])
 
 
 def test_v1_without_the_token_is_401_health_is_open(live):

@@ -1,0 +1,158 @@
+"""One behaviour for every transport: the same tests over the in-process memory store,
+the native engine on each of its data paths (shared memory, ZMQ, HTTP) and TransferQueue
+on its simple and Mooncake storages (direct and HTTP). What `transports/base.py`
+promises: bit-exact round trips, strict reads, one owner per sample id, clears that
+count, typed errors that store nothing, claims exactly once per task."""
+
+import uuid
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import rlplane
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import vlm_step
+from rlplane.transports import MemoryTransport
+
+#: (store, how the client reaches it): every transport and data path there is.
+PATHS = ["memory", "native/shm", "native/zmq", "native/http", "simple/tq", "simple/http", "mooncake/tq", "mooncake/http"]
+
+
+def part() -> str:
+    return f"c-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def conn(request):
+    """``conn()``: a fresh client on this path (a context manager)."""
+    store, how = request.param.split("/") if "/" in request.param else (request.param, "")
+    if store == "memory":
+        transport = MemoryTransport()  # one store for the module: clients come and go, it stays
+
+        @contextmanager
+        def memory():
+            yield Client(default_registry(), transport)
+
+        return memory
+    live = request.getfixturevalue("service") if store == "native" else request.getfixturevalue(f"{store}_service")
+    url = live.url
+    token = live.settings.token() if store == "native" else live.token
+    kw = {"transport": "native", "data_path": how} if how in ("shm", "zmq") else {"transport": how}
+
+    def remote():
+        return rlplane.connect(url, token=token, **kw)
+
+    return remote
+
+
+def small(n: int = 3) -> dict:
+    return {"input_ids": torch.arange(n * 4, dtype=torch.int64).reshape(n, 4),
+            "input_lengths": torch.tensor([4, 3, 2, 1][:n])}
+
+
+def test_a_vlm_batch_round_trips_bit_exactly_whole_and_by_subset(conn):
+    w = vlm_step(6, 256, seed=11)
+    with conn() as client:
+        p = part()
+        meta = client.put_samples(p, w.fields)
+        assert diff_fields(client.registry, w.fields, client.read_columns(meta, list(w.fields)), w.lengths,
+                           sample_ids=meta.sample_ids) == []
+        pick = [4, 1]  # out of order, some only
+        want = {k: v[pick] if isinstance(v, rlplane.PackedTensor) else v[torch.tensor(pick)] for k, v in w.fields.items()}
+        got = client.read_columns(meta.subset(pick), list(w.fields))
+        assert diff_fields(client.registry, want, got, w.lengths[torch.tensor(pick)],
+                           sample_ids=[meta.sample_ids[i] for i in pick]) == []
+        assert client.clear(p) == 6
+
+
+def test_a_field_written_later_is_read_with_the_first_ones(conn):
+    with conn() as client:
+        p = part()
+        meta = client.put_samples(p, small())
+        logp = torch.randn(3, 4)
+        meta = client.write_columns(meta, {"prev_logprobs": logp})
+        got = client.read_columns(meta, ["input_ids", "prev_logprobs"])
+        mask = torch.arange(4) < small()["input_lengths"][:, None]
+        assert torch.equal(got["prev_logprobs"] * mask, logp * mask)
+        assert torch.equal(got["input_ids"], small()["input_ids"] * mask)
+        client.clear(p)
+
+
+def test_reading_cleared_unknown_or_unwritten_samples_raises_missing_data_naming_them(conn):
+    with conn() as client:
+        p = part()
+        meta = client.put_samples(p, small(), sample_ids=["a", "b", "c"])
+        assert client.clear(p, ["b"]) == 1
+        with pytest.raises(E.MissingDataError) as err:
+            client.read_columns(meta, ["input_ids"])
+        assert list(err.value.missing) == ["b"]
+        client.write_columns(meta.subset([0]), {"prev_logprobs": torch.zeros(1, 4)})
+        with pytest.raises(E.MissingDataError) as err:
+            client.read_columns(meta.subset([0, 2]), ["prev_logprobs"])
+        assert err.value.missing == {"c": ["prev_logprobs"]}
+        assert client.clear(p) == 2 and p not in client.partitions()
+        with pytest.raises(E.MissingDataError):
+            client.read_columns(meta.subset([0]), ["input_ids"])
+
+
+def test_a_sample_id_has_one_owner_and_a_refused_put_changes_nothing(conn):
+    with conn() as client:
+        p = part()
+        meta = client.put_samples(p, small(2), sample_ids=["x", "y"])
+        with pytest.raises(E.DuplicateSampleError) as err:
+            client.put_samples(p, {"input_ids": torch.full((2, 4), 9), "input_lengths": torch.tensor([4, 4])},
+                               sample_ids=["z", "y"])
+        assert "'y'" in str(err.value)
+        got = client.read_columns(meta, ["input_ids"])["input_ids"]
+        assert torch.equal(got, small(2)["input_ids"] * (torch.arange(4) < small(2)["input_lengths"][:, None]))
+        with pytest.raises(E.MissingDataError):  # nothing of the refused put was kept
+            client.read_columns(meta.__class__(p, ["z"], [4], frozenset({"input_ids"}), [{}]), ["input_ids"])
+        client.clear(p)
+
+
+@pytest.mark.parametrize(
+    "fields, error, field",
+    [
+        ({"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4]),
+          "pixel_vals": rlplane.PackedTensor([torch.ones(1, 3), None])}, E.UnregisteredFieldError, "pixel_vals"),
+        ({"input_ids": torch.ones(2, 4, dtype=torch.float32), "input_lengths": torch.tensor([4, 4])}, E.DtypeError,
+         "input_ids"),
+        ({"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 9])}, E.ShapeError,
+         "input_ids"),
+    ],
+    ids=["unregistered", "dtype", "length"],
+)
+def test_bad_input_is_a_typed_error_naming_the_field_and_stores_nothing(conn, fields, error, field):
+    with conn() as client:
+        p = part()
+        with pytest.raises(error) as err:
+            client.put_samples(p, fields)
+        assert err.value.field == field
+        assert p not in client.partitions()
+
+
+def test_claims_hand_each_sample_out_once_per_task_and_a_nack_gives_them_back(conn, request):
+    with conn() as client:
+        p = part()
+        if request.node.callspec.params["conn"] == "memory":  # no ledger in process: says where claims are
+            with pytest.raises(E.TransportError, match="rlplane.connect"):
+                client.claim(p, "train", batch_size=2, fields=["input_ids"], timeout=0)
+            return
+        ids = client.put_samples(p, small(3)).sample_ids + client.put_samples(p, small(3)).sample_ids
+        first = client.claim(p, "train", batch_size=4, fields=["input_ids"], timeout=10)
+        second = client.claim(p, "train", batch_size=4, min_batch=1, fields=["input_ids"], timeout=1)
+        assert sorted(first.sample_ids + second.sample_ids) == sorted(ids)
+        assert client.read_columns(second, ["input_ids"])["input_ids"].shape[0] == 2
+        with pytest.raises(E.NotReadyError):
+            client.claim(p, "train", batch_size=1, fields=["input_ids"], timeout=0)
+        other = client.claim(p, "logprob", batch_size=6, fields=["input_ids"], timeout=10)  # another task: all again
+        assert sorted(other.sample_ids) == sorted(ids)
+        assert client.nack(second, "train") == 2
+        again = client.claim(p, "train", batch_size=2, fields=["input_ids"], timeout=10)
+        assert sorted(again.sample_ids) == sorted(second.sample_ids)
+        assert client.ack(first, "train") + client.ack(again, "train") == 6
+        assert client.consumption(p, "train")["acked"] == 6
+        client.clear(p)

@@ -67,11 +67,16 @@ def test_bench_quick_writes_valid_json(tmp_path):
     assert data["bytes_stored"] > 0 and data["machine"]["cpus"] >= 1
 
 
-def test_help_explains_each_command():
+def test_help_lists_every_command_and_each_has_help_of_its_own():
     res = rlplane("--help")
-    assert res.returncode == 0 and all(c in res.stdout for c in ("serve", "status", "demo", "bench"))
-    assert "Ctrl-C" in rlplane("serve", "--help").stdout
-    assert "bit for bit" in rlplane("demo", "--help").stdout
+    commands = ("serve", "status", "demo", "bench", "soak")
+    assert res.returncode == 0 and all(c in res.stdout for c in commands)
+    says = {"serve": "Ctrl-C", "status": "consumption", "demo": "bit for bit", "bench": "--json", "soak": "--minutes"}
+    for command in commands:
+        own = rlplane(command, "--help")
+        assert own.returncode == 0, (command, own.stderr)
+        assert f"{command} [OPTIONS]" in own.stdout and "--help" in own.stdout, command
+        assert says[command] in own.stdout, (command, says[command])
 
 
 def test_bad_option_is_a_clear_usage_error():

@@ -14,24 +14,9 @@ import rlplane
 from rlplane import errors as E
 from rlplane.codec import encode
 from rlplane_service.metrics import SCRAPE_TTL_S
+from scraping import scrape, scrape_text, value
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of ``url``/metrics as {(name, sorted labels): value}, fresh: a body is
-    reused for SCRAPE_TTL_S, so wait that long after the ops it must show."""
-    time.sleep(SCRAPE_TTL_S)
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(samples, name, **labels) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def batch(n: int = 3):
@@ -116,8 +101,7 @@ def exported_after_traffic(url: str, token: str) -> set[str]:
             client.read_columns(meta, ["prev_logprobs"])
         client.claim(p, "metrics", batch_size=1, fields=["input_ids"], timeout=5)
     names = set()
-    time.sleep(SCRAPE_TTL_S)
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(scrape_text(url)):
         if family.samples:
             names.add(family.name + ("_total" if family.type == "counter" else ""))
     with rlplane.connect(url, token=token) as client:
@@ -191,8 +175,3 @@ def test_a_scrape_is_reused_for_a_second_and_then_shows_what_happened(live):
         before = next(line for line in first.splitlines() if line.startswith(counted))
         after = next(line for line in scrape_text(live.url).splitlines() if line.startswith(counted))
         assert float(after.split()[-1]) > float(before.split()[-1])
-
-
-def scrape_text(url: str) -> str:
-    time.sleep(SCRAPE_TTL_S)
-    return httpx.get(f"{url}/metrics", timeout=30).text

@@ -192,23 +192,15 @@ def test_exactly_once_per_task_under_concurrent_claimer_processes(live):
 
 
 def test_metrics_show_each_tasks_consumption_and_claim_waits(live):
-    from prometheus_client.parser import text_string_to_metric_families
-
-    def scrape() -> dict[tuple, float]:
-        from rlplane_service.metrics import SCRAPE_TTL_S
-
-        time.sleep(SCRAPE_TTL_S)  # a body is reused that long: this one shows every op before it
-        text = httpx.get(f"{live.url}/metrics", timeout=30).text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in text_string_to_metric_families(text) for s in fam.samples}
+    from scraping import scrape
 
     p = part()
     with rlplane.connect(live.url, token=live.token) as c:
         c.put_samples(p, batch(10))
-        before = scrape()
+        before = scrape(live.url)
         c.ack(c.claim(p, "train", batch_size=4, fields=["input_ids"], timeout=5), "train")
         c.claim(p, "train", batch_size=2, fields=["input_ids"], timeout=5)
-        after = scrape()
+        after = scrape(live.url)
         got = {state: after[("rlplane_consumption_samples", (("partition", p), ("state", state), ("task", "train")))]
                for state in ("pending", "claimed", "acked", "expired")}
         assert got == {"pending": 4, "claimed": 2, "acked": 4, "expired": 0}

@@ -97,10 +97,21 @@ def test_version_changes_with_wire_content_not_with_doc():
     assert a.version == b.version != c.version
 
 
-def test_adding_a_modality_is_one_line():
+def test_a_modality_registered_in_one_line_is_validated_stored_and_read_back():
+    from rlplane import Client
+    from rlplane.transports import MemoryTransport
+
     reg = default_registry()
     reg.register(FieldSpec("depth_maps", "media", "packed", MODEL_STAGES, dtype="float32", optional=True))
     assert "depth_maps" in reg.fields_for_stage("train", {"depth_maps"})
+    maps = PackedTensor([torch.rand(2, 5, 7), None, torch.rand(1, 5, 7)])
+    client = Client(reg, MemoryTransport())
+    meta = client.put_samples("p", {"depth_maps": maps, "sample_mask": torch.ones(3)})
+    got = client.read_columns(meta, ["depth_maps"])["depth_maps"]
+    assert [r is None for r in got] == [False, True, False]
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(got, maps) if b is not None)
+    with pytest.raises(DtypeError, match="depth_maps"):
+        client.put_samples("p", {"depth_maps": PackedTensor([torch.zeros(1, 5, 7, dtype=torch.int64)])})
 
 
 def test_validate_names_container_dtype_and_batch():

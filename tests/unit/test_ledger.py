@@ -119,7 +119,8 @@ def test_bad_claims_fail_at_once(kw, match):
         _req(**kw).check()
 
 
-def test_cost_does_not_walk_consumed_samples():
+def test_acked_claims_move_the_cursor_past_every_consumed_sample():
+    """A claim starts at the task's cursor, so its cost does not grow with what was consumed."""
     led, idx = _ledger()
     _put(idx, "p", [f"s{i}" for i in range(20000)])
     for _ in range(300):

@@ -89,7 +89,7 @@ class Client:
                 raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
             lengths = self._lengths(fields, batch)
             user = _user_tags(tags, batch, ids)
-            with self._buffers() as alloc:
+            with self._buffers() as mine, self.transport.put_buffers(batch, mine) as alloc:
                 enc = encode(self.registry, fields, lengths, sample_ids=ids, alloc=alloc)
                 merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None else enc.tags
                 self.transport.put(partition, ids, enc.columns, merged, create=True)
@@ -109,7 +109,7 @@ class Client:
             given = self._lengths(fields, len(meta))
             if given is not None and not torch.equal(given, lengths):
                 raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
-            with self._buffers() as alloc:
+            with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
                 enc = encode(self.registry, fields, lengths, sample_ids=meta.sample_ids, alloc=alloc)
                 if not enc.columns:
                     return meta

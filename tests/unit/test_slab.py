@@ -183,3 +183,80 @@ def test_the_read_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
     c = pool.take(7 << 20)
     assert pool.reused == 1 and c.ctypes.data == addr
     assert pool.take(1000).size == 1000  # small requests are plain memory
+
+
+def pixels(batch: int, patches: int, seed: int = 0) -> dict:
+    """A packed float32 field well over STAGE_MIN_BYTES once cast (and small token fields)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.arange(batch * 8).reshape(batch, 8), "input_lengths": torch.full((batch,), 8),
+            "pixel_values": PackedTensor([torch.rand(patches, 1176, generator=g) for _ in range(batch)])}
+
+
+def test_big_fields_are_encoded_straight_into_the_local_slab_and_read_back_bit_exact(engine, monkeypatch):
+    copied: list[set] = []
+    real = NativeTransport._copy_in
+
+    def spy(view, where, part, staged):
+        copied.append({f for f, c in part.items() if c.nbytes and f not in staged})
+        return real(view, where, part, staged)
+
+    monkeypatch.setattr(NativeTransport, "_copy_in", staticmethod(spy))
+    with connect(engine, "shm") as client:
+        fields = pixels(8, 256, seed=5)  # 8 x 256 x 1176 bf16: 4.8 MB of pixels
+        meta = client.put_samples("staged", fields)
+        # first copy: the pixels were cast into their extent (only the small fields copied);
+        # the second copy (R=2) is copied from there
+        assert "pixel_values" not in copied[0] and "input_ids" in copied[0] and "pixel_values" in copied[1]
+        assert client._scratch is None or "pixel_values" not in client._scratch._free  # no buffer in between
+        got = client.read_columns(meta, ["input_ids", "pixel_values"])
+        for mine, want in zip(got["pixel_values"], fields["pixel_values"]):
+            assert torch.equal(mine[0], want[0].to(torch.bfloat16))
+        assert all(not c._staged for c in engine["cores"]), "a staged extent was left behind"
+        copied.clear()
+        logp = client.write_columns(meta, {"prev_logprobs": torch.randn(8, 8)})  # small: the ordinary path
+        assert copied and all("prev_logprobs" in c for c in copied) and logp.fields >= {"prev_logprobs"}
+        client.clear("staged")
+
+
+def test_a_refused_put_gives_back_the_extents_it_encoded_into(engine):
+    with connect(engine, "shm") as client:
+        client.put_samples("staged-dup", pixels(2, 8), sample_ids=["a", "b"])
+        before = used(engine)
+        with pytest.raises(E.DuplicateSampleError, match="'b'"):
+            client.put_samples("staged-dup", pixels(4, 512, seed=1), sample_ids=["c", "d", "e", "b"])
+        wait_for(lambda: used(engine) == before and all(not c._staged for c in engine["cores"]),
+                 "a refused staged put left extents behind")
+        with pytest.raises(E.StorageFullError, match="has no room"):  # too big to stage at all
+            client.put_samples("staged-full", pixels(2, SLAB // 1176 // 2 + 1024))
+        wait_for(lambda: used(engine) == before, "a put too big to stage left extents behind")
+        assert "staged-full" not in client.partitions()
+        assert client.clear("staged-dup") == 2
+
+
+def test_a_unit_takes_a_staged_extent_only_into_its_own_block_and_frees_an_untaken_one(engine):
+    core = engine["cores"][0]
+    before = core.alloc.used_bytes
+    x = core.op_stage({"b": 71, "f": "pixel_values", "d": "bfloat16", "n": 4096}, {}, [])[0]["x"]
+    off = np.array([0, 2048], dtype=np.int64).tobytes()
+    with pytest.raises(E.WireFormatError, match="not staged"):  # another block cannot take it
+        core.op_alloc({"b": 72, "f": [["pixel_values", "bfloat16", 4096, x]]}, {}, [off])
+    with pytest.raises(E.WireFormatError, match="not staged"):  # nor with another size
+        core.op_alloc({"b": 71, "f": [["pixel_values", "bfloat16", 2048, x]]}, {}, [np.array([0, 1024]).tobytes()])
+    with pytest.raises(E.WireFormatError, match="already"):
+        core.op_stage({"b": 71, "f": "pixel_values", "d": "bfloat16", "n": 4096}, {}, [])
+    with pytest.raises(E.ForbiddenError):
+        core.op_stage({"b": 73, "f": "x", "d": "uint8", "n": 64, "_user": "tenant-a"}, {}, [])
+    for bad in ({"b": 74, "f": "x", "d": "uint8", "n": 0}, {"b": 74, "f": "x", "d": "bfloat16", "n": 3},
+                {"b": 74, "f": 5, "d": "uint8", "n": 64}, {"b": 74, "f": "x", "d": "no-such", "n": 64}):
+        with pytest.raises(E.WireFormatError):
+            core.op_stage(bad, {}, [])
+    old = np.frombuffer(core.op_old({"age": 0}, {}, [])[0]["b"], dtype="<i8").tolist()
+    assert 71 in old  # the controller's sweep sees an untaken staged extent like an orphan block...
+    core.op_free({"b": np.array([71], dtype="<i8").tobytes()}, {}, [])
+    assert core.alloc.used_bytes == before and not core._staged  # ...and frees it
+    y = core.op_stage({"b": 75, "f": "pixel_values", "d": "bfloat16", "n": 4096}, {}, [])[0]["x"]
+    got = core.op_alloc({"b": 75, "f": [["pixel_values", "bfloat16", 4096, y], ["ids", "int64", 16]]}, {},
+                        [off, np.array([0, 2], dtype=np.int64).tobytes()])[0]
+    assert got["x"]["pixel_values"] == y and not core._staged  # taken as is, the other field allocated
+    core.op_free({"b": np.array([75], dtype="<i8").tobytes()}, {}, [])
+    assert core.alloc.used_bytes == before

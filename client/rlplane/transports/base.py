@@ -20,11 +20,13 @@ Example::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from rlplane.column import Column
 from rlplane.errors import ShapeError
+from rlplane.scratch import Alloc
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,13 @@ class Transport(ABC):
 
         ``copy=False`` allows read-only views of the store's memory where a transport has
         them (the native engine's shared-memory path); others return owned memory anyway."""
+
+    @contextmanager
+    def put_buffers(self, batch: int, fallback: Alloc | None) -> Iterator[Alloc | None]:
+        """Where the next put of ``batch`` samples (in this thread) encodes its fields:
+        ``fallback`` (the client's reusable buffers) unless the store offers memory the
+        put lands in (the native engine's staged slab extents)."""
+        yield fallback
 
     def paths(self) -> dict[str, str]:
         """How bytes move to each storage unit (``{unit: path}``); ``{}`` where a transport

@@ -21,7 +21,9 @@ per sample.
 - ``put``: reserve the ids (atomic: concurrent puts of the same new ids, exactly one
   wins) while the blocks travel to (or are allocated on) their units, then commit.
   Anything failing in between aborts the reservation; nothing is visible until the
-  commit. With a local unit a put is one block whose first copy is local.
+  commit. With a local unit a put is one block whose first copy is local, and its big
+  fields are encoded straight into extents that unit staged (:meth:`put_buffers`): the
+  pixels' cast to bfloat16 writes the slab, with no buffer and no copy after.
 - ``get``: locate the rows (the controller pins their blocks), read each unit's share
   (one column per field, or one vectorized copy out of the mapped slab), put the rows
   back in the order asked, unpin. Every (sample, field) or MissingDataError. Rows land
@@ -46,7 +48,8 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -60,6 +63,7 @@ from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataError, ShapeError, TransportError, UnavailableError,
                             WireFormatError)
 from rlplane.readpool import ReadPool
+from rlplane.scratch import Alloc
 from rlplane.shm import SlabView, shared_slab
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.streams import DirectStreams
@@ -81,6 +85,9 @@ _DOWN_REFRESH_S = 5.0
 DATA_PATHS = ("auto", "shm", "zmq")
 #: Copies of at least this many bytes go through torch (several threads); smaller through numpy.
 _BIG_COPY = 1 << 20
+#: A field at least this big is encoded straight into an extent staged in a mapped slab
+#: (for a smaller one the staging round trip costs more than the copy it saves).
+STAGE_MIN_BYTES = 1 << 20
 
 
 def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
@@ -126,6 +133,7 @@ class NativeTransport(Transport):
         self.data_path = data_path
         self.pool = pool if pool is not None else ReadPool.shared()
         self._slabs: dict[int, SlabView] = {}  # unit -> its slab, mapped (same host)
+        self._stage = threading.local()  # the put this thread is encoding into staged extents, if any
         self._views = _ViewPins(self)
         if data_path != "zmq":
             self._map_slabs(required=data_path == "shm")
@@ -170,6 +178,60 @@ class NativeTransport(Transport):
                 raise
             self._put(partition, list(sample_ids), columns, tags, create)
 
+    @contextmanager
+    def put_buffers(self, batch: int, fallback: Alloc | None) -> Iterator[Alloc | None]:
+        """Where the next put of ``batch`` samples in this thread encodes its fields: with
+        a unit mapped here, each field of at least STAGE_MIN_BYTES into an extent that
+        unit stages for the put's block (``fallback`` for the rest). Extents the put did
+        not take (it failed, or was placed elsewhere on a retry) are freed on the way out.
+
+        Example::
+
+            with transport.put_buffers(len(ids), None) as alloc:
+                enc = encode(registry, fields, lengths, alloc=alloc)
+                transport.put("p", ids, enc.columns, enc.tags, create=True)
+        """
+        blocks = self._place(batch, 0) if self._slabs and batch > 0 else []
+        if len(blocks) != 1 or blocks[0][1][0] not in self._slabs:
+            yield fallback
+            return
+        stage = _Stage(blocks, batch)
+        bid, unit = blocks[0][0], blocks[0][1][0]
+
+        def alloc(field: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+            if nbytes < STAGE_MIN_BYTES or field in stage.fields:
+                return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
+            view = self._slabs[unit]
+            at = int(self._unit(unit).call({"op": "stage", "b": bid, "f": field, "d": dtype_name(dtype), "n": nbytes},
+                                           timeout=min(self.timeout, 10.0))[0]["x"])
+            if at < 0 or at + nbytes > view.nbytes:
+                raise WireFormatError(f"storage unit {view.unit} staged an extent outside its slab", field=field)
+            out = torch.from_numpy(view.u8[at : at + nbytes]).view(dtype)
+            stage.fields[field] = (at, nbytes, out.data_ptr())
+            return out
+
+        self._stage.put = stage
+        try:
+            yield alloc
+        finally:
+            self._stage.put = None
+            if stage.fields and not stage.committed:
+                self._drop_blocks(stage.blocks)
+
+    def _staged(self, n: int, columns: Mapping[str, Column]) -> _Stage | None:
+        """This thread's staged put, if ``columns`` are what was encoded into it (taken
+        once: a retry places its blocks afresh and copies)."""
+        stage = getattr(self._stage, "put", None)
+        if stage is None or stage.taken or stage.n != n:
+            return None
+        stage.taken = True
+        for f, (at, nbytes, ptr) in list(stage.fields.items()):
+            c = columns.get(f)
+            if c is None or c.nbytes != nbytes or c.values.data_ptr() != ptr:
+                return None  # not encoded where it was staged: the ordinary path, which copies
+        return stage
+
     def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
              create: bool) -> None:
         deadline = time.monotonic() + self.timeout
@@ -184,12 +246,14 @@ class NativeTransport(Transport):
         for f, g in geoms.items():
             if any(x is None for x in g):
                 raise WireFormatError("a row carries no wire geometry (encode it with rlplane's codec)", field=f)
-        blocks = self._place(len(ids), sum(c.nbytes for c in columns.values())) if names else []
+        stage = self._staged(len(ids), columns) if names else None
+        blocks = stage.blocks if stage is not None else \
+            self._place(len(ids), sum(c.nbytes for c in columns.values())) if names else []
         ctrl = self._ctrl()
         # The reservation and the blocks travel at once; the commit waits for both.
         rid = ctrl.send({"op": "reserve", "p": partition, "ids": ids, "create": create, "fields": names,
                          "blocks": blocks})
-        writes = self._send_blocks(blocks, columns)
+        writes = self._send_blocks(blocks, columns, stage)
         failed: BaseException | None = None
         try:
             where, seals = self._land_blocks(writes, deadline)  # shm: the copies into the slabs happen here
@@ -211,6 +275,8 @@ class NativeTransport(Transport):
             if create or any(user):
                 commit["user"] = user
             ctrl.call(commit, timeout=self._left(deadline))
+            if stage is not None:
+                stage.committed = True
         except BaseException:
             try:
                 self._ctrl().call({"op": "abort", "res": res["res"]}, timeout=_ABORT_TIMEOUT_S)
@@ -328,20 +394,24 @@ class NativeTransport(Transport):
             out.append([secrets.randbits(62) + 1, units, bounds[k], bounds[k + 1]])
         return out
 
-    def _send_blocks(self, blocks: list[list[Any]], columns: Mapping[str, Column]) -> list[_Sent]:
+    def _send_blocks(self, blocks: list[list[Any]], columns: Mapping[str, Column], stage: _Stage | None = None
+                     ) -> list[_Sent]:
         """Per block and copy: an ``alloc`` to a unit mapped here (the values follow by
-        memcpy), else a ``write`` carrying the values."""
+        memcpy; fields encoded into extents staged there (``stage``) are named, not copied),
+        else a ``write`` carrying the values."""
         sent = []
-        for bid, units, a, z in blocks:
+        for k, (bid, units, a, z) in enumerate(blocks):
             part = {f: _rows(c, a, z) for f, c in columns.items()}
-            for u in units:
+            for r, u in enumerate(units):
                 ch = self._unit(u)
+                staged = stage.fields if stage is not None and k == 0 and r == 0 else {}
                 if u in self._slabs:
-                    layout = [[f, dtype_name(c.dtype), c.nbytes] for f, c in part.items()]
+                    layout = [[f, dtype_name(c.dtype), c.nbytes] + ([staged[f][0]] if f in staged else [])
+                              for f, c in part.items()]
                     rid = ch.send({"op": "alloc", "b": bid, "f": layout}, None, [raw(c.offsets) for c in part.values()])
                 else:
                     rid = ch.send({"op": "write", "b": bid}, part)
-                sent.append(_Sent(bid, u, part, ch, rid))
+                sent.append(_Sent(bid, u, part, ch, rid, frozenset(staged)))
         return sent
 
     def _land_blocks(self, sent: list[_Sent], deadline: float
@@ -360,7 +430,7 @@ class NativeTransport(Transport):
                                           min(deadline, time.monotonic() + _ABORT_TIMEOUT_S))[0]
                 got = _offsets(reply.get("x"), w.part, self.units[w.unit][0])
                 if failed is None and w.unit in self._slabs:
-                    self._copy_in(self._slabs[w.unit], got, w.part)
+                    self._copy_in(self._slabs[w.unit], got, w.part, w.staged)
                 where.setdefault(w.bid, {})[w.unit] = got
                 seals.append([w.bid, w.unit, reply.get("xs") or {}])
             except BaseException as err:  # noqa: BLE001 - the first failure is raised below
@@ -370,10 +440,10 @@ class NativeTransport(Transport):
         return where, seals
 
     @staticmethod
-    def _copy_in(view: SlabView, where: dict[str, int], part: Mapping[str, Column]) -> None:
+    def _copy_in(view: SlabView, where: dict[str, int], part: Mapping[str, Column], staged: frozenset[str]) -> None:
         for f, c in part.items():
             n = c.nbytes
-            if not n:
+            if not n or f in staged:  # a staged field was encoded where it is stored
                 continue
             start = where[f]
             if start < 0 or start + n > view.nbytes:
@@ -665,12 +735,27 @@ class _Tags(Sequence[dict[str, Any]]):
 
 
 class _Sent:
-    """One copy of one block on its way to a unit: the request's id on that unit's channel."""
+    """One copy of one block on its way to a unit: the request's id on that unit's
+    channel, and the fields already in their (staged) extents there."""
 
-    __slots__ = ("bid", "unit", "part", "channel", "rid")
+    __slots__ = ("bid", "unit", "part", "channel", "rid", "staged")
 
-    def __init__(self, bid: int, unit: int, part: dict[str, Column], channel: Channel, rid: int) -> None:
+    def __init__(self, bid: int, unit: int, part: dict[str, Column], channel: Channel, rid: int,
+                 staged: frozenset[str] = frozenset()) -> None:
         self.bid, self.unit, self.part, self.channel, self.rid = bid, unit, part, channel, rid
+        self.staged = staged
+
+
+class _Stage:
+    """A put being encoded into staged extents: its blocks (placed before the encode),
+    per field the staged extent ``(start, bytes, address here)``, and how it ended."""
+
+    __slots__ = ("blocks", "n", "fields", "taken", "committed")
+
+    def __init__(self, blocks: list[list[Any]], n: int) -> None:
+        self.blocks, self.n = blocks, n
+        self.fields: dict[str, tuple[int, int, int]] = {}
+        self.taken = self.committed = False
 
 
 class _ViewPins:

@@ -10,7 +10,11 @@ Bytes arrive two ways, into the same slab:
 
 - ``alloc`` (a client on this host): the unit hands out the extents, the client copies
   (or encodes) straight into the mapped slab (:mod:`rlplane.shm`), then commits at the
-  controller. Nothing the unit holds is visible before that commit.
+  controller. Nothing the unit holds is visible before that commit. A big field can be
+  staged first (``stage``): the unit hands out one extent before the block exists, the client
+  encodes into it (the float32 -> bfloat16 pixel cast lands in the slab, no buffer in
+  between), and the block's ``alloc`` names the staged extent instead of asking for one.
+  A staged extent no block took is freed like an orphan block (``old``, ``free``).
 - ``write`` (any client, and the controller when it re-replicates): the values arrive as
   ZMQ frames and are copied into freshly allocated extents.
 
@@ -61,6 +65,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SLAB_BYTES = 256 << 20
 #: Most fields one block may hold (bounds what one request makes a unit allocate).
 MAX_FIELDS = 256
+#: Most extents staged and not yet taken into a block, at once (a writer that stages
+#: without ever putting cannot make the unit keep a table of any size).
+MAX_STAGED = 4096
 #: Most bytes one ``read`` answers (rows asked for twice count twice): a small request
 #: cannot make a unit build an answer of any size.
 MAX_READ_BYTES = 4 << 30
@@ -99,6 +106,8 @@ class UnitCore:
         self.share = SlabShare(self.slab.fd, name).start() if share else None
         self._blocks: dict[int, dict[str, Extent]] = {}
         self._born: dict[int, float] = {}  # block -> when it was stored (monotonic)
+        self._staged: dict[int, dict[str, tuple[int, int, str]]] = {}  # block -> field -> (start, bytes, dtype)
+        self._staged_born: dict[int, float] = {}
         self._lock = threading.Lock()
 
     # -- operations (header, columns, buffers) -> (reply, columns, buffers) ------------
@@ -111,20 +120,48 @@ class UnitCore:
         wanted = header.get("f")
         if not isinstance(wanted, list) or not 0 < len(wanted) <= MAX_FIELDS or len(extra) != len(wanted):
             raise E.WireFormatError("alloc needs 'f': [[field, dtype, nbytes], ...] and one offsets buffer per field")
-        layout = []
+        layout, staged = [], {}
         for entry, off in zip(wanted, extra):
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                    and isinstance(entry[1], str) and isinstance(entry[2], int) and 0 <= entry[2] < 1 << 62):
+            if not (isinstance(entry, list) and len(entry) in (3, 4) and isinstance(entry[0], str)
+                    and isinstance(entry[1], str) and isinstance(entry[2], int) and 0 <= entry[2] < 1 << 62
+                    and (len(entry) == 3 or isinstance(entry[3], int))):
                 raise E.WireFormatError(f"bad alloc entry {str(entry)[:80]}")
-            name, dname, nbytes = entry
+            name, dname, nbytes = entry[:3]
+            if len(entry) == 4:  # [field, dtype, nbytes, start of the extent staged for it]
+                staged[name] = entry[3]
             np_dtype = _np_dtype(dname, name)
             if nbytes % np_dtype.itemsize:
                 raise E.WireFormatError(f"{nbytes} bytes is not a whole number of {dname} elements", field=name)
             offsets = int_array(off, "offsets").copy()
             check_offsets(offsets, nbytes // np_dtype.itemsize, max(offsets.size - 1, 0), name)
             layout.append((name, dname, np_dtype, nbytes, offsets))
-        where = self._store(bid, layout)
+        where = self._store(bid, layout, staged)
         return {"x": where, "xs": self._seals(bid, layout, where)}, {}, []
+
+    def op_stage(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """One extent for field ``f`` (dtype ``d``, ``n`` bytes) of block ``b`` before the
+        block exists: the writer encodes into it, then names it in the block's ``alloc``
+        (``[field, dtype, nbytes, start]``). Answers ``x``: its slab offset."""
+        _full_access(header, "allocate extents in the slab (they may hold another tenant's old bytes)")
+        bid = _block_id(header)
+        name, dname, nbytes = header.get("f"), header.get("d"), header.get("n")
+        if not (isinstance(name, str) and 0 < len(name) <= 200 and isinstance(dname, str)
+                and isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 < nbytes < 1 << 62):
+            raise E.WireFormatError("stage needs 'f' (field), 'd' (dtype) and 'n' (bytes, > 0)")
+        if nbytes % _np_dtype(dname, name).itemsize:
+            raise E.WireFormatError(f"{nbytes} bytes is not a whole number of {dname} elements", field=name)
+        with self._lock:
+            if bid in self._blocks or name in self._staged.get(bid, {}):
+                raise E.WireFormatError(f"block {bid} is already stored on {self.name}, or its {name!r} staged")
+            if sum(len(f) for f in self._staged.values()) >= MAX_STAGED:
+                raise E.UnavailableError(f"storage unit {self.name} has {MAX_STAGED} staged extents no put has taken; "
+                                         "retry later", component=self.name)
+            start = self.alloc.alloc(nbytes)
+            if start is None:
+                raise self._full(nbytes, name, nbytes)
+            self._staged.setdefault(bid, {})[name] = (start, nbytes, dname)
+            self._staged_born.setdefault(bid, time.monotonic())
+        return {"x": start}, {}, []
 
     def op_write(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Store ``columns`` as block ``b`` (a block is written once): copied into new extents."""
@@ -185,6 +222,10 @@ class UnitCore:
                     freed += 1
                     for x in block.values():
                         self.alloc.free(x.start)
+                staged = self._staged.pop(bid, None)
+                self._staged_born.pop(bid, None)
+                for start, _, _ in (staged or {}).values():
+                    self.alloc.free(start)
         return {"freed": freed}, {}, []
 
     def op_old(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
@@ -195,7 +236,8 @@ class UnitCore:
             raise E.WireFormatError("old needs 'age': seconds")
         cut = time.monotonic() - age
         with self._lock:
-            return {"b": ints([b for b, t in self._born.items() if t < cut])}, {}, []
+            old = {b for b, t in self._born.items() if t < cut} | {b for b, t in self._staged_born.items() if t < cut}
+            return {"b": ints(sorted(old))}, {}, []
 
     def op_slab(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """How to map this unit's slab from the same host: its socket and a fresh ticket.
@@ -234,8 +276,18 @@ class UnitCore:
         if self.share is not None:
             self.share.stop()
 
-    def _store(self, bid: int, layout: list[tuple[str, str, Any, int, np.ndarray]]) -> dict[str, int]:
-        """Allocate every field's extent of block ``bid`` (all or none) and record the block."""
+    def _full(self, need: int, name: str, nbytes: int) -> E.StorageFullError:
+        st = self.alloc.stats()
+        return E.StorageFullError(
+            f"storage unit {self.name} has no room for {need} bytes (field {name!r} needs {nbytes}): its "
+            f"slab of {st['slab_bytes']} bytes has {st['free_bytes']} free, largest hole "
+            f"{st['largest_free']}; nothing of this put was kept: clear consumed partitions or raise "
+            "RLPLANE_UNIT_BYTES")
+
+    def _store(self, bid: int, layout: list[tuple[str, str, Any, int, np.ndarray]],
+               staged: dict[str, int] | None = None) -> dict[str, int]:
+        """Allocate every field's extent of block ``bid`` (all or none) and record the block.
+        ``staged``: fields whose extent was staged for this block (their start): taken as is."""
         rows = {off.size - 1 for *_, off in layout}
         if len(rows) > 1:
             raise E.WireFormatError(f"a block's columns must hold the same number of rows, got {sorted(rows)}")
@@ -244,20 +296,30 @@ class UnitCore:
         with self._lock:
             if bid in self._blocks:
                 raise E.WireFormatError(f"block {bid} is already stored on {self.name}")
+            mine = self._staged.get(bid, {})
+            for name, dname, _, nbytes, _ in layout:
+                if name in (staged or {}) and mine.get(name) != (staged[name], nbytes, dname):  # type: ignore[index]
+                    raise E.WireFormatError(f"block {bid} names an extent at {staged[name]} for {name!r} that was "  # type: ignore[index]
+                                            f"not staged for it on {self.name} (or not with {nbytes} bytes of {dname})",
+                                            field=name)
             got: list[int] = []
+            fresh: list[int] = []
             for name, _, _, nbytes, _ in layout:
+                if name in (staged or {}):
+                    got.append(mine[name][0])
+                    continue
                 start = self.alloc.alloc(nbytes)
                 if start is None:
-                    for s in got:
+                    for s in fresh:
                         self.alloc.free(s)
-                    need = sum(n for *_, n, _ in layout)
-                    st = self.alloc.stats()
-                    raise E.StorageFullError(
-                        f"storage unit {self.name} has no room for {need} bytes (field {name!r} needs {nbytes}): its "
-                        f"slab of {st['slab_bytes']} bytes has {st['free_bytes']} free, largest hole "
-                        f"{st['largest_free']}; nothing of this put was kept: clear consumed partitions or raise "
-                        "RLPLANE_UNIT_BYTES")
+                    raise self._full(sum(n for *_, n, _ in layout), name, nbytes)
                 got.append(start)
+                fresh.append(start)
+            for name in staged or {}:
+                del mine[name]
+            if not mine:
+                self._staged.pop(bid, None)
+                self._staged_born.pop(bid, None)
             self._blocks[bid] = {name: Extent(dname, np.dtype(npd), start, nbytes, off)
                                  for (name, dname, npd, nbytes, off), start in zip(layout, got)}
             self._born[bid] = time.monotonic()

@@ -44,14 +44,16 @@ import threading
 import time
 import uuid
 import weakref
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from rlplane.column import Column
 from rlplane.errors import AuthenticationError, TransportError, UnavailableError, WireFormatError, error_from_payload
 from rlplane.wire import RawColumn, pack_message, unpack_header, unpack_message
+
+if TYPE_CHECKING:
+    from rlplane.column import Column
 
 #: ``sink(reply header, k)``: a writable buffer for the reply's ``k``-th data frame, or None.
 Sink = Callable[[dict[str, Any], int], Any]

@@ -29,11 +29,14 @@ import importlib
 import logging
 import os
 
-from rlplane.client import Client
+from typing import TYPE_CHECKING
+
 from rlplane.errors import InvalidArgumentError, TransportError
-from rlplane.fields import Registry
-from rlplane.http_api import ServiceAPI
-from rlplane.transports.base import Transport
+
+if TYPE_CHECKING:  # imported when connect() runs: ``import rlplane`` stays light (see rlplane/__init__.py)
+    from rlplane.client import Client
+    from rlplane.http_api import ServiceAPI
+    from rlplane.transports.base import Transport
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +80,10 @@ def connect(
         data_path = os.environ.get("RLPLANE_DATA_PATH") or "auto"
     if data_path not in DATA_PATHS:
         raise InvalidArgumentError(f"data_path (RLPLANE_DATA_PATH) must be one of {DATA_PATHS}, got {data_path!r}")
+    from rlplane.client import Client
+    from rlplane.fields import Registry
+    from rlplane.http_api import ServiceAPI
+
     api = ServiceAPI(url, token=token, timeout=timeout)
     try:
         registry = Registry.from_dict(api.json("GET", "/v1/registry"))

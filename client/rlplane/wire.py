@@ -20,15 +20,18 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import msgpack
 import numpy as np
-import torch
 
-from rlplane.column import Column
-from rlplane.dtypes import dtype_from_name, dtype_name
+from rlplane.dtypes import dtype_from_name, dtype_name, numpy_of
 from rlplane.errors import WireFormatError
+
+if TYPE_CHECKING:  # the engine's servers speak this wire without torch (see rlplane.dtypes)
+    import torch
+
+    from rlplane.column import Column
 
 VERSION = 1
 #: Largest header frame a peer accepts: the ids, geometry and tags of a put of ~500,000
@@ -42,17 +45,12 @@ SMALL_HEADER_BYTES, MAX_CONTAINERS = 1 << 20, 2 << 20
 #: Longest string and bytes value, and most items of one list or map, in a header.
 MAX_STR_LEN, MAX_BIN_LEN, MAX_ITEMS = 1 << 20, MAX_HEADER_BYTES, 4 << 20
 
-_NP_BY_TORCH = {
-    torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
-    torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16, torch.float32: np.float32,
-    torch.float64: np.float64,
-}
-
-
 def raw(t: torch.Tensor | np.ndarray) -> memoryview:
     """The bytes of a contiguous 1-D tensor or array (bf16 included), without a copy."""
     if isinstance(t, np.ndarray):
         return memoryview(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -64,7 +62,7 @@ def raw(t: torch.Tensor | np.ndarray) -> memoryview:
 
 def ints(a: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:
     """An int64 array as bytes for a header (see :func:`int_array`)."""
-    if isinstance(a, torch.Tensor):
+    if not isinstance(a, (np.ndarray, list, tuple)) and hasattr(a, "numpy"):  # a torch tensor
         a = a.numpy()
     return np.ascontiguousarray(a, dtype="<i8").tobytes()
 
@@ -149,6 +147,10 @@ class RawColumn:
 
     def to_column(self, copy: bool = True) -> Column:
         """A torch Column (copied into writable memory unless ``copy=False`` and it already is)."""
+        import torch
+
+        from rlplane.column import Column
+
         values, offsets = self.values, self.offsets
         if copy or not values.flags.writeable:
             values = values.copy()
@@ -178,7 +180,7 @@ def unpack_message(frames: Sequence[Any], header: dict[str, Any] | None = None,
             raise WireFormatError(f"bad column entry {entry!r}")
         name, dname, rows = entry
         try:
-            np_dtype = numpy_dtype(dtype_from_name(dname))
+            np_dtype = numpy_of(dname)
         except ValueError as err:
             raise WireFormatError(str(err), field=name) from None
         values = _view(frames[1 + 2 * k], np_dtype, name)
@@ -207,7 +209,7 @@ def _view(frame: Any, dtype: Any, name: str) -> np.ndarray:
 
 def numpy_dtype(dtype: torch.dtype) -> Any:
     """The numpy dtype of the same width (bfloat16 travels as its 16-bit pattern)."""
-    return np.int16 if dtype == torch.bfloat16 else _NP_BY_TORCH[dtype]
+    return numpy_of(dtype_name(dtype)).type
 
 
 __all__ = ["VERSION", "RawColumn", "pack_message", "unpack_message", "unpack_header", "check_offsets",

@@ -84,6 +84,16 @@ def test_bad_option_is_a_clear_usage_error():
     assert res.returncode == 2 and "batch" in (res.stdout + res.stderr)
 
 
+def test_a_storage_units_code_never_loads_torch_or_the_client():
+    """A unit speaks only the engine's wire (numpy views of its slab): ~190 MB of torch
+    per unit process is memory it never uses."""
+    code = ("import sys, rlplane_service.native.unit, rlplane_service.native.server; "
+            "assert 'torch' not in sys.modules, 'torch'; assert 'rlplane.client' not in sys.modules, 'client'; "
+            "import rlplane; assert callable(rlplane.connect) and rlplane.Client.__name__ == 'Client'")
+    res = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 def test_import_rlplane_does_not_import_ray():
     code = "import rlplane, rlplane.client, rlplane.transports, sys; assert not any(m == 'ray' or m.startswith('ray.') for m in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

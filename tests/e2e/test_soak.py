@@ -27,3 +27,6 @@ def test_a_short_soak_with_a_unit_and_the_replica_killed_loses_and_corrupts_noth
     assert report["read_back"]["checked"] == ops["put_samples"]["count"] * 8  # every acknowledged sample, read back
     assert report["read_back"]["lost"] == 0 and report["read_back"]["wrong"] == 0
     assert "OK" in res.stdout and "zero wrong bytes" in res.stdout
+    memory = report["memory"]  # sampled, reported (the RSS target is the full soak's, not this test's)
+    assert len(memory["unit_rss_peak_mb"]) == 3 and all(mb > 0 for mb in memory["unit_rss_peak_mb"].values())
+    assert memory["limit_mb"] == memory["slab_mb"] + 150 and "peak RSS" in res.stdout

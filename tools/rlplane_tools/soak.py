@@ -165,6 +165,7 @@ class Outcome:
     reports: list[dict[str, Any]] = field(default_factory=list)
     events: list[str] = field(default_factory=list)
     final: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)  # the storage units' peak RSS (embedded service)
 
 
 def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token: str | None = None) -> dict[str, Any]:
@@ -185,6 +186,7 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
         url, token = service.url, service.settings.token()
     out = Outcome()
     started = time.time()
+    memory = UnitMemory(service) if service is not None else None
     try:
         runs: list[list[dict[str, Any]]] = [[], []]
         failures: list[BaseException] = []
@@ -221,12 +223,68 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
         out.reports = runs[0] + runs[1]
         with console.status("reading back every acknowledged sample"):
             out.final = _read_back(url, token, cfg, runs[0])
+        if memory is not None:
+            out.memory = memory.report()
     finally:
         if service is not None:
             service.stop()
     report = _summary(cfg, out, time.time() - started)
     print_soak(report, console)
     return report
+
+
+#: Target of the slab issue: a unit's resident memory stays within its slab plus this.
+UNIT_RSS_OVER_SLAB_MB = 150
+
+
+class UnitMemory:
+    """Samples the resident memory of the embedded service's storage units (same host,
+    /proc) every ``every_s`` while the soak runs; ``report()`` has each unit's peak."""
+
+    def __init__(self, service: Any, every_s: float = 2.0) -> None:
+        import ray
+
+        s = service.settings
+        self.slab_mb = s.unit_bytes / 2**20
+        self.pids: dict[str, int] = {}
+        for i in range(s.storage_units):
+            name = f"{s.store_name}-native-unit-{i}"
+            try:
+                self.pids[name] = int(ray.get(ray.get_actor(name, namespace=s.namespace).info.remote(), timeout=30)["pid"])
+            except Exception:  # noqa: BLE001 - a unit we cannot see is left out of the report, not the soak
+                continue
+        self.peak: dict[str, float] = {}
+        self.start = {name: mb for name, pid in self.pids.items() if (mb := rss_mb(pid)) is not None}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(every_s,), name="soak-unit-rss", daemon=True)
+        self._thread.start()
+
+    def _loop(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            for name, pid in self.pids.items():
+                mb = rss_mb(pid)
+                if mb is not None:
+                    self.peak[name] = max(self.peak.get(name, 0.0), mb)
+
+    def report(self) -> dict[str, Any]:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        limit = self.slab_mb + UNIT_RSS_OVER_SLAB_MB
+        return {"slab_mb": self.slab_mb, "limit_mb": limit, "unit_rss_start_mb": dict(sorted(self.start.items())),
+                "unit_rss_peak_mb": dict(sorted(self.peak.items())),
+                "met": bool(self.peak) and max(self.peak.values()) <= limit}
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of process ``pid`` in MiB (its slab's touched pages included), or None."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _kill_unit_and_replica(service: Any) -> list[str]:
@@ -304,7 +362,7 @@ def _summary(cfg: SoakConfig, out: Outcome, wall_s: float) -> dict[str, Any]:
                                "samples": sum(r["samples"] for r in readers), **_pcts(reads)},
         },
         "errors": dict(errors), "read_back": {k: (v if k == "checked" else len(v)) for k, v in out.final.items()},
-        "violations": violations,
+        "violations": violations, "memory": out.memory,
     }
 
 
@@ -319,6 +377,13 @@ def print_soak(report: dict[str, Any], console: Console) -> None:
     console.print(t)
     console.print("typed errors: " + (", ".join(f"{k} {v}" for k, v in sorted(report["errors"].items())) or "none"))
     rb = report["read_back"]
+    mem = report.get("memory") or {}
+    if mem.get("unit_rss_peak_mb"):
+        start = mem.get("unit_rss_start_mb", {})
+        peaks = ", ".join(f"{n.rsplit('-', 1)[-1]} {mb:.0f} (at start {start.get(n, 0):.0f})"
+                          for n, mb in mem["unit_rss_peak_mb"].items())
+        console.print(f"storage units' peak RSS (MiB, unit {peaks}) against slab {mem['slab_mb']:.0f} + "
+                      f"{UNIT_RSS_OVER_SLAB_MB} = {mem['limit_mb']:.0f}: " + ("met" if mem["met"] else "[red]missed[/]"))
     console.print(f"read back at the end: {rb.get('checked', 0)} acknowledged samples bit for bit, "
                   f"{rb.get('lost', 0)} lost, {rb.get('wrong', 0)} wrong")
     if report["violations"]:

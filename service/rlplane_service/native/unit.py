@@ -53,9 +53,9 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.channel import PLAIN_USER
-from rlplane.dtypes import dtype_from_name
+from rlplane.dtypes import numpy_of
 from rlplane.gather import gather
-from rlplane.wire import RawColumn, check_offsets, int_array, ints, numpy_dtype
+from rlplane.wire import RawColumn, check_offsets, int_array, ints
 from rlplane_service.native.allocator import Allocator
 from rlplane_service.native.slab import Slab, SlabShare
 
@@ -417,7 +417,7 @@ def _block_id(header: dict[str, Any]) -> int:
 
 def _np_dtype(dname: str, field: str) -> np.dtype:
     try:
-        return np.dtype(numpy_dtype(dtype_from_name(dname)))
+        return numpy_of(dname)
     except (ValueError, KeyError) as err:
         raise E.WireFormatError(f"unknown dtype {dname!r} ({err})", field=field) from None
 

@@ -96,7 +96,7 @@ def encode(
             continue
         columns[name], geoms[name] = out
     digests = {name: row_sums(col) for name, col in columns.items()}
-    columns = {name: Column(col.values, col.offsets, sums=digests[name], geom=geoms[name]) for name, col in columns.items()}
+    columns = {name: col.with_meta(digests[name], geoms[name]) for name, col in columns.items()}
     sums = {name: d.tolist() for name, d in digests.items()}
     tags = [{WIRE_TAG: {name: g[i] for name, g in geoms.items()}, SUM_TAG: {name: s[i] for name, s in sums.items()}}
             for i in range(batch)]

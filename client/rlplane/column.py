@@ -64,6 +64,19 @@ class Column:
                 f"got {o[0].item()}..{o[-1].item()}"
             )
 
+    def with_meta(self, sums: np.ndarray | None, geom: list[Any] | None) -> Column:
+        """The same rows with their digests and geometries (values and offsets are not
+        checked again: this column's were, when it was made)."""
+        n = self.offsets.numel() - 1
+        if sums is not None and sums.shape != (n,):
+            raise WireFormatError(f"{sums.size} row digests for {n} rows")
+        if geom is not None and len(geom) != n:
+            raise WireFormatError(f"{len(geom)} row geometries for {n} rows")
+        out = object.__new__(Column)
+        for name, value in (("values", self.values), ("offsets", self.offsets), ("sums", sums), ("geom", geom)):
+            object.__setattr__(out, name, value)
+        return out
+
     # -- construction ----------------------------------------------------------------
     @classmethod
     def from_rows(cls, rows: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> Column:

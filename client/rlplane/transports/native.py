@@ -484,7 +484,7 @@ class NativeTransport(Transport):
         sums = {f: np.frombuffer(loc["h"][f], "<u8") for f in fields}
         if not isinstance(user, list) or len(user) != len(ids):
             raise WireFormatError("the controller answered tags for other samples than asked")
-        columns = {f: Column(c.values, c.offsets, sums=sums[f], geom=geoms[f]) for f, c in columns.items()}
+        columns = {f: c.with_meta(sums[f], geoms[f]) for f, c in columns.items()}
         return columns, _Tags(user, geoms, sums, fields)
 
     def _gather(self, loc: dict[str, Any], partition: str, n: int, fields: list[str], copy: bool, deadline: float

@@ -86,14 +86,14 @@ def simple_service(service):
 
     from rlplane_service.app import build_app
     from rlplane_service.settings import ServiceSettings
-    from rlplane_service.store import Store
+    from rlplane_service.backends import open_store
 
     serve.run(build_app(SIMPLE_ARGS), name="rlplane-tq", route_prefix="/tq")
     try:
         yield Live(f"{service.url}/tq", TOKEN, "simple", "rlplane-tq")
     finally:
         serve.delete("rlplane-tq")
-        Store.attach_or_create(ServiceSettings(**SIMPLE_ARGS)).destroy()
+        open_store(ServiceSettings(**SIMPLE_ARGS)).destroy()
 
 
 MOONCAKE_ARGS = {"store_name": "mc", "backend": "mooncake", "storage_units": 2, "mooncake_segment_bytes": 1 << 30,
@@ -110,7 +110,7 @@ def mooncake_service(service):
 
     from rlplane_service.app import build_app
     from rlplane_service.settings import ServiceSettings
-    from rlplane_service.store import Store
+    from rlplane_service.backends import open_store
 
     serve.run(build_app(MOONCAKE_ARGS), name="rlplane-mc", route_prefix="/mc")
     live = Live(f"{service.url}/mc", TOKEN, "mooncake", "rlplane-mc")
@@ -120,7 +120,7 @@ def mooncake_service(service):
         yield live
     finally:
         serve.delete("rlplane-mc")
-        Store.attach_or_create(ServiceSettings(**MOONCAKE_ARGS)).destroy()
+        open_store(ServiceSettings(**MOONCAKE_ARGS)).destroy()
         assert not _pid_alive(pid), f"mooncake_master pid {pid} outlived its store"
 
 

@@ -315,7 +315,7 @@ class Client:
         transports only: the service counts http ops itself). Never raises; a failed report is retried
         with the next one. Runs by itself every few seconds and on :meth:`close`."""
         self._last_report = time.monotonic()
-        if self._service is None or self.transport.name not in ("native", "tq"):
+        if self._service is None or not self.transport.direct:
             return
         events = self.ops.drain()
         if not events:

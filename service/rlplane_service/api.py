@@ -37,7 +37,9 @@ from rlplane.codec import check_columns
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest
+from rlplane.streams import DirectStreams
 from rlplane.transports.base import PartitionInfo, Transport
+from rlplane_service.backends.base import StoreBackend, described_sizes
 from rlplane_service.metrics import Ledger, OpsReport, ScrapeCache, render, store_view
 from rlplane_service.settings import ServiceSettings
 from rlplane_service.tenants import Access, Tenants
@@ -81,16 +83,27 @@ class ServiceState:
     registry: Registry
     transport: Transport
     transport_info: dict[str, Any] = field(default_factory=dict)
-    health: Callable[[], dict[str, bool]] = dict  # component -> answers (Store.health)
+    health: Callable[[], dict[str, bool]] = dict  # component -> answers (StoreBackend.health)
     ledger: Any = field(default_factory=Ledger)  # .record(events) / .snapshot(): op counters for /metrics
     mooncake: Optional[dict[str, Any]] = None  # the store's mooncake_master (MasterInfo) when backend is mooncake
     started: float = field(default_factory=time.time)
     publish_key: str = "tq"  # /v1/transport publishes transport_info under this key (the backend's data path)
-    streams: Optional[Callable[[], dict[str, Any]]] = None  # every task's consumption, for /metrics (Store.streams)
-    loss: Optional[Callable[[], dict[str, Any]]] = None  # simple, mooncake: lost_samples / lost_units (Store.loss)
+    streams: Optional[Callable[[], dict[str, Any]]] = None  # every task's consumption, for /metrics (StoreBackend.streams)
+    loss: Optional[Callable[[], dict[str, Any]]] = None  # lost_samples / lost_units where the service counts them (StoreBackend.loss)
     # What /v1/transport publishes to a tenant (None: the HTTP data path only); full access gets transport_info.
     transport_for: Optional[Callable[[Access], Optional[dict[str, Any]]]] = None
     tenants: Optional[Tenants] = None  # the tokens accepted (default: RLPLANE_API_TOKEN and RLPLANE_TOKENS_FILE)
+    store: Optional[StoreBackend] = None  # what the service asks of the store; None: an in-process transport only
+
+    def engine_stats(self) -> Optional[dict[str, Any]]:
+        """The store engine's own account (native: the controller's), or None (blocking)."""
+        return self.store.engine_stats(self.transport) if self.store is not None else None
+
+    def sizes(self, unit_names: list[str]) -> Any:
+        """Samples and bytes per partition and per unit (blocking)."""
+        if self.store is None:
+            return described_sizes(self.transport, unit_names)
+        return self.store.sizes(self.transport, unit_names)
 
 
 class ClearRequest(BaseModel):
@@ -213,13 +226,15 @@ def build_api(state: ServiceState) -> FastAPI:
         return JSONResponse(body, status_code=code)
 
     def _loss(transport: Any, down: list[str]) -> dict[str, Any] | None:
-        """The native controller's loss counts when only storage units are down and no
-        sample was lost (the store serves on from the other copies); else None."""
-        if "controller" in down or not hasattr(transport, "unit_usage"):
+        """The engine's loss counts when only storage units are down and no sample was
+        lost (the store serves on from the other copies); else None."""
+        if "controller" in down:
             return None
         try:
-            stats = transport.stats()
+            stats = state.engine_stats()
         except E.RlplaneError:
+            return None
+        if stats is None:
             return None
         declared = set(stats.get("lost_units", []))
         if stats.get("lost_samples", 1) or not set(down) <= declared or len(declared) >= len(stats.get("units", {})):
@@ -228,11 +243,12 @@ def build_api(state: ServiceState) -> FastAPI:
 
     def scrape() -> bytes:
         view = store_view(
-            transport,
+            state.sizes,
             backend=str(state.transport_info.get("backend", transport.name)),
             unit_names=list(state.transport_info.get("storage_units", {})),
             health=state.health(),
             capacity=state.settings.capacity,
+            engine_stats=state.engine_stats,
             mooncake_metrics_url=(state.mooncake or {}).get("metrics_url"),
             streams=state.streams,
             loss=state.loss,
@@ -317,8 +333,8 @@ def build_api(state: ServiceState) -> FastAPI:
 
     # -- streaming -------------------------------------------------------------------
     def ledger() -> Any:
-        streams = getattr(transport, "streams", None)
-        if streams is None or not hasattr(streams, "acall"):
+        streams = transport.streams
+        if not isinstance(streams, DirectStreams):  # an in-process transport (MemoryTransport) keeps none
             raise E.TransportError("this store keeps no consumption ledger; claims need the native, simple or "
                                    "mooncake backend")
         return streams
@@ -452,20 +468,21 @@ def build_api(state: ServiceState) -> FastAPI:
         }
 
     async def unit_memory() -> dict[str, Any]:
-        """Native: each storage unit's slab (bytes total, used, free, largest hole, fragmentation)."""
-        if not hasattr(transport, "unit_usage"):
+        """Each storage unit's slab (bytes total, used, free, largest hole, fragmentation),
+        where the engine keeps slabs."""
+        stats = await offload(state.engine_stats)
+        if stats is None:
             return {}
-        stats = await offload(transport.stats)
-        return {u: d["slab"] for u, d in stats["units"].items() if isinstance(d.get("slab"), dict)}
+        return {u: d["slab"] for u, d in stats.get("units", {}).items() if isinstance(d.get("slab"), dict)}
 
     async def loss_counts() -> dict[str, Any] | None:
         """Samples lost with dead storage units, the units, and (native) samples short of
         their replicas; None where the service has no loss to report (an in-process API)."""
         if state.loss is not None:
             return await offload(state.loss)
-        if not hasattr(transport, "unit_usage"):
+        stats = await offload(state.engine_stats)
+        if stats is None:
             return None
-        stats = await offload(transport.stats)
         return {k: stats.get(k) for k in ("lost_samples", "lost_units", "under_replicated_samples")}
 
     api.include_router(v1)

@@ -22,7 +22,6 @@ from ray import serve
 from rlplane_service.api import ServiceState, build_api
 from rlplane_service.backends import open_store
 from rlplane_service.settings import ServiceSettings, load_registry
-from rlplane_service.unitloss import UnitLossWatch
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +36,11 @@ class RlplaneService:
         registry = load_registry(settings)
         store = open_store(settings)
         transport = store.service_transport()
-        # TransferQueue keeps a dead unit's samples listed; the service forgets them (the
-        # native controller watches its own units).
-        tq = settings.backend in ("simple", "mooncake")
-        self._watch = UnitLossWatch(store, transport).start() if tq else None
+        self._watch = store.watch_units(transport)  # where the engine does not watch its own units
         self._state = ServiceState(
             settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger),
             store.master_info, publish_key=store.publish_key, streams=store.streams,
-            loss=store.loss if tq else None, transport_for=store.transport_for,
+            loss=store.loss, transport_for=store.transport_for, store=store,
         )
         log.info("rlplane replica up: %d fields (registry %s)", len(registry.names()), registry.version)
 

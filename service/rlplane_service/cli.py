@@ -28,6 +28,7 @@ import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from rlplane_service.backends import BACKENDS  # noqa: E402
 from rlplane_service.quiet import captured_output, stages  # noqa: E402
 
 app = typer.Typer(
@@ -40,10 +41,8 @@ console = Console()
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
-class Backend(str, Enum):
-    native = "native"
-    simple = "simple"
-    mooncake = "mooncake"
+#: The storage backends, as the registry names them (rlplane_service.backends.BACKENDS).
+Backend = Enum("Backend", {name: name for name in BACKENDS}, type=str)  # type: ignore[misc]
 
 
 URL_OPTION = typer.Option(

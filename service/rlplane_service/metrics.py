@@ -25,7 +25,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -34,6 +34,9 @@ from pydantic import BaseModel, Field
 import rlplane
 from rlplane.errors import ERROR_NAMES
 from rlplane.opstats import OPS
+
+if TYPE_CHECKING:
+    from rlplane_service.backends.base import Sizes
 
 log = logging.getLogger(__name__)
 
@@ -117,62 +120,36 @@ class StoreView:
 
 
 def store_view(
-    transport: Any,
+    sizes: Callable[[list[str]], Sizes],
     *,
     backend: str,
     unit_names: list[str],
     health: Mapping[str, bool],
     capacity: int | None,
+    engine_stats: Callable[[], dict[str, Any] | None] = lambda: None,
     mooncake_metrics_url: str | None = None,
     streams: Callable[[], dict[str, Any]] | None = None,
     loss: Callable[[], dict[str, Any]] | None = None,
 ) -> StoreView:
-    """Read the stored state from ``transport`` (blocking; run it off the event loop).
-
-    Per-unit samples and bytes are known for the simple backend (TransferQueue places a
-    sample by its global index); Mooncake places values itself, so there the pool's
-    allocated and total bytes come from its master instead.
-    """
-    from rlplane.errors import MissingDataError
-
-    partitions: dict[str, tuple[int, int]] = {}
-    units: dict[str, tuple[int, int] | None] = {u: None for u in unit_names}
-    by_unit = backend == "simple" and hasattr(transport, "placement") and unit_names
-    if by_unit:
-        units = {u: (0, 0) for u in unit_names}
-    if hasattr(transport, "list"):  # one call for every partition (native)
-        for d in transport.list():
-            partitions[d["partition"]] = (int(d["num_samples"]), int(d["nbytes"]))
-    for name in [] if hasattr(transport, "list") else transport.partitions():
-        try:
-            if hasattr(transport, "placement"):
-                placed = transport.placement(name)
-                partitions[name] = (len(placed), sum(b for _, b in placed))
-                if by_unit:
-                    for gi, b in placed:
-                        unit = unit_names[gi % len(unit_names)]
-                        n, total = units[unit]  # type: ignore[misc]
-                        units[unit] = (n + 1, total + b)
-            else:
-                info = transport.describe(name)
-                partitions[name] = (info.num_samples, info.nbytes)
-        except MissingDataError:  # cleared meanwhile
-            continue
+    """Read the stored state (blocking; run it off the event loop): ``sizes(unit_names)``
+    per partition and unit, and the engine's own account (``engine_stats()``) or the
+    service's loss count (``loss()``) where the store keeps one (see
+    :class:`~rlplane_service.backends.base.StoreBackend`)."""
+    partitions, units = sizes(unit_names)
     counts = None
-    if hasattr(transport, "stats") and hasattr(transport, "unit_usage"):  # native: the controller knows it all
-        stats = transport.stats()
-        units.update({u: (int(d["samples"]), int(d["live_bytes"])) for u, d in stats["units"].items() if u in units})
+    slabs: dict[str, Any] = {}
+    stats = engine_stats()
+    if stats is not None:
         counts = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
-        slabs = {u: d["slab"] for u, d in stats["units"].items() if isinstance(d.get("slab"), dict)}
-    elif loss is not None:  # simple, mooncake: the ledger remembers what a dead unit took
+        slabs = {u: d["slab"] for u, d in stats.get("units", {}).items() if isinstance(d.get("slab"), dict)}
+    elif loss is not None:  # the service counts what dead units took
         try:
             counts = {"lost_samples": int(loss()["lost_samples"])}
         except Exception as err:  # noqa: BLE001 - a scrape reports what it can
             log.warning("could not read the lost samples: %s", err)
     view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity, loss=counts,
                      components={str(k): bool(v) for k, v in health.items()})
-    if counts is not None and backend == "native":
-        view.slabs = slabs
+    view.slabs = slabs
     if streams is not None:
         try:
             view.streams = streams()

@@ -101,7 +101,7 @@ def tiny_mooncake(service, pid_alive):
 
     from rlplane_service.app import build_app
     from rlplane_service.settings import ServiceSettings
-    from rlplane_service.store import Store
+    from rlplane_service.backends import open_store
 
     args = {"store_name": "mc-tiny", "backend": "mooncake", "storage_units": 1, "mooncake_segment_bytes": 32 << 20}
     serve.run(build_app(args), name="rlplane-mc-tiny", route_prefix="/mc-tiny")
@@ -111,7 +111,7 @@ def tiny_mooncake(service, pid_alive):
     finally:
         status = httpx.get(f"{url}/v1/status", timeout=30).json()
         serve.delete("rlplane-mc-tiny")
-        Store.attach_or_create(ServiceSettings(**args)).destroy()
+        open_store(ServiceSettings(**args)).destroy()
         pid = status["store"].get("mooncake_master", {}).get("pid")
         assert pid is None or not pid_alive(pid)
 

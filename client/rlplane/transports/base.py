@@ -47,6 +47,9 @@ class Transport(ABC):
     """Moves encoded columns to and from a store (see the module docstring)."""
 
     name: str = "transport"
+    #: Whether its ops bypass the service's HTTP edge (the client then reports them to the
+    #: service's /metrics itself; the service counts HTTP ops as it serves them).
+    direct: bool = False
     #: How this transport reaches the store's consumption ledger (claim/ack/nack); None
     #: when it cannot (see :mod:`rlplane.streams`).
     streams: Any = None

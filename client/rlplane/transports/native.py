@@ -107,6 +107,7 @@ class NativeTransport(Transport):
     """Direct data path to the native engine (see the module docstring)."""
 
     name = "native"
+    direct = True
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
                  pool: ReadPool | None = None) -> None:

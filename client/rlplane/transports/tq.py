@@ -210,6 +210,7 @@ class TQTransport(Transport):
     """Direct data path to a TransferQueue store (see the module docstring)."""
 
     name = "tq"
+    direct = True
 
     def __init__(self, info: Mapping[str, Any], *, client_id: str | None = None, timeout: float = 60.0) -> None:
         self._TensorDict = _tq()[0]

@@ -1,17 +1,11 @@
 """Storage backends: one module each, chosen by name (``RLPLANE_BACKEND``) through one registry.
 
-A backend's store object offers what the service needs and nothing more:
+Every backend's store is a :class:`~rlplane_service.backends.base.StoreBackend`: what the
+service asks of a store (its actors, what ``/v1/transport`` publishes, the transport the
+service uses, health, consumption, loss, sizes per partition and unit, destroy) is
+declared there, and nothing outside ``backends/`` asks which backend it has.
 
-- ``attach_or_create(settings)`` (classmethod): the store's actors, created on first start
-  and re-attached after a Serve replica restart;
-- ``publish_key`` and ``transport_info()``: what ``GET /v1/transport`` publishes under
-  that key for clients' direct data path (``backend`` and ``storage_units`` included);
-- ``service_transport()``: the Transport the service itself uses (HTTP relay, listings);
-- ``health(timeout)`` per component, ``destroy()``, ``ledger`` (the metrics actor) and
-  ``master_info`` (extra components to report, e.g. Mooncake's master; None otherwise);
-- ``stop_processes(settings)`` (static): stop what the store runs outside Ray, by pid.
-
-Adding a backend is one module and one line in :data:`BACKENDS`.
+Adding a backend is one module (a StoreBackend subclass) and one line in :data:`BACKENDS`.
 
 Example::
 
@@ -29,8 +23,8 @@ from rlplane_service.settings import ServiceSettings
 #: backend name -> "module:class" of its store.
 BACKENDS = {
     "native": "rlplane_service.backends.native:NativeStore",
-    "simple": "rlplane_service.store:Store",
-    "mooncake": "rlplane_service.store:Store",
+    "simple": "rlplane_service.backends.simple:SimpleStore",
+    "mooncake": "rlplane_service.backends.mooncake:MooncakeStore",
 }
 
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import ray
 
 from rlplane.errors import TransportError
 from rlplane.transports.native import NativeTransport
 from rlplane_service.actors import actor_options, data_secret, unit_options
+from rlplane_service.backends.base import Sizes, StoreBackend
 from rlplane_service.settings import ServiceSettings
 from rlplane_service.tenants import Access, Tenants
 
@@ -33,17 +34,17 @@ _START_TIMEOUT_S = 60.0
 
 
 @dataclass
-class NativeStore:
+class NativeStore(StoreBackend):
     """Handles on the native store's actors (see the module docstring)."""
 
+    name: ClassVar[str] = "native"
+    publish_key: ClassVar[str] = "native"
     settings: ServiceSettings
     controller: Any
     units: dict[str, Any]
     info: dict[str, Any]
     ledger: Any = None
     master_info: Any = None
-    backend: str = "native"
-    publish_key: str = "native"
     _unit_endpoints: dict[str, str] = field(default_factory=dict)
     users: dict[str, tuple[str, Access]] = field(default_factory=dict)  # tenant -> (engine secret, scope)
 
@@ -94,10 +95,6 @@ class NativeStore:
         log.info("native store %r: controller %s, %d storage units", prefix, cinfo["endpoint"], len(units))
         return cls(settings, controller, units, info, ledger, users=users)
 
-    @staticmethod
-    def stop_processes(settings: ServiceSettings) -> None:
-        """Nothing runs outside Ray: the actors go with it."""
-
     def transport_info(self) -> dict[str, Any]:
         """What ``GET /v1/transport`` publishes under ``native`` (full access)."""
         return dict(self.info)
@@ -140,8 +137,19 @@ class NativeStore:
                     out[f"{name} {loop}"] = False
         return out
 
-    def alive(self, timeout: float = 2.0) -> bool:
-        return all(self.health(timeout).values())
+    def engine_stats(self, transport: NativeTransport) -> dict[str, Any]:
+        """The controller's account: per unit samples, live bytes and slab; lost and
+        under-replicated samples."""
+        return transport.stats()
+
+    def sizes(self, transport: NativeTransport, unit_names: list[str]) -> Sizes:
+        """One listing for every partition, the units' share from the controller."""
+        partitions = {d["partition"]: (int(d["num_samples"]), int(d["nbytes"])) for d in transport.list()}
+        units: dict[str, tuple[int, int] | None] = {u: None for u in unit_names}
+        for u, d in transport.stats()["units"].items():
+            if u in units:
+                units[u] = (int(d["samples"]), int(d["live_bytes"]))
+        return partitions, units
 
     def destroy(self) -> None:
         """Kill the store's actors (every sample is lost). Only for the process that owns the store."""

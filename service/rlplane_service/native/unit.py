@@ -73,7 +73,7 @@ MAX_STAGED = 4096
 MAX_READ_BYTES = 4 << 30
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Extent:
     """One field of one block: ``nbytes`` at ``start`` in the slab, rows split by ``offsets`` (elements)."""
 

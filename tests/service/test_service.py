@@ -269,26 +269,35 @@ def test_a_hundred_connected_clients_cost_at_most_twice_one(service, transport):
         assert diff_fields(client.registry, w.fields, client.read_columns(meta, list(w.fields)), w.lengths,
                            sample_ids=meta.sample_ids) == []
 
+    def settled() -> int:  # descriptors once closed sockets are given back (ZMQ's reaper, ours)
+        last, deadline = fds(), time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.6)
+            if fds() == last:
+                break
+            last = fds()
+        return last
+
     url, token = service.url, service.settings.token()
     p = part()
-    with rlplane.connect(url, token=token, transport=transport) as warm:  # context, threads, mappings
+    with rlplane.connect(url, token=token, transport=transport) as warm:  # the process's ZMQ context and threads
         use(warm, p)
-        gc.collect()
-        base = fds()
-        first = rlplane.connect(url, token=token, transport=transport)
-        use(first, p + "-0")
-        one = fds() - base
-        clients = [first] + [rlplane.connect(url, token=token, transport=transport) for _ in range(99)]
-        for k, c in enumerate(clients[1:], 1):
-            use(c, f"{p}-{k}")
-        held = fds() - base
-        print(f"{transport}: one client {one} descriptors, 100 clients {held}")
-        assert held <= 2 * max(one, 1) + 8, (held, one)
-        for c in clients[1:]:
-            c.close()
-        use(first, p + "-after")  # the others' close left its connections working
-        first.close()
-        for k in range(100):
-            warm.clear(f"{p}-{k}")
-        warm.clear(p + "-after")
-        warm.clear(p)
+    gc.collect()
+    base = settled()  # no client holds a connection now
+    first = rlplane.connect(url, token=token, transport=transport)
+    use(first, p + "-0")
+    one = fds() - base  # its channels or HTTP connection, the slab mappings
+    clients = [first] + [rlplane.connect(url, token=token, transport=transport) for _ in range(99)]
+    for k, c in enumerate(clients[1:], 1):
+        use(c, f"{p}-{k}")
+    held = fds() - base
+    print(f"{transport}: one client {one} descriptors, 100 clients {held}")
+    assert one >= 1 and held <= 2 * one + 8, (held, one)
+    for c in clients[1:]:
+        c.close()
+    use(first, p + "-after")  # the others' close left its connections working
+    for k in range(100):
+        first.clear(f"{p}-{k}")
+    first.clear(p + "-after")
+    first.clear(p)
+    first.close()

@@ -260,3 +260,21 @@ def test_a_unit_takes_a_staged_extent_only_into_its_own_block_and_frees_an_untak
     assert got["x"]["pixel_values"] == y and not core._staged  # taken as is, the other field allocated
     core.op_free({"b": np.array([75], dtype="<i8").tobytes()}, {}, [])
     assert core.alloc.used_bytes == before
+
+
+def test_a_unit_that_died_before_its_stage_makes_the_put_go_around_it():
+    """The unit a put would encode into is gone: the big field is encoded as usual, the
+    controller hears of the loss, and the put lands on the live units (bit for bit)."""
+    with LocalEngine(3, secret=SECRET, slab_bytes=SLAB, lease_s=30, replicas=2) as eng:
+        info = {"info": eng.info, "cores": eng.cores}
+        with connect(info, "shm") as client:
+            client.put_samples("before", pixels(2, 8))  # every slab mapped, the channels up
+            eng.kill_unit(1)
+            client.transport._cursor = 1  # the next put's local first copy would be unit 1
+            fields = pixels(4, 512, seed=3)
+            meta = client.put_samples("around", fields)
+            got = client.read_columns(meta, ["pixel_values"])["pixel_values"]
+            for mine, want in zip(got, fields["pixel_values"]):
+                assert torch.equal(mine[0], want[0].to(torch.bfloat16))
+            assert 1 in client.transport.down
+            wait_for(lambda: not eng.cores[0]._staged and not eng.cores[2]._staged, "a staged extent was left behind")

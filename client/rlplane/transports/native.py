@@ -60,8 +60,8 @@ from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
 from rlplane.integrity import SUM_TAG
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
-from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataError, ShapeError, TransportError, UnavailableError,
-                            WireFormatError)
+from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataError, RlplaneError, ShapeError,
+                            TransportError, UnavailableError, WireFormatError)
 from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
 from rlplane.shm import SlabView, shared_slab
@@ -203,9 +203,19 @@ class NativeTransport(Transport):
             nbytes = numel * torch.empty(0, dtype=dtype).element_size()
             if nbytes < STAGE_MIN_BYTES or field in stage.fields:
                 return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
+            if stage.failed:
+                return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
             view = self._slabs[unit]
-            at = int(self._unit(unit).call({"op": "stage", "b": bid, "f": field, "d": dtype_name(dtype), "n": nbytes},
-                                           timeout=min(self.timeout, 10.0))[0]["x"])
+            try:
+                at = int(self._unit(unit).call({"op": "stage", "b": bid, "f": field, "d": dtype_name(dtype),
+                                                "n": nbytes}, timeout=min(self.timeout, 10.0))[0]["x"])
+            except UnavailableError as err:  # the unit died: encode as usual; the put places around it
+                stage.failed = True
+                try:
+                    self._lost(err)
+                except RlplaneError:  # the controller is unreachable too: the put will say so
+                    pass
+                return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
             if at < 0 or at + nbytes > view.nbytes:
                 raise WireFormatError(f"storage unit {view.unit} staged an extent outside its slab", field=field)
             out = torch.from_numpy(view.u8[at : at + nbytes]).view(dtype)
@@ -224,7 +234,7 @@ class NativeTransport(Transport):
         """This thread's staged put, if ``columns`` are what was encoded into it (taken
         once: a retry places its blocks afresh and copies)."""
         stage = getattr(self._stage, "put", None)
-        if stage is None or stage.taken or stage.n != n:
+        if stage is None or stage.taken or stage.failed or stage.n != n:
             return None
         stage.taken = True
         for f, (at, nbytes, ptr) in list(stage.fields.items()):
@@ -751,12 +761,12 @@ class _Stage:
     """A put being encoded into staged extents: its blocks (placed before the encode),
     per field the staged extent ``(start, bytes, address here)``, and how it ended."""
 
-    __slots__ = ("blocks", "n", "fields", "taken", "committed")
+    __slots__ = ("blocks", "n", "fields", "taken", "committed", "failed")
 
     def __init__(self, blocks: list[list[Any]], n: int) -> None:
         self.blocks, self.n = blocks, n
         self.fields: dict[str, tuple[int, int, int]] = {}
-        self.taken = self.committed = False
+        self.taken = self.committed = self.failed = False
 
 
 class _ViewPins:

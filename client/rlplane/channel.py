@@ -165,6 +165,9 @@ class Channel:
                 raise _no_descriptors(err, f"{name} at {endpoint}") from None
             raise
         self._sock.linger = 0
+        # A DEALER with no connected peer blocks a send until one appears: a peer that is
+        # gone, or that refused the handshake, would hang the call past any deadline.
+        self._sock.sndtimeo = max(1, int(connect_timeout * 1000))
         self._sock.heartbeat_ivl = _HEARTBEAT_MS
         self._sock.heartbeat_timeout = _HEARTBEAT_TIMEOUT_MS
         self._sock.reconnect_ivl = 100
@@ -200,7 +203,7 @@ class Channel:
         if self.closed:
             raise TransportError(f"channel to {self.name} is closed")
         rid = next(_rids)
-        self._sock.send_multipart(pack_message({**header, "rid": rid}, columns, buffers), copy=False)
+        self._send(pack_message({**header, "rid": rid}, columns, buffers))
         self._pending.add(rid)
         return rid
 
@@ -208,7 +211,19 @@ class Channel:
         """Send a one-way request (the server handles it and never answers), e.g. an unpin."""
         if self.closed:
             raise TransportError(f"channel to {self.name} is closed")
-        self._sock.send_multipart(pack_message({**header, "rid": 0, "nr": True}), copy=False)
+        self._send(pack_message({**header, "rid": 0, "nr": True}))
+
+    def _send(self, frames: list[Any]) -> None:
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.Again:  # no peer took the connection within connect_timeout
+            try:
+                self._drain_monitor()  # a refused handshake says so
+            finally:
+                self.close()
+            raise UnavailableError(f"cannot reach {self.name} at {self.endpoint} (no connection within "
+                                   f"{self.connect_timeout:.0f} s); it may have died, or refused this connection's "
+                                   "credentials: check the service's /readyz", component=self.name) from None
 
     def receive(self, rid: int, deadline: float, sink: Sink | None = None
                 ) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:

@@ -135,9 +135,11 @@ class EmbeddedService:
         self.stop()
 
 
-def _answers(url: str) -> bool:
+def _answers(url: str, timeout: float = 5.0) -> bool:
+    """Whether a service answers ``/healthz`` at ``url`` (a refused port says no at once; a
+    loaded 2-core machine's Serve proxy can take over a second to answer)."""
     try:
-        httpx.get(f"{url}/healthz", timeout=1.0)
+        httpx.get(f"{url}/healthz", timeout=timeout)
         return True
     except httpx.HTTPError:
         return False

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from rlplane.shared import Refcounted
 from rlplane.errors import AuthenticationError, TransportError, UnavailableError, WireFormatError, error_from_payload
 from rlplane.wire import RawColumn, pack_message, unpack_header, unpack_message
 
@@ -380,29 +381,10 @@ class ChannelPool:
             ch.abandon() if abandon else ch.close()
 
 
-_shared_lock = threading.Lock()
-_shared: dict[tuple[int, bytes | None, bytes], list[Any]] = {}  # key -> [pool, holders]
-
-
-def _hold(key: tuple[int, bytes | None, bytes]) -> ChannelPool:
-    with _shared_lock:
-        entry = _shared.get(key)
-        if entry is None or entry[0].closed:
-            entry = _shared[key] = [ChannelPool(key[1], key[2]), 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _let_go(key: tuple[int, bytes | None, bytes], pool: ChannelPool, abandon: bool) -> None:
-    with _shared_lock:
-        entry = _shared.get(key)
-        if entry is None or entry[0] is not pool:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _shared[key]
-    pool.close(abandon=abandon)
+#: The pool every client of this process with the same (pid, secret, user) shares.
+_POOLS: Refcounted[ChannelPool] = Refcounted(
+    make=lambda key: ChannelPool(key[1], key[2]), closed=lambda pool: pool.closed,
+    close=lambda key, pool, abandon: pool.close(abandon=abandon))
 
 
 class SharedChannels:
@@ -428,8 +410,8 @@ class SharedChannels:
 
     def _take(self) -> None:
         key = (os.getpid(), self.secret, self.user)
-        self._pool = _hold(key)
-        self._finalizer = weakref.finalize(self, _let_go, key, self._pool, True)
+        self._pool = _POOLS.hold(key)
+        self._finalizer = weakref.finalize(self, _POOLS.let_go, key, self._pool, True)
         self._finalizer.atexit = False
 
     def get(self, endpoint: str, name: str) -> Channel:
@@ -449,7 +431,7 @@ class SharedChannels:
         self.closed = True
         args = self._finalizer.detach()
         if args is not None:
-            _let_go(args[2][0], args[2][1], False)
+            _POOLS.let_go(args[2][0], args[2][1], False)
 
 
 async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: bytes | None,

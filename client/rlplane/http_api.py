@@ -13,12 +13,12 @@ Example::
 from __future__ import annotations
 
 import os
-import threading
 import weakref
 from typing import Any
 
 import httpx
 
+from rlplane.shared import Refcounted
 from rlplane.errors import (
     AuthenticationError,
     PayloadTooLargeError,
@@ -29,35 +29,21 @@ from rlplane.errors import (
 
 
 _HttpKey = tuple[int, str, "str | None", float]
-_shared_lock = threading.Lock()
-_shared: dict[_HttpKey, list[Any]] = {}  # (pid, url, token, timeout) -> [httpx.Client, holders]
+def _new_http(key: _HttpKey) -> httpx.Client:
+    http = httpx.Client(base_url=key[1], timeout=httpx.Timeout(key[3], connect=10.0))
+    if key[2]:
+        http.headers["Authorization"] = f"Bearer {key[2]}"
+    return http
 
 
-def _hold(key: _HttpKey) -> httpx.Client:
-    """The process's HTTP client for ``key``: clients of one service with one token share
-    its connection pool (httpx.Client is thread-safe), so a hundred cost the sockets of one."""
-    with _shared_lock:
-        entry = _shared.get(key)
-        if entry is None or entry[0].is_closed:
-            http = httpx.Client(base_url=key[1], timeout=httpx.Timeout(key[3], connect=10.0))
-            if key[2]:
-                http.headers["Authorization"] = f"Bearer {key[2]}"
-            entry = _shared[key] = [http, 0]
-        entry[1] += 1
-        return entry[0]
-
-
-def _let_go(key: _HttpKey, http: httpx.Client) -> None:
-    with _shared_lock:
-        entry = _shared.get(key)
-        if entry is None or entry[0] is not http:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _shared[key]
+def _close_http(key: _HttpKey, http: httpx.Client) -> None:
     if key[0] == os.getpid():  # a parent's connections are never closed in a forked child
         http.close()
+
+
+#: Clients of one service with one token share its connection pool (httpx.Client is
+#: thread-safe), so a hundred cost the sockets of one: (pid, url, token, timeout) -> client.
+_CLIENTS: Refcounted[httpx.Client] = Refcounted(make=_new_http, closed=lambda h: h.is_closed, close=_close_http)
 
 
 class ServiceAPI:
@@ -85,8 +71,8 @@ class ServiceAPI:
 
     def _take(self) -> None:
         key = (os.getpid(), self.url, self._token, float(self._timeout))
-        self._http = _hold(key)
-        self._finalizer = weakref.finalize(self, _let_go, key, self._http)
+        self._http = _CLIENTS.hold(key)
+        self._finalizer = weakref.finalize(self, _CLIENTS.let_go, key, self._http)
         self._finalizer.atexit = False
 
     @property

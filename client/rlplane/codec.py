@@ -37,19 +37,21 @@ from rlplane.errors import (
     WireFormatError,
 )
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry
-from rlplane.integrity import SUM_TAG, row_sums
+from rlplane.geometry import Geometry
+from rlplane.integrity import row_sums
 from rlplane.packed import PackedTensor
 from rlplane.scratch import Alloc
-from rlplane.tags import RESERVED_TAG_PREFIX, WIRE_TAG, merge_tags
+from rlplane.tags import RESERVED_TAG_PREFIX, WIRE_TAG, RowTags, merge_tags
 
 LAYOUTS = ("padded", "jagged")
 
 
 class Encoded(NamedTuple):
-    """What :func:`encode` returns: wire columns and one tag dict per sample."""
+    """What :func:`encode` returns: wire columns (with their rows' geometry and digests)
+    and one tag dict per sample (:class:`~rlplane.tags.RowTags`, built when asked for)."""
 
     columns: dict[str, Column]
-    tags: list[dict[str, Any]]
+    tags: RowTags
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +87,7 @@ def encode(
     if ids is not None and fields and len(ids) != batch and any(v is not None for v in fields.values()):
         raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
     lens = _lengths(lengths, batch, fields, registry, ids)
-    geoms: dict[str, list[Any]] = {}
+    geoms: dict[str, Geometry] = {}
     columns: dict[str, Column] = {}
     for name, value in fields.items():
         if value is None:
@@ -97,10 +99,7 @@ def encode(
         columns[name], geoms[name] = out
     digests = {name: row_sums(col) for name, col in columns.items()}
     columns = {name: col.with_meta(digests[name], geoms[name]) for name, col in columns.items()}
-    sums = {name: d.tolist() for name, d in digests.items()}
-    tags = [{WIRE_TAG: {name: g[i] for name, g in geoms.items()}, SUM_TAG: {name: s[i] for name, s in sums.items()}}
-            for i in range(batch)]
-    return Encoded(columns, tags)
+    return Encoded(columns, RowTags(None, geoms, digests, batch))
 
 
 def _lengths(
@@ -143,15 +142,14 @@ def _cast(spec: FieldSpec, t: torch.Tensor) -> torch.Tensor:
     return t if target == t.dtype else t.to(target)
 
 
-def _encode_sample_dense(spec: FieldSpec, value: torch.Tensor, lens, batch: int, ids, alloc) -> tuple[Column, list[Any]]:
-    shape = list(value.shape[1:])
+def _encode_sample_dense(spec: FieldSpec, value: torch.Tensor, lens, batch: int, ids, alloc) -> tuple[Column, Geometry]:
     col = Column.uniform(_cast(spec, value), batch)
-    return col, [list(shape) for _ in range(batch)]
+    return col, Geometry.uniform(value.shape[1:], batch)
 
 
 def _encode_token_dense(
     spec: FieldSpec, value: torch.Tensor, lens: torch.Tensor, batch: int, ids, alloc
-) -> tuple[Column, list[Any]]:
+) -> tuple[Column, Geometry]:
     rest = list(value.shape[2:])
     if value.is_nested:
         offsets = value.offsets().to("cpu", torch.int64)
@@ -189,20 +187,20 @@ def _encode_token_dense(
             values = values.contiguous()
     inner = math.prod(rest)
     col = Column(values, offsets_from_numels(lens * inner))
-    return col, [[n, *rest] for n in lens.tolist()]
+    return col, Geometry.token(lens.numpy().copy(), rest)
 
 
-def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids, alloc) -> tuple[Column, list[Any]] | None:
+def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids, alloc) -> tuple[Column, Geometry] | None:
     into = (lambda numel, dtype: alloc(spec.name, numel, dtype)) if alloc is not None else None
     values, row_numels, shapes = value.flatten(spec.wire_dtype, alloc=into)
     if values is None:
         return None  # every row empty: nothing to write
     col = Column(values, offsets_from_numels(row_numels))
     d, p = value.dim_to_pack, value.pad_to_max_shape
-    return col, [{"d": d, "p": p, "s": s} for s in shapes]
+    return col, Geometry.of_rows([{"d": d, "p": p, "s": s} for s in shapes])
 
 
-def _encode_sample_object(spec: FieldSpec, value: list[Any], lens, batch: int, ids, alloc) -> tuple[Column, list[Any]]:
+def _encode_sample_object(spec: FieldSpec, value: list[Any], lens, batch: int, ids, alloc) -> tuple[Column, Geometry]:
     blobs = []
     for i, item in enumerate(value):
         try:
@@ -216,7 +214,7 @@ def _encode_sample_object(spec: FieldSpec, value: list[Any], lens, batch: int, i
     numels = [len(b) for b in blobs]
     data = b"".join(blobs)
     values = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    return Column(values, offsets_from_numels(numels)), [[n] for n in numels]
+    return Column(values, offsets_from_numels(numels)), Geometry.token(np.array(numels, np.int64), [])
 
 
 def _reject(obj: Any) -> Any:
@@ -303,15 +301,17 @@ def check_columns(
     lens = lengths.values.tolist()
     if len(lens) != len(tags):
         raise ShapeError(f"{len(lens)} lengths for {len(tags)} samples", field=LENGTHS_FIELD)
-    for name in columns:
-        if registry.get(name).alignment != "token":
+    want = np.asarray(lens, dtype=np.int64)
+    for name, col in columns.items():
+        spec = registry.get(name)
+        if spec.alignment != "token":
             continue
-        for i, tag in enumerate(tags):
-            got = tag[WIRE_TAG][name][0]
-            if got != lens[i]:
-                raise ShapeError(
-                    f"row holds {got} tokens but {LENGTHS_FIELD} says {lens[i]}", field=name, sample=_name(ids, i)
-                )
+        got = _geometries(spec, tags, ids, col.geom).lead
+        bad = np.flatnonzero(got != want) if got is not None else np.arange(want.size)
+        if bad.size:
+            i = int(bad[0])
+            raise ShapeError(f"row holds {int(got[i]) if got is not None else '?'} tokens but {LENGTHS_FIELD} says "
+                             f"{lens[i]}", field=name, sample=_name(ids, i))
 
 
 def _stored_dtype(spec: FieldSpec, dtype: torch.dtype) -> torch.dtype:
@@ -323,19 +323,35 @@ def _stored_dtype(spec: FieldSpec, dtype: torch.dtype) -> torch.dtype:
 
 
 def _geometries(spec: FieldSpec, tags: Sequence[Mapping[str, Any]], ids: list[Any] | None,
-                given: list[Any] | None = None) -> list[Any]:
+                given: Geometry | None = None) -> Geometry:
     """Each sample's geometry of ``spec``'s field (``given``: the column's own, else from
-    the tags), checked (WireFormatError naming the sample)."""
-    if given is not None:
-        geoms = list(given)
+    the tags), checked (WireFormatError naming the sample): dense rows (token, sample
+    and object fields) as arrays, packed rows one object each."""
+    if given is not None and given.dense:
+        if spec.container != "packed" and _dense_ok(spec, given):
+            return given
+        rows = given.tolist()  # a geometry that does not fit the field: say which sample
+    elif given is not None:
+        rows = given.tolist()
     else:
         try:
-            geoms = [tag[WIRE_TAG][spec.name] for tag in tags]
+            rows = [tag[WIRE_TAG][spec.name] for tag in tags]
         except (KeyError, TypeError, IndexError):
-            return _geometries_checked(spec, [_tag_geometry(t, spec.name) for t in tags], ids)
-    if spec.container != "packed" and _shapes_ok(spec, geoms):
-        return geoms
-    return _geometries_checked(spec, geoms, ids)  # packed, or something is off: sample by sample
+            rows = [_tag_geometry(t, spec.name) for t in tags]
+    if spec.container == "packed":
+        return Geometry.of_rows(_geometries_checked(spec, rows, ids))
+    dense = _densify(spec, rows)
+    if dense is not None:
+        return dense
+    return _dense_of_checked(spec, _geometries_checked(spec, rows, ids))  # something is off: sample by sample
+
+
+def _dense_ok(spec: FieldSpec, g: Geometry) -> bool:
+    """Whether dense rows have the form ``spec``'s encoder writes (a leading dim for token
+    and object rows, and a one-dim object row)."""
+    if spec.alignment == "token" or spec.container == "object":
+        return g.lead is not None and (spec.container != "object" or all(len(t) == 0 for t in g.shapes))
+    return g.lead is None
 
 
 _MISSING = object()
@@ -348,20 +364,44 @@ def _tag_geometry(tag: Any, name: str) -> Any:
         return _MISSING
 
 
-def _shapes_ok(spec: FieldSpec, geoms: list[Any]) -> bool:
-    """Whether every geometry is a shape list of ints >= 0 of one rank (what encode writes
-    for dense and object fields), checked as one array instead of sample by sample."""
-    if not all(type(g) is list for g in geoms):
-        return False
+def _densify(spec: FieldSpec, rows: list[Any]) -> Geometry | None:
+    """Shape lists of one rank (what encode writes for dense and object fields) as a dense
+    Geometry, checked as one array instead of sample by sample; None if anything is off."""
+    if not all(type(g) is list for g in rows):
+        return None
     try:
-        a = np.array(geoms)
-    except (ValueError, TypeError):  # ragged ranks or odd members: the careful path decides
-        return False
+        a = np.array(rows) if rows else np.zeros((0, 1), np.int64)
+    except (ValueError, TypeError, OverflowError):  # ragged ranks or odd members: the careful path decides
+        return None
     if a.ndim != 2 or (a.size and (a.dtype.kind not in "iu" or (a < 0).any())):
-        return False
-    if spec.container == "object":
-        return a.shape[1] == 1
-    return a.shape[1] >= 1 if spec.alignment == "token" else True
+        return None
+    a = a.astype(np.int64, copy=False)
+    leading = spec.alignment == "token" or spec.container == "object"
+    if leading and a.shape[1] < 1 or spec.container == "object" and a.shape[1] != 1:
+        return None
+    return _from_matrix(a, leading, len(rows))
+
+
+def _from_matrix(a: np.ndarray, leading: bool, n: int) -> Geometry:
+    rest = a[:, 1:] if leading else a
+    table, kind = np.unique(rest, axis=0, return_inverse=True) if n else (np.zeros((1, rest.shape[1]), np.int64), None)
+    shapes = [tuple(int(x) for x in row) for row in table]
+    kinds = None if len(shapes) == 1 else np.asarray(kind, np.int32).reshape(-1)
+    return Geometry(np.ascontiguousarray(a[:, 0]) if leading else None, shapes, kinds, n=n)
+
+
+def _dense_of_checked(spec: FieldSpec, rows: list[Any]) -> Geometry:
+    """Valid shape lists of ragged ranks (sample fields only; they cannot stack, which the
+    decoder says naming the sample)."""
+    leading = spec.alignment == "token" or spec.container == "object"
+    shapes: dict[tuple[int, ...], int] = {}
+    kind = np.empty(len(rows), np.int32)
+    lead = np.empty(len(rows), np.int64)
+    for i, g in enumerate(rows):
+        key = tuple(g[1:] if leading else g)
+        kind[i] = shapes.setdefault(key, len(shapes))
+        lead[i] = g[0] if leading else 0
+    return Geometry(lead if leading else None, list(shapes) or [()], kind if len(shapes) > 1 else None, n=len(rows))
 
 
 def _geometries_checked(spec: FieldSpec, geoms: list[Any], ids: list[Any] | None) -> list[Any]:
@@ -398,53 +438,56 @@ def _valid_geometry(spec: FieldSpec, g: Any) -> bool:
     return len(g) >= 1 if spec.alignment == "token" else True
 
 
-def _check_numels(spec: FieldSpec, col: Column, want: list[int], ids: list[Any] | None) -> None:
+def _check_numels(spec: FieldSpec, col: Column, want: np.ndarray | torch.Tensor, ids: list[Any] | None) -> None:
     got = col.row_numels()
-    bad = (got != torch.tensor(want, dtype=torch.int64)).nonzero()
+    bad = (got != torch.as_tensor(want, dtype=torch.int64)).nonzero()
     if bad.numel():
         i = int(bad[0])
         raise WireFormatError(
-            f"row holds {int(got[i])} elements but its recorded shape needs {want[i]}",
+            f"row holds {int(got[i])} elements but its recorded shape needs {int(want[i])}",
             field=spec.name,
             sample=_name(ids, i),
         )
 
 
-def _uniform(spec: FieldSpec, shapes: list[list[int]], ids: list[Any] | None, what: str) -> list[int]:
-    first = shapes[0]
-    for i, s in enumerate(shapes):
-        if s != first:
-            raise ShapeError(
-                f"{what} {s} differs from sample {_name(ids, 0)!r}'s {first}; "
-                "these samples were written with different shapes and cannot be stacked",
-                field=spec.name,
-                sample=_name(ids, i),
-            )
-    return first
+def _trailing(spec: FieldSpec, g: Geometry, ids: list[Any] | None, what: str) -> list[int]:
+    """The one (trailing) shape all rows share; ShapeError naming the first that differs."""
+    shape = g.trailing()
+    if shape is None:
+        i = g.first_other()
+        first, other = g[0], g[i]
+        if g.lead is not None:
+            first, other = first[1:], other[1:]
+        raise ShapeError(
+            f"{what} {other} differs from sample {_name(ids, 0)!r}'s {first}; "
+            "these samples were written with different shapes and cannot be stacked",
+            field=spec.name,
+            sample=_name(ids, i),
+        )
+    return list(shape)
 
 
-def _decode_sample_dense(spec: FieldSpec, col: Column, geoms: list[Any], layout, pad, ids) -> torch.Tensor:
-    if not geoms:
+def _decode_sample_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout, pad, ids) -> torch.Tensor:
+    if not len(geoms):
         return col.values.new_empty((0,))
-    shape = _uniform(spec, geoms, ids, "shape")
-    _check_numels(spec, col, [math.prod(g) for g in geoms], ids)
+    shape = _trailing(spec, geoms, ids, "shape")
+    _check_numels(spec, col, np.full(len(geoms), math.prod(shape), np.int64), ids)
     return col.values.view(len(geoms), *shape)
 
 
-def _decode_token_dense(spec: FieldSpec, col: Column, geoms: list[Any], layout: str, pad: int | None, ids) -> torch.Tensor:
+def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: str, pad: int | None, ids) -> torch.Tensor:
     batch = len(geoms)
-    rest = _uniform(spec, [g[1:] for g in geoms], ids, "per-token shape") if geoms else []
-    lens = [int(g[0]) for g in geoms]
+    rest = _trailing(spec, geoms, ids, "per-token shape") if batch else []
+    lens_t = torch.from_numpy(np.array(geoms.lead, np.int64)) if batch else torch.zeros(0, dtype=torch.int64)
     inner = math.prod(rest)
-    _check_numels(spec, col, [n * inner for n in lens], ids)
+    _check_numels(spec, col, lens_t * inner, ids)
     rows = col.values.view(-1, *rest)
-    lens_t = torch.tensor(lens, dtype=torch.int64)
     if layout == "jagged":
         return torch.nested.nested_tensor_from_jagged(rows, offsets_from_numels(lens_t).to(rows.device))
-    longest = max(lens, default=0)
+    longest = int(lens_t.max()) if batch else 0
     width = longest if pad is None else pad
     if width < longest:
-        i = lens.index(longest)
+        i = int(torch.argmax(lens_t))
         raise ShapeError(
             f"pad_to_seqlen={width} is shorter than the sample's length {longest}; "
             "raise pad_to_seqlen (it must cover every sample of the step)",
@@ -483,7 +526,8 @@ _NUMPY_OK = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torc
              torch.bfloat16, torch.float32, torch.float64}
 
 
-def _decode_media_packed(spec: FieldSpec, col: Column, geoms: list[Any], layout, pad, ids) -> PackedTensor:
+def _decode_media_packed(spec: FieldSpec, col: Column, geometry: Geometry, layout, pad, ids) -> PackedTensor:
+    geoms = geometry.tolist()
     if not geoms:
         return PackedTensor([])
     try:
@@ -500,8 +544,8 @@ def _decode_media_packed(spec: FieldSpec, col: Column, geoms: list[Any], layout,
     return PackedTensor._from_flat(col.values, col.row_numels().tolist(), shapes, d, p, field=spec.name)
 
 
-def _decode_sample_object(spec: FieldSpec, col: Column, geoms: list[Any], layout, pad, ids) -> list[Any]:
-    _check_numels(spec, col, [int(g[0]) for g in geoms], ids)
+def _decode_sample_object(spec: FieldSpec, col: Column, geoms: Geometry, layout, pad, ids) -> list[Any]:
+    _check_numels(spec, col, geoms.lead if geoms.lead is not None else np.zeros(len(geoms), np.int64), ids)
     if col.dtype != torch.uint8:
         raise WireFormatError(f"object column must be uint8 bytes, got {col.dtype}", field=spec.name)
     data = col.values.cpu().numpy().tobytes()

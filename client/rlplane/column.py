@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rlplane.errors import WireFormatError
+from rlplane.geometry import Geometry
 
 
 def offsets_from_numels(numels: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -45,9 +46,11 @@ class Column:
     values: torch.Tensor
     offsets: torch.Tensor
     sums: np.ndarray | None = None
-    geom: list[Any] | None = None
+    geom: Geometry | None = None
 
     def __post_init__(self) -> None:
+        if self.geom is not None and not isinstance(self.geom, Geometry):
+            object.__setattr__(self, "geom", Geometry.of_rows(self.geom))
         v, o = self.values, self.offsets
         n = o.numel() - 1
         if self.sums is not None and self.sums.shape != (n,):
@@ -64,10 +67,12 @@ class Column:
                 f"got {o[0].item()}..{o[-1].item()}"
             )
 
-    def with_meta(self, sums: np.ndarray | None, geom: list[Any] | None) -> Column:
+    def with_meta(self, sums: np.ndarray | None, geom: Geometry | Sequence[Any] | None) -> Column:
         """The same rows with their digests and geometries (values and offsets are not
         checked again: this column's were, when it was made)."""
         n = self.offsets.numel() - 1
+        if geom is not None:
+            geom = Geometry.coerce(geom)
         if sums is not None and sums.shape != (n,):
             raise WireFormatError(f"{sums.size} row digests for {n} rows")
         if geom is not None and len(geom) != n:

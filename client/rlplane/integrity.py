@@ -29,9 +29,7 @@ import xxhash
 
 from rlplane.column import Column
 from rlplane.errors import IntegrityError
-
-#: Reserved tag key: ``{field: xxh3-64 of the row's stored bytes}``.
-SUM_TAG = "_rlplane_sum"
+from rlplane.tags import SUM_TAG
 
 
 def row_sums(col: Column) -> np.ndarray:

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import msgpack
 import torch
 
-from rlplane.codec import merge_tags
+from rlplane.tags import RowTags, merge_tags
 from rlplane.errors import InvalidArgumentError, ShapeError, WireFormatError
 
 
@@ -41,7 +41,7 @@ class SampleMeta:
     sample_ids: list[str]
     lengths: list[int] = field(default_factory=list)
     fields: frozenset[str] = field(default_factory=frozenset)
-    tags: list[dict[str, Any]] = field(default_factory=list)
+    tags: Sequence[dict[str, Any]] = field(default_factory=list)
     pad_to_seqlen: int | None = None
     #: The claim lease these samples are held under (``client.claim``); ``ack``/``nack`` need it.
     lease: int | None = None
@@ -50,7 +50,8 @@ class SampleMeta:
         n = len(self.sample_ids)
         object.__setattr__(self, "sample_ids", [str(s) for s in self.sample_ids])
         object.__setattr__(self, "lengths", [int(x) for x in self.lengths] if self.lengths else [0] * n)
-        object.__setattr__(self, "tags", list(self.tags) if self.tags else [{} for _ in range(n)])
+        if not isinstance(self.tags, RowTags):  # RowTags: kept as they are, built when asked for
+            object.__setattr__(self, "tags", list(self.tags) if self.tags else [{} for _ in range(n)])
         object.__setattr__(self, "fields", frozenset(self.fields))
         if not isinstance(self.partition, str) or not self.partition:
             raise InvalidArgumentError(f"partition must be a non-empty string, got {self.partition!r}")
@@ -85,7 +86,7 @@ class SampleMeta:
             self,
             sample_ids=[self.sample_ids[i] for i in idx],
             lengths=[self.lengths[i] for i in idx],
-            tags=[self.tags[i] for i in idx],
+            tags=self.tags.take(idx) if isinstance(self.tags, RowTags) else [self.tags[i] for i in idx],
         )
 
     def slice(self, start: int, stop: int) -> SampleMeta:
@@ -145,7 +146,12 @@ class SampleMeta:
     # -- updating --------------------------------------------------------------------
     def with_fields(self, names: Iterable[str], tags: Sequence[Mapping[str, Any]] | None = None) -> SampleMeta:
         """A copy that also lists ``names`` (and, if given, per-sample ``tags`` merged in)."""
-        new_tags = self.tags if tags is None else [merge_tags(a, b) for a, b in zip(self.tags, tags, strict=True)]
+        if tags is None:
+            new_tags = self.tags
+        elif isinstance(self.tags, RowTags):
+            new_tags = self.tags.merged(tags)
+        else:
+            new_tags = [merge_tags(a, b) for a, b in zip(self.tags, tags, strict=True)]
         return replace(self, fields=self.fields | set(names), tags=new_tags)
 
     # -- (de)serialising -------------------------------------------------------------

@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Mapping
 
 #: Reserved key in each sample's tags: ``{field: geometry}`` for every field written.
@@ -36,4 +37,89 @@ def merge_tags(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
-__all__ = ["WIRE_TAG", "RESERVED_TAG_PREFIX", "merge_tags"]
+#: Reserved key in each sample's tags: ``{field: xxh3-64 of the row's stored bytes}``.
+SUM_TAG = "_rlplane_sum"
+
+
+class RowTags(Sequence[dict[str, Any]]):
+    """Each sample's tags, built only when asked for: the user's tags (``user``, one
+    map or None per sample; None: no user tags) plus the rows' wire geometry and
+    digests per field (sequences indexed by sample, e.g. a Geometry and a uint64 array).
+    What encode returns and the native transport reads back: the hot path takes the
+    geometry and digests from the columns and never builds these. A built tag map is
+    kept, so editing ``tags[i]`` sticks.
+
+    Example::
+
+        tags = RowTags(None, {"input_ids": [[3], [5]]}, {"input_ids": [7, 9]})
+        tags[1]   # {'_rlplane_wire': {'input_ids': [5]}, '_rlplane_sum': {'input_ids': 9}}
+    """
+
+    __slots__ = ("user", "geoms", "sums", "_n", "_built")
+
+    def __init__(self, user: Sequence[Any] | None, geoms: Mapping[str, Sequence[Any]],
+                 sums: Mapping[str, Sequence[Any]], n: int | None = None) -> None:
+        self.user, self.geoms, self.sums = user, dict(geoms), dict(sums)
+        if n is None:
+            n = len(user) if user is not None else len(next(iter(self.geoms.values()), ()))
+        self._n = n
+        self._built: dict[int, dict[str, Any]] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(self._n))]
+        i = int(i)
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError(i)
+        tag = self._built.get(i)
+        if tag is None:
+            user = self.user[i] if self.user is not None else None
+            tag = {**(user if isinstance(user, Mapping) else {}),
+                   WIRE_TAG: {f: g[i] for f, g in self.geoms.items()},
+                   SUM_TAG: {f: int(s[i]) for f, s in self.sums.items()}}
+            self._built[i] = tag
+        return tag
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (RowTags, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def take(self, index: Sequence[int]) -> RowTags:
+        """The tags of the samples at ``index``, in that order (still built when asked for)."""
+        if self._built:  # edited tag maps must come along
+            return RowTags([self[i] for i in index], {}, {}, len(index))
+        pick = list(index)
+        return RowTags(None if self.user is None else [self.user[i] for i in pick],
+                       {f: _take(g, pick) for f, g in self.geoms.items()},
+                       {f: _take(v, pick) for f, v in self.sums.items()}, len(pick))
+
+    def merged(self, new: Sequence[Mapping[str, Any]]) -> Sequence[dict[str, Any]]:
+        """Each sample's tags after a write whose tags are ``new`` (:func:`merge_tags`)."""
+        if isinstance(new, RowTags) and not self._built and not new._built and not new.has_user_tags() \
+                and len(new) == self._n:
+            return RowTags(self.user, {**self.geoms, **new.geoms}, {**self.sums, **new.sums}, self._n)
+        return [merge_tags(a, b) for a, b in zip(self, new, strict=True)]
+
+    def has_user_tags(self) -> bool:
+        """Whether any sample carries a tag of its own (not rlplane's)."""
+        return self.user is not None and any(self.user)
+
+
+def _take(rows: Any, pick: list[int]) -> Any:
+    take = getattr(rows, "take", None)
+    if take is not None:  # a Geometry or a numpy array: one gather
+        import numpy as np
+
+        return take(np.asarray(pick, dtype=np.int64))
+    return [rows[i] for i in pick]
+
+
+__all__ = ["WIRE_TAG", "SUM_TAG", "RESERVED_TAG_PREFIX", "RowTags", "merge_tags"]

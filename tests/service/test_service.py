@@ -83,7 +83,7 @@ def test_a_plain_process_with_only_url_and_token_can_put_and_read(live, transpor
 
 def test_a_raw_http_put_that_fails_validation_is_a_4xx_naming_the_field(live):
     enc = encode(rlplane.default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
-    body = pack({"sample_ids": ["a"], "tags": enc.tags}, {"input_idz": enc.columns["input_ids"]})
+    body = pack({"sample_ids": ["a"], "tags": list(enc.tags)}, {"input_idz": enc.columns["input_ids"]})
     p = part()
     r = httpx.post(f"{live.url}/v1/data/{p}/put", content=body,
                    headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {live.token}"}, timeout=30)

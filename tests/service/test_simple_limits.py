@@ -56,7 +56,7 @@ def test_storage_full_is_http_507_with_the_typed_error(tiny_simple):
         meta = client.put_samples(part(), batch(4))  # the store is full now
         work = batch(1, 500)
         enc = encode(client.registry, work, work["input_lengths"], sample_ids=["z"])
-        body = pack({"sample_ids": ["z"], "tags": enc.tags}, enc.columns)
+        body = pack({"sample_ids": ["z"], "tags": list(enc.tags)}, enc.columns)
         r = httpx.post(f"{tiny_simple}/v1/data/{part()}/put", content=body, timeout=30)
         assert r.status_code == 507 and r.json()["error"] == "StorageFullError", r.text
         client.clear(meta.partition)

@@ -65,7 +65,7 @@ def test_v1_needs_the_token_and_health_does_not(served):
 
 
 def raw_put(http, partition, columns, tags, ids):
-    body = pack({"sample_ids": ids, "tags": tags}, columns)
+    body = pack({"sample_ids": ids, "tags": list(tags)}, columns)
     return http.post(f"/v1/data/{partition}/put", content=body, headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -257,7 +257,7 @@ def test_a_column_dtype_that_is_not_a_name_is_a_422_not_a_500(served, dtype):
 
     _, http, _ = served
     enc = encode(default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
-    body = bytearray(pack({"sample_ids": ["a"], "tags": enc.tags}, enc.columns))
+    body = bytearray(pack({"sample_ids": ["a"], "tags": list(enc.tags)}, enc.columns))
     # rewrite the column's dtype in the msgpack header, keeping the rest of the body
     magic, version, head_len = struct.unpack_from("<4sIQ", body)
     head = msgpack.unpackb(bytes(body[16 : 16 + head_len]), raw=False)
@@ -276,7 +276,7 @@ def test_a_column_dtype_that_is_not_a_name_is_a_422_not_a_500(served, dtype):
 def test_the_service_refuses_a_partition_name_the_client_would_refuse(served):
     _, http, _ = served
     enc = encode(default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])
-    body = pack({"sample_ids": ["a"], "tags": enc.tags}, enc.columns)
+    body = pack({"sample_ids": ["a"], "tags": list(enc.tags)}, enc.columns)
     r = http.post("/v1/data/bad%20name%21/put", content=body,
                   headers={"Content-Type": CONTENT_TYPE, "Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 400 and r.json()["error"] == "InvalidArgumentError"

@@ -44,7 +44,7 @@ def _valid_body() -> bytes:
     fields = {"input_ids": torch.arange(12).reshape(2, 6), "input_lengths": torch.tensor([6, 3]),
               "pixel_values": PackedTensor([torch.randn(2, 4), None])}
     enc = encode(reg, fields, torch.tensor([6, 3]), sample_ids=["a", "b"])
-    return bytes(pack({"sample_ids": ["a", "b"], "tags": enc.tags}, enc.columns))
+    return bytes(pack({"sample_ids": ["a", "b"], "tags": list(enc.tags)}, enc.columns))
 
 
 VALID = _valid_body()

@@ -56,10 +56,9 @@ import torch
 
 from rlplane.channel import PLAIN_USER, Channel, SharedChannels
 from rlplane.placement import spread
-from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG
-from rlplane.integrity import SUM_TAG
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
+from rlplane.geometry import Geometry
 from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataError, RlplaneError, ShapeError,
                             TransportError, UnavailableError, WireFormatError)
 from rlplane.readpool import ReadPool
@@ -67,6 +66,7 @@ from rlplane.scratch import Alloc
 from rlplane.shm import SlabView, shared_slab
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.streams import DirectStreams
+from rlplane.tags import RESERVED_TAG_PREFIX, SUM_TAG, WIRE_TAG, RowTags
 from rlplane.gather import BIG_RUN as _BIG_RUN
 from rlplane.gather import MAX_RUNS as _MAX_RUNS
 from rlplane.wire import RawColumn, int_array, ints, numpy_dtype, raw
@@ -249,13 +249,14 @@ class NativeTransport(Transport):
         names = list(columns)
         # Split tags: geometry and digests per field (kept in the controller's arrays; the
         # codec's columns carry them as arrays already), user tags per sample.
-        geoms = {f: c.geom if c.geom is not None else [t.get(WIRE_TAG, {}).get(f) for t in tags]
+        geoms = {f: c.geom if c.geom is not None else Geometry.of_rows([t.get(WIRE_TAG, {}).get(f) for t in tags])
                  for f, c in columns.items()}
         sums = {f: c.sums.astype("<u8").tobytes() if c.sums is not None
                 else _u64([(t.get(SUM_TAG) or {}).get(f, 0) for t in tags], f) for f, c in columns.items()}
-        user = [{k: v for k, v in t.items() if not k.startswith(RESERVED_TAG_PREFIX)} for t in tags]
+        user = None if isinstance(tags, RowTags) and not tags.has_user_tags() else \
+            [{k: v for k, v in t.items() if not k.startswith(RESERVED_TAG_PREFIX)} or None for t in tags]
         for f, g in geoms.items():
-            if any(x is None for x in g):
+            if not g.dense and any(x is None for x in g.tolist()):
                 raise WireFormatError("a row carries no wire geometry (encode it with rlplane's codec)", field=f)
         stage = self._staged(len(ids), columns) if names else None
         blocks = stage.blocks if stage is not None else \
@@ -278,12 +279,13 @@ class NativeTransport(Transport):
         try:
             if failed is not None:
                 raise failed
-            commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": geoms, "h": sums,
+            commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": {f: g.to_wire() for f, g in geoms.items()},
+                                      "h": sums,
                                       "nb": {f: ints(c.row_numels() * c.values.element_size()) for f, c in columns.items()},
                                       "x": [[b, {f: dtype_name(c.dtype) for f, c in columns.items()},
                                              [[u, x] for u, x in copies.items()]] for b, copies in where.items()],
                                       "xs": seals}
-            if create or any(user):
+            if user is not None and any(user):
                 commit["user"] = user
             ctrl.call(commit, timeout=self._left(deadline))
             if stage is not None:
@@ -491,12 +493,13 @@ class NativeTransport(Transport):
                     ctrl.post({"op": "unpin", "pin": pin})
                 except TransportError:  # the channel failed: the pin lapses on its own
                     pass
-        geoms, user = loc["g"], loc["user"]
+        user = loc["user"]
+        geoms = {f: Geometry.from_wire(loc["g"][f], f) for f in fields}
         sums = {f: np.frombuffer(loc["h"][f], "<u8") for f in fields}
-        if not isinstance(user, list) or len(user) != len(ids):
+        if user is not None and (not isinstance(user, list) or len(user) != len(ids)):
             raise WireFormatError("the controller answered tags for other samples than asked")
         columns = {f: c.with_meta(sums[f], geoms[f]) for f, c in columns.items()}
-        return columns, _Tags(user, geoms, sums, fields)
+        return columns, RowTags(user, geoms, sums, len(ids))
 
     def _gather(self, loc: dict[str, Any], partition: str, n: int, fields: list[str], copy: bool, deadline: float
                 ) -> tuple[dict[str, Column], list[np.ndarray]]:
@@ -724,25 +727,6 @@ def _offsets(x: Any, part: Mapping[str, Column], unit: str) -> dict[str, int]:
     if not isinstance(x, dict) or set(x) != set(part) or not all(isinstance(v, int) for v in x.values()):
         raise WireFormatError(f"storage unit {unit} did not say where it stored the block's fields")
     return dict(x)
-
-
-class _Tags(Sequence[dict[str, Any]]):
-    """The samples' tags of a read, each built only when asked for (the client takes the
-    rows' geometry and digests from the columns; the HTTP API serializes them all)."""
-
-    def __init__(self, user: list[Any], geoms: dict[str, list[Any]], sums: dict[str, np.ndarray],
-                 fields: list[str]) -> None:
-        self._user, self._geoms, self._sums, self._fields = user, geoms, sums, fields
-
-    def __len__(self) -> int:
-        return len(self._user)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        user = self._user[i]
-        return {**(user if isinstance(user, dict) else {}), WIRE_TAG: {f: self._geoms[f][i] for f in self._fields},
-                SUM_TAG: {f: int(self._sums[f][i]) for f in self._fields}}
 
 
 class _Sent:

@@ -54,6 +54,7 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
+from rlplane.geometry import Geometry
 from rlplane.ledger import Ledger
 from rlplane.wire import int_array, ints
 from rlplane_service.native.health import (CHECK_TIMEOUT_S, REPORT_TIMEOUT_S, SWEEP_EVERY_S, UNIT_GRACE_S,
@@ -221,8 +222,8 @@ class ControllerCore(UnitHealth, StreamOps):
             n = res.slots.size
             if set(geoms) != set(res.fields) or set(sizes) != set(res.fields):
                 raise E.WireFormatError("commit must describe exactly the reserved fields")
-            if res.create and (not isinstance(user, list) or len(user) != n):
-                raise E.WireFormatError("commit of new samples needs 'user': one tag map per sample")
+            if user is not None and len(user) != n:
+                raise E.WireFormatError("commit 'user' needs one tag map per sample (or none)")
             part = res.part
             if self._parts.get(res.partition) is not part:
                 self._abort(res)
@@ -241,10 +242,12 @@ class ControllerCore(UnitHealth, StreamOps):
             for b, _, a, z in res.blocks:
                 bid_of_row[a:z] = b
                 row_in_block[a:z] = np.arange(z - a)
+            shapes = {}
             for name in res.fields:
-                g, nb = geoms[name], int_array(sizes[name], "row bytes")
-                if not isinstance(g, list) or len(g) != n or nb.size != n:
-                    raise E.WireFormatError(f"commit describes {len(g) if isinstance(g, list) else '?'} rows of {n}", field=name)
+                g, nb = Geometry.from_wire(geoms[name], name), int_array(sizes[name], "row bytes")
+                if len(g) != n or nb.size != n:
+                    raise E.WireFormatError(f"commit describes {len(g)} rows of {n}", field=name)
+                shapes[name] = g
                 if name in sums and digests(sums[name], name).size != n:
                     raise E.WireFormatError(f"commit carries checksums for other than {n} rows", field=name)
                 if bool((nb < 0).any()):
@@ -263,7 +266,7 @@ class ControllerCore(UnitHealth, StreamOps):
                     np.cumsum(nb[a : z - 1], out=within[a + 1 : z])
                 fi.off[res.slots] = within
                 fi.nbytes[res.slots] = nb
-                fi.geom[res.slots] = objects(geoms[name])
+                fi.set_geometry(res.slots, shapes[name])
                 fi.sums[res.slots] = digests(sums[name], name) if name in sums else 0
                 for b, _, a, z in res.blocks:
                     self._block_refs[b] = self._block_refs.get(b, 0) + (z - a)
@@ -272,7 +275,7 @@ class ControllerCore(UnitHealth, StreamOps):
                     tot[0] += live
                     tot[1] += live
             if res.create:
-                part.user[res.slots] = objects(user)  # type: ignore[arg-type]
+                part.user[res.slots] = objects(user) if user is not None else None  # type: ignore[arg-type]
                 part.state[res.slots] = COMMITTED
             elif isinstance(user, list) and len(user) == n:  # user tags added by a later write
                 for s, extra_tags in zip(res.slots.tolist(), user):
@@ -392,12 +395,13 @@ class ControllerCore(UnitHealth, StreamOps):
                     if u in local and self._extents_known(blk[pos], u):  # else the client reads them over ZMQ
                         entry += self._addresses(name, u, blk[pos], fi.off[slots[pos]])
                     per_unit.setdefault(u, []).append(entry)
-                geoms[name] = fi.geom[slots].tolist()
+                geoms[name] = fi.geometry(slots).to_wire()
                 sizes[name] = ints(fi.nbytes[slots])
                 digests[name] = fi.sums[slots].astype("<u8").tobytes()
             if missing:
                 raise E.MissingDataError(p, missing)
-            user = part.user[slots].tolist()
+            tagged = part.user[slots]
+            user = tagged.tolist() if bool(np.not_equal(tagged, None).any()) else None  # None: no sample has tags
             pin = self.pins.pin(sorted(pinned)) if pinned else None
             caps = self._read_caps(per_unit)
         return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
@@ -586,7 +590,7 @@ class ControllerCore(UnitHealth, StreamOps):
         for fi in part.fields.values():
             self._release(fi.block[slots], fi.nbytes[slots])
             fi.block[slots] = -1
-            fi.geom[slots] = None
+            fi.forget(slots)
             fi.sums[slots] = 0
         part.state[slots] = FREE
         part.user[slots] = None

@@ -20,10 +20,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rlplane.geometry import Geometry
 from rlplane.ledger import grown
 from rlplane.tags import WIRE_TAG
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
+
+#: Distinct trailing shapes a field keeps as a table (beyond: its rows' geometry as objects).
+MAX_FIELD_SHAPES = 65536
 
 
 def rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
@@ -48,21 +52,65 @@ class FieldIndex:
     block: np.ndarray
     row: np.ndarray
     nbytes: np.ndarray
-    geom: np.ndarray
+    geom: np.ndarray  # a row's geometry object, for rows not kept dense (packed rows)
     sums: np.ndarray  # uint64 xxh3 digest of each row's bytes as the writer stored them (0: none recorded)
     off: np.ndarray  # byte offset of the row in its block's extent of this field
+    # Dense rows' geometry (rlplane.geometry): the leading dim (-1: none) and the index of
+    # the trailing shape in ``shapes`` (-1: the row's geometry is the object in ``geom``).
+    lead: np.ndarray
+    kind: np.ndarray
+    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    _shape_kind: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    _COLUMNS = (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0), ("off", 0), ("lead", -1),
+                ("kind", -1))
 
     @classmethod
     def empty(cls, cap: int) -> FieldIndex:
         return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object),
-                   np.zeros(cap, np.uint64), np.zeros(cap, np.int64))
+                   np.zeros(cap, np.uint64), np.zeros(cap, np.int64), np.full(cap, -1, np.int64),
+                   np.full(cap, -1, np.int32))
 
     def grow(self, cap: int) -> None:
-        for name, fill in (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0), ("off", 0)):
+        for name, fill in self._COLUMNS:
             old = getattr(self, name)
             new = np.full(cap, fill, dtype=old.dtype) if fill is not None else np.empty(cap, dtype=object)
             new[: old.size] = old
             setattr(self, name, new)
+
+    def set_geometry(self, slots: np.ndarray, g: Geometry) -> None:
+        """Record the rows' geometry at ``slots`` (dense rows as arrays, others as objects)."""
+        known = self._shape_kind
+        if g.dense and len(known) + len(g.shapes) <= MAX_FIELD_SHAPES:
+            remap = np.array([known.setdefault(s, len(known)) for s in g.shapes], np.int32)
+            if len(known) > len(self.shapes):
+                self.shapes.extend(list(known)[len(self.shapes):])
+            self.kind[slots] = remap[g.kind] if g.kind is not None else remap[0]
+            self.lead[slots] = g.lead if g.lead is not None else -1
+            self.geom[slots] = None
+        else:
+            self.kind[slots] = -1
+            self.geom[slots] = objects(g.tolist())
+
+    def geometry(self, slots: np.ndarray) -> Geometry:
+        """The geometry of the rows at ``slots`` (dense when every row is)."""
+        kind, lead = self.kind[slots], self.lead[slots]
+        if slots.size and bool((kind >= 0).all()):
+            has_lead = lead >= 0
+            if bool(has_lead.all()) or not bool(has_lead.any()):
+                used, which = np.unique(kind, return_inverse=True)
+                return Geometry(lead if bool(has_lead[0]) else None, [self.shapes[k] for k in used.tolist()],
+                                which.astype(np.int32).reshape(-1) if used.size > 1 else None, n=int(slots.size))
+        rows = self.geom[slots].tolist()
+        for i in np.flatnonzero(kind >= 0).tolist():
+            shape = list(self.shapes[int(kind[i])])
+            rows[i] = [int(lead[i]), *shape] if lead[i] >= 0 else shape
+        return Geometry.of_rows(rows)
+
+    def forget(self, slots: np.ndarray) -> None:
+        """The rows at ``slots`` are gone: drop their geometry."""
+        self.geom[slots] = None
+        self.kind[slots] = -1
 
 
 @dataclass
@@ -118,7 +166,7 @@ class Partition:
         return self.names[slots].tolist()
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
-        geoms = {name: (fi.block[slots] >= 0, fi.geom[slots].tolist()) for name, fi in self.fields.items()}
+        geoms = {name: (fi.block[slots] >= 0, fi.geometry(slots)) for name, fi in self.fields.items()}
         return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]}}
                 for i, u in enumerate(self.user[slots].tolist())]
 

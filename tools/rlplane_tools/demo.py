@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 import traceback
 import uuid
@@ -114,6 +115,9 @@ def _worker(conn: Any, cfg_dict: dict) -> None:
     from rlplane.testing.verify import diff_fields
 
     cfg = DemoConfig(**cfg_dict)
+    # The ranks run side by side: each gets its share of the cores, as a rank on its own
+    # GPU host would have its own (torch's default, every core per process, oversubscribes).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, cfg.dp_size)))
     client = None
     work: Workload | None = None
     while True:
@@ -148,10 +152,12 @@ def _worker(conn: Any, cfg_dict: dict) -> None:
                 )
                 unchecked = [k for k in got if k not in want]
                 problems += [f"field {k!r}: read but the demo does not know what was written" for k in unchecked]
+                read_bytes, multimodal = fields_nbytes(got), sorted(k for k in MULTIMODAL if k in got)
+                got = want = None  # a rank lets go of the batch it is done with: its next read reuses the memory
                 paths = sorted(set(client.transport.paths().values())) or [client.transport.name]
-                reply = {"fields": names, "read_s": read_s, "read_bytes": fields_nbytes(got), "problems": problems,
+                reply = {"fields": names, "read_s": read_s, "read_bytes": read_bytes, "problems": problems,
                          "path": "+".join(paths),
-                         "multimodal": sorted(k for k in MULTIMODAL if k in got)}
+                         "multimodal": multimodal}
                 out_field = msg.get("write")
                 if out_field:
                     out = {out_field: stage_output(out_field, meta)}

@@ -27,12 +27,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import msgpack
 import torch
 
-from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, decode, encode, merge_tags
+from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, decode, encode, merge_tags, prepare
 from rlplane.errors import (InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
                             TransportError)
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.gcpause import gc_paused
-from rlplane.integrity import check_sums
 from rlplane.ledger import MAX_WAIT_S, ClaimRequest
 from rlplane.meta import SampleMeta
 from rlplane.names import check_partition
@@ -83,14 +82,14 @@ class Client:
         """
         with self._op("put_samples") as op:
             check_partition(partition)
-            batch = self.registry.validate(fields)
+            prep = prepare(self.registry, fields, fields.get(LENGTHS_FIELD), sample_ids=sample_ids)
+            batch, lengths = prep
             ids = [str(s) for s in sample_ids] if sample_ids is not None else _new_ids(batch)
             if len(ids) != batch:
                 raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
-            lengths = self._lengths(fields, batch)
             user = _user_tags(tags, batch, ids)
             with self._buffers() as mine, self.transport.put_buffers(batch, mine) as alloc:
-                enc = encode(self.registry, fields, lengths, sample_ids=ids, alloc=alloc)
+                enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep)
                 merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None else enc.tags
                 self.transport.put(partition, ids, enc.columns, merged, create=True)
                 op.nbytes = enc.nbytes
@@ -106,11 +105,12 @@ class Client:
         """
         with self._op("write_columns") as op:
             lengths = torch.tensor(meta.lengths, dtype=torch.int64)
-            given = self._lengths(fields, len(meta))
-            if given is not None and not torch.equal(given, lengths):
+            given = fields.get(LENGTHS_FIELD)
+            prep = prepare(self.registry, fields, given if given is not None else lengths, sample_ids=meta.sample_ids)
+            if given is not None and not torch.equal(prep.lengths, lengths):
                 raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
-                enc = encode(self.registry, fields, lengths, sample_ids=meta.sample_ids, alloc=alloc)
+                enc = encode(self.registry, fields, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep)
                 if not enc.columns:
                     return meta
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
@@ -160,9 +160,9 @@ class Client:
                 self.registry.get(name)
             columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy)
             op.nbytes = sum(col.nbytes for col in columns.values())
-            check_sums(meta.partition, meta.sample_ids, columns, tags)
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
-            return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids)
+            return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
+                          partition=meta.partition)
 
     # -- streaming -------------------------------------------------------------------
     def claim(
@@ -412,19 +412,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _lengths(self, fields: Mapping[str, Any], batch: int) -> torch.Tensor | None:
-        """Each sample's length from ``input_lengths``; None when not given (the codec then
-        refuses token fields instead of cutting them to nothing)."""
-        given = fields.get(LENGTHS_FIELD)
-        if given is None:
-            return None
-        lengths = torch.as_tensor(given).reshape(-1).cpu().to(torch.int64)
-        if lengths.numel() != batch:
-            raise ShapeError(f"{lengths.numel()} lengths for {batch} samples", field=LENGTHS_FIELD)
-        return lengths
-
-
 
 
 def _release(transport: Transport, service: Any) -> None:

@@ -38,7 +38,7 @@ from rlplane.errors import (
 )
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry
 from rlplane.geometry import Geometry
-from rlplane.integrity import row_sums
+from rlplane.integrity import check_sums, row_sums
 from rlplane.packed import PackedTensor
 from rlplane.scratch import Alloc
 from rlplane.tags import RESERVED_TAG_PREFIX, WIRE_TAG, RowTags, merge_tags
@@ -62,6 +62,37 @@ class Encoded(NamedTuple):
 # encode
 
 
+class Prepared(NamedTuple):
+    """What :func:`prepare` found: the batch size and each sample's length (int64, or
+    None when no lengths were given)."""
+
+    batch: int
+    lengths: torch.Tensor | None
+
+
+def prepare(
+    registry: Registry,
+    fields: Mapping[str, Any],
+    lengths: Sequence[int] | torch.Tensor | None = None,
+    *,
+    sample_ids: Sequence[Any] | None = None,
+) -> Prepared:
+    """Validate ``fields`` against ``registry`` (the one check of a put: every field
+    declared, of its container and dtype, one batch size; ``lengths`` integers >= 0, one
+    per sample when a token field is present). Raises a typed error naming field and sample.
+
+    Example::
+
+        prep = prepare(default_registry(), {"input_ids": ids, "input_lengths": lens}, lens)
+        prep.batch, prep.lengths
+    """
+    batch = registry.validate(fields)
+    ids = list(sample_ids) if sample_ids is not None else None
+    if ids is not None and fields and len(ids) != batch and any(v is not None for v in fields.values()):
+        raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
+    return Prepared(batch, _lengths(lengths, batch, fields, registry, ids))
+
+
 def encode(
     registry: Registry,
     fields: Mapping[str, Any],
@@ -69,6 +100,7 @@ def encode(
     *,
     sample_ids: Sequence[Any] | None = None,
     alloc: Alloc | None = None,
+    prepared: Prepared | None = None,
 ) -> Encoded:
     """Validate ``fields`` against ``registry`` and encode them for the wire.
 
@@ -76,17 +108,15 @@ def encode(
     values and packed fields whose rows are all empty are not written. ``sample_ids``
     only name samples in errors. Columns may share memory with the inputs. ``alloc``
     supplies the buffers packed fields are copied into (:class:`rlplane.scratch.Scratch`).
+    ``prepared``: what :func:`prepare` already found for these fields (not checked again).
 
     Example::
 
         enc = encode(default_registry(), {"input_ids": ids, "input_lengths": lens}, lengths=lens)
         enc.columns["input_ids"].num_rows  # == len(lens)
     """
-    batch = registry.validate(fields)
     ids = list(sample_ids) if sample_ids is not None else None
-    if ids is not None and fields and len(ids) != batch and any(v is not None for v in fields.values()):
-        raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
-    lens = _lengths(lengths, batch, fields, registry, ids)
+    batch, lens = prepared if prepared is not None else prepare(registry, fields, lengths, sample_ids=ids)
     geoms: dict[str, Geometry] = {}
     columns: dict[str, Column] = {}
     for name, value in fields.items():
@@ -241,8 +271,14 @@ def decode(
     pad_to_seqlen: int | None = None,
     *,
     sample_ids: Sequence[Any] | None = None,
+    partition: str | None = None,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Turn wire columns back into fields: the exact inverse of :func:`encode`.
+
+    First (``verify``) every row's bytes are checked against the digest its writer
+    recorded (the column's, else the sample's tags): IntegrityError naming
+    ``partition``, sample and field when they differ.
 
     Token fields come back ``[B, pad_to_seqlen, ...]`` padded with the field's
     ``pad_value`` (``pad_to_seqlen`` defaults to the longest sample) or, with
@@ -260,6 +296,9 @@ def decode(
         raise InvalidArgumentError(f"pad_to_seqlen must be a non-negative int, got {pad_to_seqlen!r}")
     ids = list(sample_ids) if sample_ids is not None else None
     batch = len(tags)
+    if verify:
+        check_sums(partition if partition is not None else "?",
+                   ids if ids is not None else [f"#{i}" for i in range(batch)], columns, tags)
     out: dict[str, Any] = {}
     for name, col in columns.items():
         spec = registry.get(name)
@@ -294,7 +333,7 @@ def check_columns(
         want = _stored_dtype(spec, col.dtype)
         if col.dtype != want:
             raise DtypeError(f"stored as {col.dtype} but the registry stores it as {want}", field=name)
-    decode(registry, columns, tags, layout="jagged", sample_ids=ids)
+    decode(registry, columns, tags, layout="jagged", sample_ids=ids, verify=False)  # the reader checks the digests
     lengths = columns.get(LENGTHS_FIELD)
     if lengths is None:
         return
@@ -566,4 +605,5 @@ _DECODERS = {
     ("sample", "object"): _decode_sample_object,
 }
 
-__all__ = ["WIRE_TAG", "RESERVED_TAG_PREFIX", "LAYOUTS", "Encoded", "encode", "decode", "check_columns", "merge_tags"]
+__all__ = ["WIRE_TAG", "RESERVED_TAG_PREFIX", "LAYOUTS", "Encoded", "Prepared", "prepare", "encode", "decode",
+           "check_columns", "merge_tags"]

@@ -144,6 +144,7 @@ class Server:
         for sock in socks:
             poller.register(sock, zmq.POLLIN)
         wake = getattr(self.handler, "wake", None)
+        tick = getattr(self.handler, "tick", None)  # housekeeping between requests (a unit trims its heap)
         while not self._stop.is_set():
             try:
                 wait_ms = 200
@@ -155,6 +156,8 @@ class Server:
                     if len(frames) >= 2:  # else not even an identity and a header: nothing to answer
                         self._answer(sock, frames[0], frames[1:], time.monotonic(), final=False)
                 changed = wake() if wake is not None else False
+                if tick is not None:
+                    tick()
                 if self._parked:
                     self._rerun(changed)
             except Exception:  # noqa: BLE001 - nothing one request does may stop the loop

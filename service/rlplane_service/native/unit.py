@@ -57,6 +57,7 @@ from rlplane.dtypes import numpy_of
 from rlplane.gather import gather
 from rlplane.wire import RawColumn, check_offsets, int_array, ints
 from rlplane_service.native.allocator import Allocator
+from rlplane_service.native.heap import HeapTrim
 from rlplane_service.native.slab import Slab, SlabShare
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,52 @@ class Extent:
         return self.offsets.size - 1
 
 
+class Block:
+    """One block's fields on this unit, packed: a unit holds tens of thousands of blocks,
+    so a block is one small object (names and dtypes shared with blocks of the same
+    layout, starts and sizes in one array, every field's row offsets in one array)
+    instead of a dict of per-field records (~2.5 kB a block before, ~0.9 kB now).
+    :meth:`get` and :meth:`items` give each field's :class:`Extent` (views)."""
+
+    __slots__ = ("names", "dtypes", "where", "offsets", "born")
+
+    _layouts: dict[tuple[str, ...], tuple[str, ...]] = {}  # shared name / dtype tuples (bounded)
+
+    def __init__(self, layout: list[tuple[str, str, Any, int, np.ndarray]], starts: list[int], born: float) -> None:
+        self.names = self._shared(tuple(name for name, *_ in layout))
+        self.dtypes = self._shared(tuple(dname for _, dname, *_ in layout))
+        self.where = np.array([starts, [nbytes for *_, nbytes, _ in layout]], np.int64)
+        self.offsets = np.concatenate([off for *_, off in layout]) if layout else np.zeros(0, np.int64)
+        self.born = born
+
+    @classmethod
+    def _shared(cls, key: tuple[str, ...]) -> tuple[str, ...]:
+        got = cls._layouts.get(key)
+        if got is None:
+            if len(cls._layouts) >= 4096:
+                return key
+            got = cls._layouts.setdefault(key, key)
+        return got
+
+    def _extent(self, i: int) -> Extent:
+        rows = self.offsets.size // len(self.names)
+        dname = self.dtypes[i]
+        return Extent(dname, numpy_of(dname), int(self.where[0, i]), int(self.where[1, i]),
+                      self.offsets[i * rows : (i + 1) * rows])
+
+    def get(self, name: str) -> Extent | None:
+        try:
+            return self._extent(self.names.index(name))
+        except ValueError:
+            return None
+
+    def items(self) -> list[tuple[str, Extent]]:
+        return [(name, self._extent(i)) for i, name in enumerate(self.names)]
+
+    def starts(self) -> list[int]:
+        return self.where[0].tolist()
+
+
 class UnitCore:
     """The slab and blocks of one storage unit and the operations on them (called by :class:`Server`)."""
 
@@ -104,11 +151,11 @@ class UnitCore:
         self.slab = Slab(slab_bytes, name)
         self.alloc = Allocator(self.slab.nbytes)
         self.share = SlabShare(self.slab.fd, name).start() if share else None
-        self._blocks: dict[int, dict[str, Extent]] = {}
-        self._born: dict[int, float] = {}  # block -> when it was stored (monotonic)
+        self._blocks: dict[int, Block] = {}
         self._staged: dict[int, dict[str, tuple[int, int, str]]] = {}  # block -> field -> (start, bytes, dtype)
         self._staged_born: dict[int, float] = {}
         self._lock = threading.Lock()
+        self.heap = HeapTrim()  # the transient buffers of writes and reads go back to the OS
 
     # -- operations (header, columns, buffers) -> (reply, columns, buffers) ------------
     def op_alloc(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
@@ -132,7 +179,7 @@ class UnitCore:
             np_dtype = _np_dtype(dname, name)
             if nbytes % np_dtype.itemsize:
                 raise E.WireFormatError(f"{nbytes} bytes is not a whole number of {dname} elements", field=name)
-            offsets = int_array(off, "offsets").copy()
+            offsets = int_array(off, "offsets")  # copied into the block's one offsets array
             check_offsets(offsets, nbytes // np_dtype.itemsize, max(offsets.size - 1, 0), name)
             layout.append((name, dname, np_dtype, nbytes, offsets))
         where = self._store(bid, layout, staged)
@@ -165,10 +212,11 @@ class UnitCore:
 
     def op_write(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Store ``columns`` as block ``b`` (a block is written once): copied into new extents."""
+        self.heap.moved()
         bid = _block_id(header)
         if not 0 < len(columns) <= MAX_FIELDS:
             raise E.WireFormatError(f"a block holds 1 to {MAX_FIELDS} fields")
-        layout = [(name, c.dtype, c.values.dtype, c.values.nbytes, c.offsets.copy()) for name, c in columns.items()]
+        layout = [(name, c.dtype, c.values.dtype, c.values.nbytes, c.offsets) for name, c in columns.items()]
         where = self._store(bid, layout)
         for name, c in columns.items():
             start = where[name]
@@ -177,6 +225,7 @@ class UnitCore:
 
     def op_read(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Per requested field, the rows ``(block, row)`` in the order asked, as one column."""
+        self.heap.moved()
         wanted = header.get("f")
         if not isinstance(wanted, list) or len(wanted) > MAX_FIELDS:
             raise E.WireFormatError(f"read needs 'f': [[field, blocks, rows], ...] (at most {MAX_FIELDS} fields)")
@@ -203,6 +252,7 @@ class UnitCore:
     def op_block(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Every column of block ``b`` as stored (the controller copies it to another unit
         when a copy was lost with a unit). MissingDataError when it is not here."""
+        self.heap.moved()
         bid = _block_id(header)
         with self._lock:
             block = self._blocks.get(bid)
@@ -212,16 +262,16 @@ class UnitCore:
 
     def op_free(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Drop blocks (every row of them was cleared, or their put never committed)."""
+        self.heap.moved()
         bids = int_array(header.get("b", b""), "blocks").tolist()
         freed = 0
         with self._lock:
             for bid in bids:
                 block = self._blocks.pop(bid, None)
-                self._born.pop(bid, None)
                 if block is not None:
                     freed += 1
-                    for x in block.values():
-                        self.alloc.free(x.start)
+                    for start in block.starts():
+                        self.alloc.free(start)
                 staged = self._staged.pop(bid, None)
                 self._staged_born.pop(bid, None)
                 for start, _, _ in (staged or {}).values():
@@ -236,7 +286,8 @@ class UnitCore:
             raise E.WireFormatError("old needs 'age': seconds")
         cut = time.monotonic() - age
         with self._lock:
-            old = {b for b, t in self._born.items() if t < cut} | {b for b, t in self._staged_born.items() if t < cut}
+            old = {b for b, k in self._blocks.items() if k.born < cut} | \
+                {b for b, t in self._staged_born.items() if t < cut}
             return {"b": ints(sorted(old))}, {}, []
 
     def op_slab(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
@@ -267,6 +318,10 @@ class UnitCore:
             return True
 
     # -- helpers -----------------------------------------------------------------------
+    def tick(self) -> None:
+        """Between requests (the server loop): give freed heap pages back when due."""
+        self.heap.tick()
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"unit": self.name, "blocks": len(self._blocks), "nbytes": self.alloc.used_bytes,
@@ -320,9 +375,7 @@ class UnitCore:
             if not mine:
                 self._staged.pop(bid, None)
                 self._staged_born.pop(bid, None)
-            self._blocks[bid] = {name: Extent(dname, np.dtype(npd), start, nbytes, off)
-                                 for (name, dname, npd, nbytes, off), start in zip(layout, got)}
-            self._born[bid] = time.monotonic()
+            self._blocks[bid] = Block(layout, got, time.monotonic())
         return {name: start for (name, *_), start in zip(layout, got)}
 
     def _seals(self, bid: int, layout: list[tuple[str, str, Any, int, np.ndarray]], where: dict[str, int],

@@ -32,7 +32,7 @@ from rlplane.errors import (InvalidArgumentError, LeaseError, MissingDataError, 
                             TransportError)
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.gcpause import gc_paused
-from rlplane.ledger import MAX_WAIT_S, ClaimRequest
+from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.meta import SampleMeta
 from rlplane.names import check_partition
 from rlplane.opstats import OpStats
@@ -196,20 +196,9 @@ class Client:
             client.ack(meta, "train")
         """
         with self._op("claim"):
-            check_partition(partition)
-            if not isinstance(task, str) or not task:
-                raise InvalidArgumentError(f"task must be a non-empty string, got {task!r}")
-            if fields is None and stage is None:
-                raise InvalidArgumentError("claim needs fields=[...] or stage=... (what makes a sample ready)")
-            names = list(fields) if fields is not None else self.registry.fields_for_stage(stage)  # type: ignore[arg-type]
-            for name in names:
-                self.registry.get(name)
-            if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-                raise InvalidArgumentError(f"batch_size must be an int, got {batch_size!r}")
-            want = ClaimRequest(partition, task, batch_size, tuple(names), float(timeout or 0.0),
-                                batch_size if min_batch is None else int(min_batch), group_key, current_version,
-                                max_staleness, lease_s)
-            want.check()
+            want = ClaimRequest.build(self.registry, partition, task, batch_size, stage=stage, fields=fields,
+                                      timeout=timeout, min_batch=min_batch, group_key=group_key,
+                                      current_version=current_version, max_staleness=max_staleness, lease_s=lease_s)
             reply = self._claim(want, timeout)
         tags = reply["tags"]
         lengths = self._stored_lengths(tags)

@@ -6,7 +6,7 @@ and data secret ``GET /v1/transport`` publishes under ``streams``. The HTTP tran
 has its own (:class:`rlplane.transports.http.HttpStreams`) with the same methods.
 
 A claim request carries how long the server may park it (``wait_s``, at most
-:data:`rlplane.ledger.MAX_WAIT_S`); the client's deadline for the reply is that plus
+:data:`rlplane.claims.MAX_WAIT_S`); the client's deadline for the reply is that plus
 the transport timeout. Longer waits are several requests (see ``Client.claim``).
 
 Example::
@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from rlplane.channel import PLAIN_USER, SharedChannels, acall
 from rlplane.errors import TransportError
-from rlplane.ledger import ClaimRequest
+from rlplane.claims import ClaimRequest
 
 
 class DirectStreams:

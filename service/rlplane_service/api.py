@@ -36,7 +36,7 @@ from rlplane.names import check_partition
 from rlplane.codec import check_columns
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
-from rlplane.ledger import MAX_WAIT_S, ClaimRequest
+from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.streams import DirectStreams
 from rlplane.transports.base import PartitionInfo, Transport
 from rlplane_service.backends.base import StoreBackend, described_sizes
@@ -348,15 +348,10 @@ def build_api(state: ServiceState) -> FastAPI:
         async with observed("claim"):
             check_partition(partition)
             who.check(partition, write=False)
-            if body.fields is None and body.stage is None:
-                raise E.InvalidArgumentError("claim needs fields=[...] or stage=...")
-            names = list(body.fields) if body.fields is not None else registry.fields_for_stage(body.stage)  # type: ignore[arg-type]
-            for name in names:
-                registry.get(name)
-            req = ClaimRequest(partition, body.task, body.batch_size, tuple(names), body.timeout,
-                               body.min_batch or body.batch_size, body.group_key, body.current_version,
-                               body.max_staleness, body.lease_s)
-            req.check()
+            req = ClaimRequest.build(registry, partition, body.task, body.batch_size, stage=body.stage,
+                                     fields=body.fields, timeout=body.timeout, min_batch=body.min_batch,
+                                     group_key=body.group_key, current_version=body.current_version,
+                                     max_staleness=body.max_staleness, lease_s=body.lease_s)
             out = await ledger().acall({"op": "claim", **req.to_header()}, req.wait_s)
         return {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
                 "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"]}

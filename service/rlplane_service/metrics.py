@@ -113,7 +113,7 @@ class StoreView:
     capacity: int | None
     mooncake_up: bool | None = None
     mooncake: dict[str, float] = field(default_factory=dict)  # master_* gauges we re-export
-    streams: dict[str, Any] | None = None  # the consumption ledger's snapshot (rlplane.ledger.Ledger.snapshot)
+    streams: dict[str, Any] | None = None  # the consumption ledger's snapshot (rlplane_service.ledger.Ledger.snapshot)
     loss: dict[str, int] | None = None  # lost_samples (every backend), under_replicated_samples (native)
     slabs: dict[str, dict[str, Any]] = field(default_factory=dict)  # native: unit -> its slab's figures
     components: dict[str, bool] = field(default_factory=dict)  # every component and loop the store's health names

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from rlplane import errors as E
-from rlplane.ledger import ClaimRequest, Ledger, SimpleIndexes
+from rlplane.claims import ClaimRequest
+from rlplane_service.ledger import Ledger, SimpleIndexes
 
 
 def _ledger(lease_s: float = 60.0) -> tuple[Ledger, SimpleIndexes]:

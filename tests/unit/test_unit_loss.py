@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlplane import errors as E
-from rlplane.ledger import ClaimRequest
+from rlplane.claims import ClaimRequest
 from rlplane_service.native.stream import LedgerCore
 from rlplane_service.unitloss import UnitLossWatch
 

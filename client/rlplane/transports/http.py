@@ -20,7 +20,7 @@ from rlplane.column import Column
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.errors import MissingDataError, WireFormatError
 from rlplane.http_api import ServiceAPI
-from rlplane.ledger import ClaimRequest
+from rlplane.claims import ClaimRequest
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 
 

@@ -55,7 +55,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
 from rlplane.geometry import Geometry
-from rlplane.ledger import Ledger
+from rlplane_service.ledger import Ledger
 from rlplane.wire import int_array, ints
 from rlplane_service.native.health import (CHECK_TIMEOUT_S, REPORT_TIMEOUT_S, SWEEP_EVERY_S, UNIT_GRACE_S,
                                            WATCH_EVERY_S, UnitHealth)

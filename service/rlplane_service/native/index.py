@@ -4,7 +4,7 @@ A slot's state (free / reserved / committed), per field the block and row holdin
 sample's bytes, the row's byte count, wire geometry, digest and offset in its block's
 extent, and the samples' user tags. No per-sample Python object beyond the id map and
 the tags themselves. :class:`Partition` is also the index a consumption ledger reads
-(:class:`rlplane.ledger.Index`).
+(:class:`rlplane_service.ledger.Index`).
 
 Example::
 
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rlplane.geometry import Geometry
-from rlplane.ledger import grown
+from rlplane_service.ledger import grown
 from rlplane.tags import WIRE_TAG
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
@@ -151,7 +151,7 @@ class Partition:
     def committed(self) -> np.ndarray:
         return np.flatnonzero(self.state[: self.used] == COMMITTED)
 
-    # -- the ledger's view (rlplane.ledger.Index) -----------------------------------------
+    # -- the ledger's view (rlplane_service.ledger.Index) -----------------------------------------
     def live(self) -> np.ndarray:
         return self.state[: self.used] == COMMITTED
 

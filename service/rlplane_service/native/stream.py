@@ -1,6 +1,6 @@
 """Streaming operations served next to a store's index: claim, ack, nack, consumption.
 
-:class:`StreamOps` is the request side of a :class:`rlplane.ledger.Ledger`; the native
+:class:`StreamOps` is the request side of a :class:`rlplane_service.ledger.Ledger`; the native
 controller mixes it in (its index is the ledger's), and :class:`LedgerCore` serves it
 for the TransferQueue-based backends, whose writers ``record`` what they committed and
 ``drop`` what they cleared. A claim that has to wait is parked by the server (no
@@ -20,7 +20,8 @@ import time
 from typing import Any, Mapping
 
 from rlplane import errors as E
-from rlplane.ledger import MAX_WAIT_S, ClaimRequest, Ledger, SimpleIndexes
+from rlplane.claims import MAX_WAIT_S, ClaimRequest
+from rlplane_service.ledger import Ledger, SimpleIndexes
 from rlplane.names import MAX_ID_LEN, check_partition, check_task
 from rlplane_service.tenants import FULL, Access
 from rlplane_service.native.server import Park

@@ -1,5 +1,7 @@
 """The consumption ledger: which task has claimed, acked or expired which sample.
 
+The service's claim engine (the client only builds requests: :mod:`rlplane.claims`).
+
 Streaming consumers *claim* ready samples instead of being handed a meta. The ledger
 decides what a claim gets; it runs wherever the store's index lives (the native
 controller; a ledger actor beside TransferQueue-based stores) and serves one request
@@ -22,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import numpy as np
 
 from rlplane import errors as E
-from rlplane.names import MAX_NAME_LEN
+from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.tags import merge_tags
 
 UNSEEN, LEASED, ACKED, EXPIRED = 0, 1, 2, 3
@@ -41,8 +42,6 @@ VERSION_TAG, GROUP_SIZE_TAG = "policy_version", "group_size"
 NO_VERSION = np.iinfo(np.int64).max
 #: Upper bounds (seconds) of the claim-wait histogram's buckets.
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0)
-#: Longest a server parks one claim; a client waiting longer asks again.
-MAX_WAIT_S = 30.0
 
 
 class Index(Protocol):
@@ -65,83 +64,6 @@ class Index(Protocol):
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
         """Each slot's tags as written (user tags and wire geometry)."""
-
-
-@dataclass(frozen=True)
-class ClaimRequest:
-    """One claim, as it crosses the wire (short keys) and as the ledger reads it."""
-
-    partition: str
-    task: str
-    batch_size: int
-    fields: tuple[str, ...]
-    wait_s: float  # how long the server may park it (the client's timeout, capped)
-    min_batch: int
-    group_key: str | None = None
-    current_version: int | None = None
-    max_staleness: int | None = None
-    lease_s: float | None = None
-
-    def to_header(self) -> dict[str, Any]:
-        return {"p": self.partition, "task": self.task, "n": self.batch_size, "fields": list(self.fields),
-                "wait": self.wait_s, "min": self.min_batch, "group": self.group_key, "version": self.current_version,
-                "stale": self.max_staleness, "lease_s": self.lease_s}
-
-    @classmethod
-    def parse(cls, h: Mapping[str, Any]) -> ClaimRequest:
-        """Checked request from a header; InvalidArgumentError/WireFormatError names what is wrong.
-        Numbers must be numbers (a string such as ``"nan"`` is refused) and finite."""
-        p, task, fields = h.get("p"), h.get("task"), h.get("fields") or []
-        if not (isinstance(p, str) and p and isinstance(task, str) and task and isinstance(fields, list)
-                and all(isinstance(f, str) for f in fields)):
-            raise E.WireFormatError("claim needs partition 'p', 'task' and a list of 'fields'")
-        n = _num(h.get("n"), int, "n")
-        req = cls(p, task, n, tuple(fields), _num(h.get("wait") or 0.0, float, "wait"),
-                  _num(h.get("min") or n, int, "min"), _opt(h.get("group"), str, "group"),
-                  _opt(h.get("version"), int, "version"), _opt(h.get("stale"), int, "stale"),
-                  _opt(h.get("lease_s"), float, "lease_s"))
-        req.check()
-        return req
-
-    def check(self) -> None:
-        """InvalidArgumentError for a claim that can never be answered."""
-        if self.batch_size < 1:
-            raise E.InvalidArgumentError(f"batch_size must be at least 1, got {self.batch_size}")
-        if not 1 <= self.min_batch <= self.batch_size:
-            raise E.InvalidArgumentError(f"min_batch must be between 1 and batch_size={self.batch_size}, got {self.min_batch}")
-        if not self.fields:
-            raise E.InvalidArgumentError("a claim needs the fields that make a sample ready (fields=[...] or stage=...)")
-        if (self.current_version is None) != (self.max_staleness is None):
-            raise E.InvalidArgumentError("current_version and max_staleness go together")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise E.InvalidArgumentError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.lease_s is not None and not 0 < self.lease_s <= 86400:
-            raise E.InvalidArgumentError(f"lease_s must be in (0, 86400], got {self.lease_s}")
-        if not 0 <= self.wait_s <= 86400:
-            raise E.InvalidArgumentError(f"timeout must be in [0, 86400] seconds, got {self.wait_s}")
-        if len(self.fields) > 1024 or len(self.partition) > MAX_NAME_LEN or len(self.task) > MAX_NAME_LEN:
-            raise E.InvalidArgumentError(f"partition and task names are at most {MAX_NAME_LEN} characters, and a "
-                                         "claim names at most 1024 fields")
-
-
-def _num(x: Any, kind: type, what: str) -> Any:
-    """``x`` as an int (``kind=int``: an int of at most 63 bits) or a finite float; WireFormatError otherwise."""
-    ok = isinstance(x, int) and not isinstance(x, bool) and -(1 << 63) <= x < 1 << 63
-    if kind is float:
-        ok = (ok or isinstance(x, float)) and not isinstance(x, bool) and math.isfinite(x)
-    if not ok:
-        raise E.WireFormatError(f"claim field {what!r} must be a finite {kind.__name__}, got {str(x)[:40]!r}")
-    return kind(x)
-
-
-def _opt(x: Any, kind: type, what: str) -> Any:
-    if x is None:
-        return None
-    if kind is str:
-        if not isinstance(x, str) or len(x) > 256:
-            raise E.WireFormatError(f"claim field {what!r} must be a string of at most 256 characters")
-        return x
-    return _num(x, kind, what)
 
 
 @dataclass

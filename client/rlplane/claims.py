@@ -1,0 +1,130 @@
+"""A claim as the client builds it, the wire carries it and the ledger reads it.
+
+:class:`ClaimRequest` is the one definition of what a claim may ask: ``build`` makes one
+from what a caller passes (``client.claim`` and the HTTP API both use it), ``parse``
+from a wire header (the claim engine, :mod:`rlplane_service.ledger`), and both end in
+``check``. Torch-free: the store's index processes read it.
+
+Example::
+
+    req = ClaimRequest.build(default_registry(), "step-0", "train", 64, stage="train", timeout=5.0)
+    ClaimRequest.parse(req.to_header()) == req   # True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from rlplane import errors as E
+from rlplane.names import MAX_NAME_LEN, check_partition
+
+if TYPE_CHECKING:
+    from rlplane.fields import Registry
+
+#: Longest a server parks one claim; a client waiting longer asks again.
+MAX_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """One claim, as it crosses the wire (short keys) and as the ledger reads it."""
+
+    partition: str
+    task: str
+    batch_size: int
+    fields: tuple[str, ...]
+    wait_s: float  # how long the server may park it (the client's timeout, capped)
+    min_batch: int
+    group_key: str | None = None
+    current_version: int | None = None
+    max_staleness: int | None = None
+    lease_s: float | None = None
+
+    def to_header(self) -> dict[str, Any]:
+        return {"p": self.partition, "task": self.task, "n": self.batch_size, "fields": list(self.fields),
+                "wait": self.wait_s, "min": self.min_batch, "group": self.group_key, "version": self.current_version,
+                "stale": self.max_staleness, "lease_s": self.lease_s}
+
+    @classmethod
+    def build(cls, registry: Registry, partition: str, task: str, batch_size: int, *, stage: str | None = None,
+              fields: Sequence[str] | None = None, timeout: float = 0.0, min_batch: int | None = None,
+              group_key: str | None = None, current_version: int | None = None, max_staleness: int | None = None,
+              lease_s: float | None = None) -> ClaimRequest:
+        """A checked claim from a caller's arguments: ``fields``, or ``stage``'s fields from
+        ``registry`` (every name registered); typed errors name what is wrong."""
+        check_partition(partition)
+        if not isinstance(task, str) or not task:
+            raise E.InvalidArgumentError(f"task must be a non-empty string, got {task!r}")
+        if fields is None and stage is None:
+            raise E.InvalidArgumentError("a claim needs fields=[...] or stage=... (what makes a sample ready)")
+        names = list(fields) if fields is not None else registry.fields_for_stage(stage)  # type: ignore[arg-type]
+        for name in names:
+            registry.get(name)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+            raise E.InvalidArgumentError(f"batch_size must be an int, got {batch_size!r}")
+        req = cls(partition, task, batch_size, tuple(names), float(timeout or 0.0),
+                  batch_size if min_batch is None else int(min_batch), group_key, current_version, max_staleness,
+                  lease_s)
+        req.check()
+        return req
+
+    @classmethod
+    def parse(cls, h: Mapping[str, Any]) -> ClaimRequest:
+        """Checked request from a header; InvalidArgumentError/WireFormatError names what is wrong.
+        Numbers must be numbers (a string such as ``"nan"`` is refused) and finite."""
+        p, task, fields = h.get("p"), h.get("task"), h.get("fields") or []
+        if not (isinstance(p, str) and p and isinstance(task, str) and task and isinstance(fields, list)
+                and all(isinstance(f, str) for f in fields)):
+            raise E.WireFormatError("claim needs partition 'p', 'task' and a list of 'fields'")
+        n = _num(h.get("n"), int, "n")
+        req = cls(p, task, n, tuple(fields), _num(h.get("wait") or 0.0, float, "wait"),
+                  _num(h.get("min") or n, int, "min"), _opt(h.get("group"), str, "group"),
+                  _opt(h.get("version"), int, "version"), _opt(h.get("stale"), int, "stale"),
+                  _opt(h.get("lease_s"), float, "lease_s"))
+        req.check()
+        return req
+
+    def check(self) -> None:
+        """InvalidArgumentError for a claim that can never be answered."""
+        if self.batch_size < 1:
+            raise E.InvalidArgumentError(f"batch_size must be at least 1, got {self.batch_size}")
+        if not 1 <= self.min_batch <= self.batch_size:
+            raise E.InvalidArgumentError(f"min_batch must be between 1 and batch_size={self.batch_size}, got {self.min_batch}")
+        if not self.fields:
+            raise E.InvalidArgumentError("a claim needs the fields that make a sample ready (fields=[...] or stage=...)")
+        if (self.current_version is None) != (self.max_staleness is None):
+            raise E.InvalidArgumentError("current_version and max_staleness go together")
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise E.InvalidArgumentError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.lease_s is not None and not 0 < self.lease_s <= 86400:
+            raise E.InvalidArgumentError(f"lease_s must be in (0, 86400], got {self.lease_s}")
+        if not 0 <= self.wait_s <= 86400:
+            raise E.InvalidArgumentError(f"timeout must be in [0, 86400] seconds, got {self.wait_s}")
+        if len(self.fields) > 1024 or len(self.partition) > MAX_NAME_LEN or len(self.task) > MAX_NAME_LEN:
+            raise E.InvalidArgumentError(f"partition and task names are at most {MAX_NAME_LEN} characters, and a "
+                                         "claim names at most 1024 fields")
+
+
+def _num(x: Any, kind: type, what: str) -> Any:
+    """``x`` as an int (``kind=int``: an int of at most 63 bits) or a finite float; WireFormatError otherwise."""
+    ok = isinstance(x, int) and not isinstance(x, bool) and -(1 << 63) <= x < 1 << 63
+    if kind is float:
+        ok = (ok or isinstance(x, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if not ok:
+        raise E.WireFormatError(f"claim field {what!r} must be a finite {kind.__name__}, got {str(x)[:40]!r}")
+    return kind(x)
+
+
+def _opt(x: Any, kind: type, what: str) -> Any:
+    if x is None:
+        return None
+    if kind is str:
+        if not isinstance(x, str) or len(x) > 256:
+            raise E.WireFormatError(f"claim field {what!r} must be a string of at most 256 characters")
+        return x
+    return _num(x, kind, what)
+
+
+__all__ = ["MAX_WAIT_S", "ClaimRequest"]

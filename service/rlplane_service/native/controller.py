@@ -1,33 +1,19 @@
-"""The controller of the native engine: puts, reads, clears and listings over the index.
+"""The controller of the native engine: the index, clears, listings and stats, and the
+loops that free blocks and reap lapsed reservations. It is one object made of concerns:
 
-The index (:mod:`~rlplane_service.native.index`) holds, per partition, arrays over
-slots; request values are checked by :mod:`~rlplane_service.native.requests` before use;
-reads' pins live in :mod:`~rlplane_service.native.pins`; unit health, loss, re-replication
-and the orphan sweep in :mod:`~rlplane_service.native.health`; claims in
-:mod:`~rlplane_service.native.stream`.
+- :mod:`~rlplane_service.native.writes`: reserve / commit / abort / discard (a put is
+  two-phase; nothing of a failed put is visible);
+- :mod:`~rlplane_service.native.reads`: locate (pinned) / unpin / renew;
+- :mod:`~rlplane_service.native.health`: unit health, loss, re-replication, the orphan sweep;
+- :mod:`~rlplane_service.native.stream`: claims over the same index;
+- :mod:`~rlplane_service.native.index` holds, per partition, arrays over slots;
+  :mod:`~rlplane_service.native.requests` checks request values before use; reads'
+  pins live in :mod:`~rlplane_service.native.pins`.
 
-A put is two-phase:
-
-1. ``reserve``: the ids are checked and taken atomically (the controller serves one
-   request at a time, so of concurrent puts of the same new ids exactly one wins; the
-   others get DuplicateSampleError). The client places its rows itself (blocks with
-   fresh random ids on units it picks) and sends the blocks to the units while the
-   reservation is on its way, so a put costs two round trips, not three.
-2. once the units and the controller have answered, ``commit``: the samples become
-   visible. The commit carries each copy's extents as its unit sealed them, and its
-   row sizes must add up to what the units stored. ``abort``, or a reservation that
-   outlives its lease (the writer died), frees the ids and tells the units to drop the
-   blocks: nothing of a failed put is visible.
-
-Reads ``locate`` samples (which unit, block and row holds each requested field) and get
-the tags back; clients then read the units directly: rows on a unit whose slab the
-client mapped (same host) come with their slab addresses, and the client copies them
-out itself; other rows it asks the unit for. Every locate pins the blocks it names, so
-an extent is never reused under a read in flight. Blocks whose rows are all cleared are
-freed on their units; rows cleared from a block that still holds live rows keep their
-memory until the rest goes (``stats`` reports those bytes as ``retained_bytes``). A put
-may place each block on ``replicas`` distinct units (RLPLANE_REPLICAS); reads go to the
-first copy on a unit that is not suspect.
+Blocks whose rows are all cleared are freed on their units; rows cleared from a block
+that still holds live rows keep their memory until the rest goes (``stats`` reports
+those bytes as ``retained_bytes``). A put may place each block on ``replicas`` distinct
+units (RLPLANE_REPLICAS).
 
 Every value a request carries is checked before use; handles (reservations, pins,
 leases) are random; with tenants (``scopes``) every partition a request names is checked
@@ -42,37 +28,33 @@ Example::
 
 from __future__ import annotations
 
-import hmac
 import logging
 import queue
-import secrets
 import threading
-import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
-from rlplane.geometry import Geometry
 from rlplane_service.ledger import Ledger
-from rlplane.wire import int_array, ints
+from rlplane.wire import ints
 from rlplane_service.native.health import (CHECK_TIMEOUT_S, REPORT_TIMEOUT_S, SWEEP_EVERY_S, UNIT_GRACE_S,
                                            WATCH_EVERY_S, UnitHealth)
-from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, objects, rows_in
-from rlplane_service.native.pins import MAX_PINS, PIN_LEASE_S, Pins
-from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
+from rlplane_service.native.index import COMMITTED, FREE, Partition, Reservation, rows_in
+from rlplane_service.native.pins import PIN_LEASE_S, Pins
+from rlplane_service.native.requests import (partition_of,
                                              sample_ids)
+from rlplane_service.native.reads import ReadOps
 from rlplane_service.native.stream import StreamOps
+from rlplane_service.native.writes import WriteOps
 from rlplane_service.tenants import Access
-from rlplane_service.native.unit import read_cap
-from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
 
 
 
-class ControllerCore(UnitHealth, StreamOps):
+class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps):
     """The index and its operations (called by :class:`~rlplane_service.native.server.Server`);
     streaming (claim/ack/nack/consumption) comes from :class:`StreamOps` over the same index."""
 
@@ -164,308 +146,18 @@ class ControllerCore(UnitHealth, StreamOps):
                 self._suspected(u, f"a client could not reach it, nor could the controller: {err}")
         return {"down": sorted(self._lost_units), "suspect": sorted(self._suspect)}, {}, []
 
-    def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
-        p, ids = partition_of(header), sample_ids(header.get("ids"))
-        self._access(header, p, write=True)
-        create, fields = header.get("create") is True, field_names(header.get("fields"))
-        blocks = blocks_of(header.get("blocks"), len(ids), len(self.units))
-        taken = [b for b, _, _, _ in blocks if b in self._block_units or self.pins.waiting(b)]
-        if taken:  # checked before anything is taken, so a refused reserve holds nothing
-            raise E.WireFormatError(f"block id(s) {taken[:3]} are already in use; a client must draw fresh ones")
-        on_lost = sorted({u for _, units, _, _ in blocks for u in units} & self._lost_units.keys())
-        if on_lost:
-            name = self.units[on_lost[0]][0]
-            raise E.UnavailableError(f"storage unit {name} is lost (place this put on the others)", component=name)
-        with self._lock:
-            part = self._parts.get(p)
-            if create:
-                held = part.ids.keys() & set(ids) if part is not None else set()
-                if held:
-                    taken = [s for s in ids if s in held]
-                    pending = [s for s in taken if part.state[part.ids[s]] == RESERVED]
-                    err = E.DuplicateSampleError(p, taken)
-                    if pending:
-                        err.args = (f"{err} ({len(pending)} of them are being written by another put right now)",)
-                    raise err
-                if self.capacity is not None and self._held() + len(ids) > self.capacity:
-                    raise E.StorageFullError(
-                        f"the store holds {self._held()} samples and its capacity is {self.capacity}; nothing of this "
-                        "put was kept: clear consumed partitions or raise RLPLANE_CAPACITY")
-                if part is None:
-                    part = self._parts[p] = Partition()
-                slots = part.take(ids)
-            else:
-                slots = self._slots(p, part, ids)
-            for b, units, _, _ in blocks:
-                self._block_units[b] = units
-                self._block_refs[b] = 0
-            res = Reservation(secrets.token_hex(12), p, part, slots, create, fields, blocks,  # type: ignore[arg-type]
-                              time.monotonic() + self.lease_s)
-            self._res[res.rid] = res
-        return {"res": res.rid, "lease_s": self.lease_s}, {}, []
 
-    def op_commit(self, header: dict, columns: dict, extra: list) -> Any:
-        geoms, user, sizes, sums = header.get("g"), header.get("user"), header.get("nb"), header.get("h") or {}
-        if not isinstance(geoms, dict) or not isinstance(sizes, dict) or not isinstance(sums, dict):
-            raise E.WireFormatError("commit needs 'g' (geometry per field) and 'nb' (row bytes per field)")
-        if user is not None and not (isinstance(user, list) and all(t is None or isinstance(t, dict) for t in user)):
-            raise E.WireFormatError("commit 'user' must be one tag map per sample")
-        rid = header.get("res")
-        with self._lock:
-            res = self._res.get(rid) if isinstance(rid, str) else None
-            if res is not None:
-                self._access(header, res.partition, write=True)
-            if res is None:
-                raise E.LeaseError("this put's reservation expired before it committed (the put took longer than "
-                                   f"the service's lease of {self.lease_s:.0f} s, RLPLANE_PUT_LEASE_S); nothing was "
-                                   "stored: retry it")
-            n = res.slots.size
-            if set(geoms) != set(res.fields) or set(sizes) != set(res.fields):
-                raise E.WireFormatError("commit must describe exactly the reserved fields")
-            if user is not None and len(user) != n:
-                raise E.WireFormatError("commit 'user' needs one tag map per sample (or none)")
-            part = res.part
-            if self._parts.get(res.partition) is not part:
-                self._abort(res)
-                raise E.MissingDataError(res.partition, {}, hint="the partition was cleared while this write was in "
-                                         "flight; nothing of the write was stored")
-            if any(b not in self._block_units for b, _, _, _ in res.blocks):
-                self._abort(res)
-                raise E.UnavailableError("a storage unit holding this put's only copy was lost before the commit; "
-                                         "nothing of the put was stored: retry it", component="storage unit")
-            if not res.create and bool((part.state[res.slots] != COMMITTED).any()):
-                self._abort(res)
-                gone = part.names[res.slots[part.state[res.slots] != COMMITTED]].tolist()
-                raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
-            bid_of_row = np.empty(n, np.int64)
-            row_in_block = np.empty(n, np.int64)
-            for b, _, a, z in res.blocks:
-                bid_of_row[a:z] = b
-                row_in_block[a:z] = np.arange(z - a)
-            shapes = {}
-            for name in res.fields:
-                g, nb = Geometry.from_wire(geoms[name], name), int_array(sizes[name], "row bytes")
-                if len(g) != n or nb.size != n:
-                    raise E.WireFormatError(f"commit describes {len(g)} rows of {n}", field=name)
-                shapes[name] = g
-                if name in sums and digests(sums[name], name).size != n:
-                    raise E.WireFormatError(f"commit carries checksums for other than {n} rows", field=name)
-                if bool((nb < 0).any()):
-                    raise E.WireFormatError("row byte counts must not be negative", field=name)
-            ext = extents(header.get("x"), res)
-            if self.seal_key is not None:
-                self._check_seals(header.get("xs"), res, ext, sizes)
-            for name in res.fields:
-                fi = part.field_index(name)
-                self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
-                nb = int_array(sizes[name])
-                fi.block[res.slots] = bid_of_row
-                fi.row[res.slots] = row_in_block
-                within = np.zeros(n, np.int64)  # each row's byte offset in its block's extent
-                for _, _, a, z in res.blocks:
-                    np.cumsum(nb[a : z - 1], out=within[a + 1 : z])
-                fi.off[res.slots] = within
-                fi.nbytes[res.slots] = nb
-                fi.set_geometry(res.slots, shapes[name])
-                fi.sums[res.slots] = digests(sums[name], name) if name in sums else 0
-                for b, _, a, z in res.blocks:
-                    self._block_refs[b] = self._block_refs.get(b, 0) + (z - a)
-                    live = int(nb[a:z].sum())
-                    tot = self._block_bytes.setdefault(b, [0, 0])
-                    tot[0] += live
-                    tot[1] += live
-            if res.create:
-                part.user[res.slots] = objects(user) if user is not None else None  # type: ignore[arg-type]
-                part.state[res.slots] = COMMITTED
-            elif isinstance(user, list) and len(user) == n:  # user tags added by a later write
-                for s, extra_tags in zip(res.slots.tolist(), user):
-                    if isinstance(extra_tags, dict) and extra_tags:
-                        part.user[s] = {**(part.user[s] or {}), **extra_tags}
-            self._block_ext.update(ext)
-            for b, _, _, _ in res.blocks:  # a block no field row points at (nothing to store) is dropped
-                if self._block_refs.get(b, 0) == 0:
-                    self._drop_blocks([b])
-            del self._res[res.rid]
-            self.ledger.touch(res.partition)  # parked claims on it may be ready now
-        return {"committed": n}, {}, []
 
-    def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], sizes: dict[str, Any]) -> None:
-        """Every copy of every block the commit names must come with its unit's seal of
-        each field's extent (where, dtype, bytes, rows), and the commit's row sizes must add
-        up to what the unit stored: a writer cannot point readers at bytes it was not given."""
-        want = {(b, u) for b, units, _, _ in res.blocks for u in units}
-        if not isinstance(given, list) or len(given) != len(want):
-            raise E.WireFormatError("commit needs 'xs': each copy's extents as its storage unit sealed them")
-        span = {b: (a, z) for b, _, a, z in res.blocks}
-        nb = {f: int_array(sizes[f], "row bytes") for f in res.fields}
-        seen = set()
-        for entry in given:
-            ok = (isinstance(entry, list) and len(entry) == 3 and (entry[0], entry[1]) in want
-                  and isinstance(entry[2], dict) and set(entry[2]) == set(res.fields))
-            if not ok:
-                raise E.WireFormatError(f"bad sealed extent {str(entry)[:80]}")
-            b, u, fields = entry
-            seen.add((b, u))
-            a, z = span[b]
-            dtypes, where = ext.get(b, ({}, {}))
-            for f, sealed in fields.items():
-                start = where.get(u, {}).get(f)
-                if not (isinstance(sealed, list) and len(sealed) == 4 and start is not None
-                        and sealed[0] == dtypes.get(f) and isinstance(sealed[1], int) and isinstance(sealed[2], int)
-                        and isinstance(sealed[3], str)):
-                    raise E.WireFormatError(f"the extent of block {b} on {self.units[u][0]} is not as sealed", field=f)
-                dtype, nbytes, rows, tag = sealed
-                expect = unit_seal(self.seal_key, b, self.units[u][0], f, dtype, start, nbytes, rows)
-                if not hmac.compare_digest(tag, expect):
-                    raise E.WireFormatError(f"storage unit {self.units[u][0]} did not seal this extent of block {b}",
-                                            field=f)
-                if rows != z - a or nbytes != int(nb[f][a:z].sum()):
-                    raise E.WireFormatError(f"the commit's row sizes of block {b} ({int(nb[f][a:z].sum())} bytes in "
-                                            f"{z - a} rows) differ from what {self.units[u][0]} stored ({nbytes} in "
-                                            f"{rows})", field=f)
-        if seen != want:
-            raise E.WireFormatError("commit 'xs' must seal every copy of every block once")
 
-    def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
-        rid = header.get("res")
-        with self._lock:
-            res = self._res.get(rid) if isinstance(rid, str) else None
-            if res is not None:
-                self._access(header, res.partition, write=True)
-                self._abort(res)
-        return {"aborted": res is not None}, {}, []
 
-    def op_discard(self, header: dict, columns: dict, extra: list) -> Any:
-        """A writer whose reserve was refused asks for the blocks it sent to be freed:
-        ``blocks`` = ``[[block id, [units]], ...]``. Only blocks the index does not know
-        are freed (a block of a reservation or of a sample is never touched this way)."""
-        given = header.get("blocks")
-        if not isinstance(given, list) or len(given) > 4096:
-            raise E.WireFormatError("discard needs 'blocks': [[block id, [units]], ...]")
-        freed = 0
-        with self._lock:
-            for entry in given:
-                if not (isinstance(entry, list) and len(entry) == 2 and block_id_ok(entry[0])
-                        and isinstance(entry[1], list) and len(entry[1]) <= len(self.units)
-                        and all(isinstance(u, int) and 0 <= u < len(self.units) for u in entry[1])):
-                    raise E.WireFormatError(f"bad discard entry {str(entry)[:80]}")
-                b = entry[0]
-                if b in self._block_units or self.pins.waiting(b):
-                    continue
-                self._queue_frees(b, tuple(set(entry[1])))
-                freed += 1
-        return {"discarded": freed}, {}, []
 
-    # -- reads ---------------------------------------------------------------------------
-    def op_locate(self, header: dict, columns: dict, extra: list) -> Any:
-        """Where every requested (sample, field) is: per unit, ``[field, blocks, rows,
-        positions in the request]`` plus, for units in ``shm`` (slabs the client mapped),
-        each row's slab address and the field's dtype. The blocks named are pinned
-        (``pin`` in the answer) until the client unpins them or the pin's lease passes."""
-        p, ids, fields = partition_of(header), sample_ids(header.get("ids"), unique=False), field_names(header.get("fields"))
-        self._access(header, p, write=False)
-        shm = header.get("shm") or []
-        if not isinstance(shm, list) or len(shm) > len(self.units) or not all(isinstance(u, int) for u in shm):
-            raise E.WireFormatError("'shm' must list unit indices")
-        local = {u for u in shm if 0 <= u < len(self.units)}
-        with self._lock:
-            part = self._parts.get(p)
-            slots = self._slots(p, part, ids)  # MissingDataError unless the partition holds them all
-            part = self._parts[p]
-            missing: dict[str, list[str]] = {}
-            per_unit: dict[int, list[list[Any]]] = {}
-            pinned: set[int] = set()
-            geoms, sizes, digests = {}, {}, {}
-            for name in fields:
-                fi = part.fields.get(name)
-                blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
-                lacking = np.flatnonzero(blk < 0)
-                for i in lacking.tolist():
-                    missing.setdefault(ids[i], []).append(name)
-                if lacking.size or fi is None:
-                    continue
-                rows = fi.row[slots]
-                uniq, which = np.unique(blk, return_inverse=True)
-                pinned.update(uniq.tolist())
-                first = [self._copy_for(b, local) for b in uniq.tolist()]
-                unit_of = np.array(first, np.int64)[which]
-                for u in np.unique(unit_of).tolist():
-                    pos = np.flatnonzero(unit_of == u)
-                    entry = [name, ints(blk[pos]), ints(rows[pos]), ints(pos)]
-                    if u in local and self._extents_known(blk[pos], u):  # else the client reads them over ZMQ
-                        entry += self._addresses(name, u, blk[pos], fi.off[slots[pos]])
-                    per_unit.setdefault(u, []).append(entry)
-                geoms[name] = fi.geometry(slots).to_wire()
-                sizes[name] = ints(fi.nbytes[slots])
-                digests[name] = fi.sums[slots].astype("<u8").tobytes()
-            if missing:
-                raise E.MissingDataError(p, missing)
-            tagged = part.user[slots]
-            user = tagged.tolist() if bool(np.not_equal(tagged, None).any()) else None  # None: no sample has tags
-            pin = self.pins.pin(sorted(pinned)) if pinned else None
-            caps = self._read_caps(per_unit)
-        return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
-                "h": digests, "pin": pin, "pin_lease_s": self.pin_lease_s, "caps": caps}, {}, []
 
-    def _read_caps(self, per_unit: dict[int, list[list[Any]]]) -> list[list[Any]]:
-        """Per unit ``[unit, [[block, capability], ...]]`` for every block a locate names there
-        (a unit reads a block only for a holder of its capability); [] without a seal key."""
-        if self.seal_key is None:
-            return []
-        out = []
-        for u, entries in per_unit.items():
-            blocks = np.unique(np.concatenate([int_array(e[1], "blocks") for e in entries]))
-            out.append([u, [[b, read_cap(self.seal_key, b, self.units[u][0])] for b in blocks.tolist()]])
-        return out
 
-    def op_unpin(self, header: dict, columns: dict, extra: list) -> Any:
-        """A read is done with the blocks its locate pinned (sent one-way)."""
-        with self._lock:
-            self.pins.unpin(header.get("pin"))
-        return {}, {}, []
 
-    def op_renew(self, header: dict, columns: dict, extra: list) -> Any:
-        """Extend pins (a zero-copy read whose views are still alive); answers the ones that are gone."""
-        pins = header.get("pins")
-        if not isinstance(pins, list) or len(pins) > MAX_PINS:
-            raise E.WireFormatError("renew needs 'pins': a list of pin ids")
-        with self._lock:
-            gone = self.pins.renew(pins)
-        return {"gone": gone}, {}, []
 
-    def _copy_for(self, b: int, local: set[int]) -> int:
-        """The copy of block ``b`` a read uses: one on a unit the client mapped, if any; a
-        copy on a suspect unit only when there is no other."""
-        units = self._block_units[b]
-        if self._suspect and len(units) > 1:
-            units = tuple(u for u in units if u not in self._suspect) or units
-        if local:
-            for u in units:
-                if u in local and u in self._block_ext.get(b, ({}, {}))[1]:
-                    return u
-        return units[0]
 
-    def _extents_known(self, blocks: np.ndarray, u: int) -> bool:
-        return all(u in self._block_ext.get(b, ({}, {}))[1] for b in np.unique(blocks).tolist())
 
-    def _addresses(self, name: str, u: int, blocks: np.ndarray, off: np.ndarray) -> list[Any]:
-        """``[slab address of each row, dtype]`` of field ``name``'s rows (in ``blocks``) on unit ``u``."""
-        uniq, which = np.unique(blocks, return_inverse=True)
-        bases = np.empty(uniq.size, np.int64)
-        dtypes = set()
-        for k, b in enumerate(uniq.tolist()):
-            dt, where = self._block_ext.get(b, ({}, {}))
-            start = where.get(u, {}).get(name)
-            if start is None:
-                raise E.MissingDataError("(locate)", {}, hint=f"the extent of field {name!r} of block {b} on "
-                                         f"{self.units[u][0]} is not known (written by an older client?)")
-            bases[k] = start
-            dtypes.add(dt[name])
-        if len(dtypes) > 1:
-            raise E.ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
-        return [ints(bases[which] + off), dtypes.pop()]
 
-    # -- housekeeping --------------------------------------------------------------------
     def op_clear(self, header: dict, columns: dict, extra: list) -> Any:
         p = partition_of(header)
         self._access(header, p, write=True)
@@ -654,17 +346,6 @@ class ControllerCore(UnitHealth, StreamOps):
             if u not in self._lost_units:
                 self._frees.put((u, [b]))
 
-    def _abort(self, res: Reservation) -> None:
-        self._res.pop(res.rid, None)
-        part = res.part
-        if res.create:
-            part.state[res.slots] = FREE
-            for name in part.names[res.slots].tolist():
-                part.ids.pop(name, None)
-            part.names[res.slots] = None
-            if not part.ids and not part.lost and self._parts.get(res.partition) is part:
-                del self._parts[res.partition]
-        self._drop_blocks([b for b, _, _, _ in res.blocks])
 
     def _describe(self, name: str, part: Partition, *, with_ids: bool) -> dict[str, Any]:
         live = part.state[: part.used] == COMMITTED
@@ -680,15 +361,6 @@ class ControllerCore(UnitHealth, StreamOps):
             out["sample_ids"] = part.names[: part.used][live].tolist()
         return out
 
-    def _reap(self) -> None:
-        """Abort reservations whose writer never committed (it died, or hangs)."""
-        now = time.monotonic()
-        with self._lock:
-            for res in [r for r in self._res.values() if r.deadline < now]:
-                log.warning("put into %r of %d samples never committed; its reservation lapsed",
-                            res.partition, res.slots.size)
-                self._abort(res)
-            self.pins.expire(now)
 
     def _free_some(self) -> None:
         """Send the frees queued so far (waits up to half a second for one)."""

@@ -1,0 +1,156 @@
+"""The native controller's read side: ``locate`` (where every requested row is, pinned
+while it is read), the read capabilities a unit checks, and pins' release and renewal.
+
+Reads ``locate`` samples (which unit, block and row holds each requested field) and get
+the tags back; clients then read the units directly: rows on a unit whose slab the
+client mapped (same host) come with their slab addresses, and the client copies them
+out itself; other rows it asks the unit for. Every locate pins the blocks it names, so
+an extent is never reused under a read in flight. Reads go to the first copy on a unit
+that is not suspect.
+
+:class:`ReadOps` is mixed into :class:`~rlplane_service.native.controller.ControllerCore`.
+
+Example::
+
+    core.op_locate({"p": "step-0", "ids": ["a"], "fields": ["input_ids"], "shm": [0]}, {}, [])
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from rlplane import errors as E
+from rlplane.wire import int_array, ints
+from rlplane_service.native.index import Partition
+from rlplane_service.native.pins import MAX_PINS, Pins
+from rlplane_service.native.requests import field_names, partition_of, sample_ids
+from rlplane_service.native.unit import read_cap
+
+
+class ReadOps:
+    """Locate / unpin / renew over the controller's index (a mixin)."""
+
+    _lock: threading.RLock
+    _parts: dict[str, Partition]
+    _block_units: dict[int, tuple[int, ...]]
+    _block_ext: dict[int, Any]
+    units: list[tuple[str, str]]
+    pins: Pins
+    pin_lease_s: float
+    seal_key: bytes | None
+
+    def op_locate(self, header: dict, columns: dict, extra: list) -> Any:
+        """Where every requested (sample, field) is: per unit, ``[field, blocks, rows,
+        positions in the request]`` plus, for units in ``shm`` (slabs the client mapped),
+        each row's slab address and the field's dtype. The blocks named are pinned
+        (``pin`` in the answer) until the client unpins them or the pin's lease passes."""
+        p, ids, fields = partition_of(header), sample_ids(header.get("ids"), unique=False), field_names(header.get("fields"))
+        self._access(header, p, write=False)
+        shm = header.get("shm") or []
+        if not isinstance(shm, list) or len(shm) > len(self.units) or not all(isinstance(u, int) for u in shm):
+            raise E.WireFormatError("'shm' must list unit indices")
+        local = {u for u in shm if 0 <= u < len(self.units)}
+        with self._lock:
+            part = self._parts.get(p)
+            slots = self._slots(p, part, ids)  # MissingDataError unless the partition holds them all
+            part = self._parts[p]
+            missing: dict[str, list[str]] = {}
+            per_unit: dict[int, list[list[Any]]] = {}
+            pinned: set[int] = set()
+            geoms, sizes, digests = {}, {}, {}
+            for name in fields:
+                fi = part.fields.get(name)
+                blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
+                lacking = np.flatnonzero(blk < 0)
+                for i in lacking.tolist():
+                    missing.setdefault(ids[i], []).append(name)
+                if lacking.size or fi is None:
+                    continue
+                rows = fi.row[slots]
+                uniq, which = np.unique(blk, return_inverse=True)
+                pinned.update(uniq.tolist())
+                first = [self._copy_for(b, local) for b in uniq.tolist()]
+                unit_of = np.array(first, np.int64)[which]
+                for u in np.unique(unit_of).tolist():
+                    pos = np.flatnonzero(unit_of == u)
+                    entry = [name, ints(blk[pos]), ints(rows[pos]), ints(pos)]
+                    if u in local and self._extents_known(blk[pos], u):  # else the client reads them over ZMQ
+                        entry += self._addresses(name, u, blk[pos], fi.off[slots[pos]])
+                    per_unit.setdefault(u, []).append(entry)
+                geoms[name] = fi.geometry(slots).to_wire()
+                sizes[name] = ints(fi.nbytes[slots])
+                digests[name] = fi.sums[slots].astype("<u8").tobytes()
+            if missing:
+                raise E.MissingDataError(p, missing)
+            tagged = part.user[slots]
+            user = tagged.tolist() if bool(np.not_equal(tagged, None).any()) else None  # None: no sample has tags
+            pin = self.pins.pin(sorted(pinned)) if pinned else None
+            caps = self._read_caps(per_unit)
+        return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
+                "h": digests, "pin": pin, "pin_lease_s": self.pin_lease_s, "caps": caps}, {}, []
+
+    def _read_caps(self, per_unit: dict[int, list[list[Any]]]) -> list[list[Any]]:
+        """Per unit ``[unit, [[block, capability], ...]]`` for every block a locate names there
+        (a unit reads a block only for a holder of its capability); [] without a seal key."""
+        if self.seal_key is None:
+            return []
+        out = []
+        for u, entries in per_unit.items():
+            blocks = np.unique(np.concatenate([int_array(e[1], "blocks") for e in entries]))
+            out.append([u, [[b, read_cap(self.seal_key, b, self.units[u][0])] for b in blocks.tolist()]])
+        return out
+
+    def op_unpin(self, header: dict, columns: dict, extra: list) -> Any:
+        """A read is done with the blocks its locate pinned (sent one-way)."""
+        with self._lock:
+            self.pins.unpin(header.get("pin"))
+        return {}, {}, []
+
+    def op_renew(self, header: dict, columns: dict, extra: list) -> Any:
+        """Extend pins (a zero-copy read whose views are still alive); answers the ones that are gone."""
+        pins = header.get("pins")
+        if not isinstance(pins, list) or len(pins) > MAX_PINS:
+            raise E.WireFormatError("renew needs 'pins': a list of pin ids")
+        with self._lock:
+            gone = self.pins.renew(pins)
+        return {"gone": gone}, {}, []
+
+    def _copy_for(self, b: int, local: set[int]) -> int:
+        """The copy of block ``b`` a read uses: one on a unit the client mapped, if any; a
+        copy on a suspect unit only when there is no other."""
+        units = self._block_units[b]
+        if self._suspect and len(units) > 1:
+            units = tuple(u for u in units if u not in self._suspect) or units
+        if local:
+            for u in units:
+                if u in local and u in self._block_ext.get(b, ({}, {}))[1]:
+                    return u
+        return units[0]
+
+    def _extents_known(self, blocks: np.ndarray, u: int) -> bool:
+        return all(u in self._block_ext.get(b, ({}, {}))[1] for b in np.unique(blocks).tolist())
+
+    def _addresses(self, name: str, u: int, blocks: np.ndarray, off: np.ndarray) -> list[Any]:
+        """``[slab address of each row, dtype]`` of field ``name``'s rows (in ``blocks``) on unit ``u``."""
+        uniq, which = np.unique(blocks, return_inverse=True)
+        bases = np.empty(uniq.size, np.int64)
+        dtypes = set()
+        for k, b in enumerate(uniq.tolist()):
+            dt, where = self._block_ext.get(b, ({}, {}))
+            start = where.get(u, {}).get(name)
+            if start is None:
+                raise E.MissingDataError("(locate)", {}, hint=f"the extent of field {name!r} of block {b} on "
+                                         f"{self.units[u][0]} is not known (written by an older client?)")
+            bases[k] = start
+            dtypes.add(dt[name])
+        if len(dtypes) > 1:
+            raise E.ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
+        return [ints(bases[which] + off), dtypes.pop()]
+
+    # -- housekeeping --------------------------------------------------------------------
+
+
+__all__ = ["ReadOps"]

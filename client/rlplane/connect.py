@@ -128,9 +128,9 @@ def _open(kind: str, info: dict, timeout: float, data_path: str) -> Transport:
         from rlplane.transports.native import NativeTransport
 
         return NativeTransport(info, timeout=timeout, data_path=data_path)
-    from rlplane.transports.tq import TQTransport
+    from rlplane.transports.tq import tq_transport
 
-    return TQTransport(info, timeout=timeout)
+    return tq_transport(info, timeout=timeout)
 
 
 def _importable(module: str) -> bool:

@@ -36,9 +36,10 @@ RESCAN_EVERY_S = 10.0
 
 
 class UnitLossWatch:
-    """See the module docstring. ``store`` offers ``dead_units()`` and ``unit_infos``
-    (names in TransferQueue's routing order); ``transport`` offers ``partitions()``,
-    ``held_on(partition, unit)`` and ``forget(partition, ids, unit)``."""
+    """See the module docstring. ``store`` offers ``dead_units()``, ``unit_infos`` (names
+    in TransferQueue's routing order), ``held_on(transport, partition, unit)`` and
+    ``forget(transport, partition, ids, unit)``; ``transport`` (the service's) offers
+    ``partitions()``."""
 
     def __init__(self, store: Any, transport: Any, *, every: float = WATCH_EVERY_S,
                  rescan_every: float = RESCAN_EVERY_S) -> None:
@@ -81,12 +82,12 @@ class UnitLossWatch:
         index = self.units.index(unit)
         total = 0
         for partition in self.transport.partitions():
-            ids = self.transport.held_on(partition, index)
+            ids = self.store.held_on(self.transport, partition, index)
             if ids:
-                self.transport.forget(partition, ids, unit)
+                self.store.forget(self.transport, partition, ids, unit)
                 total += len(ids)
         if unit not in self.lost:
-            self.transport.forget("", [], unit)  # the ledger learns of the unit even when it held nothing
+            self.store.forget(self.transport, "", [], unit)  # the ledger learns of the unit even when it held nothing
             log.error("storage unit %s is lost (Ray reports its actor dead): %d samples lost with it", unit, total)
         elif total:
             log.error("storage unit %s (lost): %d more samples routed to it forgotten", unit, total)

@@ -15,7 +15,7 @@ import torch
 
 import rlplane
 from rlplane import errors as E
-from rlplane.transports.tq import TQTransport
+from rlplane.transports.tq import tq_transport
 from rlplane.testing.verify import diff_fields
 
 
@@ -89,7 +89,7 @@ def test_an_unreachable_master_is_a_typed_error_within_seconds(mooncake_service)
     info["mooncake"]["master_address"] = f"{host}:{free_port(host)}"  # nobody listens there
     start = time.monotonic()
     with pytest.raises(E.TransportError) as err:
-        TQTransport(info)
+        tq_transport(info)
     assert time.monotonic() - start < 10
     assert "Mooncake master" in str(err.value) and "transport='http'" in str(err.value)
 

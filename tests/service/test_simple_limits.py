@@ -2,6 +2,7 @@
 typed StorageFullError (HTTP 507), keeps nothing of itself, and loses nothing already
 stored; a storage unit that dies fails the calls that need it within seconds, named."""
 
+import os
 import uuid
 
 import httpx
@@ -73,8 +74,13 @@ def test_a_killed_storage_unit_fails_calls_within_seconds_naming_it(tiny_simple,
 
     with rlplane.connect(tiny_simple, transport="tq") as client:
         meta = client.put_samples(part(), batch(2))
-        ray.kill(ray.get_actor("tq-tiny-tq-unit-0", namespace="rlplane"), no_restart=True)
-        time.sleep(1.0)  # the kill is asynchronous
+        unit = ray.get_actor("tq-tiny-tq-unit-0", namespace="rlplane")
+        pid = ray.get(unit.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+        ray.kill(unit, no_restart=True)
+        deadline = time.monotonic() + 30  # the kill is asynchronous: wait until the process is gone
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"storage unit process {pid} still runs 30 s after ray.kill"
+            time.sleep(0.05)
         for call, typed in ((lambda: client.read_columns(meta, ["input_ids"]), (E.UnavailableError, E.MissingDataError)),
                             (lambda: client.put_samples(part(), batch(1)), E.UnavailableError)):
             start = time.monotonic()
@@ -84,3 +90,13 @@ def test_a_killed_storage_unit_fails_calls_within_seconds_naming_it(tiny_simple,
             assert "tq-tiny-tq-unit-0" in str(err.value)
     r = readyz(tiny_simple, lambda r: r.status_code == 503)
     assert r.status_code == 503 and "tq-tiny-tq-unit-0" in r.json()["reason"]
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie waiting for its parent does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")

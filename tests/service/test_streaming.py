@@ -105,8 +105,8 @@ def test_a_blocked_claim_returns_soon_after_the_put(live, client):
 
     th = threading.Thread(target=wait)
     th.start()
-    time.sleep(1.5)  # an unknown partition waits like an empty one
-    assert "t" not in out
+    th.join(timeout=1.5)  # an unknown partition waits like an empty one: still waiting after 1.5 s
+    assert th.is_alive() and "t" not in out
     client.put_samples(p, batch(8))
     put_done = time.monotonic()
     th.join(timeout=25)

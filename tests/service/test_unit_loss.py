@@ -14,6 +14,7 @@ import torch
 
 import rlplane
 from rlplane import errors as E
+from scraping import scrape_text
 
 ARGS = {
     "simple": {"store_name": "tq-loss", "backend": "simple", "storage_units": 2},
@@ -98,8 +99,7 @@ def test_a_killed_unit_loses_its_samples_named_and_nothing_else(two_units, ready
         assert not set(claimed.sample_ids) & lost  # claims skip what was lost
         status = httpx.get(f"{two_units}/v1/status", timeout=30).json()
         assert status["loss"]["lost_units"] == [dead] and status["loss"]["lost_samples"] == len(lost)
-        time.sleep(1.1)  # /metrics reuses a body for a second
-        metrics = httpx.get(f"{two_units}/metrics", timeout=30).text
+        metrics = scrape_text(two_units)  # a body made after the loss
         assert f"rlplane_lost_samples {float(len(lost))}" in metrics
         assert f'rlplane_partition_samples{{partition="{p}"}} {float(N - len(lost))}' in metrics
         r = readyz(two_units, lambda r: r.status_code == 503)

@@ -5,7 +5,7 @@ running out mid-read cannot be provoked reliably on a loaded 2-core machine)."""
 import pytest
 
 from rlplane import errors as E
-from rlplane.transports.tq import TQTransport
+from rlplane.transports.tq_simple import SimpleTQTransport
 from rlplane.transports.tq_errors import BACKENDS, RULES, mooncake_not_found, translate
 
 
@@ -65,8 +65,8 @@ async def _noop():
 def test_transferqueues_bare_key_error_is_missing_data():
     """TransferQueue's StorageKeyNotFoundError is a KeyError (a clear racing a read); it
     must reach the caller as MissingDataError, not as an untyped KeyError (HTTP 500)."""
-    t = TQTransport.__new__(TQTransport)  # no store: only how _run hands failures on is under test
-    t._kv, t._client, t.streams = False, _Failing("7@input_ids", KeyError), None
+    t = SimpleTQTransport.__new__(SimpleTQTransport)  # no store: only how _run hands failures on is under test
+    t._client, t.streams = _Failing("7@input_ids", KeyError), None
     t._watched = lambda coro: coro
     with pytest.raises(E.MissingDataError) as err:
         t._run(_noop())
@@ -83,3 +83,18 @@ def test_values_the_pool_lost_are_named_by_sample_and_field():
                "with error codes [-704, -800, -704, -704] after retrying 3 times.")
     assert mooncake_not_found(message, {4: "a", 5: "b"}) == {"a": ["input_ids", "pixel_values"]}
     assert mooncake_not_found("something else went wrong", {4: "a"}) == {}
+
+
+def test_each_transferqueue_storage_is_its_own_transport_class():
+    """connect and the service pick the class from the backend a store publishes; an
+    unknown one is refused naming it, and the shared part is not a transport on its own."""
+    from rlplane.transports.tq import STORAGES, TQTransport, transport_class
+    from rlplane.transports.tq_mooncake import MooncakeTQTransport
+
+    assert transport_class({"backend": "simple"}) is SimpleTQTransport
+    assert transport_class({"backend": "mooncake"}) is MooncakeTQTransport
+    assert set(STORAGES) == {"simple", "mooncake"}
+    with pytest.raises(ValueError, match="'etcd'"):
+        transport_class({"backend": "etcd"})
+    with pytest.raises(TypeError):
+        TQTransport({"backend": "simple"})

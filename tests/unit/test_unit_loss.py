@@ -39,6 +39,9 @@ def test_malformed_lose_is_a_wire_error(header):
 
 
 class FakeStore:
+    """What the watch asks of a store: which units Ray reports dead, and (through the
+    service's transport) what a unit held and forgetting it."""
+
     unit_infos = {"u0": {}, "u1": {}}
 
     def __init__(self) -> None:
@@ -46,6 +49,14 @@ class FakeStore:
 
     def dead_units(self) -> list[str]:
         return list(self.dead)
+
+    def held_on(self, transport: "FakeTransport", partition: str, unit: int) -> list[str]:
+        return transport.held[partition][unit]
+
+    def forget(self, transport: "FakeTransport", partition: str, ids: list[str], unit: str) -> None:
+        transport.forgotten.append((partition, list(ids), unit))
+        for u, held in transport.held.get(partition, {}).items():
+            transport.held[partition][u] = [s for s in held if s not in ids]
 
 
 class FakeTransport:
@@ -55,14 +66,6 @@ class FakeTransport:
 
     def partitions(self) -> list[str]:
         return list(self.held)
-
-    def held_on(self, partition: str, unit: int) -> list[str]:
-        return self.held[partition][unit]
-
-    def forget(self, partition: str, ids: list[str], unit: str) -> None:
-        self.forgotten.append((partition, list(ids), unit))
-        for unit, held in self.held.get(partition, {}).items():
-            self.held[partition][unit] = [s for s in held if s not in ids]
 
 
 def test_only_a_unit_ray_reports_dead_is_swept_and_it_is_looked_at_again_later():

@@ -30,7 +30,6 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
-from urllib.parse import urlsplit
 
 import torch
 
@@ -40,7 +39,7 @@ from rlplane.column import Column
 from rlplane.errors import (DuplicateSampleError, MissingDataError, TransportError, UnavailableError,
                             WireFormatError, lost_hint)
 from rlplane.transports.base import PartitionInfo, Transport, check_put
-from rlplane.transports.tq_errors import mooncake_not_found, translate
+from rlplane.transports.tq_errors import translate
 
 log = logging.getLogger(__name__)
 
@@ -89,54 +88,14 @@ def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
 
 def _endpoints(info: Mapping[str, Any]) -> list[tuple[str, int]]:
     controller = info["controller"]
-    out = [(controller["ip"], int(p)) for p in controller["ports"].values()]
-    if info.get("backend", "simple") == "mooncake":
-        mc = info["mooncake"]
-        out.append(_host_port(mc["master_address"]))
-        out.append(_host_port(urlsplit(mc["metadata_server"]).netloc))
-    else:
-        out += [(u["ip"], int(p)) for u in info["storage_units"].values() for p in u["ports"].values()]
-    return out
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def mooncake_config(info: Mapping[str, Any]) -> dict[str, Any]:
-    """TransferQueue's MooncakeStore config for a client of the store ``info`` describes.
-
-    The client mounts no memory (samples live in the service's segments, so a worker that
-    exits takes nothing with it) and advertises ``RLPLANE_MOONCAKE_HOSTNAME`` or else the
-    local address it reaches the master from. Mooncake gives each client engine its own
-    port, so engine names are unique per process.
-    """
-    mc = info["mooncake"]
-    hostname = os.environ.get("RLPLANE_MOONCAKE_HOSTNAME") or _local_address_towards(*_host_port(mc["master_address"]))
-    return {
-        "metadata_server": mc["metadata_server"],
-        "master_server_address": mc["master_address"],
-        "local_hostname": hostname,
-        "protocol": mc.get("protocol", "tcp"),
-        "device_name": mc.get("device_name", ""),
-        "global_segment_size": 0,
-        "local_buffer_size": int(mc.get("buffer_bytes", 64 << 20)),
-        "hard_pin": True,
-    }
-
-
-def _local_address_towards(host: str, port: int) -> str:
-    """The local IP this host would use to reach ``host`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
-        return str(s.getsockname()[0])
+    return [(controller["ip"], int(p)) for p in controller["ports"].values()] + transport_class(info).data_endpoints(info)
 
 
 def store_client(info: Mapping[str, Any], client_id: str) -> Any:
     """TransferQueue's own client, connected to the store ``info`` describes (the ``tq``
-    entry of ``GET /v1/transport``), with the storage manager its backend needs.
-    TransportError when the address is malformed or the store does not answer.
+    entry of ``GET /v1/transport``), with the storage manager its backend needs (the
+    backend's transport class says which). TransportError when the address is malformed
+    or the store does not answer.
 
     Example: ``client = store_client(api.json("GET", "/v1/transport")["tq"], "bench")``.
     """
@@ -145,30 +104,13 @@ def store_client(info: Mapping[str, Any], client_id: str) -> Any:
     def server(d: Mapping[str, Any]) -> Any:
         return ZMQServerInfo(Role(d["role"]), d["id"], d["ip"], dict(d["ports"]))
 
-    backend = info.get("backend", "simple") if isinstance(info, Mapping) else None
     try:
+        kind = transport_class(info)
         controller = server(info["controller"])
-        if backend == "mooncake":
-            manager, config = "MooncakeStore", mooncake_config(info)
-            where = config["master_server_address"]
-        elif backend == "simple":
-            manager, config = "SimpleStorage", {"zmq_info": {n: server(d) for n, d in info["storage_units"].items()}}
-            where = controller.ip
-        else:
-            raise ValueError(f"unknown backend {backend!r}")
+        manager, config, where = kind.storage(info, server)
     except (KeyError, TypeError, ValueError, AttributeError, OSError) as err:
         raise TransportError(f"the service's TransferQueue address is malformed ({err})") from None
-    if backend == "mooncake" and not reachable(info, timeout=2.0):
-        # Mooncake's own setup retries an unreachable master for ~90 s; say so at once.
-        raise TransportError(
-            f"cannot reach the Mooncake master at {where} or its metadata server "
-            f"{info['mooncake']['metadata_server']} from this host; check the service is up and "
-            "that this pod may reach the data ports (NetworkPolicy), or connect with transport='http'"
-        )
-    if backend == "mooncake":
-        # Mooncake's transfer engine otherwise binds its RPC socket to whichever interface
-        # it finds first; bind it where this client says it can be reached.
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", config["local_hostname"])
+    kind.before_connect(info, config, where)
     client = TransferQueueClient(client_id, controller)
     try:
         client.initialize_storage_manager(manager, config)
@@ -206,19 +148,54 @@ def _no_ray_context(manager: Any) -> None:
         manager._multi_threads_executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="rlplane-kv")
 
 
+#: One module per TransferQueue storage; each defines the TQTransport subclass of its ``kind``.
+STORAGES = {"simple": "rlplane.transports.tq_simple", "mooncake": "rlplane.transports.tq_mooncake"}
+
+
+def transport_class(info: Mapping[str, Any]) -> type[TQTransport]:
+    """The transport class of the store ``info`` describes (its ``backend``, one of
+    :data:`STORAGES`; ValueError otherwise). Its module is imported on first use."""
+    backend = info.get("backend", "simple") if isinstance(info, Mapping) else None
+    if backend not in STORAGES:
+        raise ValueError(f"unknown backend {backend!r}")
+    if backend not in _KINDS:
+        import importlib
+
+        importlib.import_module(STORAGES[backend])
+    return _KINDS[backend]
+
+
+def tq_transport(info: Mapping[str, Any], **kwargs: Any) -> TQTransport:
+    """The transport for the store ``info`` describes (``GET /v1/transport``'s ``tq`` entry).
+
+    Example: ``t = tq_transport(api.json("GET", "/v1/transport")["tq"], timeout=30)``.
+    """
+    return transport_class(info)(info, **kwargs)
+
+
+_KINDS: dict[str, type[TQTransport]] = {}
+
+
 class TQTransport(Transport):
-    """Direct data path to a TransferQueue store (see the module docstring)."""
+    """Direct data path to a TransferQueue store (see the module docstring): what every
+    TransferQueue storage shares. A storage's own module subclasses it (``kind``), says
+    how its client connects (``storage``, ``before_connect``) and fills in the hooks
+    where the storages differ; :func:`tq_transport` picks the class."""
 
     name = "tq"
     direct = True
+    kind = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:
+            _KINDS[cls.kind] = cls
 
     def __init__(self, info: Mapping[str, Any], *, client_id: str | None = None, timeout: float = 60.0) -> None:
+        if not self.kind:
+            raise TypeError("TQTransport is the shared part: use tq_transport(info) or TQTransport.from_info(info)")
         self._TensorDict = _tq()[0]
         self.info = dict(info)
-        # A key-value backend (Mooncake) cannot hold a zero-byte value: there, empty rows
-        # travel as one element each and are cut back to empty on read by the byte count
-        # this transport records per row. It also clears storage by field name.
-        self._kv = self.info.get("backend") == "mooncake"
         self.timeout = timeout
         self._client = store_client(info, client_id or f"rlplane-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         # TransferQueue has no consumption state of its own: the store runs a ledger that
@@ -228,8 +205,47 @@ class TQTransport(Transport):
 
     @classmethod
     def from_info(cls, info: Mapping[str, Any]) -> TQTransport:
-        """From the ``tq`` entry of ``GET /v1/transport``."""
-        return cls(info)
+        """From the ``tq`` entry of ``GET /v1/transport`` (the class of its backend)."""
+        return tq_transport(info)
+
+    # -- where the storages differ (each storage's module overrides these) -------------
+    @classmethod
+    def data_endpoints(cls, info: Mapping[str, Any]) -> list[tuple[str, int]]:
+        """``(host, port)`` of every data server a client of this store must reach."""
+        raise NotImplementedError
+
+    @classmethod
+    def storage(cls, info: Mapping[str, Any], server: Any) -> tuple[str, dict[str, Any], str]:
+        """TransferQueue's storage manager for this store, its config, and the address
+        to name in errors (``server`` turns a published server dict into TransferQueue's)."""
+        raise NotImplementedError
+
+    @classmethod
+    def before_connect(cls, info: Mapping[str, Any], config: dict[str, Any], where: str) -> None:
+        """Anything to check or set before TransferQueue's client connects (nothing here)."""
+
+    async def _undo_create(self, meta: Any, data: Any, columns: Mapping[str, Column], err: BaseException) -> None:
+        """A put_samples failed part way: nothing of it may stay behind."""
+        await self._clear_samples(meta)
+
+    def _not_found(self, err: Exception, meta: Any, ids: list[str]) -> dict[str, list[str]]:
+        """The samples (and fields) a failed read says the storage no longer holds ({}: none named)."""
+        return {}
+
+    def _restored(self, col: Column, stored: list[int]) -> Column:
+        """A read column as written (``stored``: each row's recorded byte count, -1 unknown)."""
+        return col
+
+    def _rows(self, col: Column) -> torch.Tensor:
+        """The column as TransferQueue takes it: a jagged NestedTensor of 1-D rows."""
+        return col.to_nested()
+
+    async def _clear_all(self, partition: str, held: Mapping[str, Any]) -> None:
+        """Clear every sample of ``partition`` (``held``: what it lists)."""
+        await self._client.async_clear_partition(partition)
+
+    async def _clear_samples(self, meta: Any) -> None:
+        await self._client.async_clear_samples(meta)
 
     # -- the Transport verbs ---------------------------------------------------------
     def put(
@@ -285,50 +301,31 @@ class TQTransport(Transport):
                 nbytes += int(n)
         return PartitionInfo(partition, list(keys), counts, nbytes)
 
-    def placement(self, partition: str) -> list[tuple[int, int]]:
-        """``(global index, stored bytes)`` of every sample in ``partition`` (empty when it
-        holds none). TransferQueue's SimpleStorage keeps a sample on storage unit
-        ``global_index % units``, in the order ``/v1/transport`` lists them."""
+    # -- what the service's TransferQueue backends read and drop (rlplane_service.backends.tq)
+    def listing(self, partition: str) -> tuple[list[str], Any]:
+        """The samples TransferQueue lists for ``partition`` and their metadata (global
+        indexes, custom meta); ``([], None)`` when it lists none."""
         held = self._run(self._client.async_kv_list(partition)).get(partition) or {}
         if not held:
-            return []
-        meta = self._run(self._meta(partition, list(held), create=False))
-        return [
-            (int(gi), sum(int(n) for n in ((tag or {}).get(NBYTES_TAG) or {}).values()))
-            for gi, tag in zip(meta.global_indexes, meta.custom_meta)
-        ]
-
-    def held_on(self, partition: str, unit: int) -> list[str]:
-        """The samples of ``partition`` that storage unit number ``unit`` (in the order
-        ``/v1/transport`` lists them) holds a value of. TransferQueue's SimpleStorage routes
-        a sample by its global index modulo the unit count; on Mooncake, the pool's replica
-        descriptors name the segment's endpoint (a value the pool no longer knows counts
-        as held there: ask only about a unit that died)."""
-        held = self._run(self._client.async_kv_list(partition)).get(partition) or {}
-        if not held:
-            return []
+            return [], None
         ids = list(held)
-        meta = self._run(self._meta(partition, ids, create=False))
-        units = list(self.info.get("storage_units") or {}) or ["?"]
-        if not self._kv:
-            return [s for s, gi in zip(ids, meta.global_indexes) if int(gi) % len(units) == unit]
-        endpoint = self.info["storage_units"][units[unit]].get("endpoint")
-        keys = {s: [f"{gi}@{f}" for f in ((tag or {}).get(WIRE_TAG) or {})]
-                for s, gi, tag in zip(ids, meta.global_indexes, meta.custom_meta)}
-        where = _replica_endpoints(self._client, [k for ks in keys.values() for k in ks])
-        return [s for s, ks in keys.items() if any(where.get(k, {endpoint}) == {endpoint} for k in ks)]
+        return ids, self._run(self._meta(partition, ids, create=False))
 
-    def forget(self, partition: str, ids: Sequence[str], unit: str) -> None:
-        """Storage unit ``unit`` died with ``ids``: drop them from TransferQueue's controller
-        (the dead unit is not asked) and tell the ledger, so listings, counts and claims
-        stop showing them and a read says which unit took them."""
-        ids = list(ids)
-        if self.streams is not None:  # first: a read that finds them gone can then say why
-            self.streams.lose(unit, partition, ids)
-        if ids:
-            meta = self._run(self._meta(partition, ids, create=False))
-            if meta.size:  # Mooncake: the master also drops their values on live segments
-                self._run(self._clear_samples(meta) if self._kv else self._forget_meta(meta))
+    def metadata(self, partition: str, ids: Sequence[str]) -> Any:
+        """TransferQueue's metadata of ``ids`` (those it holds)."""
+        return self._run(self._meta(partition, list(ids), create=False))
+
+    def run(self, coro: Any) -> Any:
+        """Run a coroutine on TransferQueue's client (``forget_meta``, ``clear_samples``), errors typed."""
+        return self._run(coro)
+
+    def forget_meta(self, meta: Any) -> Any:
+        """A coroutine: TransferQueue's controller forgets ``meta``'s samples (no unit is asked)."""
+        return self._forget_meta(meta)
+
+    def clear_samples(self, meta: Any) -> Any:
+        """A coroutine: clear ``meta``'s samples from the storage and the controller."""
+        return self._clear_samples(meta)
 
     async def _forget_meta(self, meta: Any) -> None:
         await self._client._mark_clearing_in_controller(meta)
@@ -355,7 +352,7 @@ class TQTransport(Transport):
                 hint=f"TransferQueue no longer holds {err}: the samples were cleared while this call ran",
             ) from err
         except (RuntimeError, OSError, ValueError, asyncio.TimeoutError) as err:
-            raise translate("mooncake" if self._kv else "simple", err, self._lost_units) from err
+            raise translate(self.kind, err, self._lost_units) from err
 
     def _lost_units(self) -> list[str]:
         """The storage units the service has declared dead (best effort: [] if it cannot say)."""
@@ -467,12 +464,8 @@ class TQTransport(Transport):
             else:
                 await self._client.async_set_custom_meta(meta)
         except BaseException as err:
-            if create and isinstance(err, asyncio.CancelledError) and not self._kv:
-                # Given up on (a storage unit died, or the deadline passed): asking the units
-                # to clear could hang the same way, so only the controller forgets the ids.
-                await self._forget_meta(meta)
-            elif create:  # nothing of a failed put_samples may stay behind
-                await self._clear_samples(meta.add_fields(data, set_all_ready=False) if self._kv and columns else meta)
+            if create:  # nothing of a failed put_samples may stay behind
+                await self._undo_create(meta, data, columns, err)
             raise
 
     async def _get(
@@ -498,7 +491,7 @@ class TQTransport(Transport):
         try:
             got = await self._client.async_get_data(meta.select_fields(fields))
         except RuntimeError as err:
-            gone = mooncake_not_found(str(err), dict(zip(meta.global_indexes, ids))) if self._kv else {}
+            gone = self._not_found(err, meta, ids)
             if not gone:
                 raise
             raise await self._missing(partition, list(gone), gone) from err
@@ -510,29 +503,15 @@ class TQTransport(Transport):
                 raise MissingDataError(
                     partition, {s: [name] for s in ids}, hint="the storage units did not return the field"
                 )
-            col = _column(got[name], name, len(ids))
-            if self._kv:
-                col = _unpad(col, [int(s.get(name, -1)) for s in stored])
-            columns[name] = col
+            columns[name] = self._restored(_column(got[name], name, len(ids)), [int(s.get(name, -1)) for s in stored])
         return columns, tags
-
-    def _rows(self, col: Column) -> torch.Tensor:
-        """The column as TransferQueue takes it: a jagged NestedTensor of 1-D rows."""
-        if self._kv and col.num_rows and bool((col.row_numels() == 0).any()):
-            pad = torch.zeros(1, dtype=col.dtype)
-            col = Column.from_rows([r if r.numel() else pad for r in col.rows()], col.dtype)
-        return col.to_nested()
 
     async def _clear(self, partition: str, ids: list[str] | None) -> int:
         if ids is None:
             held = (await self._client.async_kv_list(partition)).get(partition) or {}
             if not held:
                 return 0
-            meta = await self._meta(partition, list(held), create=False) if self._kv else None
-            if meta is not None and not meta.field_names:
-                await self._clear_samples(meta)
-            else:
-                await self._client.async_clear_partition(partition)
+            await self._clear_all(partition, held)
             return len(held)
         if not ids:
             return 0
@@ -540,37 +519,6 @@ class TQTransport(Transport):
         if meta.size:
             await self._clear_samples(meta)
         return int(meta.size)
-
-    async def _clear_samples(self, meta: Any) -> None:
-        if self._kv and not meta.field_names:
-            # TransferQueue's KV managers find stored values by field name and refuse a
-            # clear without one; these samples hold tags only, so only the controller
-            # has anything to forget.
-            await self._forget_meta(meta)
-        else:
-            await self._client.async_clear_samples(meta)
-
-
-def _replica_endpoints(client: Any, keys: list[str]) -> dict[str, set[str]]:
-    """Mooncake: key -> the transfer endpoints of the segments holding its memory replicas
-    (keys the pool does not know are left out)."""
-    store = client.storage_manager.storage_client._store  # TransferQueue's MooncakeStoreClient
-    out = {}
-    for key, replicas in store.batch_get_replica_desc(keys).items():
-        out[key] = {r.get_memory_descriptor().buffer_descriptor.transport_endpoint
-                    for r in replicas if r.is_memory_replica()}
-    return out
-
-
-def _unpad(col: Column, nbytes: list[int]) -> Column:
-    """Cut the rows stored as one padding element (recorded size 0) back to empty."""
-    empty = [i for i, n in enumerate(nbytes) if n == 0]
-    if not empty:
-        return col
-    rows = col.rows()
-    for i in empty:
-        rows[i] = rows[i][:0]
-    return Column.from_rows(rows, col.dtype)
 
 
 def _column(value: Any, name: str, rows: int) -> Column:
@@ -589,4 +537,5 @@ def _column(value: Any, name: str, rows: int) -> Column:
     return col
 
 
-__all__ = ["TQTransport", "NBYTES_TAG", "close_store_client", "mooncake_config", "reachable", "server_info_to_dict", "store_client"]
+__all__ = ["TQTransport", "NBYTES_TAG", "STORAGES", "close_store_client", "reachable", "server_info_to_dict", "store_client",
+           "tq_transport", "transport_class"]

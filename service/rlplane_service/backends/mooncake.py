@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rlplane.tags import WIRE_TAG
 from rlplane_service.actors import unit_options
 from rlplane_service.backends.tq import PING_TIMEOUT_S, TQStore
 from rlplane_service.settings import ServiceSettings
@@ -29,6 +30,20 @@ class MooncakeStore(TQStore):
     """A TransferQueue store whose units mount Mooncake segments."""
 
     name: ClassVar[str] = "mooncake"
+
+    def _held_by(self, transport: Any, ids: list[str], meta: Any, unit: int) -> list[str]:
+        """A unit holds a sample when the pool's replica descriptors of any of its values
+        name the unit's segment endpoint (a value the pool no longer knows counts as held
+        there: ask only about a unit that died)."""
+        names = list(self.unit_infos) or ["?"]
+        endpoint = self.unit_infos[names[unit]].get("endpoint")
+        keys = {s: [f"{gi}@{f}" for f in ((tag or {}).get(WIRE_TAG) or {})]
+                for s, gi, tag in zip(ids, meta.global_indexes, meta.custom_meta)}
+        where = transport.replica_endpoints([k for ks in keys.values() for k in ks])
+        return [s for s, ks in keys.items() if any(where.get(k, {endpoint}) == {endpoint} for k in ks)]
+
+    def _drop_lost(self, transport: Any, meta: Any) -> Any:
+        return transport.clear_samples(meta)  # the master also drops their values on live segments
 
     @classmethod
     def _start_units(cls, settings: ServiceSettings, common: dict[str, Any]) -> tuple[Any, dict, dict, dict]:

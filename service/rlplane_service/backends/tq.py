@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 import ray
 
 from rlplane.errors import MissingDataError, TransportError
-from rlplane.transports.tq import server_info_to_dict
+from rlplane.transports.tq import NBYTES_TAG, server_info_to_dict
 from rlplane_service.actors import actor_options, data_secret
 from rlplane_service.backends.base import Sizes, StoreBackend
 from rlplane_service.settings import ServiceSettings
@@ -95,9 +95,9 @@ class TQStore(StoreBackend):
 
     def service_transport(self) -> Any:
         """The transport the service itself uses to reach this store."""
-        from rlplane.transports.tq import TQTransport
+        from rlplane.transports.tq import tq_transport
 
-        return TQTransport(self.transport_info(), client_id="rlplane-service")
+        return tq_transport(self.transport_info(), client_id="rlplane-service")
 
     def streams(self, timeout: float = 5.0) -> dict[str, Any]:
         return ray.get(self.stream_actor.streams.remote(), timeout=timeout)
@@ -112,6 +112,43 @@ class TQStore(StoreBackend):
         """The storage unit holding the sample at ``global_index``, where the backend knows."""
         return None
 
+    # -- the store's books, through the service's transport (service-only operations) ----
+    def placement(self, transport: Any, partition: str) -> list[tuple[int, int]]:
+        """``(global index, stored bytes)`` of every sample in ``partition`` (empty when it holds none)."""
+        _, meta = transport.listing(partition)
+        if meta is None:
+            return []
+        return [(int(gi), sum(int(n) for n in ((tag or {}).get(NBYTES_TAG) or {}).values()))
+                for gi, tag in zip(meta.global_indexes, meta.custom_meta)]
+
+    def held_on(self, transport: Any, partition: str, unit: int) -> list[str]:
+        """The samples of ``partition`` that storage unit number ``unit`` (in the order
+        ``/v1/transport`` lists them) holds a value of."""
+        ids, meta = transport.listing(partition)
+        return self._held_by(transport, ids, meta, unit) if ids else []
+
+    def forget(self, transport: Any, partition: str, ids: Sequence[str], unit: str) -> None:
+        """Storage unit ``unit`` died with ``ids``: tell the ledger (first: a read that finds
+        them gone can then say why), then drop them from TransferQueue's books (the dead
+        unit is not asked), so listings, counts and claims stop showing them."""
+        ids = list(ids)
+        if transport.streams is not None:
+            transport.streams.lose(unit, partition, ids)
+        if ids:
+            meta = transport.metadata(partition, ids)
+            if meta.size:
+                transport.run(self._drop_lost(transport, meta))
+
+    def _held_by(self, transport: Any, ids: list[str], meta: Any, unit: int) -> list[str]:
+        """Which of ``ids`` (their TransferQueue ``meta``) storage unit number ``unit`` holds:
+        by default the units :meth:`unit_of` routes them to."""
+        names = list(self.unit_infos) or ["?"]
+        return [s for s, gi in zip(ids, meta.global_indexes) if self.unit_of(int(gi), names) == names[unit]]
+
+    def _drop_lost(self, transport: Any, meta: Any) -> Any:
+        """The coroutine that drops a dead unit's samples: the controller forgets them."""
+        return transport.forget_meta(meta)
+
     def sizes(self, transport: Any, unit_names: list[str]) -> Sizes:
         """Per partition from the rows' placement (one listing of TransferQueue's metadata);
         per unit where :meth:`unit_of` can say."""
@@ -120,7 +157,7 @@ class TQStore(StoreBackend):
         units: dict[str, tuple[int, int] | None] = {u: (0, 0) if knows else None for u in unit_names}
         for name in transport.partitions():
             try:
-                placed = transport.placement(name)
+                placed = self.placement(transport, name)
             except MissingDataError:  # cleared meanwhile
                 continue
             partitions[name] = (len(placed), sum(b for _, b in placed))

@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 TRANSPORTS = ("auto", "direct", "native", "tq", "http")
 #: Data paths of the native engine (see rlplane.transports.native.DATA_PATHS; no zmq import here).
 DATA_PATHS = ("auto", "shm", "zmq")
-#: Direct data paths a service may publish at /v1/transport: key -> (module with ``reachable``, package it needs).
+#: Direct data paths a service may publish at /v1/transport: key -> (module with
+#: ``reachable`` and ``open_transport``, package it needs).
 DIRECT = {"native": ("rlplane.transports.native", "zmq"), "tq": ("rlplane.transports.tq", "transfer_queue")}
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -124,13 +125,8 @@ def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float, da
 
 
 def _open(kind: str, info: dict, timeout: float, data_path: str) -> Transport:
-    if kind == "native":
-        from rlplane.transports.native import NativeTransport
-
-        return NativeTransport(info, timeout=timeout, data_path=data_path)
-    from rlplane.transports.tq import tq_transport
-
-    return tq_transport(info, timeout=timeout)
+    module, _ = DIRECT[kind]
+    return importlib.import_module(module).open_transport(info, timeout=timeout, data_path=data_path)
 
 
 def _importable(module: str) -> bool:

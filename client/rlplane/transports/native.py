@@ -838,4 +838,9 @@ def _scatter(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray, src: np.n
     values[np.repeat(offsets[pos], lens) + within] = src[:total]
 
 
-__all__ = ["NativeTransport", "reachable"]
+def open_transport(info: Mapping[str, Any], *, timeout: float, data_path: str = "auto") -> NativeTransport:
+    """The transport ``rlplane.connect`` opens for the ``native`` entry of ``/v1/transport``."""
+    return NativeTransport(info, timeout=timeout, data_path=data_path)
+
+
+__all__ = ["NativeTransport", "open_transport", "reachable"]

@@ -173,6 +173,12 @@ def tq_transport(info: Mapping[str, Any], **kwargs: Any) -> TQTransport:
     return transport_class(info)(info, **kwargs)
 
 
+def open_transport(info: Mapping[str, Any], *, timeout: float, data_path: str = "auto") -> TQTransport:
+    """The transport ``rlplane.connect`` opens for the ``tq`` entry of ``/v1/transport``
+    (``data_path`` is the native engine's: TransferQueue moves bytes its own way)."""
+    return tq_transport(info, timeout=timeout)
+
+
 _KINDS: dict[str, type[TQTransport]] = {}
 
 
@@ -538,4 +544,4 @@ def _column(value: Any, name: str, rows: int) -> Column:
 
 
 __all__ = ["TQTransport", "NBYTES_TAG", "STORAGES", "close_store_client", "reachable", "server_info_to_dict", "store_client",
-           "tq_transport", "transport_class"]
+           "open_transport", "tq_transport", "transport_class"]

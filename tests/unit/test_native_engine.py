@@ -6,6 +6,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rlplane import Client, default_registry
 from rlplane import errors as E
@@ -188,3 +190,15 @@ def test_a_batch_split_over_units_reads_back_in_any_order(client, order):
         i = meta.sample_ids.index(sid)
         assert torch.equal(row, fields["input_ids"][i, : lens[i]])
     client.clear(meta.partition)
+
+
+@given(st.lists(st.integers(1, 5), max_size=40))
+def test_locates_grouping_of_blocks_is_np_unique_with_a_shortcut_for_one_block(values):
+    """A locate groups a field's rows by block (and by unit) with ``groups``; a read of one
+    put names one block, which skips the sort: either way, what np.unique would say."""
+    from rlplane_service.native.reads import groups
+
+    a = np.array(values, dtype=np.int64)
+    uniq, which = groups(a)
+    want_u, want_w = np.unique(a, return_inverse=True)
+    assert uniq.tolist() == want_u.tolist() and which.tolist() == want_w.reshape(-1).tolist()

@@ -98,9 +98,13 @@ class FieldIndex:
         if slots.size and bool((kind >= 0).all()):
             has_lead = lead >= 0
             if bool(has_lead.all()) or not bool(has_lead.any()):
-                used, which = np.unique(kind, return_inverse=True)
+                if bool((kind == kind[0]).all()):  # one trailing shape: the usual case, no sort
+                    used, which = kind[:1], None
+                else:
+                    used, which = np.unique(kind, return_inverse=True)
                 return Geometry(lead if bool(has_lead[0]) else None, [self.shapes[k] for k in used.tolist()],
-                                which.astype(np.int32).reshape(-1) if used.size > 1 else None, n=int(slots.size))
+                                which.astype(np.int32).reshape(-1) if which is not None and used.size > 1 else None,
+                                n=int(slots.size))
         rows = self.geom[slots].tolist()
         for i in np.flatnonzero(kind >= 0).tolist():
             shape = list(self.shapes[int(kind[i])])

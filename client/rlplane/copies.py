@@ -1,0 +1,55 @@
+"""Copies between byte buffers: one range, or many ranges in one vectorized pass.
+
+What a read does to move rows out of a mapped slab or a staging buffer into the memory
+it hands back, and a put to move values in: rows that follow one another in source and
+destination move as one run; many small runs go through one index gather; big copies
+run on torch's threads. No Python loop per row unless rows are big.
+
+Example::
+
+    copy_ranges(out, out_at, slab.u8, slab_at, lens)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlplane.gather import BIG_RUN, MAX_RUNS
+
+#: Copies of at least this many bytes go through torch (several threads); smaller through numpy.
+BIG_COPY = 1 << 20
+
+
+def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.ndarray, lens: np.ndarray) -> None:
+    """``dst[dst_at[k] : dst_at[k] + lens[k]] = src[src_at[k] : ...]`` for every ``k`` (uint8
+    arrays): ranges that follow one another in both are copied as one run; many small
+    runs go through one index gather. No Python loop per row unless rows are big."""
+    n = lens.size
+    if not n:
+        return
+    breaks = np.ones(n, dtype=bool)
+    breaks[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])
+    run_at = np.flatnonzero(breaks)
+    total = int(lens.sum())
+    if run_at.size <= MAX_RUNS or total >= 8 * BIG_RUN * run_at.size:
+        run_end = np.append(run_at[1:], n)
+        ends = np.concatenate([[0], np.cumsum(lens)])
+        for k0, k1 in zip(run_at.tolist(), run_end.tolist()):
+            size = int(ends[k1] - ends[k0])
+            s0, d0 = int(src_at[k0]), int(dst_at[k0])
+            copy(dst[d0 : d0 + size], src[s0 : s0 + size])
+        return
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    dst[np.repeat(dst_at, lens) + within] = src[np.repeat(src_at, lens) + within]
+
+
+def copy(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[:] = src`` for uint8 arrays; big copies on torch's threads."""
+    if dst.size >= BIG_COPY and src.flags.writeable and dst.flags.writeable:
+        torch.from_numpy(dst).copy_(torch.from_numpy(src))
+    else:
+        dst[:] = src
+
+
+__all__ = ["copy", "copy_ranges"]

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "direct", "native", "tq", "http")
 #: Data paths of the native engine (see rlplane.transports.native.DATA_PATHS; no zmq import here).
-DATA_PATHS = ("auto", "shm", "zmq")
+DATA_PATHS = ("auto", "shm", "te", "zmq")
 #: Direct data paths a service may publish at /v1/transport: key -> (module with
 #: ``reachable`` and ``open_transport``, package it needs).
 DIRECT = {"native": ("rlplane.transports.native", "zmq"), "tq": ("rlplane.transports.tq", "transfer_queue")}
@@ -65,8 +65,11 @@ def connect(
     available, AuthenticationError on a missing or wrong token. ``reuse_buffers``: see
     :class:`~rlplane.client.Client` (encode buffers kept between puts). ``data_path``
     (native engine; default ``RLPLANE_DATA_PATH``, else ``auto``): ``shm`` maps the slabs
-    of storage units on this host, ``zmq`` sends every byte as frames, ``auto`` maps what
-    it can (see :mod:`rlplane.transports.native`); ``client.transport.paths()`` says which.
+    of storage units on this host, ``te`` moves bytes one-sided over Mooncake's transfer
+    engine (units on other hosts, when the service runs it: RLPLANE_TE_PROTOCOL), ``zmq``
+    sends every byte as frames, ``auto`` maps what it can and uses the transfer engine
+    for the rest where offered (see :mod:`rlplane.transports.native`);
+    ``client.transport.paths()`` says which.
 
     Example::
 

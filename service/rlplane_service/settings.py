@@ -116,6 +116,17 @@ class ServiceSettings(BaseSettings):
     mooncake_master_bin: Optional[Path] = Field(
         None, description="mooncake_master executable (default: the one beside this Python, else on PATH)."
     )
+    te_protocol: Literal["", "tcp", "rdma"] = Field(
+        "",
+        description="native: register every storage unit's slab with Mooncake's transfer engine over this protocol "
+        "('' = off), so clients on other hosts write and read it one-sided (RLPLANE_DATA_PATH=auto|te). Off by "
+        "default: the engine authenticates nobody and listens on every interface, so turn it on only where the "
+        "network (the chart's NetworkPolicy) confines its ports to the store's pods.",
+    )
+    te_devices: str = Field(
+        "", description="native, with te_protocol 'rdma': the RDMA NICs the units' engines use, e.g. 'mlx5_0,mlx5_1' "
+        "('' lets the engine pick)."
+    )
     storage_resource: Optional[str] = Field(
         None,
         description="Custom Ray resource each storage unit requests one of, so units run only on nodes that "

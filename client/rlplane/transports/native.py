@@ -10,11 +10,18 @@ under the API token: no Ray, no pickle. ZMQ carries control; bulk bytes take one
   a put copies each field's values straight into extents the unit allocated, a read
   copies rows out at the addresses the controller located (or, ``copy=False``, returns
   views of the slab). One memcpy each way, no socket.
+- ``te``: the unit is on another host and registered its slab with Mooncake's transfer
+  engine (the service's RLPLANE_TE_PROTOCOL): a put writes each block copy's values
+  into the extents the unit allocated with one batched one-sided transfer, a read fetches
+  a unit's rows (every field) with one batched one-sided read, both through this
+  process's registered staging buffer (:mod:`rlplane.te`).
 - ``zmq``: the values travel as frames to and from the unit, which copies them into
   (or gathers them out of) its slab.
 
-``auto`` (default) maps every unit it can and uses ``zmq`` for the rest; ``shm`` fails
-unless every unit can be mapped; ``zmq`` never maps. Messages per put or read: one to
+``auto`` (default) maps every unit it can, reaches the others over their transfer
+engines where they run one, and uses ``zmq`` for the rest; ``shm`` fails unless every
+unit can be mapped; ``te`` uses the transfer engine for every unit (even one on this
+host) and fails unless each runs one; ``zmq`` uses neither. Messages per put or read: one to
 the controller, one per storage unit involved, one more to the controller; never one
 per sample.
 
@@ -43,12 +50,14 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import secrets
 import socket
 import threading
 import time
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -64,9 +73,12 @@ from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataErr
 from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
 from rlplane.shm import SlabView, shared_slab
+from rlplane.te import DEFAULT_STAGING_BYTES, RemoteSlab, local_address, transfer_pool
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.streams import DirectStreams
 from rlplane.tags import RESERVED_TAG_PREFIX, SUM_TAG, WIRE_TAG, RowTags
+from rlplane.copies import copy as _copy
+from rlplane.copies import copy_ranges
 from rlplane.gather import BIG_RUN as _BIG_RUN
 from rlplane.gather import MAX_RUNS as _MAX_RUNS
 from rlplane.wire import RawColumn, int_array, ints, numpy_dtype, raw
@@ -82,9 +94,7 @@ _ABORT_TIMEOUT_S = 5.0
 #: How often a client that places around down or suspect units asks which they are now.
 _DOWN_REFRESH_S = 5.0
 #: The data paths a client may ask for (see the module docstring).
-DATA_PATHS = ("auto", "shm", "zmq")
-#: Copies of at least this many bytes go through torch (several threads); smaller through numpy.
-_BIG_COPY = 1 << 20
+DATA_PATHS = ("auto", "shm", "te", "zmq")
 #: A field at least this big is encoded straight into an extent staged in a mapped slab
 #: (for a smaller one the staging round trip costs more than the copy it saves).
 STAGE_MIN_BYTES = 1 << 20
@@ -110,7 +120,7 @@ class NativeTransport(Transport):
     direct = True
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
-                 pool: ReadPool | None = None) -> None:
+                 pool: ReadPool | None = None, te: TeOptions | None = None) -> None:
         if data_path not in DATA_PATHS:
             raise InvalidArgumentError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
         try:
@@ -134,17 +144,41 @@ class NativeTransport(Transport):
         self.data_path = data_path
         self.pool = pool if pool is not None else ReadPool.shared()
         self._slabs: dict[int, SlabView] = {}  # unit -> its slab, mapped (same host)
+        self._remote: dict[int, RemoteSlab] = {}  # unit -> its slab over the transfer engine
         self._stage = threading.local()  # the put this thread is encoding into staged extents, if any
         self._views = _ViewPins(self)
-        if data_path != "zmq":
+        if data_path in ("auto", "shm"):
             self._map_slabs(required=data_path == "shm")
+        if data_path in ("auto", "te"):
+            self._reach_engines(te or TeOptions(), required=data_path == "te")
 
     def paths(self) -> dict[str, str]:
-        """The data path to each storage unit: ``shm`` (its slab is mapped here) or ``zmq``.
+        """The data path to each storage unit: ``shm`` (its slab is mapped here), ``te``
+        (one-sided over the transfer engine) or ``zmq``.
 
         Example: ``client.transport.paths()  # {"rlplane-native-unit-0": "shm", ...}``
         """
-        return {name: "shm" if u in self._slabs else "zmq" for u, (name, _) in enumerate(self.units)}
+        return {name: "shm" if u in self._slabs else "te" if u in self._remote else "zmq"
+                for u, (name, _) in enumerate(self.units)}
+
+    def _reach_engines(self, opts: TeOptions, *, required: bool) -> None:
+        """The units not mapped here, through their transfer engines (where they run one)."""
+        for u, (name, endpoint) in enumerate(self.units):
+            if u in self.down or u in self._slabs:
+                continue
+            try:
+                te = self._unit(u).call({"op": "te"}, timeout=min(self.timeout, 5.0))[0]
+                peer, base, nbytes, protocol = str(te["peer"]), int(te["base"]), int(te["bytes"]), str(te["protocol"])
+                host = opts.hostname or local_address(peer.rpartition(":")[0])
+                pool = transfer_pool(protocol, hostname=host, devices=opts.devices, staging_bytes=opts.staging_bytes)
+                self._remote[u] = RemoteSlab(name, peer, base, nbytes, pool)
+            except (TransportError, InvalidArgumentError, ForbiddenError, KeyError, TypeError, ValueError) as err:
+                if required:
+                    self.close()
+                    raise TransportError(f"data_path='te' needs every storage unit on the transfer engine, but {name} "
+                                         f"cannot be reached that way ({err}); use data_path='auto' "
+                                         "(RLPLANE_DATA_PATH=auto)") from None
+                log.debug("storage unit %s: no transfer engine path (%s)", name, err)
 
     def _map_slabs(self, *, required: bool) -> None:
         for u, (name, _) in enumerate(self.units):
@@ -346,6 +380,7 @@ class NativeTransport(Transport):
         self._pool.close()
         self.streams.close()
         self._slabs = {}  # the mappings go with the last client of this process that holds them
+        self._remote = {}  # the transfer pool stays for the process (see rlplane.te.transfer_pool)
 
     # -- implementation --------------------------------------------------------------
     def _ctrl(self) -> Channel:
@@ -418,7 +453,7 @@ class NativeTransport(Transport):
             for r, u in enumerate(units):
                 ch = self._unit(u)
                 staged = stage.fields if stage is not None and k == 0 and r == 0 else {}
-                if u in self._slabs:
+                if u in self._slabs or u in self._remote:  # extents first; the values follow one-sided
                     layout = [[f, dtype_name(c.dtype), c.nbytes] + ([staged[f][0]] if f in staged else [])
                               for f, c in part.items()]
                     rid = ch.send({"op": "alloc", "b": bid, "f": layout}, None, [raw(c.offsets) for c in part.values()])
@@ -444,6 +479,8 @@ class NativeTransport(Transport):
                 got = _offsets(reply.get("x"), w.part, self.units[w.unit][0])
                 if failed is None and w.unit in self._slabs:
                     self._copy_in(self._slabs[w.unit], got, w.part, w.staged)
+                elif failed is None and w.unit in self._remote:
+                    self._remote[w.unit].write([(c.values.view(torch.uint8).numpy(), got[f]) for f, c in w.part.items()])
                 where.setdefault(w.bid, {})[w.unit] = got
                 seals.append([w.bid, w.unit, reply.get("xs") or {}])
             except BaseException as err:  # noqa: BLE001 - the first failure is raised below
@@ -478,7 +515,8 @@ class NativeTransport(Transport):
              ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
         ctrl = self._ctrl()
-        loc = ctrl.call({"op": "locate", "p": partition, "ids": ids, "fields": fields, "shm": sorted(self._slabs)},
+        loc = ctrl.call({"op": "locate", "p": partition, "ids": ids, "fields": fields,
+                         "shm": sorted(self._slabs.keys() | self._remote.keys())},  # the units read at addresses
                         timeout=self._left(deadline))[0]
         pin = loc.get("pin")
         kept = False
@@ -531,10 +569,13 @@ class NativeTransport(Transport):
         dtypes: dict[str, set[str]] = {f: set() for f in out}
         sent = []
         for u, entries in loc["units"]:
-            for e in entries:  # rows in a mapped slab: copied out here, no message
-                if e[0] not in columns and self._mapped(u, e):
+            direct = [e for e in entries if e[0] not in columns and self._mapped(u, e)]
+            if u in self._remote and direct:  # one batched one-sided read of every field's rows there
+                self._read_remote(self._remote[u], direct, out, starts, row_bytes)
+            for e in direct:  # rows in a mapped slab: copied out here, no message
+                if u in self._slabs:
                     self._copy_out(self._slabs[u], e, out[e[0]], starts[e[0]], row_bytes[e[0]])
-                    dtypes[e[0]].add(str(e[5]))
+                dtypes[e[0]].add(str(e[5]))
             mine = [e for e in entries if e[0] not in columns and not self._mapped(u, e)]
             if not mine:
                 continue
@@ -565,9 +606,9 @@ class NativeTransport(Transport):
         return columns, views
 
     def _mapped(self, u: int, entry: list[Any]) -> bool:
-        """Whether ``entry``'s rows are read out of unit ``u``'s mapped slab (the controller
-        sent their addresses); else over ZMQ."""
-        return u in self._slabs and len(entry) >= 6
+        """Whether ``entry``'s rows are read at their addresses in unit ``u``'s slab (mapped
+        here, or over the transfer engine; the controller sent the addresses); else over ZMQ."""
+        return (u in self._slabs or u in self._remote) and len(entry) >= 6
 
     def _view(self, entries: list[tuple[int, list[Any]]], n: int, row_bytes: np.ndarray
               ) -> tuple[Column, np.ndarray] | None:
@@ -601,6 +642,24 @@ class NativeTransport(Transport):
             warnings.simplefilter("ignore", UserWarning)
             tensor = torch.from_numpy(values)
         return Column(tensor.view(dtype), torch.from_numpy(offsets)), values
+
+    @staticmethod
+    def _read_remote(slab: RemoteSlab, entries: list[list[Any]], out: dict[str, np.ndarray],
+                     starts: dict[str, np.ndarray], row_bytes: dict[str, np.ndarray]) -> None:
+        """Rows of one unit's share (every field) over the transfer engine into their places."""
+        names = [e[0] for e in entries]
+        at, lens, which, dst_at = [], [], [], []
+        for k, e in enumerate(entries):
+            pos, addr = int_array(e[3], "positions"), int_array(e[4], "addresses")
+            rb = row_bytes[e[0]]
+            if pos.size != addr.size or (pos.size and (int(pos.min()) < 0 or int(pos.max()) >= rb.size)):
+                raise WireFormatError("the controller located rows it was not asked for", field=e[0])
+            at.append(addr)
+            lens.append(rb[pos])
+            which.append(np.full(pos.size, k, np.int64))
+            dst_at.append(starts[e[0]][pos])
+        slab.read(np.concatenate(at), np.concatenate(lens), [out[f] for f in names], np.concatenate(which),
+                  np.concatenate(dst_at))
 
     @staticmethod
     def _copy_out(view: SlabView, entry: list[Any], out: np.ndarray, starts: np.ndarray, row_bytes: np.ndarray) -> None:
@@ -689,37 +748,6 @@ def _assemble(name: str, parts: list[tuple[RawColumn, np.ndarray, bool]], n: int
         if not in_place:
             _scatter(values, offsets, pos, col.values, col.offsets)
     return Column(torch.from_numpy(values).view(dtype_from_name(dtype)), torch.from_numpy(offsets))
-
-
-def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.ndarray, lens: np.ndarray) -> None:
-    """``dst[dst_at[k] : dst_at[k] + lens[k]] = src[src_at[k] : ...]`` for every ``k`` (uint8
-    arrays): ranges that follow one another in both are copied as one run; many small
-    runs go through one index gather. No Python loop per row unless rows are big."""
-    n = lens.size
-    if not n:
-        return
-    breaks = np.ones(n, dtype=bool)
-    breaks[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])
-    run_at = np.flatnonzero(breaks)
-    total = int(lens.sum())
-    if run_at.size <= _MAX_RUNS or total >= 8 * _BIG_RUN * run_at.size:
-        run_end = np.append(run_at[1:], n)
-        ends = np.concatenate([[0], np.cumsum(lens)])
-        for k0, k1 in zip(run_at.tolist(), run_end.tolist()):
-            size = int(ends[k1] - ends[k0])
-            s0, d0 = int(src_at[k0]), int(dst_at[k0])
-            _copy(dst[d0 : d0 + size], src[s0 : s0 + size])
-        return
-    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-    dst[np.repeat(dst_at, lens) + within] = src[np.repeat(src_at, lens) + within]
-
-
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` for uint8 arrays; big copies on torch's threads."""
-    if dst.size >= _BIG_COPY and src.flags.writeable and dst.flags.writeable:
-        torch.from_numpy(dst).copy_(torch.from_numpy(src))
-    else:
-        dst[:] = src
 
 
 def _offsets(x: Any, part: Mapping[str, Column], unit: str) -> dict[str, int]:
@@ -838,9 +866,36 @@ def _scatter(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray, src: np.n
     values[np.repeat(offsets[pos], lens) + within] = src[:total]
 
 
-def open_transport(info: Mapping[str, Any], *, timeout: float, data_path: str = "auto") -> NativeTransport:
-    """The transport ``rlplane.connect`` opens for the ``native`` entry of ``/v1/transport``."""
-    return NativeTransport(info, timeout=timeout, data_path=data_path)
+@dataclass(frozen=True)
+class TeOptions:
+    """This client's side of the transfer engine: the staging buffer's size, the address
+    it advertises (``""``: the interface that reaches the unit) and its RDMA NICs.
+    ``rlplane.connect`` fills it from RLPLANE_TE_STAGING_BYTES, RLPLANE_TE_HOSTNAME and
+    RLPLANE_TE_DEVICES."""
+
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    hostname: str = ""
+    devices: str = ""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> TeOptions:
+        """Read RLPLANE_TE_STAGING_BYTES / _HOSTNAME / _DEVICES (InvalidArgumentError if malformed)."""
+        env = os.environ if env is None else env
+        raw_size = env.get("RLPLANE_TE_STAGING_BYTES") or str(DEFAULT_STAGING_BYTES)
+        try:
+            size = int(raw_size)
+        except ValueError:
+            size = -1
+        if size < 1 << 16:
+            raise InvalidArgumentError(f"RLPLANE_TE_STAGING_BYTES must be a number of bytes >= 65536, got {raw_size!r}")
+        return cls(size, env.get("RLPLANE_TE_HOSTNAME") or "", env.get("RLPLANE_TE_DEVICES") or "")
 
 
-__all__ = ["NativeTransport", "open_transport", "reachable"]
+def open_transport(info: Mapping[str, Any], *, timeout: float, data_path: str = "auto",
+                   te: TeOptions | None = None) -> NativeTransport:
+    """The transport ``rlplane.connect`` opens for the ``native`` entry of ``/v1/transport``
+    (``te`` defaults to the RLPLANE_TE_* environment, :meth:`TeOptions.from_env`)."""
+    return NativeTransport(info, timeout=timeout, data_path=data_path, te=te if te is not None else TeOptions.from_env())
+
+
+__all__ = ["NativeTransport", "TeOptions", "open_transport", "reachable"]

@@ -70,7 +70,8 @@ class NativeStore(StoreBackend):
         units = {
             f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **unit_options(settings, common))
             .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control, settings.engine_ports(),
-                    {name: s for name, (s, _) in scoped.items()})
+                    {name: s for name, (s, _) in scoped.items()},
+                    (settings.te_protocol, settings.te_devices) if settings.te_protocol else None)
             for i in range(settings.storage_units)
         }
         try:

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from rlplane_service.native.controller import ControllerCore
 from rlplane_service.native.server import Server
-from rlplane_service.native.unit import DEFAULT_SLAB_BYTES, UnitCore
+from rlplane_service.native.unit import DEFAULT_SLAB_BYTES, TransferEngineConfig, UnitCore
 
 
 class LocalEngine:
@@ -40,9 +40,10 @@ class LocalEngine:
     def __init__(self, units: int = 2, *, secret: bytes | None = b"local-engine-secret",
                  slab_bytes: int = DEFAULT_SLAB_BYTES, hosts: Sequence[str] | None = None, processes: bool = False,
                  tenants: Mapping[str, tuple[bytes, tuple[Sequence[str], bool]]] | None = None,
-                 **controller: Any) -> None:
+                 te_protocol: str = "", **controller: Any) -> None:
         """``tenants``: engine user -> (secret, (partition prefixes, may write)), as the
-        service derives them from RLPLANE_TOKENS_FILE (in-process units only)."""
+        service derives them from RLPLANE_TOKENS_FILE (in-process units only).
+        ``te_protocol``: each unit registers its slab with a transfer engine (``tcp``)."""
         self.secret = secret
         tenants = dict(tenants or {})
         users = {name: s for name, (s, _) in tenants.items()}
@@ -53,14 +54,16 @@ class LocalEngine:
         self.units: list[Server] = []
         self.procs: list[subprocess.Popen] = []
         if processes:
-            self.procs = [_spawn(f"u{i}", h, slab_bytes, secret, control) for i, h in enumerate(hosts)]
+            self.procs = [_spawn(f"u{i}", h, slab_bytes, secret, control, te_protocol) for i, h in enumerate(hosts)]
             started = [json.loads(p.stdout.readline() or "{}") for p in self.procs]  # type: ignore[union-attr]
             if not all("endpoint" in s for s in started):
                 self.stop()
                 raise RuntimeError(f"a storage unit process did not start: {started}")
             endpoints = [(s["endpoint"], s["control"]) for s in started]
         else:
-            self.cores = [UnitCore(f"u{i}", slab_bytes, seal_key=control) for i in range(units)]
+            self.cores = [UnitCore(f"u{i}", slab_bytes, seal_key=control,
+                                   te=TransferEngineConfig(h, te_protocol) if te_protocol else None)
+                          for i, h in zip(range(units), hosts)]
             self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control, users=users).start()
                           for i, (c, h) in enumerate(zip(self.cores, hosts))]
             endpoints = [(u.endpoint, u.control_endpoint) for u in self.units]
@@ -113,11 +116,12 @@ class LocalEngine:
         self.stop()
 
 
-def _spawn(name: str, host: str, slab_bytes: int, secret: bytes | None, control: bytes) -> subprocess.Popen:
+def _spawn(name: str, host: str, slab_bytes: int, secret: bytes | None, control: bytes,
+           te_protocol: str = "") -> subprocess.Popen:
     env = dict(os.environ, RLPLANE_LOCAL_SECRET=(secret or b"").decode(), RLPLANE_LOCAL_CONTROL=control.decode())
     return subprocess.Popen([sys.executable, "-m", "rlplane_service.native.local", "--name", name, "--host", host,
-                             "--slab-bytes", str(slab_bytes)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=env, text=True)
+                             "--slab-bytes", str(slab_bytes), "--te-protocol", te_protocol],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -128,10 +132,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--slab-bytes", type=int, default=DEFAULT_SLAB_BYTES)
+    ap.add_argument("--te-protocol", default="", choices=["", "tcp", "rdma"],
+                    help="register the slab with Mooncake's transfer engine over this protocol ('' = no)")
     args = ap.parse_args(argv)
     secret = os.environ.get("RLPLANE_LOCAL_SECRET", "").encode() or None
     control = os.environ.get("RLPLANE_LOCAL_CONTROL", "").encode() or None
-    core = UnitCore(args.name, args.slab_bytes, seal_key=control)
+    te = TransferEngineConfig(args.host, args.te_protocol) if args.te_protocol else None
+    core = UnitCore(args.name, args.slab_bytes, seal_key=control, te=te)
     server = Server(core, host=args.host, secret=secret, name=args.name, control_secret=control).start()
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -75,6 +75,28 @@ MAX_READ_BYTES = 4 << 30
 
 
 @dataclass(frozen=True, slots=True)
+class TransferEngineConfig:
+    """How a unit offers its slab to Mooncake's transfer engine: the address it advertises,
+    the protocol (``tcp`` or ``rdma``) and the RDMA NICs (``""``: the engine picks)."""
+
+    host: str
+    protocol: str
+    devices: str = ""
+
+    def register(self, u8: np.ndarray, unit: str) -> tuple[Any, dict[str, Any]]:
+        """Start an engine, register ``u8`` (the slab) with it; returns the engine and what
+        the unit's ``te`` operation answers."""
+        from rlplane.te import open_engine, register  # noqa: PLC0415 - mooncake only where configured
+
+        engine = open_engine(self.host, self.protocol, self.devices)
+        register(engine, u8.ctypes.data, u8.size, f"storage unit {unit}'s slab")
+        log.info("storage unit %s: slab on the transfer engine (%s) at %s:%d", unit, self.protocol, self.host,
+                 engine.get_rpc_port())
+        return engine, {"peer": f"{self.host}:{engine.get_rpc_port()}", "base": int(u8.ctypes.data),
+                        "bytes": int(u8.size), "protocol": self.protocol}
+
+
+@dataclass(frozen=True, slots=True)
 class Extent:
     """One field of one block: ``nbytes`` at ``start`` in the slab, rows split by ``offsets`` (elements)."""
 
@@ -146,14 +168,20 @@ class UnitCore:
     CONTROL_OPS = frozenset({"free", "block", "old"})
 
     def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True,
-                 seal_key: bytes | None = None) -> None:
+                 seal_key: bytes | None = None, te: TransferEngineConfig | None = None) -> None:
         """``seal_key`` (the controller's credential): every extent the unit hands out is
-        sealed with it (:func:`seal`), so a commit cannot claim extents or sizes it was not given."""
+        sealed with it (:func:`seal`), so a commit cannot claim extents or sizes it was not given.
+        ``te``: register the slab with Mooncake's transfer engine (clients on other hosts
+        then write and read it one-sided, :mod:`rlplane.te`)."""
         self.name = name
         self.seal_key = seal_key
         self.slab = Slab(slab_bytes, name)
         self.alloc = Allocator(self.slab.nbytes)
         self.share = SlabShare(self.slab.fd, name).start() if share else None
+        self.te: dict[str, Any] | None = None
+        self._engine: Any = None  # kept for the unit's life: the engine serves the slab from its own threads
+        if te is not None:
+            self._engine, self.te = te.register(self.slab.u8, name)
         self._blocks: dict[int, Block] = {}
         self._staged: dict[int, dict[str, tuple[int, int, str]]] = {}  # block -> field -> (start, bytes, dtype)
         self._staged_born: dict[int, float] = {}
@@ -300,6 +328,16 @@ class UnitCore:
         if self.share is None:
             raise E.UnavailableError(f"storage unit {self.name} does not share its slab", component=self.name)
         return {"sock": self.share.sock_name, "ticket": self.share.ticket(), "bytes": self.slab.nbytes}, {}, []
+
+    def op_te(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """Where this unit's slab is on the transfer engine: ``peer`` (the engine's
+        ``host:port``), ``base`` (the slab's registered address), ``bytes``, ``protocol``.
+        Only for full-access credentials: the engine itself checks nobody."""
+        _full_access(header, "reach this unit's slab over the transfer engine")
+        if self.te is None:
+            raise E.InvalidArgumentError(f"storage unit {self.name} runs no transfer engine (the service starts one "
+                                         "with RLPLANE_TE_PROTOCOL=tcp|rdma); use RLPLANE_DATA_PATH=auto or zmq")
+        return dict(self.te), {}, []
 
     def op_stats(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         return self.stats(), {}, []
@@ -495,12 +533,16 @@ def unit_actor_class() -> Any:
 
         def __init__(self, name: str, host: str | None, secret: str | None,
                      slab_bytes: int = DEFAULT_SLAB_BYTES, control_secret: str | None = None,
-                     ports: Sequence[int] | None = None, tenants: dict[str, str] | None = None) -> None:
-            """``tenants``: engine user -> secret of each tenant (they may not map the slab)."""
+                     ports: Sequence[int] | None = None, tenants: dict[str, str] | None = None,
+                     te: Sequence[str] | None = None) -> None:
+            """``tenants``: engine user -> secret of each tenant (they may not map the slab).
+            ``te``: ``(protocol, devices)`` of the transfer engine to register the slab with."""
             from rlplane_service.native.server import Server
 
-            self._core = UnitCore(name, slab_bytes, seal_key=control_secret.encode() if control_secret else None)
             bind = host or ray.util.get_node_ip_address()
+            engine = TransferEngineConfig(bind, str(te[0]), str(te[1])) if te else None
+            self._core = UnitCore(name, slab_bytes, seal_key=control_secret.encode() if control_secret else None,
+                                  te=engine)
             self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name,
                                   port=(int(ports[0]), int(ports[1])) if ports else 0,
                                   control_secret=control_secret.encode() if control_secret else None,
@@ -524,4 +566,4 @@ def unit_actor_class() -> Any:
     return NativeUnitActor
 
 
-__all__ = ["UnitCore", "unit_actor_class", "seal", "read_cap"]
+__all__ = ["TransferEngineConfig", "UnitCore", "unit_actor_class", "seal", "read_cap"]

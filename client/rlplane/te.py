@@ -1,0 +1,227 @@
+"""Mooncake's transfer engine: one-sided reads and writes of storage units' slabs from
+another host.
+
+A storage unit started with ``RLPLANE_TE_PROTOCOL`` (``tcp`` or ``rdma``) registers its
+slab with a ``mooncake.engine.TransferEngine`` (peer-to-peer handshake: no metadata
+server) and, asked with full-access credentials, says where it is: the engine's peer
+name, the slab's base address and size (the unit's ``te`` operation). A client that
+cannot map a unit's slab (another host, or told ``RLPLANE_DATA_PATH=te``) opens one
+:class:`TransferPool` per process: an engine of its own and a staging buffer registered
+with it once (pre-faulted, reused; ``RLPLANE_TE_STAGING_BYTES``). A put's values are
+copied into the staging buffer and written to the extents the unit allocated with one
+batched transfer (``batch_transfer_sync_write``) per block copy; a read's rows come
+into the staging buffer with one batched transfer per unit (``batch_transfer_sync_read``)
+and are copied to where the read wants them. Anything bigger than the staging buffer
+moves in several batches of its size. ZMQ carries control as on the other data paths,
+so commits, pins, replicas and digests work as there.
+
+Trust: the engine authenticates nobody. Whoever reaches its ports and knows a
+registered address reads and writes that memory (the engine refuses addresses outside
+what was registered, nothing more). The installed engine binds its two listeners (the
+handshake port and the TCP data port, drawn at random, observed in 15000-17000) on every
+interface whatever ``MC_TCP_BIND_ADDRESS`` says, so the transfer engine is off unless
+configured and its ports must be confined by the network (the chart's NetworkPolicy).
+Digests catch corruption in transit or at rest, not forgery.
+
+Example::
+
+    pool = transfer_pool("tcp", hostname="10.0.0.5")
+    slab = RemoteSlab("unit-0", info["peer"], info["base"], info["bytes"], pool)
+    slab.write([(values_u8, start)])                 # into extents the unit allocated
+    slab.read(at, lens, [out], which, out_at)        # rows out of the unit's slab
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from rlplane.copies import copy, copy_ranges
+from rlplane.errors import TransportError, UnavailableError, WireFormatError
+from rlplane.shm import populate
+
+log = logging.getLogger(__name__)
+
+#: The transfer engine's protocols rlplane configures (RDMA NICs by RLPLANE_TE_DEVICES).
+PROTOCOLS = ("tcp", "rdma")
+#: A client's staging buffer unless RLPLANE_TE_STAGING_BYTES says otherwise.
+DEFAULT_STAGING_BYTES = 64 << 20
+
+
+def open_engine(hostname: str, protocol: str, devices: str = "") -> Any:
+    """A started ``TransferEngine`` advertising ``hostname`` (peer-to-peer handshake).
+
+    TransportError when the mooncake wheel is missing or the engine does not start.
+
+    Example: ``engine = open_engine("127.0.0.1", "tcp")``
+    """
+    if protocol not in PROTOCOLS:
+        raise TransportError(f"transfer engine protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    try:
+        from mooncake.engine import TransferEngine
+    except ImportError as err:
+        raise TransportError(f"the transfer engine needs Mooncake's wheel ({err}): pip install 'rlplane[mooncake]', "
+                             "or use RLPLANE_DATA_PATH=zmq") from None
+    engine = TransferEngine()
+    rc = engine.initialize(hostname, "P2PHANDSHAKE", protocol, devices)
+    if rc != 0:
+        raise TransportError(f"Mooncake's transfer engine did not start on {hostname} (protocol {protocol!r}, devices "
+                             f"{devices or 'any'!r}: initialize returned {rc}); check RLPLANE_TE_PROTOCOL and "
+                             "RLPLANE_TE_DEVICES")
+    return engine
+
+
+def register(engine: Any, addr: int, nbytes: int, what: str) -> None:
+    """Register ``nbytes`` at ``addr`` with ``engine`` (TransportError if it refuses)."""
+    rc = engine.register_memory(addr, nbytes)
+    if rc != 0:
+        raise TransportError(f"the transfer engine refused to register {what} ({nbytes} bytes; register_memory "
+                             f"returned {rc})")
+
+
+def local_address(peer_host: str) -> str:
+    """The address of this host's interface that reaches ``peer_host`` (what the peer
+    sees this process as); no packet is sent."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer_host, 9))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+class TransferPool:
+    """One engine and its registered staging buffer (see the module docstring). Transfers
+    through one pool take turns (the buffer is one); they run without the GIL."""
+
+    def __init__(self, protocol: str, *, hostname: str, devices: str = "",
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        if staging_bytes < mmap.PAGESIZE:
+            raise TransportError(f"the transfer engine's staging buffer must be at least {mmap.PAGESIZE} bytes "
+                                 "(RLPLANE_TE_STAGING_BYTES)")
+        self.protocol, self.hostname = protocol, hostname
+        self.engine = open_engine(hostname, protocol, devices)
+        self.nbytes = staging_bytes - staging_bytes % mmap.PAGESIZE
+        self._mm = mmap.mmap(-1, self.nbytes)
+        self.u8 = np.frombuffer(self._mm, np.uint8)
+        if not populate(self.u8, write=True):  # older kernels: touch a byte a page
+            self.u8[:: mmap.PAGESIZE] = 0
+        self.base = self.u8.ctypes.data
+        register(self.engine, self.base, self.nbytes, "the client's staging buffer")
+        self._lock = threading.Lock()
+
+    def write(self, peer: str, unit: str, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
+        """Each ``(uint8 values, remote address)`` into the peer's memory."""
+        srcs = [src for src, _ in pieces if src.size]
+        remote = np.array([addr for src, addr in pieces if src.size], np.int64)
+        lens = np.array([src.size for src in srcs], np.int64)
+        if not lens.size:
+            return
+        with self._lock:
+            for b0, b1, k, off, n, stage in _windows(lens, self.nbytes):
+                for j, o, m, s in zip(k[b0:b1].tolist(), off[b0:b1].tolist(), n[b0:b1].tolist(),
+                                      stage[b0:b1].tolist()):
+                    copy(self.u8[s : s + m], srcs[j][o : o + m])
+                self._move(peer, unit, "write", stage[b0:b1], remote[k[b0:b1]] + off[b0:b1], n[b0:b1])
+
+    def read(self, peer: str, unit: str, at: np.ndarray, lens: np.ndarray, dsts: Sequence[np.ndarray],
+             which: np.ndarray, dst_at: np.ndarray) -> None:
+        """The peer's bytes at ``at[k]`` (``lens[k]`` of them) into ``dsts[which[k]]`` at
+        ``dst_at[k]``, for every ``k``: one batched transfer per window of the staging buffer."""
+        keep = lens > 0
+        at, lens, which, dst_at = at[keep], lens[keep], which[keep], dst_at[keep]
+        if not lens.size:
+            return
+        # Rows that follow one another in the peer's memory move as one range.
+        brk = np.ones(lens.size, bool)
+        brk[1:] = at[1:] != at[:-1] + lens[:-1]
+        starts = np.flatnonzero(brk)
+        run_at, run_len = at[starts], np.add.reduceat(lens, starts)
+        with self._lock:
+            for (r0, r1, k, off, n, stage), (b0, b1, rk, roff, rn, rstage) in zip(_windows(run_len, self.nbytes),
+                                                                                   _windows(lens, self.nbytes)):
+                self._move(peer, unit, "read", stage[r0:r1], run_at[k[r0:r1]] + off[r0:r1], n[r0:r1])
+                rows = rk[b0:b1]
+                for d in np.unique(which[rows]).tolist():
+                    mine = which[rows] == d
+                    copy_ranges(dsts[d], dst_at[rows[mine]] + roff[b0:b1][mine], self.u8, rstage[b0:b1][mine],
+                                rn[b0:b1][mine])
+
+    def _move(self, peer: str, unit: str, op: str, stage: np.ndarray, remote: np.ndarray, lens: np.ndarray) -> None:
+        fn = self.engine.batch_transfer_sync_write if op == "write" else self.engine.batch_transfer_sync_read
+        rc = fn(peer, (stage + self.base).tolist(), remote.tolist(), lens.tolist())
+        if rc != 0:
+            raise UnavailableError(f"storage unit {unit}'s transfer engine at {peer} did not take a {op} of "
+                                   f"{int(lens.sum())} bytes (rc {rc}): the unit may have died", component=unit)
+
+
+def _windows(lens: np.ndarray, cap: int) -> list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """The ranges ``lens`` laid end to end, cut into windows of ``cap`` bytes (one batch
+    each): per window ``(first, end)`` into the piece arrays ``(range, offset in it,
+    length, offset in the window)``. Vectorized; a range crossing a window's end is split."""
+    start = np.cumsum(lens) - lens
+    end = start + lens
+    first, last = start // cap, (end - 1) // cap
+    count = last - first + 1
+    k = np.repeat(np.arange(lens.size), count)
+    window = np.repeat(first, count) + (np.arange(k.size) - np.repeat(np.cumsum(count) - count, count))
+    lo = np.maximum(start[k], window * cap)
+    hi = np.minimum(end[k], (window + 1) * cap)
+    off, n, stage = lo - start[k], hi - lo, lo - window * cap
+    bounds = np.flatnonzero(np.diff(window)) + 1
+    cuts = [0, *bounds.tolist(), k.size]
+    return [(a, z, k, off, n, stage) for a, z in zip(cuts[:-1], cuts[1:])]
+
+
+_pools: dict[tuple[str, str, str, int], TransferPool] = {}
+_pools_lock = threading.Lock()
+
+
+def transfer_pool(protocol: str, *, hostname: str, devices: str = "",
+                  staging_bytes: int = DEFAULT_STAGING_BYTES) -> TransferPool:
+    """This process's pool for ``protocol`` seen as ``hostname`` (opened once, kept for
+    the process: an engine cannot be stopped and started again cheaply).
+
+    Example: ``pool = transfer_pool("tcp", hostname=local_address("10.0.0.7"))``
+    """
+    key = (protocol, hostname, devices, staging_bytes)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = TransferPool(protocol, hostname=hostname, devices=devices, staging_bytes=staging_bytes)
+        return pool
+
+
+@dataclass(eq=False)
+class RemoteSlab:
+    """A storage unit's slab reached through the transfer engine (offsets are the slab's)."""
+
+    unit: str
+    peer: str
+    base: int
+    nbytes: int
+    pool: TransferPool
+
+    def write(self, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
+        """Each ``(uint8 values, slab offset)`` into the slab (extents the unit allocated)."""
+        for src, start in pieces:
+            if start < 0 or start + src.size > self.nbytes:
+                raise WireFormatError(f"storage unit {self.unit} allocated an extent outside its slab")
+        self.pool.write(self.peer, self.unit, [(src, self.base + start) for src, start in pieces])
+
+    def read(self, at: np.ndarray, lens: np.ndarray, dsts: Sequence[np.ndarray], which: np.ndarray,
+             dst_at: np.ndarray) -> None:
+        """Rows at slab offsets ``at`` (``lens`` bytes each) into ``dsts[which[k]]`` at ``dst_at[k]``."""
+        if at.size and (int(at.min()) < 0 or int((at + lens).max()) > self.nbytes):
+            raise WireFormatError(f"the controller located rows outside storage unit {self.unit}'s slab")
+        self.pool.read(self.peer, self.unit, at + self.base, lens, dsts, which, dst_at)
+
+
+__all__ = ["PROTOCOLS", "DEFAULT_STAGING_BYTES", "RemoteSlab", "TransferPool", "local_address", "open_engine",
+           "register", "transfer_pool"]

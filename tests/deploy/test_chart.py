@@ -299,6 +299,63 @@ def test_network_policy_http_port_peers_and_client_namespaces():
     assert client["ports"] == [{"protocol": "TCP"}]
 
 
+#: The transfer engine's TCP ports (handshake RPC and TCP data), drawn at random in this range.
+TE_PORTS = (15000, 17000)
+TE_TCP = {"storage": {"transferEngine": {"protocol": "tcp"}}}
+
+
+def _app_args(out: dict) -> dict:
+    return yaml.safe_load(out["RayService"]["spec"]["serveConfigV2"])["applications"][0]["args"]
+
+
+def _rules_reaching(out: dict, lo: int, hi: int) -> list[dict]:
+    """The ingress rules with a port list that opens any port of lo..hi."""
+    return [r for r in out["NetworkPolicy"]["spec"]["ingress"] if "ports" in r
+            and any(p.get("port", 1) <= hi and lo <= p.get("endPort", p.get("port", 65535)) for p in r["ports"])]
+
+
+def test_transfer_engine_is_off_by_default():
+    out = render()
+    assert not [k for k in _app_args(out) if k.startswith("te_")]
+    assert render_values({})["storage"]["transferEngine"] == {"protocol": "", "devices": ""}
+    assert _rules_reaching(out, *TE_PORTS) == []
+    # The NIC list alone turns nothing on.
+    out = render({"storage": {"transferEngine": {"devices": "mlx5_0"}}})
+    assert not [k for k in _app_args(out) if k.startswith("te_")] and _rules_reaching(out, *TE_PORTS) == []
+
+
+def test_transfer_engine_tcp_reaches_the_service_and_opens_its_ports_to_the_stores_pods_only():
+    out = render(TE_TCP)
+    config = yaml.safe_load(out["RayService"]["spec"]["serveConfigV2"])
+    check_serve_config(config)  # ServiceSettings(**args) takes te_protocol / te_devices
+    args = config["applications"][0]["args"]
+    assert (args["te_protocol"], args["te_devices"]) == ("tcp", "")
+    kubernetes_validate.validate(out["NetworkPolicy"], KUBE_VERSION, strict=True)
+    own = {"podSelector": {"matchLabels": out["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"]}}
+    client = {"podSelector": {"matchLabels": {"rlplane.io/client": "true"}}}
+    (rule,) = _rules_reaching(out, *TE_PORTS)
+    assert rule["from"] == [own, client]
+    assert rule["ports"] == [{"protocol": "TCP", "port": TE_PORTS[0], "endPort": TE_PORTS[1]}]
+    # The clients' other ports stay what they were.
+    assert sorted(_client_ports(out)) == [(8000, 8000), (20000, 20199)]
+    # Clients in other namespaces: the engine rule names the same namespaces as the data ports.
+    out = render({"storage": {"transferEngine": {"protocol": "rdma", "devices": "mlx5_0"}},
+                  "networkPolicy": {"clientNamespaceSelector": {"team": "rl"}}})
+    assert (_app_args(out)["te_protocol"], _app_args(out)["te_devices"]) == ("rdma", "mlx5_0")
+    (rule,) = _rules_reaching(out, *TE_PORTS)
+    assert rule["from"] == [own, {**client, "namespaceSelector": {"matchLabels": {"team": "rl"}}}]
+    # No NetworkPolicy, no rule (and the values still reach the service).
+    out = render({**TE_TCP, "networkPolicy": {"enabled": False}})
+    assert "NetworkPolicy" not in out and _app_args(out)["te_protocol"] == "tcp"
+
+
+def test_values_schema_refuses_an_unknown_transfer_engine_protocol():
+    with pytest.raises(helm.HelmError, match=r"transferEngine/protocol.*one of '', 'tcp', 'rdma'"):
+        render({"storage": {"transferEngine": {"protocol": "udp"}}})
+    with pytest.raises(helm.HelmError, match="protocl"):
+        render({"storage": {"transferEngine": {"protocl": "tcp"}}})
+
+
 @pytest.mark.parametrize("kind", ["Secret", "NetworkPolicy"])
 def test_core_kinds_validate_against_kubernetes_schemas(rendered, kind):
     _, out = rendered
@@ -337,6 +394,7 @@ def perturbed(path: tuple, value):
     special = {
         ("image", "pullPolicy"): "Always", ("service", "backend"): "mooncake",
         ("mooncake", "protocol"): "tcp" if value == "rdma" else "rdma",
+        ("storage", "transferEngine", "protocol"): "tcp" if value != "tcp" else "rdma",
         ("service", "storageUnits"): 1, ("service", "capacity"): 1000, ("podMonitor", "interval"): "15s",
         ("imagePullSecrets",): [{"name": "regcred"}], ("tolerations",): [{"key": "k", "operator": "Exists"}],
         ("networkPolicy", "httpFrom"): [{"podSelector": {}}], ("networkPolicy", "clientNamespaceSelector"): {"a": "b"},
@@ -369,7 +427,8 @@ def with_value(values: dict, path: tuple, value) -> dict:
 
 def test_every_value_changes_the_rendered_output():
     """No dead knobs: changing any key of values.yaml changes what the chart renders
-    (with the default values or the RDMA/GPU ones, for the Mooncake keys)."""
+    (with the default values, the RDMA/GPU ones for the Mooncake keys, or the transfer
+    engine on for its devices)."""
     with helm.Chart.load(CHART) as chart:
         defaults = chart.values
 
@@ -378,7 +437,8 @@ def test_every_value_changes_the_rendered_output():
             out = chart.render(values, name="rl", namespace="ml")
         return {k: v for k, v in out.items() if not k.endswith("secret.yaml") or values.get("apiToken")}
 
-    bases = [{"apiToken": "fixed"}, {**rdma_values(), "apiToken": "fixed"}]
+    bases = [{"apiToken": "fixed"}, {**rdma_values(), "apiToken": "fixed"},
+             {"apiToken": "fixed", "storage": {"transferEngine": {"protocol": "tcp"}}}]
     before = [manifests(b) for b in bases]
     merged = [dict(leaves(render_values(b))) for b in bases]
     dead = []

@@ -65,6 +65,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end }}
 {{- end -}}
 
+{{/* The NetworkPolicy peer of the client pods (rollout and trainer workers):
+     networkPolicy.clientSelector, in clientNamespaceSelector's namespaces (null: the
+     release's own). */}}
+{{- define "rlplane.clientPeer" -}}
+{{- $np := .Values.networkPolicy -}}
+podSelector:
+  matchLabels:
+    {{- toYaml $np.clientSelector | nindent 4 }}
+{{- if not (kindIs "invalid" $np.clientNamespaceSelector) }}
+namespaceSelector:
+  matchLabels:
+    {{- toYaml $np.clientNamespaceSelector | nindent 4 }}
+{{- end }}
+{{- end -}}
+
 {{/* Pod-level settings shared by head and workers. */}}
 {{- define "rlplane.podSpecCommon" -}}
 {{- with .Values.imagePullSecrets }}

@@ -39,11 +39,13 @@ class Live:
 
 @pytest.fixture(scope="session")
 def service():
-    """The embedded service (default backend: native) on a free loopback port, with an API token."""
+    """The embedded service (default backend: native) on a free loopback port, with an API
+    token, its units' slabs also on the transfer engine (TCP) for the ``te`` data path."""
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
-    svc = EmbeddedService(ServiceSettings(port=free_port(), api_token=TOKEN, storage_units=2, unit_bytes=512 << 20),
+    svc = EmbeddedService(ServiceSettings(port=free_port(), api_token=TOKEN, storage_units=2, unit_bytes=512 << 20,
+                                          te_protocol="tcp"),  # the units' slabs on the transfer engine too
                           num_cpus=8)
     svc.start()
     try:

@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 
-PATHS = {"rlplane-native", "rlplane-native-zmq", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "mooncake-dataproto",
+PATHS = {"rlplane-native", "rlplane-native-zmq", "rlplane-native-te", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "mooncake-dataproto",
          "ray-object-store", "legacy-pickle"}
 #: The paths that can read a DP rank's shard (some rows, some fields).
-SELECTING = {"rlplane-native", "rlplane-native-zmq", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "mooncake-dataproto"}
+SELECTING = {"rlplane-native", "rlplane-native-zmq", "rlplane-native-te", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "mooncake-dataproto"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,5 +1,5 @@
 """One behaviour for every transport: the same tests over the in-process memory store,
-the native engine on each of its data paths (shared memory, ZMQ, HTTP) and TransferQueue
+the native engine on each of its data paths (shared memory, the transfer engine, ZMQ, HTTP) and TransferQueue
 on its simple and Mooncake storages (direct and HTTP). What `transports/base.py`
 promises: bit-exact round trips, strict reads, one owner per sample id, clears that
 count, typed errors that store nothing, claims exactly once per task."""
@@ -18,7 +18,8 @@ from rlplane.testing.workloads import vlm_step
 from rlplane.transports import MemoryTransport
 
 #: (store, how the client reaches it): every transport and data path there is.
-PATHS = ["memory", "native/shm", "native/zmq", "native/http", "simple/tq", "simple/http", "mooncake/tq", "mooncake/http"]
+PATHS = ["memory", "native/shm", "native/te", "native/zmq", "native/http", "simple/tq", "simple/http", "mooncake/tq",
+         "mooncake/http"]
 
 
 def part() -> str:
@@ -40,7 +41,7 @@ def conn(request):
     live = request.getfixturevalue("service") if store == "native" else request.getfixturevalue(f"{store}_service")
     url = live.url
     token = live.settings.token() if store == "native" else live.token
-    kw = {"transport": "native", "data_path": how} if how in ("shm", "zmq") else {"transport": how}
+    kw = {"transport": "native", "data_path": how} if how in ("shm", "te", "zmq") else {"transport": how}
 
     def remote():
         return rlplane.connect(url, token=token, **kw)

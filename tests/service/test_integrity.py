@@ -54,13 +54,16 @@ def test_rows_round_trip_with_their_checksums_and_a_wrong_checksum_names_the_row
     client.clear(q)
 
 
-@pytest.mark.parametrize("transport", ["native", "http"])
+@pytest.mark.parametrize("transport", ["native", "te", "http"])
 def test_a_bit_flipped_on_a_storage_unit_is_an_integrity_error_naming_sample_and_field(service, transport):
-    """The native engine's unit test hook flips one stored bit; the read says which row."""
+    """The native engine's unit test hook flips one stored bit; the read says which row
+    (over shared memory, one-sided over the transfer engine, or HTTP)."""
     from rlplane_service.settings import ServiceSettings
 
     token = service.settings.token()
-    c = rlplane.connect(service.url, token=token, transport=transport)
+    c = (rlplane.connect(service.url, token=token, transport="native", data_path="te") if transport == "te"
+         else rlplane.connect(service.url, token=token, transport=transport))
+    assert transport != "te" or set(c.transport.paths().values()) == {"te"}
     direct = rlplane.connect(service.url, token=token, transport="native")
     try:
         p = part()

@@ -28,7 +28,8 @@ from rlplane.transports.native import NativeTransport
 from rlplane.wire import pack_message, unpack_message
 
 TOKEN = "native-test-token"
-ARGS = {"store_name": "nat", "backend": "native", "storage_units": 2, "put_lease_s": 2.0, "api_token": TOKEN}
+ARGS = {"store_name": "nat", "backend": "native", "storage_units": 2, "put_lease_s": 2.0, "api_token": TOKEN,
+        "te_protocol": "tcp"}
 
 
 def part() -> str:
@@ -102,7 +103,7 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("path", ["shm", "zmq"])
+@pytest.mark.parametrize("path", ["shm", "te", "zmq"])
 def test_a_writer_killed_between_reserve_and_commit_leaves_nothing_and_its_retry_succeeds(nat, path):
     """SIGKILL after the bytes are in the units' extents, before the commit: nothing is
     visible, the ids and the extents are given back once the reservation lapses."""

@@ -1,5 +1,5 @@
-"""Storage units' slabs in one process (no Ray): the shared-memory and ZMQ data paths,
-a full slab, pins under zero-copy reads, and who may map a slab."""
+"""Storage units' slabs in one process (no Ray): the shared-memory, transfer-engine and
+ZMQ data paths, a full slab, pins under zero-copy reads, and who may map a slab."""
 
 import gc
 import socket
@@ -19,7 +19,7 @@ from rlplane.readpool import ReadPool
 from rlplane.shm import open_slab
 from rlplane.testing.verify import diff_fields
 from rlplane.testing.workloads import vlm_step
-from rlplane.transports.native import NativeTransport
+from rlplane.transports.native import NativeTransport, TeOptions
 from rlplane_service.native.local import LocalEngine
 
 SECRET = b"slab-test-secret"
@@ -28,12 +28,17 @@ SLAB = 64 << 20
 
 @pytest.fixture(scope="module")
 def engine():
-    with LocalEngine(2, secret=SECRET, slab_bytes=SLAB, lease_s=30, replicas=2) as eng:
+    with LocalEngine(2, secret=SECRET, slab_bytes=SLAB, lease_s=30, replicas=2, te_protocol="tcp") as eng:
         yield {"info": eng.info, "core": eng.core, "cores": eng.cores, "units": eng.units}
 
 
+#: The te path's staging buffer: small, so a vlm-step put or read moves in several batches.
+STAGING = 256 << 10
+
+
 def connect(engine, path: str, registry: Registry | None = None) -> Client:
-    return Client(registry or default_registry(), NativeTransport(engine["info"], timeout=30, data_path=path))
+    return Client(registry or default_registry(), NativeTransport(engine["info"], timeout=30, data_path=path,
+                                                                  te=TeOptions(staging_bytes=STAGING)))
 
 
 def used(engine) -> list[int]:
@@ -47,7 +52,7 @@ def wait_for(cond, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("path", ["shm", "zmq"])
+@pytest.mark.parametrize("path", ["shm", "te", "zmq"])
 def test_vlm_step_round_trips_bit_exactly_with_two_copies_on_each_path(engine, path):
     with connect(engine, path) as client:
         assert set(client.transport.paths().values()) == {path}
@@ -72,8 +77,8 @@ INTS = [torch.int64, torch.int32, torch.uint8, torch.bool]
 
 @settings(max_examples=25, deadline=None)
 @given(batch=st.integers(1, 5), seq=st.integers(1, 9), rest=st.lists(st.integers(1, 3), max_size=2),
-       dtype=st.sampled_from(FLOATS + INTS), path=st.sampled_from(["shm", "zmq"]), data=st.data())
-def test_random_geometries_and_dtypes_round_trip_on_both_paths(engine, batch, seq, rest, dtype, path, data):
+       dtype=st.sampled_from(FLOATS + INTS), path=st.sampled_from(["shm", "te", "zmq"]), data=st.data())
+def test_random_geometries_and_dtypes_round_trip_on_every_path(engine, batch, seq, rest, dtype, path, data):
     wire = torch.bfloat16 if dtype.is_floating_point else None
     reg = Registry([FieldSpec("tok", "token", "dense", {"s"}, wire_dtype=wire),
                     FieldSpec("smp", "sample", "dense", {"s"}),
@@ -94,7 +99,7 @@ def test_random_geometries_and_dtypes_round_trip_on_both_paths(engine, batch, se
         client.clear("geom")
 
 
-@pytest.mark.parametrize("path", ["shm", "zmq"])
+@pytest.mark.parametrize("path", ["shm", "te", "zmq"])
 def test_a_put_that_does_not_fit_is_storage_full_keeps_nothing_and_the_rest_reads(engine, path):
     with connect(engine, path) as client:
         small = {"input_ids": torch.arange(64).reshape(8, 8), "input_lengths": torch.full((8,), 8)}

@@ -40,7 +40,7 @@ class RlplanePath(BenchPath):
     (fetch, check, decode), over one transport."""
 
     transport: ClassVar[str]
-    data_path: ClassVar[str | None] = None  # native engine: shm, zmq (None: the client's default, auto)
+    data_path: ClassVar[str | None] = None  # native engine: shm, te, zmq (None: the client's default, auto)
     selects_rows = True
 
     def __init__(self, env: WorkerEnv) -> None:
@@ -94,6 +94,15 @@ class RlplaneNativeZmq(RlplaneNative):
     name = "rlplane-native-zmq"
     label = "rlplane (native, zmq)"
     data_path = "zmq"
+
+
+class RlplaneNativeTe(RlplaneNative):
+    """The native engine with bulk bytes one-sided over Mooncake's transfer engine (TCP
+    here; what a client on another host uses when the service runs RLPLANE_TE_PROTOCOL)."""
+
+    name = "rlplane-native-te"
+    label = "rlplane (native, te)"
+    data_path = "te"
 
 
 class RlplaneTQ(RlplanePath):
@@ -297,7 +306,7 @@ def _as_column(value: Any) -> Column:
 
 #: Every path, in table order. Raw TransferQueue is the reference every ratio divides by.
 PATHS: dict[str, type[BenchPath]] = {
-    p.name: p for p in (RlplaneNative, RlplaneNativeZmq, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, MooncakeDataProto, RayObjectStore,
+    p.name: p for p in (RlplaneNative, RlplaneNativeZmq, RlplaneNativeTe, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, MooncakeDataProto, RayObjectStore,
               LegacyObjectArray)
 }
 REFERENCE = RawTQ.name

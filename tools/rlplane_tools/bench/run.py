@@ -42,7 +42,9 @@ SWEEP_WORKLOAD = "vlm-step"
 #: keeps its encode buffers (~700 MB at B=256), the units' slabs are pre-faulted, and with
 #: them the sweep ran the 24 GiB host out of memory.
 SWEEP_PATHS = tuple(p for p in PATHS if p not in ("rlplane-http", "mooncake-dataproto", "rlplane-native-zmq",
-                                                   "rlplane-mooncake"))
+                                                   "rlplane-native-te", "rlplane-mooncake"))
+#: The row that needs the units' slabs on the transfer engine (the embedded service runs it over TCP).
+TE_PATH = "rlplane-native-te"
 WRITERS_PATH = "rlplane-native"
 #: text-scale: the text fields at S=1024 over growing B, through these paths (cost per sample).
 SCALE_WORKLOAD = "text-scale"
@@ -142,7 +144,7 @@ def run_bench(
         with stages(console, "starting the embedded service") as say:
             # 1 GiB slabs (pre-faulted): the B=256 sweep puts ~700 MB in one local block; bigger
             # slabs, with the peers' own memory, ran the 24 GiB host out of memory
-            service = EmbeddedService(ServiceSettings(port=free_port(), unit_bytes=1 << 30), say=say)
+            service = EmbeddedService(ServiceSettings(port=free_port(), unit_bytes=1 << 30, te_protocol="tcp"), say=say)
             service.start()
         url, token = service.url, service.settings.token()
     try:
@@ -155,6 +157,10 @@ def run_bench(
         if tq_url is None and any(p in cfg.paths for p in TQ_ROWS):
             console.print("[yellow]no --tq-url: the rlplane-tq and raw-tq rows are left out[/]")
             cfg = replace(cfg, paths=tuple(p for p in cfg.paths if p not in TQ_ROWS))
+        if TE_PATH in cfg.paths and not _runs_transfer_engine(url, token):
+            console.print("[yellow]the service's storage units run no transfer engine (RLPLANE_TE_PROTOCOL): the "
+                          f"{TE_PATH} row is left out[/]")
+            cfg = replace(cfg, paths=tuple(p for p in cfg.paths if p != TE_PATH))
         if mooncake_url is None and "rlplane-mooncake" in cfg.paths:
             console.print("[yellow]no --mooncake-url: the rlplane-mooncake row is left out[/]")
             cfg = replace(cfg, paths=tuple(p for p in cfg.paths if p != "rlplane-mooncake"))
@@ -212,6 +218,17 @@ def _publishes(url: str, token: str | None, key: str) -> bool:
         return bool(api.json("GET", "/v1/transport").get(key))
     finally:
         api.close()
+
+
+def _runs_transfer_engine(url: str, token: str | None) -> bool:
+    import rlplane
+    from rlplane.errors import RlplaneError
+
+    try:
+        with rlplane.connect(url, token=token, transport="native", data_path="te", timeout=30):
+            return True
+    except RlplaneError:
+        return False
 
 
 def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mooncake_url: str | None,

@@ -1,0 +1,229 @@
+"""The transfer-engine data path (Mooncake's engine over TCP on loopback, no Ray): the
+staging windows, who may learn a unit's engine address, the choice of path, and a unit
+killed under it."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane.te import TransferPool, open_engine, register
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import text_step, vlm_step
+from rlplane.transports import native
+from rlplane.transports.native import NativeTransport, TeOptions
+from rlplane_service.native.local import LocalEngine
+from rlplane_service.native.unit import UnitCore
+
+SECRET = b"te-path-secret"
+
+
+@pytest.fixture(scope="module")
+def peer():
+    """A bare engine with 1 MiB registered: what a unit's slab is to a client's pool."""
+    engine = open_engine("127.0.0.1", "tcp")
+    memory = np.zeros(1 << 20, np.uint8)
+    register(engine, memory.ctypes.data, memory.size, "the test's memory")
+    return {"engine": engine, "memory": memory, "name": f"127.0.0.1:{engine.get_rpc_port()}"}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return TransferPool("tcp", hostname="127.0.0.1", staging_bytes=3 * 4096)  # 12 kB: most moves take several batches
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40_000), min_size=1, max_size=8), seed=st.integers(0, 2**16))
+def test_writes_and_scattered_reads_through_a_small_staging_buffer_are_bit_exact(peer, pool, sizes, seed):
+    rng = np.random.default_rng(seed)
+    memory, base = peer["memory"], peer["memory"].ctypes.data
+    memory[:] = 0
+    srcs = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    at = np.cumsum([0] + [n + 3 for n in sizes[:-1]]).astype(np.int64)  # gaps between the extents
+    pool.write(peer["name"], "peer", [(s, base + int(a)) for s, a in zip(srcs, at)])
+    for s, a in zip(srcs, at.tolist()):
+        assert np.array_equal(memory[a : a + s.size], s)
+    # Read them back in a random order into two buffers, each at random places.
+    order = rng.permutation(len(sizes))
+    lens = np.array(sizes, np.int64)[order]
+    which = rng.integers(0, 2, order.size)
+    dsts = [np.zeros(int(lens.sum()) + 10, np.uint8) for _ in range(2)]
+    dst_at = np.zeros(order.size, np.int64)
+    for d in (0, 1):
+        mine = np.flatnonzero(which == d)
+        dst_at[mine] = np.cumsum(lens[mine]) - lens[mine]
+    pool.read(peer["name"], "peer", at[order] + base, lens, dsts, which, dst_at)
+    for k, i in enumerate(order.tolist()):
+        a = int(dst_at[k])
+        assert np.array_equal(dsts[which[k]][a : a + sizes[i]], srcs[i])
+
+
+def test_a_transfer_to_a_peer_that_is_gone_is_unavailable_naming_the_unit(pool):
+    with pytest.raises(E.UnavailableError) as err:
+        pool.read("127.0.0.1:1", "unit-7", np.array([0], np.int64), np.array([16], np.int64),
+                  [np.zeros(16, np.uint8)], np.zeros(1, np.int64), np.zeros(1, np.int64))
+    assert err.value.component == "unit-7" and "may have died" in str(err.value)
+
+
+def test_only_full_access_learns_where_a_units_slab_is_on_the_engine():
+    from rlplane_service.native.unit import TransferEngineConfig
+
+    unit = UnitCore("u-te", 16 << 20, share=False, te=TransferEngineConfig("127.0.0.1", "tcp"))
+    try:
+        got = unit.op_te({"_user": None}, {}, [])[0]
+        assert got["bytes"] == unit.slab.nbytes and got["protocol"] == "tcp" and got["peer"].startswith("127.0.0.1:")
+        assert got["base"] == unit.slab.u8.ctypes.data
+        with pytest.raises(E.ForbiddenError):
+            unit.op_te({"_user": "tenant-a"}, {}, [])
+    finally:
+        unit.stop()
+    plain = UnitCore("u-plain", 16 << 20, share=False)
+    with pytest.raises(E.InvalidArgumentError, match="RLPLANE_TE_PROTOCOL"):
+        plain.op_te({"_user": None}, {}, [])
+
+
+def test_data_path_te_needs_every_unit_on_the_engine_and_says_what_to_set():
+    with LocalEngine(2, secret=SECRET, slab_bytes=16 << 20) as eng:
+        with pytest.raises(E.TransportError) as err:
+            NativeTransport(eng.info, timeout=10, data_path="te")
+        assert "RLPLANE_TE_PROTOCOL" in str(err.value) and "data_path='auto'" in str(err.value)
+        t = NativeTransport(eng.info, timeout=10)  # auto: the slabs are on this host
+        assert set(t.paths().values()) == {"shm"}
+        t.close()
+
+
+def test_auto_reaches_units_it_cannot_map_over_the_engine(monkeypatch):
+    """A unit on another host cannot be mapped (its socket is in another network
+    namespace); auto then takes the engine, and the bytes round-trip bit for bit."""
+    def elsewhere(*args, **kwargs):
+        raise E.TransportError("no such socket on this host")
+
+    monkeypatch.setattr(native, "shared_slab", elsewhere)
+    with LocalEngine(2, secret=SECRET, slab_bytes=64 << 20, te_protocol="tcp") as eng:
+        with Client(default_registry(), NativeTransport(eng.info, timeout=20)) as client:
+            assert set(client.transport.paths().values()) == {"te"}
+            w = text_step(16, 128, seed=3)
+            meta = client.put_samples("auto-te", w.fields)
+            for copy in (True, False):  # no zero-copy views of a slab that is not mapped: copies
+                got = client.read_columns(meta, list(w.fields), copy=copy)
+                assert diff_fields(client.registry, w.fields, got, w.lengths) == []
+
+
+def test_te_options_come_from_the_environment_and_a_bad_size_is_refused():
+    opts = TeOptions.from_env({"RLPLANE_TE_STAGING_BYTES": str(8 << 20), "RLPLANE_TE_HOSTNAME": "10.1.2.3"})
+    assert (opts.staging_bytes, opts.hostname, opts.devices) == (8 << 20, "10.1.2.3", "")
+    for bad in ("lots", "1024"):
+        with pytest.raises(E.InvalidArgumentError, match="RLPLANE_TE_STAGING_BYTES"):
+            TeOptions.from_env({"RLPLANE_TE_STAGING_BYTES": bad})
+
+
+def test_a_unit_killed_under_the_te_path_loses_nothing_with_two_copies():
+    """SIGKILL of a unit's process takes its engine with it: the next read is served from
+    the other copy and the next put goes around the dead unit, within seconds."""
+    import time
+
+    with LocalEngine(3, secret=SECRET, slab_bytes=64 << 20, processes=True, replicas=2, grace_s=3600,
+                     te_protocol="tcp") as eng:
+        with Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="te")) as client:
+            assert set(client.transport.paths().values()) == {"te"}
+            w = vlm_step(6, 256, seed=5)
+            metas = [client.put_samples(f"kill-{k}", w.fields) for k in range(3)]
+            eng.kill_unit(0)
+            t0 = time.monotonic()
+            for m in metas:
+                got = client.read_columns(m, list(w.fields))
+                assert diff_fields(client.registry, w.fields, got, w.lengths) == []
+            after = client.put_samples("after", w.fields)
+            took = time.monotonic() - t0
+            assert took < 10.0, f"reads and a put after a unit died took {took:.1f} s"
+            assert diff_fields(client.registry, w.fields, client.read_columns(after, list(w.fields)), w.lengths) == []
+            assert 0 in client.transport.down
+            assert eng.core.stats()["lost_samples"] == 0
+            assert torch.equal(client.read_columns(metas[0], ["input_ids"])["input_ids"].long(),
+                               client.read_columns(after, ["input_ids"])["input_ids"].long())
+
+
+def test_a_units_engine_killed_mid_read_leaves_the_read_to_the_other_copy(monkeypatch):
+    """The unit dies after the locate named it and before the bytes came: the transfer
+    fails, the unit is declared lost, and the read completes from the other copy."""
+    import rlplane.te as te
+
+    with LocalEngine(2, secret=SECRET, slab_bytes=64 << 20, processes=True, replicas=2, grace_s=3600,
+                     te_protocol="tcp") as eng:
+        with Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="te")) as client:
+            w = vlm_step(6, 256, seed=9)
+            meta = client.put_samples("mid-read", w.fields)
+            victim = client.transport._remote[0].peer
+            original, killed = te.TransferPool.read, []
+
+            def read_then_die(self, peer, *args, **kwargs):
+                if peer == victim and not killed:
+                    eng.kill_unit(0)  # between the locate and the transfer of unit 0's rows
+                    killed.append(peer)
+                return original(self, peer, *args, **kwargs)
+
+            monkeypatch.setattr(te.TransferPool, "read", read_then_die)
+            got = client.read_columns(meta, list(w.fields))
+            assert killed, "no read went to unit 0"
+            assert diff_fields(client.registry, w.fields, got, w.lengths) == []
+            assert 0 in client.transport.down
+
+
+def test_a_client_with_a_wrong_secret_learns_no_engine_address():
+    with LocalEngine(2, secret=SECRET, slab_bytes=16 << 20, te_protocol="tcp") as eng:
+        asked = []
+        with pytest.raises(E.AuthenticationError):
+            t = NativeTransport({**eng.info, "secret": "not-the-secret"}, timeout=10, data_path="te")
+            asked.append(t.paths())
+        assert not asked
+        from rlplane.channel import Channel
+
+        ch = Channel(eng.units[0].endpoint, "u0", secret=b"not-the-secret", connect_timeout=3)
+        try:
+            with pytest.raises((E.AuthenticationError, E.UnavailableError)):
+                ch.call({"op": "te"}, timeout=5)
+        finally:
+            ch.close()
+
+
+def test_units_on_a_second_loopback_host_are_read_and_written_over_the_engine():
+    """127.0.0.2 stands for a second node: its units' engines advertise it, a client
+    forced onto te reaches them there, bit for bit, two copies on the two hosts."""
+    hosts = ["127.0.0.1", "127.0.0.2"]
+    with LocalEngine(2, secret=SECRET, slab_bytes=64 << 20, hosts=hosts, replicas=2, te_protocol="tcp") as eng:
+        with Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="te")) as client:
+            assert [client.transport._remote[u].peer.rpartition(":")[0] for u in (0, 1)] == hosts
+            w = vlm_step(8, 256, seed=13)
+            meta = client.put_samples("two-hosts", w.fields)
+            assert all(len(units) == 2 for units in eng.core._block_units.values())
+            got = client.read_columns(meta, list(w.fields))
+            assert diff_fields(client.registry, w.fields, got, w.lengths) == []
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    import psutil
+
+    return sorted((c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="tcp")
+                  if c.status == psutil.CONN_LISTEN)
+
+
+def test_a_units_listeners_are_on_its_address_and_only_the_engines_two_are_on_every_interface():
+    """rlplane's own sockets bind the unit's address. The transfer engine's two (its
+    handshake and its TCP data port) bind every interface whatever MC_TCP_BIND_ADDRESS
+    says (the installed wheel): exactly those two, and none without the engine."""
+    for protocol in ("", "tcp"):
+        with LocalEngine(1, secret=SECRET, slab_bytes=16 << 20, processes=True, te_protocol=protocol) as eng:
+            ports = _listening(eng.unit_pid(0))
+            wild = [(ip, port) for ip, port in ports if ip not in ("127.0.0.1",)]
+            assert all(ip in ("0.0.0.0", "::") for ip, _ in wild), ports
+            if not protocol:
+                assert wild == [] and len(ports) == 2, ports  # the data and the control socket
+                continue
+            t = NativeTransport(eng.info, timeout=10, data_path="te")
+            peer_port = int(t._remote[0].peer.rpartition(":")[2])
+            t.close()
+            assert len(wild) == 2 and peer_port in {port for _, port in wild}, (ports, peer_port)
+            assert all(15000 <= port <= 17000 for _, port in wild), wild

@@ -48,7 +48,7 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert [(s["writers"], s["verified_samples"]) for s in data["sweeps"]["writers"]] == [(1, 2), (2, 2)]
     scale = data["sweeps"]["scale"]
     assert [(s["workload"], s["batch"], s["seqlen"]) for s in scale] == [("text-scale", 4, 1024), ("text-scale", 8, 1024)]
-    assert {r["path"] for r in scale[0]["paths"]} == {"rlplane-native", "rlplane-native-zmq", "rlplane-tq", "raw-tq", "mooncake-dataproto",
+    assert {r["path"] for r in scale[0]["paths"]} == {"rlplane-native", "rlplane-native-te", "rlplane-native-zmq", "rlplane-tq", "raw-tq", "mooncake-dataproto",
                                                       "ray-object-store"}
     shard = data["dp_shard"]  # every read of it was checked bit for bit in the first round
     assert shard["rows"] == 1 and shard["fields"] == ["input_ids", "pixel_values"]

@@ -48,7 +48,8 @@ TE_PATH = "rlplane-native-te"
 WRITERS_PATH = "rlplane-native"
 #: text-scale: the text fields at S=1024 over growing B, through these paths (cost per sample).
 SCALE_WORKLOAD = "text-scale"
-SCALE_PATHS = ("rlplane-native", "rlplane-native-zmq", "rlplane-tq", "raw-tq", "mooncake-dataproto", "ray-object-store")
+SCALE_PATHS = ("rlplane-native", "rlplane-native-te", "rlplane-native-zmq", "rlplane-tq", "raw-tq", "mooncake-dataproto",
+               "ray-object-store")
 #: A data-parallel rank's read: every other sample of the vlm-step batch, two fields,
 #: through every path that can select rows.
 DP_SHARD_SECTION = "dp-shard"

@@ -33,8 +33,11 @@ SWEEP_HOLDS = 0.9
 CLAIM_P50_MS, WAKE_P50_MS, CLAIMERS_MIN_RATE = 2.0, 20.0, 1000.0
 #: vlm-step: what the row checksums add (once on put, once on read) as a share of the native round trip.
 CHECKSUM_SHARE = 0.05
+#: The transfer engine: small put/get p50 at most this (ms); text-scale at most this multiple of shm's µs/sample.
+TE_SMALL_MS, TE_SCALE_VS_SHM = 1.0, 1.5
 TARGET_WORKLOAD = "vlm-step"
 NATIVE = "rlplane-native"
+TE, ZMQ = "rlplane-native-te", "rlplane-native-zmq"
 RAY = "ray-object-store"
 DATAPROTO = "mooncake-dataproto"
 
@@ -87,6 +90,7 @@ def evaluate(results: dict) -> list[dict]:
 
     out.extend(_versus_dataproto(results, vlm, lat, scale))
     out.extend(_slab_targets(results, vlm))
+    out.extend(_te_targets(vlm, lat, scale))
     ours, sums = _median(vlm, NATIVE, "round trip"), (vlm or {}).get("checksum_ms")
     value = 2 * sums / ours if ours and sums is not None else None
     out.append(_target(f"{TARGET_WORKLOAD}: row checksums (computed on put, checked on read) <= {CHECKSUM_SHARE:.0%} of "
@@ -185,6 +189,30 @@ def _slab_targets(results: dict, vlm: dict | None) -> list[dict]:
                      if g.get((NATIVE, "get")) and g.get((REFERENCE, "get"))), default=None)
         out.append(_target("sweep: native get GB/s >= raw TransferQueue's at every B", worst, 1.0,
                            worst is not None and worst >= 1.0, "lowest GB/s ratio over the sweep"))
+    return out
+
+
+def _te_targets(vlm: dict | None, lat: dict, scale: dict) -> list[dict]:
+    """The transfer-engine path: vlm-step round trip against the zmq path's and raw
+    TransferQueue's, small p50s in absolute ms, text-scale B=4096 against the shm path."""
+    from rlplane_tools.bench.report import per_sample_us
+
+    ours = _median(vlm, TE, "round trip")
+    out = []
+    for other, label in ((ZMQ, "the zmq path's"), (REFERENCE, "raw TransferQueue's")):
+        theirs = _median(vlm, other, "round trip")
+        out.append(_target(f"{TARGET_WORKLOAD}: te round trip <= {label}", ours, theirs,
+                           ours is not None and theirs is not None and ours <= theirs, "put+get ms (median)"))
+    for op in ("put", "get"):
+        v = lat.get(TE, {}).get(op, {}).get("p50_ms")
+        out.append(_target(f"small: te {op} p50 <= {TE_SMALL_MS:g} ms", v, TE_SMALL_MS,
+                           v is not None and v <= TE_SMALL_MS, f"ms, p50 of {op}"))
+    if scale:
+        b = 4096 if 4096 in scale else max(scale)
+        te, shm = per_sample_us(scale[b], TE, "round trip"), per_sample_us(scale[b], NATIVE, "round trip")
+        value = te / shm if te is not None and shm else None
+        out.append(_target(f"text-scale B={b}: te µs/sample <= {TE_SCALE_VS_SHM}x the shm path's", value,
+                           TE_SCALE_VS_SHM, value is not None and value <= TE_SCALE_VS_SHM, "round trip µs/sample ratio"))
     return out
 
 

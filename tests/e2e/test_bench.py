@@ -11,6 +11,9 @@ PATHS = {"rlplane-native", "rlplane-native-zmq", "rlplane-native-te", "rlplane-t
          "ray-object-store", "legacy-pickle"}
 #: The paths that can read a DP rank's shard (some rows, some fields).
 SELECTING = {"rlplane-native", "rlplane-native-zmq", "rlplane-native-te", "rlplane-tq", "rlplane-http", "rlplane-mooncake", "raw-tq", "mooncake-dataproto"}
+#: The live-service run leaves the te row to the embedded run below (one more path over every
+#: workload and sweep ran it past its time limit on the 2-core VM).
+LIVE = PATHS - {"rlplane-native-te"}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -29,37 +32,40 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     res = bench("--quick", "--url", service.url, "--token", service.settings.token(), "--mooncake-url", mooncake_service.url,
                 "--tq-url", simple_service.url, "--batch", "2", "--seqlen", "32", "--scale-batch", "4", "--scale-batch", "8",
                 "--reps", "1", "--ops", "3", "--sweep-batch", "2", "--writers", "1", "--writers", "2",
-                "--json", str(out), "--plot", str(png))
+                "--json", str(out), "--plot", str(png), *[a for p in sorted(LIVE) for a in ("--path", p)])
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     assert not data["embedded"] and data["config"]["quick"]
     assert [w["workload"] for w in data["workloads"]] == ["vlm-step", "text-step"]
     for w in data["workloads"]:
-        assert {r["path"] for r in w["paths"]} == PATHS and w["bytes_stored"] > 0
+        assert {r["path"] for r in w["paths"]} == LIVE and w["bytes_stored"] > 0
         for r in w["paths"]:
             assert set(r["ops"]) == {"put", "get", "round trip"} and r["ops"]["put"]["reps"] == 1
             assert r["ratio_to_raw_tq"]["put"] > 0
         assert {b["op"] for b in w["bounds"]} == {"memcpy (warm dst)", "memcpy (fresh dst)"}
         assert w["checksum_ms"] > 0  # what the row digests cost, each way
     lat = data["latency"]
-    assert lat["workload"] == "small" and {r["path"] for r in lat["paths"]} == PATHS
+    assert lat["workload"] == "small" and {r["path"] for r in lat["paths"]} == LIVE
     assert all(r[op]["ops"] == 3 and r[op]["p99_ms"] >= r[op]["p50_ms"] for r in lat["paths"] for op in ("put", "get"))
     assert [s["batch"] for s in data["sweeps"]["batch"]] == [2]
     assert [(s["writers"], s["verified_samples"]) for s in data["sweeps"]["writers"]] == [(1, 2), (2, 2)]
     scale = data["sweeps"]["scale"]
     assert [(s["workload"], s["batch"], s["seqlen"]) for s in scale] == [("text-scale", 4, 1024), ("text-scale", 8, 1024)]
-    assert {r["path"] for r in scale[0]["paths"]} == {"rlplane-native", "rlplane-native-te", "rlplane-native-zmq", "rlplane-tq", "raw-tq", "mooncake-dataproto",
+    assert {r["path"] for r in scale[0]["paths"]} == {"rlplane-native", "rlplane-native-zmq", "rlplane-tq", "raw-tq", "mooncake-dataproto",
                                                       "ray-object-store"}
     shard = data["dp_shard"]  # every read of it was checked bit for bit in the first round
     assert shard["rows"] == 1 and shard["fields"] == ["input_ids", "pixel_values"]
-    assert {r["path"] for r in shard["paths"]} == SELECTING and all(r["get"]["ops"] == 1 for r in shard["paths"])
+    assert {r["path"] for r in shard["paths"]} == SELECTING - {"rlplane-native-te"} and all(r["get"]["ops"] == 1 for r in shard["paths"])
     claim = data["claim"]
     assert claim["claim"]["ops"] == 3 and claim["wake"]["ops"] + claim["wake_missed"] == 3
     assert claim["drain"]["exactly_once"] and claim["drain"]["samples"] == 8 * 2 and claim["drain"]["claimers"] == 4
     ctl = data["controller"]
     assert [r["op"] for r in ctl["rows"]] == ["put_samples", "claim+ack", "read_columns"] and ctl["processes"] == 2
     assert all(r["ops"] > 0 and r["ops_per_s"] > 0 for r in ctl["rows"])
-    assert len(data["targets"]) == 29 and all(t["met"] in (True, False) for t in data["targets"])
+    te = [t for t in data["targets"] if ": te " in t["name"]]  # the te row sat this run out: not judged
+    others = [t for t in data["targets"] if t not in te]
+    assert len(others) == 29 and all(t["met"] in (True, False) for t in others)
+    assert len(te) == 5 and all(t["met"] is None for t in te)
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]
     assert png.read_bytes()[:8] == PNG

@@ -130,7 +130,8 @@ def bench(
         "(text-scale is the sweep over B at S=1024; dp-shard: a DP rank reads every other vlm-step sample's input_ids + pixel_values, through every path that can select rows; claim is the streaming section: claim latency, wake-up, 4 claimers; controller: B=1 puts, claim+ack and one-sample reads per second from 8 processes)."
     ),
     paths: Optional[list[str]] = typer.Option(
-        None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native, rlplane-tq, rlplane-http, rlplane-mooncake, raw-tq, "
+        None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native (shm), rlplane-native-te (the transfer engine), "
+        "rlplane-native-zmq, rlplane-tq, rlplane-http, rlplane-mooncake, raw-tq, "
         "mooncake-dataproto (Mooncake's structured DataProto store; the bench starts its mooncake_master), ray-object-store, legacy-pickle."
     ),
     batch: Optional[int] = typer.Option(None, "--batch", "-b", min=1, help="Batch size of vlm-step / text-step (default: theirs)."),

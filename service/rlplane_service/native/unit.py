@@ -30,7 +30,9 @@ only on ``free``, which the controller sends
 once no sample points at the block and no read that located it is still pinned (see
 the controller), so an extent is never reused under a read in flight. Block ids come
 from the writer (62 random bits) and are never reused. ``slab`` issues a ticket for
-mapping the slab (see :class:`~rlplane_service.native.slab.SlabShare`).
+mapping the slab (see :class:`~rlplane_service.native.slab.SlabShare`); with a transfer
+engine (``te`` in the constructor, RLPLANE_TE_PROTOCOL) ``te`` says where the slab is on
+it, so a client on another host writes and reads it one-sided (:mod:`rlplane.te`).
 
 Example::
 

@@ -28,10 +28,15 @@ def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np
     n = lens.size
     if not n:
         return
+    total = int(lens.sum())
+    s0, d0 = int(src_at[0]), int(dst_at[0])
+    if n == 1 or (bool((src_at[1:] - src_at[:-1] == lens[:-1]).all())
+                  and bool((dst_at[1:] - dst_at[:-1] == lens[:-1]).all())):  # one run: the usual read of one put
+        copy(dst[d0 : d0 + total], src[s0 : s0 + total])
+        return
     breaks = np.ones(n, dtype=bool)
     breaks[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])
     run_at = np.flatnonzero(breaks)
-    total = int(lens.sum())
     if run_at.size <= MAX_RUNS or total >= 8 * BIG_RUN * run_at.size:
         run_end = np.append(run_at[1:], n)
         ends = np.concatenate([[0], np.cumsum(lens)])

@@ -37,13 +37,14 @@ def row_sums(col: Column) -> np.ndarray:
     values = col.values
     if values.device.type != "cpu":
         values = values.cpu()
-    flat = values.reshape(-1)
-    if flat.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
-        flat = flat.view(torch.int16)
-    buf = memoryview(np.ascontiguousarray(flat.numpy()).view(np.uint8))
-    bounds = (col.offsets.to("cpu") * values.element_size()).tolist()
+    if values.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+        values = values.view(torch.int16)
+    buf = memoryview(values.detach().numpy().view(np.uint8))  # 1-D and contiguous (a Column's invariant)
+    offsets = col.offsets if col.offsets.device.type == "cpu" else col.offsets.cpu()
+    bounds = (offsets.numpy() * values.element_size()).tolist()
     digest = xxhash.xxh3_64_intdigest
-    return np.fromiter((digest(buf[a:b]) for a, b in zip(bounds[:-1], bounds[1:])), np.uint64, len(bounds) - 1)
+    return np.fromiter(map(digest, map(buf.__getitem__, map(slice, bounds[:-1], bounds[1:]))), np.uint64,
+                       len(bounds) - 1)
 
 
 def check_sums(partition: str, sample_ids: Sequence[str], columns: Mapping[str, Column],

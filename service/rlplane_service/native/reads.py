@@ -18,7 +18,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -61,25 +61,24 @@ class ReadOps:
             per_unit: dict[int, list[list[Any]]] = {}
             pinned: set[int] = set()
             geoms, sizes, digests = {}, {}, {}
+            plans: dict[bytes, list[_Share]] = {}  # fields of one put share their blocks: planned once
             for name in fields:
                 fi = part.fields.get(name)
                 blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
-                lacking = np.flatnonzero(blk < 0)
-                for i in lacking.tolist():
-                    missing.setdefault(ids[i], []).append(name)
-                if lacking.size or fi is None:
+                if fi is None or bool((blk < 0).any()):
+                    for i in np.flatnonzero(blk < 0).tolist():
+                        missing.setdefault(ids[i], []).append(name)
                     continue
                 rows = fi.row[slots]
-                uniq, which = groups(blk)
-                pinned.update(uniq.tolist())
-                first = [self._copy_for(b, local) for b in uniq.tolist()]
-                unit_of = np.array(first, np.int64)[which]
-                for u in groups(unit_of)[0].tolist():
-                    pos = np.flatnonzero(unit_of == u) if len(first) > 1 else np.arange(unit_of.size)
-                    entry = [name, ints(blk[pos]), ints(rows[pos]), ints(pos)]
-                    if u in local and self._extents_known(blk[pos], u):  # else the client reads them over ZMQ
-                        entry += self._addresses(name, u, blk[pos], fi.off[slots[pos]])
-                    per_unit.setdefault(u, []).append(entry)
+                key = blk.tobytes()
+                plan = plans.get(key)
+                if plan is None:
+                    plan = plans[key] = self._plan(blk, local, pinned)
+                for share in plan:
+                    entry = [name, share.blocks, ints(rows[share.pos]), share.positions]
+                    if share.mapped:  # else the client reads them over ZMQ
+                        entry += self._addresses(name, share, fi.off[slots[share.pos]])
+                    per_unit.setdefault(share.unit, []).append(entry)
                 geoms[name] = fi.geometry(slots).to_wire()
                 sizes[name] = ints(fi.nbytes[slots])
                 digests[name] = fi.sums[slots].astype("<u8").tobytes()
@@ -130,27 +129,52 @@ class ReadOps:
                     return u
         return units[0]
 
-    def _extents_known(self, blocks: np.ndarray, u: int) -> bool:
-        return all(u in self._block_ext.get(b, ({}, {}))[1] for b in groups(blocks)[0].tolist())
+    def _plan(self, blk: np.ndarray, local: set[int], pinned: set[int]) -> list[_Share]:
+        """Which unit each requested row of blocks ``blk`` is read from, as one share per
+        unit (the blocks named are added to ``pinned``)."""
+        uniq, which = groups(blk)
+        pinned.update(uniq.tolist())
+        first = [self._copy_for(b, local) for b in uniq.tolist()]
+        unit_of = np.array(first, np.int64)[which]
+        plan = []
+        for u in groups(unit_of)[0].tolist():
+            pos = np.flatnonzero(unit_of == u) if len(first) > 1 else np.arange(unit_of.size)
+            ub, uw = groups(blk[pos])
+            mapped = u in local and all(u in self._block_ext.get(b, ({}, {}))[1] for b in ub.tolist())
+            plan.append(_Share(u, pos, ints(blk[pos]), ints(pos), mapped, ub, uw))
+        return plan
 
-    def _addresses(self, name: str, u: int, blocks: np.ndarray, off: np.ndarray) -> list[Any]:
-        """``[slab address of each row, dtype]`` of field ``name``'s rows (in ``blocks``) on unit ``u``."""
-        uniq, which = groups(blocks)
-        bases = np.empty(uniq.size, np.int64)
+    def _addresses(self, name: str, share: _Share, off: np.ndarray) -> list[Any]:
+        """``[slab address of each row, dtype]`` of field ``name``'s rows in ``share``."""
+        bases = np.empty(share.uniq.size, np.int64)
         dtypes = set()
-        for k, b in enumerate(uniq.tolist()):
+        for k, b in enumerate(share.uniq.tolist()):
             dt, where = self._block_ext.get(b, ({}, {}))
-            start = where.get(u, {}).get(name)
+            start = where.get(share.unit, {}).get(name)
             if start is None:
                 raise E.MissingDataError("(locate)", {}, hint=f"the extent of field {name!r} of block {b} on "
-                                         f"{self.units[u][0]} is not known (written by an older client?)")
+                                         f"{self.units[share.unit][0]} is not known (written by an older client?)")
             bases[k] = start
             dtypes.add(dt[name])
         if len(dtypes) > 1:
             raise E.ShapeError(f"the requested samples were written with different dtypes {sorted(dtypes)}", field=name)
-        return [ints(bases[which] + off), dtypes.pop()]
+        return [ints(bases[share.which] + off), dtypes.pop()]
 
     # -- housekeeping --------------------------------------------------------------------
+
+
+class _Share(NamedTuple):
+    """The rows of a locate one unit serves: their positions in the request (``pos``, and
+    as the wire's ``positions``), their ``blocks`` (wire), whether the client reads them at
+    their addresses (``mapped``), and the distinct blocks with each row's index in them."""
+
+    unit: int
+    pos: np.ndarray
+    blocks: Any
+    positions: Any
+    mapped: bool
+    uniq: np.ndarray
+    which: np.ndarray
 
 
 def groups(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

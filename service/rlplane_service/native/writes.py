@@ -132,42 +132,45 @@ class WriteOps:
                 gone = part.names[res.slots[part.state[res.slots] != COMMITTED]].tolist()
                 raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
             bid_of_row = np.empty(n, np.int64)
-            row_in_block = np.empty(n, np.int64)
+            first_row = np.empty(n, np.int64)  # the first row of each row's block
             for b, _, a, z in res.blocks:
                 bid_of_row[a:z] = b
-                row_in_block[a:z] = np.arange(z - a)
-            shapes = {}
+                first_row[a:z] = a
+            row_in_block = np.arange(n, dtype=np.int64) - first_row
+            shapes, row_bytes, row_sums = {}, {}, {}
             for name in res.fields:
                 g, nb = Geometry.from_wire(geoms[name], name), int_array(sizes[name], "row bytes")
+                h = digests(sums[name], name) if name in sums else None
                 if len(g) != n or nb.size != n:
                     raise E.WireFormatError(f"commit describes {len(g)} rows of {n}", field=name)
-                shapes[name] = g
-                if name in sums and digests(sums[name], name).size != n:
+                if h is not None and h.size != n:
                     raise E.WireFormatError(f"commit carries checksums for other than {n} rows", field=name)
-                if bool((nb < 0).any()):
+                if nb.size and int(nb.min()) < 0:
                     raise E.WireFormatError("row byte counts must not be negative", field=name)
+                shapes[name], row_bytes[name], row_sums[name] = g, nb, h
+            # Each field's running byte count: a row's offset in its block's extent, a block's bytes.
+            run = np.zeros((len(res.fields), n + 1), np.int64)
+            if n and res.fields:
+                np.cumsum(np.stack([row_bytes[f] for f in res.fields]), axis=1, out=run[:, 1:])
+            spans = {f: run[k] for k, f in enumerate(res.fields)}
             ext = extents(header.get("x"), res)
             if self.seal_key is not None:
-                self._check_seals(header.get("xs"), res, ext, sizes)
-            for name in res.fields:
+                self._check_seals(header.get("xs"), res, ext, spans)
+            for k, name in enumerate(res.fields):
                 fi = part.field_index(name)
                 self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
-                nb = int_array(sizes[name])
                 fi.block[res.slots] = bid_of_row
                 fi.row[res.slots] = row_in_block
-                within = np.zeros(n, np.int64)  # each row's byte offset in its block's extent
-                for _, _, a, z in res.blocks:
-                    np.cumsum(nb[a : z - 1], out=within[a + 1 : z])
-                fi.off[res.slots] = within
-                fi.nbytes[res.slots] = nb
+                fi.off[res.slots] = run[k, :n] - run[k, first_row]
+                fi.nbytes[res.slots] = row_bytes[name]
                 fi.set_geometry(res.slots, shapes[name])
-                fi.sums[res.slots] = digests(sums[name], name) if name in sums else 0
-                for b, _, a, z in res.blocks:
-                    self._block_refs[b] = self._block_refs.get(b, 0) + (z - a)
-                    live = int(nb[a:z].sum())
-                    tot = self._block_bytes.setdefault(b, [0, 0])
-                    tot[0] += live
-                    tot[1] += live
+                fi.sums[res.slots] = row_sums[name] if row_sums[name] is not None else 0
+            for b, _, a, z in res.blocks:
+                self._block_refs[b] = self._block_refs.get(b, 0) + (z - a) * len(res.fields)
+                live = int((run[:, z] - run[:, a]).sum())
+                tot = self._block_bytes.setdefault(b, [0, 0])
+                tot[0] += live
+                tot[1] += live
             if res.create:
                 part.user[res.slots] = objects(user) if user is not None else None  # type: ignore[arg-type]
                 part.state[res.slots] = COMMITTED
@@ -183,15 +186,15 @@ class WriteOps:
             self.ledger.touch(res.partition)  # parked claims on it may be ready now
         return {"committed": n}, {}, []
 
-    def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], sizes: dict[str, Any]) -> None:
+    def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], run: dict[str, np.ndarray]) -> None:
         """Every copy of every block the commit names must come with its unit's seal of
         each field's extent (where, dtype, bytes, rows), and the commit's row sizes must add
-        up to what the unit stored: a writer cannot point readers at bytes it was not given."""
+        up to what the unit stored (``run``: each field's running byte count over the rows): a
+        writer cannot point readers at bytes it was not given."""
         want = {(b, u) for b, units, _, _ in res.blocks for u in units}
         if not isinstance(given, list) or len(given) != len(want):
             raise E.WireFormatError("commit needs 'xs': each copy's extents as its storage unit sealed them")
         span = {b: (a, z) for b, _, a, z in res.blocks}
-        nb = {f: int_array(sizes[f], "row bytes") for f in res.fields}
         seen = set()
         for entry in given:
             ok = (isinstance(entry, list) and len(entry) == 3 and (entry[0], entry[1]) in want
@@ -213,8 +216,9 @@ class WriteOps:
                 if not hmac.compare_digest(tag, expect):
                     raise E.WireFormatError(f"storage unit {self.units[u][0]} did not seal this extent of block {b}",
                                             field=f)
-                if rows != z - a or nbytes != int(nb[f][a:z].sum()):
-                    raise E.WireFormatError(f"the commit's row sizes of block {b} ({int(nb[f][a:z].sum())} bytes in "
+                given_bytes = int(run[f][z] - run[f][a])
+                if rows != z - a or nbytes != given_bytes:
+                    raise E.WireFormatError(f"the commit's row sizes of block {b} ({given_bytes} bytes in "
                                             f"{z - a} rows) differ from what {self.units[u][0]} stored ({nbytes} in "
                                             f"{rows})", field=f)
         if seen != want:

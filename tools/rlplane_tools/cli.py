@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
+import time
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -230,6 +232,76 @@ def bench(
 
         write_plot(results, plot_path)
         console.print(f"chart written to {plot_path}")
+
+
+@app.command("two-node")
+def two_node(
+    paths: Optional[list[str]] = typer.Option(None, "--path", "-p", help="Data path(s) the client is forced onto "
+                                              "(repeat): te, zmq (default: both)."),
+    batch: int = typer.Option(16, "--batch", "-b", min=1, help="vlm-step samples per put."),
+    seqlen: int = typer.Option(2048, "--seqlen", "-s", min=4, help="vlm-step max sequence length."),
+    reps: int = typer.Option(3, min=1, help="Puts and reads per path (each checked bit for bit)."),
+    units: int = typer.Option(2, min=1, max=8, help="Storage units on the second node."),
+    unit_bytes: int = typer.Option(512 << 20, min=16 << 20, help="Each unit's slab."),
+    keep: bool = typer.Option(False, "--keep", help="After the check, keep the cluster and service up until Ctrl-C "
+                              "(e.g. for rlplane bench --url URL -p rlplane-native-te)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
+) -> None:
+    """Two Ray nodes on this machine's loopback (head 127.0.0.3, storage units on 127.0.0.2
+    with their transfer engines over TCP), the rlplane app deployed on them, and the
+    vlm-step batch moved through each data path from a client on the head, checked bit
+    for bit. Exit 1 on any difference. Both nodes are ended by pid on the way out.
+
+    Example: rlplane two-node --path te --json out/two-node.json
+    """
+    from rlplane_service.net import free_port
+    from rlplane_service.settings import ServiceSettings
+    from rlplane.errors import RlplaneError
+    from rlplane_tools.loopback import ClusterError, LoopbackCluster, check
+
+    chosen = paths or ["te", "zmq"]
+    bad = [p for p in chosen if p not in ("te", "zmq", "shm", "auto")]
+    if bad:
+        console.print(f"[red]error[/]: unknown data path(s) {bad}; choose te, zmq, shm or auto")
+        raise typer.Exit(2)
+    say = lambda msg: console.print(f"[dim]{msg}[/]")  # noqa: E731
+    cluster = LoopbackCluster(units=units, say=say)
+    try:
+        with captured_output(console, "two-node", verbose=False):
+            try:
+                cluster.start()
+                settings = ServiceSettings(port=free_port(), storage_units=units, unit_bytes=unit_bytes,
+                                           te_protocol="tcp", storage_resource=cluster.storage_resource)
+                url = cluster.deploy(settings)
+                results = check(url, chosen, batch=batch, seqlen=seqlen, node_ip=cluster.node_ip, reps=reps, say=say)
+                results.update(url=url, head_ip=cluster.head_ip, pids=cluster.pids())
+                if json_path is not None:
+                    json_path.parent.mkdir(parents=True, exist_ok=True)
+                    json_path.write_text(json.dumps(results, indent=2))
+                    console.print(f"results written to {json_path}")
+                for problem in results["problems"][:20]:
+                    console.print(f"[red]{problem}[/]")
+                if keep:
+                    console.print(f"rlplane is up at {url} (units on {cluster.node_ip}); Ctrl-C stops it")
+                    signal.signal(signal.SIGTERM, _interrupted)  # a SIGTERM stops it the same way
+                    try:
+                        while True:
+                            time.sleep(1)
+                    except KeyboardInterrupt:
+                        pass
+            finally:
+                say("stopping the cluster")
+                cluster.stop()
+    except (ClusterError, RlplaneError) as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
+    if results["problems"]:
+        raise typer.Exit(1)
+    console.print(f"[green]every read bit-exact[/] on {', '.join(chosen)}")
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 @app.command()

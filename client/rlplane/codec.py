@@ -119,11 +119,12 @@ def encode(
     batch, lens = prepared if prepared is not None else prepare(registry, fields, lengths, sample_ids=ids)
     geoms: dict[str, Geometry] = {}
     columns: dict[str, Column] = {}
+    tokens = _TokenRows(lens) if lens is not None else None
     for name, value in fields.items():
         if value is None:
             continue
         spec = registry.get(name)
-        out = _ENCODERS[(spec.alignment, spec.container)](spec, value, lens, batch, ids, alloc)
+        out = _ENCODERS[(spec.alignment, spec.container)](spec, value, tokens, batch, ids, alloc)
         if out is None:
             continue
         columns[name], geoms[name] = out
@@ -177,9 +178,42 @@ def _encode_sample_dense(spec: FieldSpec, value: torch.Tensor, lens, batch: int,
     return col, Geometry.uniform(value.shape[1:], batch)
 
 
+class _TokenRows:
+    """Each sample's length, and what every token field of one put derives from it (the
+    longest, the [B, S] mask of real tokens, the rows' offsets), computed once per put."""
+
+    __slots__ = ("lens", "_longest", "_masks", "_offsets")
+
+    def __init__(self, lens: torch.Tensor) -> None:
+        self.lens = lens
+        self._longest: int | None = None
+        self._masks: dict[tuple[int, str], torch.Tensor | None] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+
+    def longest(self) -> int:
+        if self._longest is None:
+            self._longest = int(self.lens.max()) if self.lens.numel() else 0
+        return self._longest
+
+    def mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
+        """Where a [B, seq] tensor holds real tokens (None: everywhere)."""
+        key = (seq, str(device))
+        if key not in self._masks:
+            full = not self.lens.numel() or bool((self.lens == seq).all())
+            self._masks[key] = None if full else torch.arange(seq, device=device) < self.lens.to(device)[:, None]
+        return self._masks[key]
+
+    def offsets(self, inner: int) -> torch.Tensor:
+        """Offsets of rows of ``lens * inner`` elements (shared: nothing writes into them)."""
+        if inner not in self._offsets:
+            self._offsets[inner] = offsets_from_numels(self.lens * inner)
+        return self._offsets[inner]
+
+
 def _encode_token_dense(
-    spec: FieldSpec, value: torch.Tensor, lens: torch.Tensor, batch: int, ids, alloc
+    spec: FieldSpec, value: torch.Tensor, tokens: _TokenRows, batch: int, ids, alloc
 ) -> tuple[Column, Geometry]:
+    lens = tokens.lens
     rest = list(value.shape[2:])
     if value.is_nested:
         offsets = value.offsets().to("cpu", torch.int64)
@@ -200,23 +234,19 @@ def _encode_token_dense(
         values = _cast(spec, values).reshape(-1).contiguous()
     else:
         seq = value.shape[1]
-        if lens.numel() and int(lens.max()) > seq:
+        if tokens.longest() > seq:
             i = int(torch.argmax((lens > seq).to(torch.int8)))
             raise ShapeError(
                 f"length {int(lens[i])} exceeds the tensor's sequence dim {seq}",
                 field=spec.name,
                 sample=_name(ids, i),
             )
-        if lens.numel() and bool((lens == seq).all()):
-            values = value
-        else:
-            mask = torch.arange(seq, device=value.device) < lens.to(value.device)[:, None]
-            values = _masked_select(value, mask)
+        mask = tokens.mask(seq, value.device)
+        values = value if mask is None else _masked_select(value, mask)
         values = _cast(spec, values).reshape(-1)
         if not values.is_contiguous():
             values = values.contiguous()
-    inner = math.prod(rest)
-    col = Column(values, offsets_from_numels(lens * inner))
+    col = Column(values, tokens.offsets(math.prod(rest)))
     return col, Geometry.token(lens.numpy().copy(), rest)
 
 

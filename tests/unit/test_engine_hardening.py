@@ -495,3 +495,43 @@ def test_a_commit_wakes_only_the_claims_parked_on_its_partition(engine, client, 
             client.clear(f"busy-{k}")
         client.clear("idle")
     intact(client, known)
+
+
+def test_work_a_handler_leaves_for_after_its_answer_runs_before_the_next_request_and_cannot_stop_the_loop():
+    """A commit answers once it has checked everything and updates its index right after:
+    the answer comes first, the next request (any peer's) sees the update, and a failure
+    of that after-work is counted, not fatal."""
+    from rlplane_service.native.server import Server
+
+    class Handler:
+        done = 0
+
+        def op_slow(self, header, columns, extra):
+            def then():
+                time.sleep(0.5)
+                Handler.done += 1
+                if header.get("boom"):
+                    raise RuntimeError("after-work failed")
+            return {"ok2": True}, {}, [], then
+
+        def op_done(self, header, columns, extra):
+            return {"done": Handler.done}, {}, []
+
+    server = Server(Handler(), secret=SECRET, name="then").start()
+    try:
+        first = Channel(server.endpoint, "then", secret=SECRET)
+        other = Channel(server.endpoint, "then", secret=SECRET)
+        first.call({"op": "done"}, timeout=10)  # connected
+        other.call({"op": "done"}, timeout=10)
+        t0 = time.monotonic()
+        first.call({"op": "slow"}, timeout=10)
+        answered = time.monotonic() - t0
+        assert answered < 0.4, f"the answer waited for the after-work ({answered:.2f} s)"
+        assert other.call({"op": "done"}, timeout=10)[0]["done"] == 1  # queued behind it, saw it
+        first.call({"op": "slow", "boom": True}, timeout=10)
+        assert other.call({"op": "done"}, timeout=10)[0]["done"] == 2
+        assert server.health()["failures"] == 1 and server.health()["alive"]
+        first.close()
+        other.close()
+    finally:
+        server.stop()

@@ -10,7 +10,10 @@ A handler may *park* a request (a claim waiting for samples) by raising :class:`
 with a deadline and a key (its partition): the loop keeps it, without a thread, and runs
 it again whenever the handler's ``wake()`` names its key among those that changed (or
 answers True: all), and once more, marked final (``header["_final"]``), when its
-deadline passes. Headers carry ``_t0``, when the
+deadline passes. A handler may also return a fourth item, a callable the loop runs
+right after the answer is sent (before it reads the next request): a commit answers
+once it has checked everything and then updates its index, off the writer's clock.
+Headers carry ``_t0``, when the
 request arrived; keys starting with ``_`` from the network are dropped. A request
 whose header has ``nr: true`` is one-way: it is handled and never answered.
 
@@ -57,7 +60,7 @@ from rlplane.wire import pack_message, unpack_header, unpack_message
 log = logging.getLogger(__name__)
 
 #: A handler answers ``(reply header, columns, buffers)``.
-Reply = tuple[dict[str, Any], dict[str, Any], list[Any]]
+Reply = tuple[dict[str, Any], dict[str, Any], list[Any]]  # (+ an optional callable run once it is sent)
 #: Largest frame a server accepts (bounds what one message can make it allocate).
 MAX_FRAME_BYTES = 16 << 30
 #: Longest a parked request waits for its final run, and most requests parked at once.
@@ -179,9 +182,10 @@ class Server:
                 self._parked.append((sock, ident, body, t0, deadline, key))
 
     def _answer(self, sock: Any, ident: Any, body: list[Any], t0: float, *, final: bool) -> None:
+        then: Callable[[], None] | None = None
         try:
             with gc_paused():
-                reply = self._handle(body, t0, final, control=sock is self._control)
+                reply, then = self._handle(body, t0, final, control=sock is self._control)
         except Park as park:
             if len(self._parked) < MAX_PARKED:
                 now = time.monotonic()
@@ -190,15 +194,27 @@ class Server:
                 return
             reply = pack_message({"ok": False, "rid": _rid(body), "error": _payload(E.UnavailableError(
                 f"{self.name} has {MAX_PARKED} requests waiting already; retry later", component=self.name))})
-        if reply is None:  # a one-way message (``nr``): nobody waits for an answer
-            return
         try:
-            sock.send_multipart([ident, *reply], copy=False)
+            if reply is not None:  # else a one-way message (``nr``): nobody waits for an answer
+                sock.send_multipart([ident, *reply], copy=False)
         except zmq.ZMQError as err:
             log.warning("%s: could not answer a peer: %s", self.name, err)
+        finally:
+            if then is not None:
+                self._then(then)
+
+    def _then(self, then: Callable[[], None]) -> None:
+        """Run what a handler left for after its answer (it must run: it holds the handler's state)."""
+        try:
+            with gc_paused():
+                then()
+        except Exception:  # noqa: BLE001 - a bug in one request must not stop the server
+            self.failures += 1
+            log.exception("%s: the work after an answer failed", self.name)
 
     def _handle(self, frames: list[Any], t0: float = 0.0, final: bool = False, control: bool = False,
-                ) -> list[Any] | None:
+                ) -> tuple[list[Any] | None, Callable[[], None] | None]:
+        """The answer to one request (None: one-way) and what to run once it is sent."""
         rid, one_way = None, False
         try:
             header = unpack_header(frames[0])
@@ -216,19 +232,28 @@ class Server:
                 raise E.WireFormatError(f"unknown operation {str(op)[:64]!r}")
             if op in self._control_ops and not control:
                 raise E.ForbiddenError(f"{self.name}: operation {op!r} is for the controller only")
-            out, cols, bufs = fn(header, columns, extra)
-            return None if one_way else pack_message({**out, "ok": True, "rid": rid}, cols, bufs)
+            out, cols, bufs, *then = fn(header, columns, extra)
         except Park:
             raise
         except E.RlplaneError as err:
-            return None if one_way else pack_message({"ok": False, "rid": rid, "error": _payload(err)})
+            return (None if one_way else pack_message({"ok": False, "rid": rid, "error": _payload(err)})), None
         except Exception as err:  # noqa: BLE001 - a bug in one request must not stop the server
             self.failures += 1
             log.exception("%s: request failed", self.name)
             if one_way:
-                return None
+                return None, None
             return pack_message({"ok": False, "rid": rid,
-                                 "error": {"error": "TransportError", "message": f"{self.name} failed: {type(err).__name__}: {err}"}})
+                                 "error": {"error": "TransportError", "message": f"{self.name} failed: {type(err).__name__}: {err}"}}), None
+        after = then[0] if then else None
+        try:
+            return (None if one_way else pack_message({**out, "ok": True, "rid": rid}, cols, bufs)), after
+        except Exception:
+            if after is not None:  # it must still run (it holds the handler's state); the answer says what failed
+                self._then(after)
+            self.failures += 1
+            log.exception("%s: could not pack an answer", self.name)
+            return (None if one_way else pack_message({"ok": False, "rid": rid, "error": {
+                "error": "TransportError", "message": f"{self.name} could not pack its answer"}})), None
 
     def _user_of(self, frame: Any) -> str | None:
         """The PLAIN user a message's connection authenticated as (None: no authentication)."""

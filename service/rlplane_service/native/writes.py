@@ -105,7 +105,10 @@ class WriteOps:
         if user is not None and not (isinstance(user, list) and all(t is None or isinstance(t, dict) for t in user)):
             raise E.WireFormatError("commit 'user' must be one tag map per sample")
         rid = header.get("res")
-        with self._lock:
+        # The lock is held from here until the index holds the put (``apply``, which the server
+        # runs right after sending the answer): nothing else sees the store in between.
+        self._lock.acquire()
+        try:
             res = self._res.get(rid) if isinstance(rid, str) else None
             if res is not None:
                 self._access(header, res.partition, write=True)
@@ -156,35 +159,44 @@ class WriteOps:
             ext = extents(header.get("x"), res)
             if self.seal_key is not None:
                 self._check_seals(header.get("xs"), res, ext, spans)
-            for k, name in enumerate(res.fields):
-                fi = part.field_index(name)
-                self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
-                fi.block[res.slots] = bid_of_row
-                fi.row[res.slots] = row_in_block
-                fi.off[res.slots] = run[k, :n] - run[k, first_row]
-                fi.nbytes[res.slots] = row_bytes[name]
-                fi.set_geometry(res.slots, shapes[name])
-                fi.sums[res.slots] = row_sums[name] if row_sums[name] is not None else 0
-            for b, _, a, z in res.blocks:
-                self._block_refs[b] = self._block_refs.get(b, 0) + (z - a) * len(res.fields)
-                live = int((run[:, z] - run[:, a]).sum())
-                tot = self._block_bytes.setdefault(b, [0, 0])
-                tot[0] += live
-                tot[1] += live
-            if res.create:
-                part.user[res.slots] = objects(user) if user is not None else None  # type: ignore[arg-type]
-                part.state[res.slots] = COMMITTED
-            elif isinstance(user, list) and len(user) == n:  # user tags added by a later write
-                for s, extra_tags in zip(res.slots.tolist(), user):
-                    if isinstance(extra_tags, dict) and extra_tags:
-                        part.user[s] = {**(part.user[s] or {}), **extra_tags}
-            self._block_ext.update(ext)
-            for b, _, _, _ in res.blocks:  # a block no field row points at (nothing to store) is dropped
-                if self._block_refs.get(b, 0) == 0:
-                    self._drop_blocks([b])
-            del self._res[res.rid]
-            self.ledger.touch(res.partition)  # parked claims on it may be ready now
-        return {"committed": n}, {}, []
+        except BaseException:
+            self._lock.release()
+            raise
+
+        def apply() -> None:
+            try:
+                for k, name in enumerate(res.fields):
+                    fi = part.field_index(name)
+                    self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
+                    fi.block[res.slots] = bid_of_row
+                    fi.row[res.slots] = row_in_block
+                    fi.off[res.slots] = run[k, :n] - run[k, first_row]
+                    fi.nbytes[res.slots] = row_bytes[name]
+                    fi.set_geometry(res.slots, shapes[name])
+                    fi.sums[res.slots] = row_sums[name] if row_sums[name] is not None else 0
+                for b, _, a, z in res.blocks:
+                    self._block_refs[b] = self._block_refs.get(b, 0) + (z - a) * len(res.fields)
+                    live = int((run[:, z] - run[:, a]).sum())
+                    tot = self._block_bytes.setdefault(b, [0, 0])
+                    tot[0] += live
+                    tot[1] += live
+                if res.create:
+                    part.user[res.slots] = objects(user) if user is not None else None  # type: ignore[arg-type]
+                    part.state[res.slots] = COMMITTED
+                elif isinstance(user, list) and len(user) == n:  # user tags added by a later write
+                    for s, extra_tags in zip(res.slots.tolist(), user):
+                        if isinstance(extra_tags, dict) and extra_tags:
+                            part.user[s] = {**(part.user[s] or {}), **extra_tags}
+                self._block_ext.update(ext)
+                for b, _, _, _ in res.blocks:  # a block no field row points at (nothing to store) is dropped
+                    if self._block_refs.get(b, 0) == 0:
+                        self._drop_blocks([b])
+                del self._res[res.rid]
+                self.ledger.touch(res.partition)  # parked claims on it may be ready now
+            finally:
+                self._lock.release()
+
+        return {"committed": n}, {}, [], apply  # answered once checked; indexed right after
 
     def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], run: dict[str, np.ndarray]) -> None:
         """Every copy of every block the commit names must come with its unit's seal of

@@ -69,9 +69,10 @@ def test_bench_quick_writes_valid_json(tmp_path):
 
 def test_help_lists_every_command_and_each_has_help_of_its_own():
     res = rlplane("--help")
-    commands = ("serve", "status", "demo", "bench", "soak")
+    commands = ("serve", "status", "demo", "bench", "soak", "two-node")
     assert res.returncode == 0 and all(c in res.stdout for c in commands)
-    says = {"serve": "Ctrl-C", "status": "consumption", "demo": "bit for bit", "bench": "--json", "soak": "--minutes"}
+    says = {"serve": "Ctrl-C", "status": "consumption", "demo": "bit for bit", "bench": "--json", "soak": "--minutes",
+            "two-node": "127.0.0.2"}
     for command in commands:
         own = rlplane(command, "--help")
         assert own.returncode == 0, (command, own.stderr)

@@ -39,8 +39,9 @@ import mmap
 import os
 import socket
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -135,13 +136,9 @@ class TransferPool:
         lens = np.array([src.size for src in srcs], np.int64)
         if not lens.size:
             return
-        with self._lock:
-            spans = self._register(srcs) if self.direct else None
-            if spans is not None:
-                try:
-                    self._move(peer, unit, "write", np.array([src.ctypes.data for src in srcs], np.int64), remote, lens)
-                finally:
-                    self._unregister(spans)
+        with self._lock, self._registered(srcs) as direct:
+            if direct:
+                self._move(peer, unit, "write", np.array([src.ctypes.data for src in srcs], np.int64), remote, lens)
                 return
             for b0, b1, k, off, n, stage in _windows(lens, self.nbytes):
                 for j, o, m, s in zip(k[b0:b1].tolist(), off[b0:b1].tolist(), n[b0:b1].tolist(),
@@ -157,15 +154,11 @@ class TransferPool:
         at, lens, which, dst_at = at[keep], lens[keep], which[keep], dst_at[keep]
         if not lens.size:
             return
-        with self._lock:
-            spans = self._register(dsts) if self.direct else None
-            if spans is not None:
-                try:
-                    local = np.array([d.ctypes.data for d in dsts], np.int64)[which] + dst_at
-                    starts = _runs(at, lens, local)
-                    self._move(peer, unit, "read", local[starts], at[starts], np.add.reduceat(lens, starts))
-                finally:
-                    self._unregister(spans)
+        with self._lock, self._registered(dsts) as direct:
+            if direct:
+                local = np.array([d.ctypes.data for d in dsts], np.int64)[which] + dst_at
+                starts = _runs(at, lens, local)
+                self._move(peer, unit, "read", local[starts], at[starts], np.add.reduceat(lens, starts))
                 return
             # Rows that follow one another in the peer's memory move as one range.
             starts = _runs(at, lens)
@@ -178,6 +171,17 @@ class TransferPool:
                     mine = which[rows] == d
                     copy_ranges(dsts[d], dst_at[rows[mine]] + roff[b0:b1][mine], self.u8, rstage[b0:b1][mine],
                                 rn[b0:b1][mine])
+
+    @contextmanager
+    def _registered(self, arrays: Sequence[np.ndarray]) -> Iterator[bool]:
+        """Whether the caller's ``arrays`` are registered for one transfer (``direct`` and the
+        engine took them); they are unregistered on the way out. False: use the staging buffer."""
+        spans = self._register(arrays) if self.direct else None
+        try:
+            yield spans is not None
+        finally:
+            if spans is not None:
+                self._unregister(spans)
 
     def _register(self, arrays: Sequence[np.ndarray]) -> list[int] | None:
         """Register the memory of ``arrays`` (as disjoint spans) for one transfer; the spans'

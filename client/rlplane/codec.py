@@ -511,11 +511,11 @@ def _check_numels(spec: FieldSpec, col: Column, want: np.ndarray | torch.Tensor,
     offsets = col.offsets if col.offsets.device.type == "cpu" else col.offsets.cpu()
     got = np.diff(offsets.numpy())
     want = want.cpu().numpy() if isinstance(want, torch.Tensor) else np.asarray(want, np.int64)
-    bad = np.flatnonzero(got != want) if got.shape == want.shape else np.arange(max(got.size, 1))
+    if got.shape != want.shape:
+        raise WireFormatError(f"{got.size} rows where the recorded shapes describe {want.size}", field=spec.name)
+    bad = np.flatnonzero(got != want)
     if bad.size:
         i = int(bad[0])
-        if i >= got.size or i >= want.size:
-            raise WireFormatError(f"{got.size} rows where the recorded shapes describe {want.size}", field=spec.name)
         raise WireFormatError(
             f"row holds {int(got[i])} elements but its recorded shape needs {int(want[i])}",
             field=spec.name,

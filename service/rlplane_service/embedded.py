@@ -115,24 +115,30 @@ class EmbeddedService:
         self._started_ray = False
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        last = ""
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(f"{self.url}/readyz", timeout=5.0)
-                if r.status_code == 200:
-                    return
-                last = r.text
-            except httpx.HTTPError as err:
-                last = str(err)
-            time.sleep(0.5)
-        raise TransportError(f"rlplane did not become ready at {self.url} within {self.ready_timeout_s:.0f} s: {last}")
+        wait_ready(self.url, self.ready_timeout_s)
 
     def __enter__(self) -> EmbeddedService:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_ready(url: str, timeout_s: float) -> None:
+    """Return once the service at ``url`` answers ``/readyz`` with 200; TransportError
+    (with its last answer) after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/readyz", timeout=5.0)
+            if r.status_code == 200:
+                return
+            last = r.text
+        except httpx.HTTPError as err:
+            last = str(err)
+        time.sleep(0.5)
+    raise TransportError(f"rlplane did not become ready at {url} within {timeout_s:.0f} s: {last}")
 
 
 def _answers(url: str, timeout: float = 5.0) -> bool:

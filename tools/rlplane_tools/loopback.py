@@ -33,9 +33,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
 import psutil
 
+from rlplane.errors import TransportError
+from rlplane_service.embedded import wait_ready
 from rlplane_service.net import free_port
 from rlplane_service.settings import ServiceSettings
 
@@ -112,7 +113,8 @@ class LoopbackCluster:
 
     def deploy(self, settings: ServiceSettings) -> str:
         """Deploy the rlplane app with ``settings`` (its HTTP proxy on the head, at
-        ``settings.host:settings.port``); returns its URL once ``/readyz`` says 200."""
+        ``settings.host:settings.port``); returns its URL once ``/readyz`` says 200
+        (TransportError after ``ready_timeout_s``)."""
         from ray import serve
 
         from rlplane_service.app import build_app
@@ -124,18 +126,12 @@ class LoopbackCluster:
         serve.start(http_options={"host": settings.host, "port": settings.port, "location": "HeadOnly"},
                     logging_config={"log_level": "WARNING"})
         serve.run(build_app(settings.as_args()), name="rlplane", route_prefix="/", blocking=False)
-        deadline, last = time.monotonic() + self.ready_timeout_s, ""
-        while time.monotonic() < deadline:
-            try:
-                r = httpx.get(f"{url}/readyz", timeout=5.0)
-                if r.status_code == 200:
-                    return url
-                last = r.text[:300]
-            except httpx.HTTPError as err:
-                last = str(err)
-            time.sleep(0.5)
-        self._failed = True
-        raise ClusterError(f"rlplane did not become ready at {url} within {self.ready_timeout_s:.0f} s: {last}")
+        try:
+            wait_ready(url, self.ready_timeout_s)
+        except TransportError:
+            self._failed = True  # keep the logs
+            raise
+        return url
 
     def pids(self) -> list[int]:
         """Every live process of both nodes (the ``ray start`` processes and what they started)."""

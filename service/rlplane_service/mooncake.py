@@ -39,15 +39,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from rlplane.errors import TransportError
-from rlplane_service.net import free_port
+from rlplane_service.net import free_ports
 from rlplane_service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _START_TIMEOUT_S = 30.0
+_START_ATTEMPTS = 3
 
 
 def master_binary(settings: ServiceSettings) -> str:
@@ -90,11 +92,31 @@ class MooncakeMaster:
 
     @classmethod
     def start(cls, settings: ServiceSettings, host: str) -> MooncakeMaster:
-        """Start the master on ``host``; return once its ``/health`` answers (TransportError if not)."""
+        """Start the master on ``host``; return once it serves on all its ports (TransportError if not).
+
+        Ports left 0 in ``settings`` are chosen free (three different ones). If the master
+        exits at start on chosen ports (another process bound one between the choice and
+        the master's bind), it is started again on new ones, up to three times.
+        """
+        chosen = not (settings.mooncake_master_port and settings.mooncake_metadata_port and settings.mooncake_metrics_port)
+        attempts = _START_ATTEMPTS if chosen else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return cls._start_once(settings, host)
+            except _ExitedAtStart as err:
+                if attempt == attempts:
+                    raise
+                log.warning("mooncake_master exited at start (attempt %d of %d), starting it on new ports: %s",
+                            attempt, attempts, err)
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    @classmethod
+    def _start_once(cls, settings: ServiceSettings, host: str) -> MooncakeMaster:
         binary = master_binary(settings)
-        rpc = settings.mooncake_master_port or free_port(host)
-        meta = settings.mooncake_metadata_port or free_port(host)
-        metrics = settings.mooncake_metrics_port or free_port(host)
+        auto = iter(free_ports(host, 3))
+        rpc = settings.mooncake_master_port or next(auto)
+        meta = settings.mooncake_metadata_port or next(auto)
+        metrics = settings.mooncake_metrics_port or next(auto)
         log_dir = Path(tempfile.mkdtemp(prefix=f"rlplane-{settings.store_name}-mooncake-"))
         log_file = log_dir / "mooncake_master.log"
         cmd = [
@@ -131,13 +153,18 @@ class MooncakeMaster:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = log_file.read_text(errors="replace")[-2000:]
-                raise TransportError(f"mooncake_master exited with {proc.returncode} at start (log {log_file}):\n{tail}")
-            if master.healthy(timeout=1.0):
+                raise _ExitedAtStart(f"mooncake_master exited with {proc.returncode} at start (log {log_file}):\n{tail}")
+            # /health answers from the admin server before the RPC server has bound its
+            # port; a master whose RPC bind fails still says "ok" for about a second.
+            if master.healthy(timeout=1.0) and _listens(proc.pid, {rpc, meta, metrics}):
                 log.info("mooncake_master pid %d: rpc %s, metadata %s", proc.pid, info.master_address, info.metadata_server)
                 return master
             time.sleep(0.2)
         master.stop()
-        raise TransportError(f"mooncake_master did not answer /health within {_START_TIMEOUT_S:.0f} s (log {log_file})")
+        raise TransportError(
+            f"mooncake_master did not serve on ports {rpc} (rpc), {meta} (metadata) and {metrics} (metrics) "
+            f"within {_START_TIMEOUT_S:.0f} s (log {log_file})"
+        )
 
     def info(self) -> dict[str, Any]:
         return asdict(self._info)
@@ -163,6 +190,19 @@ class MooncakeMaster:
             self._proc.kill()
             self._proc.wait(timeout)
         log.info("mooncake_master pid %d stopped", self._proc.pid)
+
+
+class _ExitedAtStart(TransportError):
+    """The master process ended before it served (a port taken, a bad flag): its log says why."""
+
+
+def _listens(pid: int, ports: set[int]) -> bool:
+    """Whether process ``pid`` itself listens on every one of ``ports`` (not some other process)."""
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return ports <= {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
 
 
 def mount_segment(settings: ServiceSettings, master: dict[str, Any], hostname: str, segment_bytes: int) -> Any:

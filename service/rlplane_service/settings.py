@@ -141,6 +141,15 @@ class ServiceSettings(BaseSettings):
                              f"got {lo}..{hi}")
         return self
 
+    @model_validator(mode="after")
+    def _mooncake_ports(self) -> "ServiceSettings":
+        named = {"mooncake_master_port": self.mooncake_master_port, "mooncake_metadata_port": self.mooncake_metadata_port,
+                 "mooncake_metrics_port": self.mooncake_metrics_port}
+        set_ = [p for p in named.values() if p]
+        if len(set_) != len(set(set_)):
+            raise ValueError(f"the mooncake_master's ports must differ (each server binds its own), got {named}")
+        return self
+
     def engine_ports(self) -> tuple[int, int] | None:
         """The native engine's port range, or None (any free port)."""
         return (self.engine_port_min, self.engine_port_max) if self.engine_port_min else None

@@ -177,3 +177,69 @@ def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_proce
     assert r.status_code == 503 and r.json()["components"]["mooncake_master"] is False
     assert "mooncake_master" in json.dumps(r.json()["reason"])
 
+
+
+def test_a_master_port_someone_else_holds_is_a_typed_error_naming_the_log():
+    """The master's admin server says "ok" on /health for about a second before the master
+    exits over an RPC port it could not bind: start must not call that master ready."""
+    import socket
+
+    from rlplane_service.mooncake import MooncakeMaster
+    from rlplane_service.net import free_ports
+    from rlplane_service.settings import ServiceSettings
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        meta, metrics = free_ports("127.0.0.1", 2)
+        settings = ServiceSettings(store_name="mc-taken", mooncake_master_port=taken,
+                                   mooncake_metadata_port=meta, mooncake_metrics_port=metrics)
+        start = time.monotonic()
+        with pytest.raises(E.TransportError) as err:
+            MooncakeMaster.start(settings, "127.0.0.1")
+        assert time.monotonic() - start < 35
+        assert "mooncake_master" in str(err.value) and "mooncake_master.log" in str(err.value)
+        with socket.create_connection(("127.0.0.1", taken), timeout=5):
+            pass  # the holder still has its port
+
+
+def test_a_chosen_port_taken_before_the_master_binds_it_starts_the_master_on_new_ports(monkeypatch):
+    """Free ports are chosen, then bound by the master: another process can take one in
+    between. The master that exits over it is started again on newly chosen ports."""
+    import socket
+
+    from rlplane_service import mooncake
+    from rlplane_service.settings import ServiceSettings
+
+    real = mooncake.free_ports
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        calls = []
+
+        def first_choice_is_taken(host, count):
+            calls.append(count)
+            ports = real(host, count)
+            return [taken, *ports[1:]] if len(calls) == 1 else ports
+
+        monkeypatch.setattr(mooncake, "free_ports", first_choice_is_taken)
+        master = mooncake.MooncakeMaster.start(ServiceSettings(store_name="mc-retry"), "127.0.0.1")
+    try:
+        assert len(calls) == 2
+        assert not master.info()["master_address"].endswith(f":{taken}")
+        assert master.healthy()
+    finally:
+        master.stop()
+    assert not master.healthy()
+
+
+def test_settings_refuse_one_port_for_two_of_the_masters_servers():
+    from pydantic import ValidationError
+
+    from rlplane_service.settings import ServiceSettings
+
+    with pytest.raises(ValidationError, match="must differ"):
+        ServiceSettings(mooncake_master_port=15000, mooncake_metadata_port=15000)
+    ServiceSettings(mooncake_master_port=15000, mooncake_metadata_port=15001)  # different: fine

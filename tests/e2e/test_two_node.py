@@ -35,7 +35,7 @@ def test_units_on_a_second_loopback_node_are_read_bit_exact_over_the_transfer_en
         data = json.loads(out.read_text())
         assert psutil.pid_exists(data["pids"][0])  # up while kept
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0, log.read_text()
+        assert proc.wait(timeout=150) == 0, log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

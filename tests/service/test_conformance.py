@@ -69,6 +69,24 @@ def test_a_vlm_batch_round_trips_bit_exactly_whole_and_by_subset(conn):
         assert client.clear(p) == 6
 
 
+def test_a_vlm_batch_round_trips_bit_exactly_as_a_tensordict(conn):
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    from rlplane.integrations.tensordict import put_tensordict, read_tensordict
+
+    w = vlm_step(6, 256, seed=12)
+    td = TensorDict({k: NonTensorStack(*[NonTensorData(r) for r in v.rows]) if isinstance(v, rlplane.PackedTensor)
+                     else v for k, v in w.fields.items()}, batch_size=[6])
+    with conn() as client:
+        p = part()
+        meta = put_tensordict(client, p, td)
+        back = read_tensordict(client, meta, list(w.fields), tokens="jagged")
+        got = {k: rlplane.PackedTensor(back.get(k).tolist()) if isinstance(w.fields[k], rlplane.PackedTensor)
+               else back.get(k) for k in w.fields}
+        assert diff_fields(client.registry, w.fields, got, w.lengths, sample_ids=meta.sample_ids) == []
+        assert client.clear(p) == 6
+
+
 def test_a_field_written_later_is_read_with_the_first_ones(conn):
     with conn() as client:
         p = part()

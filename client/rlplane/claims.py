@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from rlplane import errors as E
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 #: Longest a server parks one claim; a client waiting longer asks again.
 MAX_WAIT_S = 30.0
+#: Most samples one claim hands out (the batch size of a token-budget claim without one).
+MAX_CLAIM_BATCH = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -41,34 +43,66 @@ class ClaimRequest:
     current_version: int | None = None
     max_staleness: int | None = None
     lease_s: float | None = None
+    #: Token budget: the summed lengths (rows of ``tokens_field``) of what one claim hands out.
+    max_tokens: int | None = None
+    min_tokens: int | None = None  # what a claim at its deadline needs at least (default: max_tokens)
+    tokens_field: str | None = None  # the token field whose rows' lengths count (one of ``fields``)
 
     def to_header(self) -> dict[str, Any]:
-        return {"p": self.partition, "task": self.task, "n": self.batch_size, "fields": list(self.fields),
-                "wait": self.wait_s, "min": self.min_batch, "group": self.group_key, "version": self.current_version,
-                "stale": self.max_staleness, "lease_s": self.lease_s}
+        out = {"p": self.partition, "task": self.task, "n": self.batch_size, "fields": list(self.fields),
+               "wait": self.wait_s, "min": self.min_batch, "group": self.group_key, "version": self.current_version,
+               "stale": self.max_staleness, "lease_s": self.lease_s}
+        if self.max_tokens is not None:
+            out.update({"tok": self.max_tokens, "mintok": self.min_tokens, "tokf": self.tokens_field})
+        return out
 
     @classmethod
-    def build(cls, registry: Registry, partition: str, task: str, batch_size: int, *, stage: str | None = None,
+    def build(cls, registry: Registry, partition: str, task: str, batch_size: int | None, *, stage: str | None = None,
               fields: Sequence[str] | None = None, timeout: float = 0.0, min_batch: int | None = None,
               group_key: str | None = None, current_version: int | None = None, max_staleness: int | None = None,
-              lease_s: float | None = None) -> ClaimRequest:
+              lease_s: float | None = None, max_tokens: int | None = None,
+              min_tokens: int | None = None) -> ClaimRequest:
         """A checked claim from a caller's arguments: ``fields``, or ``stage``'s fields from
-        ``registry`` (every name registered); typed errors name what is wrong."""
+        ``registry`` (every name registered); typed errors name what is wrong. With
+        ``max_tokens`` the lengths counted are those of the first token field among them,
+        ``batch_size`` may be None (at most :data:`MAX_CLAIM_BATCH`) and ``min_batch``
+        defaults to 1."""
         check_partition(partition)
         if not isinstance(task, str) or not task:
             raise E.InvalidArgumentError(f"task must be a non-empty string, got {task!r}")
         if fields is None and stage is None:
             raise E.InvalidArgumentError("a claim needs fields=[...] or stage=... (what makes a sample ready)")
         names = list(fields) if fields is not None else registry.fields_for_stage(stage)  # type: ignore[arg-type]
-        for name in names:
-            registry.get(name)
+        specs = [registry.get(name) for name in names]
+        tokens_field = None
+        if max_tokens is not None or min_tokens is not None:
+            tokens_field = next((s.name for s in specs if s.alignment == "token"), None)
+            if tokens_field is None:
+                raise E.InvalidArgumentError(f"a claim by tokens (max_tokens) counts the lengths of a token field; "
+                                             f"none of {names} is one (add e.g. 'input_ids' to fields)")
+            if max_tokens is None:
+                raise E.InvalidArgumentError("min_tokens needs max_tokens")
+        if batch_size is None and max_tokens is None:
+            raise E.InvalidArgumentError("a claim needs batch_size, max_tokens, or both")
+        if batch_size is None:
+            batch_size = MAX_CLAIM_BATCH
         if isinstance(batch_size, bool) or not isinstance(batch_size, int):
             raise E.InvalidArgumentError(f"batch_size must be an int, got {batch_size!r}")
-        req = cls(partition, task, batch_size, tuple(names), float(timeout or 0.0),
-                  batch_size if min_batch is None else int(min_batch), group_key, current_version, max_staleness,
-                  lease_s)
+        for what, x in (("max_tokens", max_tokens), ("min_tokens", min_tokens)):
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
+                raise E.InvalidArgumentError(f"{what} must be an int, got {x!r}")
+        if min_batch is None:
+            min_batch = 1 if max_tokens is not None else batch_size
+        req = cls(partition, task, batch_size, tuple(names), float(timeout or 0.0), int(min_batch), group_key,
+                  current_version, max_staleness, lease_s, max_tokens,
+                  max_tokens if min_tokens is None else min_tokens, tokens_field)
         req.check()
         return req
+
+    def filled(self) -> ClaimRequest:
+        """This claim asking for a full batch (and a full budget): what every wait but the
+        last of a long claim asks (see ``Client.claim``)."""
+        return replace(self, min_batch=self.batch_size, min_tokens=self.max_tokens)
 
     @classmethod
     def parse(cls, h: Mapping[str, Any]) -> ClaimRequest:
@@ -82,7 +116,8 @@ class ClaimRequest:
         req = cls(p, task, n, tuple(fields), _num(h.get("wait") or 0.0, float, "wait"),
                   _num(h.get("min") or n, int, "min"), _opt(h.get("group"), str, "group"),
                   _opt(h.get("version"), int, "version"), _opt(h.get("stale"), int, "stale"),
-                  _opt(h.get("lease_s"), float, "lease_s"))
+                  _opt(h.get("lease_s"), float, "lease_s"), _opt(h.get("tok"), int, "tok"),
+                  _opt(h.get("mintok"), int, "mintok"), _opt(h.get("tokf"), str, "tokf"))
         req.check()
         return req
 
@@ -100,6 +135,14 @@ class ClaimRequest:
             raise E.InvalidArgumentError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.lease_s is not None and not 0 < self.lease_s <= 86400:
             raise E.InvalidArgumentError(f"lease_s must be in (0, 86400], got {self.lease_s}")
+        if (self.max_tokens is None) != (self.tokens_field is None) or (self.max_tokens is None) != (self.min_tokens is None):
+            raise E.InvalidArgumentError("max_tokens, min_tokens and the field whose lengths count go together")
+        if self.max_tokens is not None and not 1 <= self.min_tokens <= self.max_tokens:  # type: ignore[operator]
+            raise E.InvalidArgumentError(f"max_tokens must be at least 1 and min_tokens between 1 and max_tokens, got "
+                                         f"max_tokens={self.max_tokens}, min_tokens={self.min_tokens}")
+        if self.tokens_field is not None and self.tokens_field not in self.fields:
+            raise E.InvalidArgumentError(f"the field whose lengths count ({self.tokens_field!r}) must be one the claim "
+                                         "waits for")
         if not 0 <= self.wait_s <= 86400:
             raise E.InvalidArgumentError(f"timeout must be in [0, 86400] seconds, got {self.wait_s}")
         if len(self.fields) > 1024 or len(self.partition) > MAX_NAME_LEN or len(self.task) > MAX_NAME_LEN:
@@ -127,4 +170,4 @@ def _opt(x: Any, kind: type, what: str) -> Any:
     return _num(x, kind, what)
 
 
-__all__ = ["MAX_WAIT_S", "ClaimRequest"]
+__all__ = ["MAX_WAIT_S", "MAX_CLAIM_BATCH", "ClaimRequest"]

@@ -170,7 +170,7 @@ class Client:
         partition: str,
         task: str,
         *,
-        batch_size: int,
+        batch_size: int | None = None,
         stage: str | None = None,
         fields: Sequence[str] | None = None,
         timeout: float | None = None,
@@ -179,6 +179,8 @@ class Client:
         current_version: int | None = None,
         max_staleness: int | None = None,
         lease_s: float | None = None,
+        max_tokens: int | None = None,
+        min_tokens: int | None = None,
     ) -> SampleMeta:
         """Up to ``batch_size`` samples of ``partition`` that are ready for ``stage`` (or hold
         ``fields``) and that ``task`` has not claimed, oldest first; exactly once per task
@@ -189,21 +191,31 @@ class Client:
         are expired for this task. The samples are leased for ``lease_s``: ``ack`` them when
         done, ``nack`` to give them back; an unacked lease lapses and they come back.
 
+        ``max_tokens`` (with or without ``batch_size``) claims by tokens: samples (whole
+        groups with ``group_key``), oldest first, as long as their summed lengths fit
+        ``max_tokens`` (and their count ``batch_size``). A first sample or group larger than
+        the budget on its own comes alone, with ``meta.over_budget`` True. The claim
+        waits until the next one would not fit; at its deadline it returns what is ready
+        if that holds at least ``min_tokens`` (default ``max_tokens``) tokens.
+
         Example::
 
             meta = client.claim("step-0", "train", batch_size=64, stage="train", timeout=30)
             batch = client.read_columns(meta, stage="train")
             client.ack(meta, "train")
+            meta = client.claim("step-0", "train", max_tokens=16384, stage="train", group_key="group_id")
         """
         with self._op("claim"):
             want = ClaimRequest.build(self.registry, partition, task, batch_size, stage=stage, fields=fields,
                                       timeout=timeout, min_batch=min_batch, group_key=group_key,
-                                      current_version=current_version, max_staleness=max_staleness, lease_s=lease_s)
+                                      current_version=current_version, max_staleness=max_staleness, lease_s=lease_s,
+                                      max_tokens=max_tokens, min_tokens=min_tokens)
             reply = self._claim(want, timeout)
         tags = reply["tags"]
         lengths = self._stored_lengths(tags)
         return SampleMeta(partition, reply["ids"], lengths, frozenset(reply["fields"]), tags,
-                          pad_to_seqlen=max(lengths) if lengths and max(lengths) > 0 else None, lease=int(reply["lease"]))
+                          pad_to_seqlen=max(lengths) if lengths and max(lengths) > 0 else None, lease=int(reply["lease"]),
+                          over_budget=bool(reply.get("over_budget", False)))
 
     def _claim(self, want: ClaimRequest, timeout: float | None) -> dict[str, Any]:
         """Ask the ledger in waits of at most MAX_WAIT_S; only the last may return a short batch."""
@@ -212,7 +224,7 @@ class Client:
         while True:
             left = MAX_WAIT_S if deadline is None else max(0.0, deadline - time.monotonic())
             last = deadline is not None and left <= MAX_WAIT_S
-            req = replace(want, wait_s=min(left, MAX_WAIT_S), min_batch=want.min_batch if last else want.batch_size)
+            req = replace(want if last else want.filled(), wait_s=min(left, MAX_WAIT_S))
             try:
                 return streams.claim(req)
             except NotReadyError:

@@ -45,6 +45,8 @@ class SampleMeta:
     pad_to_seqlen: int | None = None
     #: The claim lease these samples are held under (``client.claim``); ``ack``/``nack`` need it.
     lease: int | None = None
+    #: A token-budget claim whose first sample (or group) alone was larger than ``max_tokens``.
+    over_budget: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.sample_ids)
@@ -118,6 +120,7 @@ class SampleMeta:
             tags=[t for m in parts for t in m.tags],
             pad_to_seqlen=max(pads) if pads else None,
             lease=leases.pop() if len(leases) == 1 else None,
+            over_budget=any(m.over_budget for m in parts),
         )
 
     def shard(self, dp_size: int, balance: str = "seqlen") -> list[SampleMeta]:
@@ -165,6 +168,7 @@ class SampleMeta:
             "tags": list(self.tags),
             "pad_to_seqlen": self.pad_to_seqlen,
             "lease": self.lease,
+            "over_budget": self.over_budget,
         }
 
     @classmethod
@@ -179,6 +183,7 @@ class SampleMeta:
                 tags=data.get("tags") or [],
                 pad_to_seqlen=data.get("pad_to_seqlen"),
                 lease=data.get("lease"),
+                over_budget=bool(data.get("over_budget", False)),
             )
         except (KeyError, TypeError) as err:
             raise WireFormatError(f"not a SampleMeta dict: {err}") from None

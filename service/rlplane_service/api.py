@@ -122,7 +122,7 @@ class ClaimBody(BaseModel):
     """``POST /v1/partitions/{id}/claim``: what ``client.claim`` sends (see its docstring)."""
 
     task: str = Field(..., **_NAME, description="The consuming task; each task sees every sample once.")
-    batch_size: int = Field(..., ge=1, le=1_000_000)
+    batch_size: Optional[int] = Field(None, ge=1, le=1_000_000, description="Most samples (needed without max_tokens).")
     stage: Optional[str] = Field(None, max_length=200, description="Ready = the stage's required fields are written.")
     fields: Optional[list[str]] = Field(None, max_length=1000, description="Ready = these fields are written.")
     timeout: float = Field(0.0, ge=0, le=MAX_WAIT_S, description=f"Seconds to wait for a full batch (at most {MAX_WAIT_S:.0f}; "
@@ -132,6 +132,10 @@ class ClaimBody(BaseModel):
     current_version: Optional[int] = None
     max_staleness: Optional[int] = Field(None, ge=0)
     lease_s: Optional[float] = Field(None, gt=0, le=86400)
+    max_tokens: Optional[int] = Field(None, ge=1, le=1 << 40, description="Token budget: whole samples (or groups), "
+                                      "oldest first, while their summed lengths fit.")
+    min_tokens: Optional[int] = Field(None, ge=1, le=1 << 40, description="What a claim at its timeout needs at least "
+                                      "(default max_tokens).")
 
 
 class LeaseBody(BaseModel):
@@ -342,8 +346,9 @@ def build_api(state: ServiceState) -> FastAPI:
     @v1.post("/partitions/{partition}/claim", tags=["streaming"])
     async def claim(partition: str, body: ClaimBody, who: Access = Depends(caller)) -> dict[str, Any]:
         """Claim up to ``batch_size`` ready samples for ``task`` (exactly once per task, oldest
-        first), waiting up to ``timeout`` s: the answer names the samples, their tags and the
-        lease to ack. 408 NotReadyError when fewer than ``min_batch`` were ready in time.
+        first), or with ``max_tokens`` whole samples (groups) while their lengths fit, waiting
+        up to ``timeout`` s: the answer names the samples, their tags and the lease to ack
+        (and with a budget ``tokens`` and ``over_budget``). 408 NotReadyError when fewer than ``min_batch`` were ready in time.
         A waiting claim holds no server thread."""
         async with observed("claim"):
             check_partition(partition)
@@ -351,10 +356,12 @@ def build_api(state: ServiceState) -> FastAPI:
             req = ClaimRequest.build(registry, partition, body.task, body.batch_size, stage=body.stage,
                                      fields=body.fields, timeout=body.timeout, min_batch=body.min_batch,
                                      group_key=body.group_key, current_version=body.current_version,
-                                     max_staleness=body.max_staleness, lease_s=body.lease_s)
+                                     max_staleness=body.max_staleness, lease_s=body.lease_s,
+                                     max_tokens=body.max_tokens, min_tokens=body.min_tokens)
             out = await ledger().acall({"op": "claim", **req.to_header()}, req.wait_s)
         return {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
-                "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"]}
+                "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"],
+                **{k: out[k] for k in ("tokens", "over_budget") if k in out}}
 
     async def settle(verb: str, partition: str, body: LeaseBody) -> int:
         async with observed(verb):

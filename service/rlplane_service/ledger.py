@@ -33,7 +33,7 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
-from rlplane.tags import merge_tags
+from rlplane.tags import WIRE_TAG, merge_tags
 
 UNSEEN, LEASED, ACKED, EXPIRED = 0, 1, 2, 3
 #: Tags the ledger reads (besides the claim's ``group_key``).
@@ -64,6 +64,10 @@ class Index(Protocol):
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
         """Each slot's tags as written (user tags and wire geometry)."""
+
+    def leads(self, field: str, slots: np.ndarray) -> np.ndarray:
+        """Int64 per one of ``slots``: the leading dim of its row of ``field`` (a token
+        field's: the sample's length), -1 where it has none."""
 
 
 @dataclass
@@ -117,6 +121,10 @@ class PartState:
         if todo.size:
             self.version[todo] = [_version(t) for t in self.index.tags_of(todo)]
         return self.version[:n]
+
+    def tokens(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """The length of each of ``slots`` in token field ``name`` (-1 without a row)."""
+        return self.index.leads(name, slots)
 
     def group_of(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(group code, declared group size) per slot for tag ``key``; code -1 without one."""
@@ -202,51 +210,105 @@ class Ledger:
         for f in req.fields:
             ready &= idx.has(f)[lo:n]
         cand = np.flatnonzero(ready) + lo
-        if req.group_key is None:
+        over, tokens = False, 0
+        if req.max_tokens is not None:
+            take, full, over, tokens = self._within_budget(ps, req, cand)
+            enough = take.size >= req.min_batch and tokens >= req.min_tokens  # type: ignore[operator]
+        elif req.group_key is None:
             take = cand[: req.batch_size]
             full = take.size == req.batch_size
+            enough = take.size >= req.min_batch
         else:
             take, full = self._whole_groups(ps, req, cand)
-        if full or (final and take.size >= req.min_batch):
+            enough = take.size >= req.min_batch
+        answer = full or (final and enough)
+        if answer:
             lid = self._new_lease_id()
             ts.state[take] = LEASED
             ts.lease[take] = lid
         unseen = np.flatnonzero(ts.state[lo:n] == UNSEEN)
         ts.cursor = lo + (int(unseen[0]) if unseen.size else n - lo)
-        if not full and not (final and take.size >= req.min_batch):
-            return self._not_ready(req, int(take.size), final)
+        if not answer:
+            return self._not_ready(req, int(take.size), final, tokens)
         lease_s = req.lease_s or self.lease_s
         self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s)
-        return {"lease": lid, "lease_s": lease_s, "ids": idx.ids_of(take), "tags": idx.tags_of(take),
-                "fields": [f for f in idx.field_names() if bool(idx.has(f)[take].all())]}
+        out = {"lease": lid, "lease_s": lease_s, "ids": idx.ids_of(take), "tags": idx.tags_of(take),
+               "fields": [f for f in idx.field_names() if bool(idx.has(f)[take].all())]}
+        if req.max_tokens is not None:
+            out.update(tokens=tokens, over_budget=over)
+        return out
 
     def _whole_groups(self, ps: PartState, req: ClaimRequest, cand: np.ndarray) -> tuple[np.ndarray, bool]:
         """Complete groups among ``cand``, oldest first, as many as fit in the batch."""
+        which, groups, counts = self._complete_groups(ps, req, cand)
+        fits = np.cumsum(counts) <= req.batch_size
+        chosen = groups[fits]
+        take = cand[np.isin(which, chosen)] if chosen.size else cand[:0]
+        full = take.size == req.batch_size or bool((~fits).any())
+        return take, full
+
+    def _complete_groups(self, ps: PartState, req: ClaimRequest, cand: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The group of each of ``cand`` (an index), the complete groups oldest first, and
+        their sizes. InvalidArgumentError for a sample without the tag, or a complete group
+        larger than the batch."""
         code, size = ps.group_of(req.group_key)  # type: ignore[arg-type]
         c = code[cand]
         if (c < 0).any():
             sid = ps.index.ids_of(cand[c < 0][:1])[0]
             raise E.InvalidArgumentError(f"sample {sid!r} has no tag {req.group_key!r} (group_key); every sample of a "
                                          "grouped claim needs one")
-        if not cand.size:
-            return cand, False
-        uniq, first, counts = np.unique(c, return_index=True, return_counts=True)
+        uniq, first, which, counts = np.unique(c, return_index=True, return_inverse=True, return_counts=True)
         complete = counts >= size[cand[first]]
         too_big = complete & (counts > req.batch_size)
         if too_big.any():
             raise E.InvalidArgumentError(f"a group of {int(counts[too_big][0])} samples does not fit in batch_size="
                                          f"{req.batch_size}; claim at least a whole group")
-        order = np.argsort(first[complete], kind="stable")
-        sizes = counts[complete][order]
-        fits = np.cumsum(sizes) <= req.batch_size
-        chosen = set(uniq[complete][order][fits].tolist())
-        take = cand[np.isin(c, list(chosen))] if chosen else cand[:0]
-        full = take.size == req.batch_size or bool((~fits).any())
-        return take, full
+        groups = np.flatnonzero(complete)
+        groups = groups[np.argsort(first[groups], kind="stable")]
+        return which.reshape(-1), groups, counts[groups]
 
-    def _not_ready(self, req: ClaimRequest, ready: int, final: bool) -> None:
+    def _within_budget(self, ps: PartState, req: ClaimRequest, cand: np.ndarray
+                       ) -> tuple[np.ndarray, bool, bool, int]:
+        """What a token-budget claim takes of ``cand``: samples (or complete groups), oldest
+        first, while their summed lengths fit ``max_tokens`` and their count ``batch_size``;
+        the first alone when it is larger than the budget by itself. Returns the slots,
+        whether the claim is full (the next would not fit), whether it is over budget, and
+        the tokens taken."""
+        if req.group_key is None:  # a prefix of the samples: look at as few as decide it
+            window = 256
+            while True:
+                part = cand[:window]
+                unit_tok = ps.tokens(req.tokens_field, part)  # type: ignore[arg-type]
+                units, unit_n, which = np.arange(part.size), np.ones(part.size, np.int64), None
+                fits = (np.cumsum(unit_tok) <= req.max_tokens) & (np.arange(1, part.size + 1) <= req.batch_size)
+                if not bool(fits.all()) or part.size == cand.size:
+                    break
+                window *= 4
+            cand = part
+        else:
+            which, units, unit_n = self._complete_groups(ps, req, cand)
+            tok = ps.tokens(req.tokens_field, cand)  # type: ignore[arg-type]
+            unit_tok = np.bincount(which, weights=tok, minlength=int(which.max(initial=-1)) + 1)[units].astype(np.int64)
+        if not units.size:
+            return cand[:0], False, False, 0
+        cum_tok, cum_n = np.cumsum(unit_tok), np.cumsum(unit_n)
+        fits = (cum_tok <= req.max_tokens) & (cum_n <= req.batch_size)
+        k = int(np.argmin(fits)) if not bool(fits.all()) else int(fits.size)  # a prefix: oldest first, none skipped
+        over = k == 0
+        k = max(k, 1)
+        tokens, count = int(cum_tok[k - 1]), int(cum_n[k - 1])
+        full = over or k < units.size or tokens == req.max_tokens or count == req.batch_size
+        take = cand[np.isin(which, units[:k])] if req.group_key is not None else cand[:k]
+        return take, full, over, tokens
+
+    def _not_ready(self, req: ClaimRequest, ready: int, final: bool, tokens: int = 0) -> None:
         if not final:
             return None
+        if req.max_tokens is not None:
+            raise E.NotReadyError(f"{ready} samples ({tokens} tokens, min_tokens={req.min_tokens}) of partition "
+                                  f"{req.partition!r} were ready for task {req.task!r} when the claim's timeout passed; "
+                                  "nothing was claimed")
         raise E.NotReadyError(f"{ready} of {req.batch_size} samples of partition {req.partition!r} were ready for task "
                               f"{req.task!r} (min_batch={req.min_batch}) when the claim's timeout passed; nothing was "
                               "claimed")
@@ -383,6 +445,7 @@ class SimpleIndex:
         self.alive = np.zeros(0, bool)
         self.present: dict[str, np.ndarray] = {}
         self.tags = np.empty(0, object)
+        self._leads: dict[str, np.ndarray] = {}  # field -> each slot's row length (_UNREAD until read)
 
     def live(self) -> np.ndarray:
         return self.alive[: self.used]
@@ -399,6 +462,19 @@ class SimpleIndex:
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
         return [dict(t or {}) for t in self.tags[slots].tolist()]
+
+    def leads(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """From the rows' wire geometry in the tags, read once per sample (then cached)."""
+        n = self.used
+        has = self.has(name)[slots]
+        lead = self._leads.get(name, np.zeros(0, np.int64))
+        if lead.size < n:
+            lead = self._leads[name] = np.concatenate([lead, np.full(max(n, 2 * lead.size, 64) - lead.size, _UNREAD,
+                                                                     np.int64)])
+        todo = slots[has & (lead[slots] == _UNREAD)]
+        if todo.size:
+            lead[todo] = [_lead((t or {}).get(WIRE_TAG, {}).get(name)) for t in self.tags[todo].tolist()]
+        return np.where(has, lead[slots], -1)
 
     def record(self, ids: Sequence[str], fields: Sequence[str], tags: Sequence[Mapping[str, Any]], *, create: bool) -> None:
         if create:
@@ -436,6 +512,14 @@ class SimpleIndex:
             self.slot.clear()
         self.alive[slots] = False
         self.tags[slots] = None
+
+
+_UNREAD = -2
+
+
+def _lead(row: Any) -> int:
+    """The leading dim of a row's wire geometry (a token row's ``[length, ...]``), -1 if none."""
+    return int(row[0]) if isinstance(row, list) and row and isinstance(row[0], int) else -1
 
 
 def grown(a: np.ndarray, cap: int) -> np.ndarray:

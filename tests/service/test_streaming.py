@@ -143,45 +143,65 @@ def test_http_claim_endpoints_answer_typed_errors(live):
     assert httpx.post(f"{url}/claim", json={"task": "t", "batch_size": 2}).status_code == 401
 
 
-def _claimer(url: str, token: str, transport: str, p: str, tasks: list[str], results: mp.Queue, until: float) -> None:
+#: What each task's claimers ask: "logprob" by batch size, "train" by a token budget in whole groups.
+CLAIMS = {"logprob": dict(batch_size=5, min_batch=1),
+          "train": dict(max_tokens=3 * S, min_tokens=1, group_key="group_id")}
+GROUP = 5
+
+
+def _claimer(url: str, token: str, transport: str, p: str, results: mp.Queue, until: float) -> None:
     """Claim for every task in turn until nothing more comes; report what each claim got."""
     with rlplane.connect(url, token=token, transport=transport) as c:
-        idle = dict.fromkeys(tasks, 0)
+        idle = dict.fromkeys(CLAIMS, 0)
         while time.monotonic() < until and min(idle.values()) < 3:
-            for task in tasks:
+            for task, how in CLAIMS.items():
                 try:
-                    meta = c.claim(p, task, batch_size=5, fields=["input_ids"], timeout=0.5, min_batch=1)
+                    meta = c.claim(p, task, fields=["input_ids"], timeout=0.5, **how)
                 except E.NotReadyError:
                     idle[task] += 1
                     continue
                 idle[task] = 0
-                results.put((task, meta.sample_ids))
+                results.put((task, meta.sample_ids, meta.lengths, meta.over_budget))
                 c.ack(meta, task)
-    results.put(("done", []))
+    results.put(("done", [], [], False))
 
 
 def test_exactly_once_per_task_under_concurrent_claimer_processes(live):
+    """Four claimer processes, two tasks (one by batch size, one by tokens in whole groups)
+    while the producer writes: every sample once per task, no group split, no budget
+    exceeded but by a group alone."""
     p = part()
     ctx = mp.get_context("spawn")
     results: mp.Queue = ctx.Queue()
     until = time.monotonic() + 90
-    procs = [ctx.Process(target=_claimer, args=(live.url, live.token, live.direct, p, ["logprob", "train"], results, until))
+    procs = [ctx.Process(target=_claimer, args=(live.url, live.token, live.direct, p, results, until))
              for _ in range(4)]
     for proc in procs:
         proc.start()
     written: list[str] = []
+    group_of: dict[str, str] = {}
     with rlplane.connect(live.url, token=live.token) as producer:
         for k in range(12):  # the producer writes while they claim
-            written += producer.put_samples(p, batch(10, seed=k)).sample_ids
+            data = batch(10, seed=k)
+            data["input_lengths"] = torch.randint(1, S + 1, (10,), generator=torch.Generator().manual_seed(k))
+            tags = [{"group_id": f"{k}-{i // GROUP}", "group_size": GROUP} for i in range(10)]
+            ids = producer.put_samples(p, data, tags=tags).sample_ids
+            group_of.update({s: t["group_id"] for s, t in zip(ids, tags)})
+            written += ids
             time.sleep(0.1)
-        got: dict[str, list[str]] = {"logprob": [], "train": []}
+        got: dict[str, list[str]] = {task: [] for task in CLAIMS}
         done = 0
         while done < len(procs):
-            task, ids = results.get(timeout=max(1.0, until - time.monotonic() + 10))
+            task, ids, lengths, over = results.get(timeout=max(1.0, until - time.monotonic() + 10))
             if task == "done":
                 done += 1
-            else:
-                got[task] += ids
+                continue
+            got[task] += ids
+            if task == "train":
+                groups = {group_of[s] for s in ids}
+                assert len(ids) == GROUP * len(groups), f"a group was split: {ids}"
+                budget = CLAIMS["train"]["max_tokens"]
+                assert sum(lengths) <= budget or (over and len(groups) == 1), (ids, lengths, over)
         for proc in procs:
             proc.join(timeout=10)
         for task, ids in got.items():
@@ -189,6 +209,30 @@ def test_exactly_once_per_task_under_concurrent_claimer_processes(live):
             assert sorted(ids) == sorted(written), f"{task}: {len(set(written) - set(ids))} samples never claimed"
             assert producer.consumption(p, task)["acked"] == len(written)
         producer.clear(p)
+
+
+def test_a_token_budget_claim_takes_whole_groups_while_they_fit(client):
+    p = part()
+    lens = [8, 8, 4, 4, 30, 30, 2, 2]
+    data = batch(8)
+    data["input_lengths"] = torch.tensor(lens)
+    tags = [{"group_id": f"g{i // 2}", "group_size": 2} for i in range(8)]
+    meta = client.put_samples(p, data, tags=tags)
+    first = client.claim(p, "train", max_tokens=30, fields=["input_ids"],
+                         group_key="group_id", timeout=5)
+    assert first.sample_ids == meta.sample_ids[:4] and sum(first.lengths) == 24 and not first.over_budget
+    big = client.claim(p, "train", max_tokens=30, fields=["input_ids"], group_key="group_id", timeout=5)
+    assert big.sample_ids == meta.sample_ids[4:6] and big.over_budget  # 60 tokens: a group alone over the budget
+    with pytest.raises(E.NotReadyError, match="4 tokens, min_tokens=30"):
+        client.claim(p, "train", max_tokens=30, fields=["input_ids"], group_key="group_id", timeout=0.2)
+    last = client.claim(p, "train", max_tokens=30, min_tokens=4, fields=["input_ids"], group_key="group_id",
+                        timeout=0.2)
+    assert last.sample_ids == meta.sample_ids[6:] and last.lengths == [2, 2]
+    got = client.read_columns(last, ["input_ids"])
+    assert got["input_ids"].shape == (2, 2) and torch.equal(got["input_ids"], data["input_ids"][6:, :2])
+    with pytest.raises(E.InvalidArgumentError, match="token field"):
+        client.claim(p, "train", max_tokens=30, fields=["input_lengths"], timeout=0)
+    client.clear(p)
 
 
 def test_metrics_show_each_tasks_consumption_and_claim_waits(live):

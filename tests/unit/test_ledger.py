@@ -142,3 +142,124 @@ def test_tags_of_a_put_in_flight_are_read_once_it_commits():
     part.alive[2:4] = True
     got = led.claim(_req(n=4, group_key="group_id", current_version=6, max_staleness=1), final=True)
     assert got["ids"] == ["a", "b", "c", "d"]
+
+
+# -- claims by token budget ----------------------------------------------------------
+def _put_lens(idx: SimpleIndexes, p: str, lens: list[int], prefix: str = "s", groups: list | None = None,
+              size: int | None = None) -> list[str]:
+    """Samples with token rows of ``lens`` (their wire geometry, as a put records it)."""
+    ids = [f"{prefix}{i}" for i in range(len(lens))]
+    tags = [{"_rlplane_wire": {"input_ids": [n]}} for n in lens]
+    if groups is not None:
+        for t, g in zip(tags, groups):
+            t.update(group_id=g, group_size=size)
+    idx.record(p, ids, ["input_ids"], tags, create=True)
+    return ids
+
+
+def _tok(max_tokens: int, n: int = 1 << 16, min_tokens: int | None = None, min_batch: int = 1, **kw) -> ClaimRequest:
+    return ClaimRequest("p", kw.pop("task", "train"), n, ("input_ids",), 0.0, min_batch, max_tokens=max_tokens,
+                        min_tokens=max_tokens if min_tokens is None else min_tokens, tokens_field="input_ids", **kw)
+
+
+def test_a_token_claim_takes_samples_oldest_first_while_their_lengths_fit():
+    led, idx = _ledger()
+    _put_lens(idx, "p", [100, 300, 200, 50, 400])
+    got = led.claim(_tok(600), final=False)  # 100 + 300 + 200 = 600: exactly full
+    assert got["ids"] == ["s0", "s1", "s2"] and got["tokens"] == 600 and got["over_budget"] is False
+    got = led.claim(_tok(400), final=False)  # 50 fits, 50 + 400 does not: full, nothing skipped
+    assert got["ids"] == ["s3"] and got["tokens"] == 50
+    assert led.claim(_tok(1000), final=False) is None  # 400 of 1000: waits for more
+    with pytest.raises(E.NotReadyError, match="400 tokens, min_tokens=1000"):
+        led.claim(_tok(1000), final=True)
+    assert led.claim(_tok(1000, min_tokens=300), final=True)["ids"] == ["s4"]
+
+
+def test_a_token_claim_also_stops_at_its_batch_size():
+    led, idx = _ledger()
+    _put_lens(idx, "p", [10] * 6)
+    assert led.claim(_tok(1000, n=4), final=False)["ids"] == ["s0", "s1", "s2", "s3"]
+
+
+def test_a_sample_larger_than_the_budget_comes_alone_and_says_so():
+    led, idx = _ledger()
+    _put_lens(idx, "p", [5000, 10, 10])
+    got = led.claim(_tok(1000), final=False)
+    assert got["ids"] == ["s0"] and got["over_budget"] is True and got["tokens"] == 5000
+    assert led.claim(_tok(1000, min_tokens=1), final=True)["over_budget"] is False
+
+
+def test_a_token_claim_hands_out_whole_complete_groups():
+    led, idx = _ledger()
+    _put_lens(idx, "p", [100, 100, 100, 50, 50, 50, 10, 10], groups=["a", "a", "a", "b", "b", "b", "c", "c"], size=3)
+    got = led.claim(_tok(400, group_key="group_id"), final=False)  # a = 300; a + b = 450 > 400: full with a
+    assert got["ids"] == ["s0", "s1", "s2"] and got["tokens"] == 300
+    # b is complete (150); c (2 of 3) is not: a claim at its deadline takes b alone.
+    assert led.claim(_tok(400, group_key="group_id"), final=False) is None
+    got = led.claim(_tok(400, group_key="group_id", min_tokens=100), final=True)
+    assert got["ids"] == ["s3", "s4", "s5"]
+    idx.record("p", ["c2"], ["input_ids"], [{"_rlplane_wire": {"input_ids": [700]}, "group_id": "c", "group_size": 3}],
+               create=True)
+    got = led.claim(_tok(400, group_key="group_id"), final=False)  # c = 720 alone: over budget, whole
+    assert got["ids"] == ["s6", "s7", "c2"] and got["over_budget"] is True
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(max_tokens=0, min_tokens=0, tokens_field="input_ids"), "max_tokens must be at least 1"),
+    (dict(max_tokens=10, min_tokens=11, tokens_field="input_ids"), "min_tokens between"),
+    (dict(max_tokens=10, min_tokens=5, tokens_field="prev_logprobs"), "must be one the claim waits for"),
+    (dict(max_tokens=10, min_tokens=None, tokens_field="input_ids"), "go together"),
+])
+def test_bad_token_claims_fail_at_once(kw, match):
+    with pytest.raises(E.InvalidArgumentError, match=match):
+        ClaimRequest("p", "train", 4, ("input_ids",), 0.0, 1, **kw).check()
+
+
+def test_a_token_claim_crosses_the_wire_unchanged():
+    req = _tok(4096, n=64, min_tokens=1024, group_key="group_id")
+    assert ClaimRequest.parse({"op": "claim", **req.to_header()}) == req
+
+
+def test_build_picks_the_token_field_and_refuses_a_budget_without_one():
+    from rlplane import default_registry
+
+    reg = default_registry()
+    req = ClaimRequest.build(reg, "p", "train", None, stage="train", max_tokens=8192)
+    assert req.tokens_field == "input_ids" and req.min_tokens == 8192 and req.min_batch == 1
+    with pytest.raises(E.InvalidArgumentError, match="none of"):
+        ClaimRequest.build(reg, "p", "train", None, fields=["input_lengths"], max_tokens=10)
+    with pytest.raises(E.InvalidArgumentError, match="batch_size, max_tokens"):
+        ClaimRequest.build(reg, "p", "train", None, fields=["input_ids"])
+
+
+def test_token_claims_never_split_a_group_never_exceed_the_budget_and_hand_out_each_sample_once():
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=60, deadline=None)
+    @given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 300)), min_size=1, max_size=25),
+           st.lists(st.integers(1, 900), min_size=1, max_size=40))
+    def run(groups, budgets):
+        led, idx = _ledger()
+        lens, names = [], []
+        for g, (size, n) in enumerate(groups):
+            lens += [n + k for k in range(size)]
+            names += [f"g{g}"] * size
+        size_of = {f"g{g}": s for g, (s, _) in enumerate(groups)}
+        ids = [f"s{i}" for i in range(len(lens))]
+        idx.record("p", ids, ["input_ids"], [{"_rlplane_wire": {"input_ids": [n]}, "group_id": g,
+                                              "group_size": size_of[g]} for n, g in zip(lens, names)], create=True)
+        length, group = dict(zip(ids, lens)), dict(zip(ids, names))
+        seen: list[str] = []
+        for b in budgets:
+            got = led.claim(_tok(b, min_tokens=1, group_key="group_id"), final=True) if len(seen) < len(ids) else None
+            if got is None:
+                break
+            took = got["ids"]
+            assert sum(length[s] for s in took) == got["tokens"]
+            assert got["tokens"] <= b or (got["over_budget"] and len({group[s] for s in took}) == 1)
+            for g in {group[s] for s in took}:  # whole groups only
+                assert sorted(s for s in took if group[s] == g) == sorted(s for s in ids if group[s] == g)
+            seen += took
+        assert len(seen) == len(set(seen))
+
+    run()

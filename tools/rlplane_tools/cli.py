@@ -70,7 +70,8 @@ def demo(
     ),
     async_: bool = typer.Option(
         False, "--async", help="Asynchronous GRPO instead: a rollout process keeps producing groups while a logprob "
-        "worker and two train workers claim them as they become ready (one trainer is killed mid-lease); checks "
+        "worker and two train workers claim them as they become ready (the trainers by token budget, whole groups; "
+        "one is killed mid-lease); checks "
         "every sample was consumed exactly once per task. --batch/--seqlen set its batch count and length.",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "

@@ -6,8 +6,9 @@ Four plain Python processes that know only the service URL (and token):
   ``policy_version``, bumped every ``version_every`` batches) with their advantages;
 - **logprob** claims ``stage="logprob"`` samples as they arrive, checks what it read,
   writes ``prev_logprobs`` and ``reference_policy_logprobs``, acks;
-- **train-a** and **train-b** claim ``stage="train"`` whole groups
-  (``group_key="group_id"``, ``max_staleness=1`` against the newest policy version),
+- **train-a** and **train-b** claim ``stage="train"`` whole groups by tokens
+  (``max_tokens``, ``group_key="group_id"``, ``max_staleness=1`` against the newest
+  policy version),
   check every field they read, ack. train-b trains slower than the rollout produces, so
   old groups go stale and are expired. train-a joins once the rollout is done, claims,
   and is killed (SIGKILL, by its pid) while it holds that lease: its samples come back
@@ -56,7 +57,7 @@ class AsyncDemoConfig:
     group_size: int = 4
     seqlen: int = 256
     version_every: int = 2  # the policy version goes up every this many batches
-    train_batch: int = 8  # samples per train claim (whole groups)
+    train_tokens: int = 2048  # token budget of a train claim (whole groups, their lengths summed)
     lease_s: float = 3.0  # of train claims: how soon a dead trainer's samples come back
     max_staleness: int = 1
     train_step_s: float = 0.25  # a train worker's "step" after each read
@@ -123,8 +124,8 @@ def _worker(role: str, cfg_dict: dict, events: Any, stop: Any, version: Any) -> 
                         meta = c.claim(cfg.partition, task, batch_size=cfg.groups * cfg.group_size, stage="logprob",
                                        timeout=0.5, min_batch=1)
                     else:
-                        meta = c.claim(cfg.partition, task, batch_size=cfg.train_batch, stage="train", timeout=0.5,
-                                       min_batch=1, group_key="group_id", current_version=int(version.value),
+                        meta = c.claim(cfg.partition, task, max_tokens=cfg.train_tokens, min_tokens=1, stage="train",
+                                       timeout=0.5, group_key="group_id", current_version=int(version.value),
                                        max_staleness=cfg.max_staleness, lease_s=cfg.lease_s)
                 except E.NotReadyError:
                     left = c.consumption(cfg.partition, task)
@@ -132,7 +133,7 @@ def _worker(role: str, cfg_dict: dict, events: Any, stop: Any, version: Any) -> 
                         break
                     continue
                 versions = sorted({t["policy_version"] for t in meta.tags})
-                say("claim", meta.sample_ids, f"v{versions}")
+                say("claim", meta.sample_ids, f"v{versions}, {sum(meta.lengths)} tokens")
                 if role == "train-a" and first:
                     time.sleep(60)  # the driver kills this process here, mid-lease
                 first = False

@@ -169,6 +169,17 @@ class Partition:
     def ids_of(self, slots: np.ndarray) -> list[str]:
         return self.names[slots].tolist()
 
+    def leads(self, name: str, slots: np.ndarray) -> np.ndarray:
+        fi = self.fields.get(name)
+        if fi is None:
+            return np.full(slots.size, -1, np.int64)
+        has = fi.block[slots] >= 0
+        lead = np.where(has, fi.lead[slots], -1)
+        odd = np.flatnonzero(has & (fi.kind[slots] < 0))  # rows kept as geometry objects
+        if odd.size:
+            lead[odd] = [int(g[0]) if isinstance(g, list) and g else -1 for g in fi.geom[slots[odd]].tolist()]
+        return lead
+
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
         geoms = {name: (fi.block[slots] >= 0, fi.geometry(slots)) for name, fi in self.fields.items()}
         return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]}}

@@ -2,6 +2,8 @@
 
 - **claim latency**: ``claim(batch_size=64)`` when the batch is ready (text-step shapes),
   p50/p99 over ``ops`` claims, and the ack after it;
+- **claim by tokens**: ``claim(max_tokens=one batch's tokens, group_key=...)`` over
+  GRPO groups of 8 with the batch ready, p50/p99;
 - **wake-up**: a claimer blocked on an empty partition; from the producer's put
   returning (its commit) to the claimer's return, p50/p99 (negative: the claimer got its
   answer before the producer got the commit's reply);
@@ -27,6 +29,7 @@ from rich.progress import Progress
 from rlplane.testing.workloads import text_step
 
 FIELDS = ["input_ids", "input_lengths", "token_mask", "generation_logprobs", "advantages"]
+GROUP = 8  # samples per GRPO group in the claim-by-tokens row
 
 
 @dataclass
@@ -70,6 +73,25 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
             progress.advance(task)
         c.clear(p)
         out["claim"], out["ack"] = percentiles(claim_s), percentiles(ack_s)
+        progress.remove_task(task)
+
+        # -- claim by tokens: GRPO groups of 8, a budget of one batch's tokens -------------------
+        p = f"bench-tokens-{uuid.uuid4().hex[:8]}"
+        task = progress.add_task("claim by tokens", total=2 * cfg.ops + 2)
+        budget = int(work.lengths.sum())
+        for k in range(cfg.ops + 1):
+            c.put_samples(p, fields, tags=[{"group_id": f"{k}-{i // GROUP}", "group_size": GROUP}
+                                           for i in range(cfg.batch)])
+            progress.advance(task)
+        tokens_s = []
+        for i in range(cfg.ops + 1):
+            t0 = time.perf_counter()
+            meta = c.claim(p, "bench", max_tokens=budget, fields=FIELDS, group_key="group_id", timeout=0)
+            tokens_s.append(time.perf_counter() - t0)
+            c.ack(meta, "bench")
+            progress.advance(task)
+        c.clear(p)
+        out["claim_tokens"] = {**percentiles(tokens_s[1:]), "max_tokens": budget, "group": GROUP}
         progress.remove_task(task)
 
         # -- wake-up: a blocked claimer, then the put that makes its batch ready ----------------

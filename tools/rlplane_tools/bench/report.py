@@ -181,6 +181,10 @@ def claim_table(c: dict) -> Table:
     for col in ("measure", "p50 ms", "p99 ms", "other"):
         t.add_column(col, justify="left" if col == "measure" else "right")
     t.add_row("claim (batch ready)", _num(c["claim"]["p50_ms"]), _num(c["claim"]["p99_ms"]), f"{c['claim']['ops']} claims")
+    if c.get("claim_tokens"):
+        tok = c["claim_tokens"]
+        t.add_row(f"claim by tokens (groups of {tok['group']}, max_tokens {tok['max_tokens']})", _num(tok["p50_ms"]),
+                  _num(tok["p99_ms"]), f"{tok['ops']} claims")
     t.add_row("ack", _num(c["ack"]["p50_ms"]), _num(c["ack"]["p99_ms"]), "")
     if c.get("wake"):
         t.add_row("wake-up after the put", _num(c["wake"]["p50_ms"]), _num(c["wake"]["p99_ms"]),

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 APT_PKGS := libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 libnuma1
 
-.PHONY: setup demo serve test bench clean
+.PHONY: setup demo serve test soak-test bench clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,9 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q
+
+soak-test: $(STAMP)
+	$(PY) -m pytest tests -q -m soak
 
 bench: $(STAMP)
 	$(VENV)/bin/rlplane bench --json out/bench.json

@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.soak  # out of CI (make test); make soak-test runs it
 def test_a_short_soak_with_a_unit_and_the_replica_killed_loses_and_corrupts_nothing(tmp_path):
     out = tmp_path / "soak.json"
     env = {"COLUMNS": "160", "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), "RAY_AUTH_MODE": "disabled",

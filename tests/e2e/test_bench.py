@@ -58,6 +58,7 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert {r["path"] for r in shard["paths"]} == SELECTING - {"rlplane-native-te"} and all(r["get"]["ops"] == 1 for r in shard["paths"])
     claim = data["claim"]
     assert claim["claim"]["ops"] == 3 and claim["wake"]["ops"] + claim["wake_missed"] == 3
+    assert claim["claim_tokens"]["ops"] == 3 and claim["claim_tokens"]["max_tokens"] > 0
     assert claim["drain"]["exactly_once"] and claim["drain"]["samples"] == 8 * 2 and claim["drain"]["claimers"] == 4
     ctl = data["controller"]
     assert [r["op"] for r in ctl["rows"]] == ["put_samples", "claim+ack", "read_columns"] and ctl["processes"] == 2

@@ -79,8 +79,9 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
         p = f"bench-tokens-{uuid.uuid4().hex[:8]}"
         task = progress.add_task("claim by tokens", total=2 * cfg.ops + 2)
         budget = int(work.lengths.sum())
+        group = GROUP if cfg.batch % GROUP == 0 else 1  # a small batch (--quick): groups of one
         for k in range(cfg.ops + 1):
-            c.put_samples(p, fields, tags=[{"group_id": f"{k}-{i // GROUP}", "group_size": GROUP}
+            c.put_samples(p, fields, tags=[{"group_id": f"{k}-{i // group}", "group_size": group}
                                            for i in range(cfg.batch)])
             progress.advance(task)
         tokens_s = []
@@ -88,10 +89,12 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
             t0 = time.perf_counter()
             meta = c.claim(p, "bench", max_tokens=budget, fields=FIELDS, group_key="group_id", timeout=0)
             tokens_s.append(time.perf_counter() - t0)
+            if len(meta) != cfg.batch:  # each claim's budget is exactly one batch's tokens
+                raise RuntimeError(f"a claim by tokens took {len(meta)} samples, not the batch of {cfg.batch}")
             c.ack(meta, "bench")
             progress.advance(task)
         c.clear(p)
-        out["claim_tokens"] = {**percentiles(tokens_s[1:]), "max_tokens": budget, "group": GROUP}
+        out["claim_tokens"] = {**percentiles(tokens_s[1:]), "max_tokens": budget, "group": group}
         progress.remove_task(task)
 
         # -- wake-up: a blocked claimer, then the put that makes its batch ready ----------------

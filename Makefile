@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[service,mooncake,bench,dev]"
+	$(PY) -m pip install -q -e ".[service,mooncake,bench,tensordict,dev]"
 	$(MAKE) --no-print-directory $(VENV)/bin/promtool
 	touch $(STAMP)
 

@@ -141,6 +141,15 @@ class PartState:
         return code[:n], size[:n]
 
 
+def _members(cand: np.ndarray, code: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """The slots of ``cand`` (group ``code`` each) in one of ``groups``, in slot order."""
+    if not groups.size:
+        return cand[:0]
+    chosen = np.zeros(int(code.max()) + 1, bool)
+    chosen[groups] = True
+    return cand[chosen[code]]
+
+
 def _version(tags: Mapping[str, Any] | None) -> int:
     v = (tags or {}).get(VERSION_TAG)
     return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else int(NO_VERSION)
@@ -240,33 +249,49 @@ class Ledger:
 
     def _whole_groups(self, ps: PartState, req: ClaimRequest, cand: np.ndarray) -> tuple[np.ndarray, bool]:
         """Complete groups among ``cand``, oldest first, as many as fit in the batch."""
-        which, groups, counts = self._complete_groups(ps, req, cand)
-        fits = np.cumsum(counts) <= req.batch_size
-        chosen = groups[fits]
-        take = cand[np.isin(which, chosen)] if chosen.size else cand[:0]
+        limit = self.GROUP_WINDOW
+        while True:
+            code, groups, counts, seen_all = self._complete_groups(ps, req, cand, limit)
+            fits = np.cumsum(counts) <= req.batch_size
+            if seen_all or not bool(fits.all()):
+                break
+            limit *= 4
+        take = _members(cand, code, groups[fits])
         full = take.size == req.batch_size or bool((~fits).any())
         return take, full
 
-    def _complete_groups(self, ps: PartState, req: ClaimRequest, cand: np.ndarray
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The group of each of ``cand`` (an index), the complete groups oldest first, and
-        their sizes. InvalidArgumentError for a sample without the tag, or a complete group
-        larger than the batch."""
+    #: How many candidates (oldest first) a grouped claim looks at for the groups it may hand
+    #: out, before it looks further (x4 each time): a deep backlog costs a count over it,
+    #: not a sort of it.
+    GROUP_WINDOW = 1024
+
+    def _complete_groups(self, ps: PartState, req: ClaimRequest, cand: np.ndarray, limit: int
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
+        """The group code of each of ``cand``; the complete groups whose first sample is
+        among the first ``limit`` of ``cand``, oldest first (a group that starts later is
+        younger than all of them), and their sizes; and whether that was every group.
+        InvalidArgumentError for a sample without the tag, or such a group larger than the batch."""
         code, size = ps.group_of(req.group_key)  # type: ignore[arg-type]
         c = code[cand]
         if (c < 0).any():
             sid = ps.index.ids_of(cand[c < 0][:1])[0]
             raise E.InvalidArgumentError(f"sample {sid!r} has no tag {req.group_key!r} (group_key); every sample of a "
                                          "grouped claim needs one")
-        uniq, first, which, counts = np.unique(c, return_index=True, return_inverse=True, return_counts=True)
-        complete = counts >= size[cand[first]]
-        too_big = complete & (counts > req.batch_size)
+        if not cand.size:
+            return c, c, c, True
+        counts = np.bincount(c)  # ready samples per group, over all of cand (codes are small ints)
+        head = c[:limit]
+        _, first = np.unique(head, return_index=True)
+        first.sort()  # the groups in the order their first sample came
+        groups = head[first]
+        complete = counts[groups] >= size[cand[first]]
+        groups = groups[complete]
+        n = counts[groups]
+        too_big = n > req.batch_size
         if too_big.any():
-            raise E.InvalidArgumentError(f"a group of {int(counts[too_big][0])} samples does not fit in batch_size="
+            raise E.InvalidArgumentError(f"a group of {int(n[too_big][0])} samples does not fit in batch_size="
                                          f"{req.batch_size}; claim at least a whole group")
-        groups = np.flatnonzero(complete)
-        groups = groups[np.argsort(first[groups], kind="stable")]
-        return which.reshape(-1), groups, counts[groups]
+        return c, groups, n, limit >= cand.size
 
     def _within_budget(self, ps: PartState, req: ClaimRequest, cand: np.ndarray
                        ) -> tuple[np.ndarray, bool, bool, int]:
@@ -275,21 +300,23 @@ class Ledger:
         the first alone when it is larger than the budget by itself. Returns the slots,
         whether the claim is full (the next would not fit), whether it is over budget, and
         the tokens taken."""
-        if req.group_key is None:  # a prefix of the samples: look at as few as decide it
-            window = 256
-            while True:
-                part = cand[:window]
-                unit_tok = ps.tokens(req.tokens_field, part)  # type: ignore[arg-type]
-                units, unit_n, which = np.arange(part.size), np.ones(part.size, np.int64), None
-                fits = (np.cumsum(unit_tok) <= req.max_tokens) & (np.arange(1, part.size + 1) <= req.batch_size)
-                if not bool(fits.all()) or part.size == cand.size:
-                    break
-                window *= 4
-            cand = part
-        else:
-            which, units, unit_n = self._complete_groups(ps, req, cand)
-            tok = ps.tokens(req.tokens_field, cand)  # type: ignore[arg-type]
-            unit_tok = np.bincount(which, weights=tok, minlength=int(which.max(initial=-1)) + 1)[units].astype(np.int64)
+        limit = 256 if req.group_key is None else self.GROUP_WINDOW
+        tok = None
+        while True:  # look at as few candidates as decide it
+            if req.group_key is None:  # a prefix of the samples
+                part = cand[:limit]
+                units, code = part, None
+                unit_n, unit_tok = np.ones(part.size, np.int64), ps.tokens(req.tokens_field, part)  # type: ignore[arg-type]
+                seen_all = part.size == cand.size
+            else:
+                code, units, unit_n, seen_all = self._complete_groups(ps, req, cand, limit)
+                if tok is None:
+                    tok = np.bincount(code, weights=ps.tokens(req.tokens_field, cand))  # type: ignore[arg-type]
+                unit_tok = tok[units].astype(np.int64)
+            fits = (np.cumsum(unit_tok) <= req.max_tokens) & (np.cumsum(unit_n) <= req.batch_size)
+            if seen_all or not bool(fits.all()):
+                break
+            limit *= 4
         if not units.size:
             return cand[:0], False, False, 0
         cum_tok, cum_n = np.cumsum(unit_tok), np.cumsum(unit_n)
@@ -299,7 +326,7 @@ class Ledger:
         k = max(k, 1)
         tokens, count = int(cum_tok[k - 1]), int(cum_n[k - 1])
         full = over or k < units.size or tokens == req.max_tokens or count == req.batch_size
-        take = cand[np.isin(which, units[:k])] if req.group_key is not None else cand[:k]
+        take = _members(cand, code, units[:k]) if code is not None else units[:k]
         return take, full, over, tokens
 
     def _not_ready(self, req: ClaimRequest, ready: int, final: bool, tokens: int = 0) -> None:

@@ -263,3 +263,59 @@ def test_token_claims_never_split_a_group_never_exceed_the_budget_and_hand_out_e
         assert len(seen) == len(set(seen))
 
     run()
+
+
+def test_grouped_claims_over_a_small_window_hand_out_what_a_look_at_every_candidate_would(monkeypatch):
+    """A grouped claim looks at the oldest candidates first and further only when it must:
+    with a window of 2 (of a default 1024), its answers are those of a claim that sorts the
+    whole backlog, for interleaved groups written out of order, by count and by tokens."""
+    from hypothesis import given, settings, strategies as st
+
+    def reference(ready: list[str], group: dict, size: dict, length: dict, n: int, budget: int | None) -> list[str]:
+        order = list(dict.fromkeys(group[s] for s in ready))  # groups by their first ready sample
+        complete = [g for g in order if sum(group[s] == g for s in ready) >= size[g]]
+        took, count, tokens = [], 0, 0
+        for g in complete:
+            members = [s for s in ready if group[s] == g]
+            t = sum(length[s] for s in members)
+            if count + len(members) > n or (budget is not None and tokens + t > budget):
+                if not took and budget is not None and count + len(members) <= n:
+                    took.append(g)  # a lone group over the budget
+                break
+            took.append(g)
+            count, tokens = count + len(members), tokens + t
+        return [s for s in ready if group[s] in took]
+
+    @settings(max_examples=80, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 3), st.integers(1, 50)), min_size=1, max_size=30),
+           st.integers(3, 9), st.one_of(st.none(), st.integers(1, 200)))
+    def run(rows, n, budget):
+        monkeypatch.setattr(Ledger, "GROUP_WINDOW", 2)
+        kept, per = [], {}  # no group has more samples than a batch holds (that is an error of its own)
+        for r in rows:
+            if per.get(r[0], 0) < n:
+                per[r[0]] = per.get(r[0], 0) + 1
+                kept.append(r)
+        rows = kept
+        led, idx = _ledger()
+        size = {f"g{g}": 0 for g, _, _ in rows}
+        for g, s, _ in rows:
+            size[f"g{g}"] = max(size[f"g{g}"], s)
+        ids = [f"s{i}" for i in range(len(rows))]
+        group = {i: f"g{g}" for i, (g, _, _) in zip(ids, rows)}
+        length = {i: t for i, (_, _, t) in zip(ids, rows)}
+        idx.record("p", ids, ["input_ids"], [{"_rlplane_wire": {"input_ids": [length[i]]}, "group_id": group[i],
+                                              "group_size": min(size[group[i]], n)} for i in ids], create=True)
+        size = {g: min(s, n) for g, s in size.items()}
+        if budget is None:
+            req = _req(n=n, min_batch=1, group_key="group_id")
+        else:
+            req = _tok(budget, n=n, min_tokens=1, group_key="group_id")
+        want = reference(ids, group, size, length, n, budget)
+        try:
+            got = led.claim(req, final=True)["ids"]
+        except E.NotReadyError:
+            got = []
+        assert got == want
+
+    run()

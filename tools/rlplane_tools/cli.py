@@ -170,6 +170,10 @@ def bench(
         "raw-tq rows (same token; default: --url itself when it publishes one). Embedded runs deploy one themselves.",
     ),
     codec: bool = typer.Option(False, "--codec", help="Only the codec: encode -> in-memory transport -> decode vs memcpy, no service."),
+    ledger: bool = typer.Option(False, "--ledger", help="Only the claim engine: p50 of claims by batch, groups, tokens "
+                                "and tokens in groups over a backlog of pending samples, no service."),
+    backlogs: Optional[list[int]] = typer.Option(None, "--backlog", min=64, help="With --ledger: pending samples "
+                                                 "(repeat) (default 6400 102400)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
                                  "output live instead of in the log file."),
 ) -> None:
@@ -194,7 +198,14 @@ def bench(
         raise typer.Exit(1)
     from rlplane_tools.bench.report import write_json
 
-    if codec:
+    if ledger:
+        from rlplane_tools.bench.ledger import LedgerBenchConfig, run_ledger_bench
+
+        lcfg = LedgerBenchConfig(claims=min(ops or 60, 20) if quick else ops or 60)
+        if backlogs:
+            lcfg.backlogs = tuple(backlogs)
+        results = run_ledger_bench(lcfg, console)
+    elif codec:
         from rlplane_tools.bench.codec import CodecConfig, run_codec_bench
 
         one = (workloads or [WorkloadName.vlm_step])[0].value
@@ -228,7 +239,7 @@ def bench(
     if json_path is not None:  # first: a chart that fails must not cost the numbers
         write_json(results, json_path)
         console.print(f"results written to {json_path}")
-    if plot_path is not None and not codec:
+    if plot_path is not None and not (codec or ledger):
         from rlplane_tools.bench.plot import write_plot
 
         write_plot(results, plot_path)
@@ -284,7 +295,10 @@ def two_node(
                     console.print(f"[red]{problem}[/]")
                 if keep:
                     console.print(f"rlplane is up at {url} (units on {cluster.node_ip}); Ctrl-C stops it")
-                    signal.signal(signal.SIGTERM, _interrupted)  # a SIGTERM stops it the same way
+                    # Ctrl-C and SIGTERM stop it, even where this process was started with SIGINT
+                    # ignored (a background job of a non-interactive shell, as some CI runners are).
+                    signal.signal(signal.SIGINT, _interrupted)
+                    signal.signal(signal.SIGTERM, _interrupted)
                     try:
                         while True:
                             time.sleep(1)

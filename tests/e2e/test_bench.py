@@ -86,3 +86,15 @@ def test_bench_in_one_invocation_starts_and_stops_its_own_service(tmp_path):
 def test_bench_unknown_path_is_an_error_naming_the_known_ones():
     res = bench("--url", "http://127.0.0.1:9", "--path", "carrier-pigeon")
     assert res.returncode == 1 and "carrier-pigeon" in res.stdout and "raw-tq" in res.stdout
+
+
+def test_bench_ledger_times_every_claim_kind_over_each_backlog(tmp_path):
+    out = tmp_path / "ledger.json"
+    res = bench("--ledger", "--backlog", "128", "--backlog", "640", "--ops", "3", "--json", str(out), timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = json.loads(out.read_text())["ledger"]
+    assert [r["backlog"] for r in rows] == [128, 640]
+    for r in rows:
+        assert {k for k in r if k != "backlog"} == {"batch_size", "groups", "max_tokens", "max_tokens + groups"}
+        assert all(r[k]["ops"] == 3 and r[k]["p50_ms"] > 0 for k in r if k != "backlog")
+    assert "the claim engine alone" in res.stdout

@@ -37,9 +37,14 @@ def test_units_on_a_second_loopback_node_are_read_bit_exact_over_the_transfer_en
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=150) == 0, log.read_text()
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # it did not stop: end it and, by the pids it recorded, its cluster
             proc.kill()
             proc.wait(timeout=30)
+            pids = json.loads(out.read_text())["pids"] if out.exists() else []
+            procs = [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
+            for p in procs:
+                p.kill()
+            psutil.wait_procs(procs, timeout=30)
     assert "every read bit-exact on te, zmq" in log.read_text()
     assert data["problems"] == [] and data["head_ip"] == "127.0.0.3" and data["node_ip"] == "127.0.0.2"
     assert len(data["units"]) == 2 and all("//127.0.0.2:" in endpoint for _, endpoint in data["units"])

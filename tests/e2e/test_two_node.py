@@ -41,9 +41,13 @@ def test_units_on_a_second_loopback_node_are_read_bit_exact_over_the_transfer_en
             proc.kill()
             proc.wait(timeout=30)
             pids = json.loads(out.read_text())["pids"] if out.exists() else []
-            procs = [psutil.Process(p) for p in pids if psutil.pid_exists(p)]
-            for p in procs:
-                p.kill()
+            procs = []
+            for pid in pids:
+                try:
+                    procs.append(psutil.Process(pid))
+                    procs[-1].kill()
+                except psutil.NoSuchProcess:
+                    pass
             psutil.wait_procs(procs, timeout=30)
     assert "every read bit-exact on te, zmq" in log.read_text()
     assert data["problems"] == [] and data["head_ip"] == "127.0.0.3" and data["node_ip"] == "127.0.0.2"

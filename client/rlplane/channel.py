@@ -222,9 +222,9 @@ class Channel:
                 self._drain_monitor()  # a refused handshake says so
             finally:
                 self.close()
-            raise UnavailableError(f"cannot reach {self.name} at {self.endpoint} (no connection within "
-                                   f"{self.connect_timeout:.0f} s); it may have died, or refused this connection's "
-                                   "credentials: check the service's /readyz", component=self.name) from None
+            raise peer_down(f"cannot reach {self.name} at {self.endpoint} (no connection within "
+                            f"{self.connect_timeout:.0f} s); it may have died, or refused this connection's "
+                            "credentials: check the service's /readyz", self.name) from None
 
     def receive(self, rid: int, deadline: float, sink: Sink | None = None
                 ) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
@@ -263,9 +263,9 @@ class Channel:
                 raise TransportError(f"{self.name} ({self.endpoint}) did not answer before the call's deadline; "
                                      "raise connect(timeout=...) for bigger batches, or check the service's /readyz")
             if not self._up and now - self._created > self.connect_timeout:
-                raise UnavailableError(f"cannot reach {self.name} at {self.endpoint} (no connection within "
-                                       f"{self.connect_timeout:.0f} s); it may have died: check the service's /readyz",
-                                       component=self.name)
+                raise peer_down(f"cannot reach {self.name} at {self.endpoint} (no connection within "
+                                f"{self.connect_timeout:.0f} s); it may have died: check the service's /readyz",
+                                self.name)
             ready = dict(poller.poll(timeout=max(1, int(min(deadline - now, 0.5) * 1000))))
             if self._monitor in ready:
                 self._drain_monitor()
@@ -309,10 +309,8 @@ class Channel:
                     f"{self.name} at {self.endpoint} refused this connection's credentials; the data path needs "
                     "the secret the service hands out under its API token (connect with the right token=)")
             elif event == zmq.EVENT_DISCONNECTED and self._up:
-                err = UnavailableError(f"{self.name} at {self.endpoint} dropped the connection mid-call "
-                                       "(its process died or restarted); check the service's /readyz",
-                                       component=self.name)
-                err.dropped = True  # the peer went away (not merely slow)
+                err = peer_down(f"{self.name} at {self.endpoint} dropped the connection mid-call "
+                                "(its process died or restarted); check the service's /readyz", self.name)
                 raise err
 
     def close(self) -> None:
@@ -326,6 +324,41 @@ class Channel:
         """Close without a ZMQ call (from a finalizer): the reaper closes the sockets."""
         self.closed = True
         self._finalizer()
+
+
+def peer_down(message: str, name: str) -> UnavailableError:
+    """The UnavailableError of a peer that cannot be reached (``peer_down``: no answer came,
+    unlike an UnavailableError a peer answers with)."""
+    err = UnavailableError(message, component=name)
+    err.peer_down = True  # type: ignore[attr-defined]
+    return err
+
+
+def ride(get: Callable[[], Channel], header: Mapping[str, Any], columns: Mapping[str, Column | RawColumn] | None = None,
+         buffers: Sequence[Any] = (), *, timeout: float) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
+    """:meth:`Channel.call` on ``get()``'s channel, riding through a restart of the peer:
+    while it cannot be reached (UnavailableError: its process died, or restarts and
+    rebuilds) the call is made again on a new connection, backing off, until ``timeout``;
+    then the last UnavailableError. Only for requests that may arrive twice.
+
+    Example: ``ride(lambda: pool.get(endpoint, "controller"), {"op": "list"}, timeout=30)``
+    """
+    deadline = time.monotonic() + timeout
+    pause, down = 0.05, None
+    while True:
+        try:
+            return get().call(header, columns, buffers, timeout=max(0.001, deadline - time.monotonic()))
+        except UnavailableError as err:
+            if not getattr(err, "peer_down", False) or time.monotonic() + pause >= deadline:
+                raise  # an answer that says a component is unavailable is the caller's to handle
+            down = err
+            time.sleep(pause)
+            pause = min(1.0, pause * 2)
+        except TransportError as err:
+            if down is None:
+                raise
+            raise UnavailableError(f"{down} (still no answer after the call's {timeout:.0f} s)",
+                                   component=down.component) from err
 
 
 class ChannelPool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from rlplane.channel import PLAIN_USER, SharedChannels, acall
+from rlplane.channel import PLAIN_USER, SharedChannels, acall, ride
 from rlplane.errors import TransportError
 from rlplane.claims import ClaimRequest
 
@@ -39,8 +39,8 @@ class DirectStreams:
         self._pool = SharedChannels(self.secret, self.user)
 
     def _call(self, header: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        ch = self._pool.get(self.endpoint, self.name)
-        return ch.call(header, timeout=timeout or self.timeout)[0]
+        """The answer to ``header``, riding through a restart of the ledger's process."""
+        return ride(lambda: self._pool.get(self.endpoint, self.name), header, timeout=timeout or self.timeout)[0]
 
     def claim(self, req: ClaimRequest) -> dict[str, Any]:
         """The ledger's answer: ``lease``, ``lease_s``, ``ids``, ``tags``, ``fields``."""

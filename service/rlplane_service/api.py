@@ -95,6 +95,10 @@ class ServiceState:
     tenants: Optional[Tenants] = None  # the tokens accepted (default: RLPLANE_API_TOKEN and RLPLANE_TOKENS_FILE)
     store: Optional[StoreBackend] = None  # what the service asks of the store; None: an in-process transport only
 
+    def recovering(self) -> Optional[dict[str, Any]]:
+        """A restarted component's rebuild progress (native: the controller's), or None (blocking)."""
+        return self.store.recovering() if self.store is not None else None
+
     def engine_stats(self) -> Optional[dict[str, Any]]:
         """The store engine's own account (native: the controller's), or None (blocking)."""
         return self.store.engine_stats(self.transport) if self.store is not None else None
@@ -203,6 +207,11 @@ def build_api(state: ServiceState) -> FastAPI:
         try:
             components = state.health()
             body["components"] = components
+            if any(not ok and "rebuilding" in name for name, ok in components.items()):
+                progress = state.recovering()
+                return 503, {"status": "recovering", "reason": "the controller restarted and is rebuilding its index "
+                             "from the storage units; calls wait for it (up to their timeout)",
+                             "progress": progress or {}, **body}
             down = sorted(name for name, ok in components.items() if not ok)
             if not down:
                 transport.partitions()

@@ -117,6 +117,7 @@ class StoreView:
     loss: dict[str, int] | None = None  # lost_samples (every backend), under_replicated_samples (native)
     slabs: dict[str, dict[str, Any]] = field(default_factory=dict)  # native: unit -> its slab's figures
     components: dict[str, bool] = field(default_factory=dict)  # every component and loop the store's health names
+    controller: dict[str, float] | None = None  # native: the controller's restarts and its last rebuild's seconds
 
 
 def store_view(
@@ -139,6 +140,9 @@ def store_view(
     counts = None
     slabs: dict[str, Any] = {}
     stats = engine_stats()
+    controller = None
+    if stats is not None and "controller_restarts" in stats:
+        controller = {k: float(stats.get(k, 0.0)) for k in ("controller_restarts", "rebuild_seconds")}
     if stats is not None:
         counts = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
         slabs = {u: d["slab"] for u, d in stats.get("units", {}).items() if isinstance(d.get("slab"), dict)}
@@ -150,6 +154,7 @@ def store_view(
     view = StoreView(backend, partitions, units, {u: bool(health.get(u)) for u in unit_names}, capacity, loss=counts,
                      components={str(k): bool(v) for k, v in health.items()})
     view.slabs = slabs
+    view.controller = controller
     if streams is not None:
         try:
             view.streams = streams()
@@ -264,6 +269,13 @@ class _Collector:
         if v.loss is not None and "under_replicated_samples" in v.loss:
             yield _gauge("rlplane_under_replicated_samples", "Samples with fewer live copies than RLPLANE_REPLICAS "
                          "(native).", v.loss["under_replicated_samples"])
+        if v.controller is not None:
+            restarts = CounterMetricFamily("rlplane_controller_restarts", "Times the native controller's process was "
+                                           "restarted and rebuilt its index from the storage units.")
+            restarts.add_metric([], v.controller.get("controller_restarts", 0.0))
+            yield restarts
+            yield _gauge("rlplane_controller_rebuild_seconds", "How long the controller's last rebuild of its index "
+                         "took (0: it never restarted).", v.controller.get("rebuild_seconds", 0.0))
         yield _gauge("rlplane_capacity_samples", "Most samples the store holds (RLPLANE_CAPACITY; 0: no limit).", v.capacity or 0)
         unit_samples = GaugeMetricFamily("rlplane_storage_unit_samples", "Samples per storage unit.", labels=["unit"])
         unit_bytes = GaugeMetricFamily("rlplane_storage_unit_bytes", "Stored bytes per storage unit.", labels=["unit"])
@@ -389,6 +401,8 @@ def ledger_actor_class() -> Any:
         def __init__(self) -> None:
             self._ledger = Ledger()
             self._secrets: dict[str, str] = {}
+            self._kept: dict[str, Any] = {}
+            self._counts: dict[str, int] = {}
 
         def record(self, events: list[dict[str, Any]]) -> int:
             return self._ledger.record(events)
@@ -404,6 +418,16 @@ def ledger_actor_class() -> Any:
             import secrets
 
             return self._secrets.setdefault(kind, secrets.token_hex(32))
+
+        def remember(self, key: str, value: Any) -> Any:
+            """``key``'s value, set to ``value`` by the first call (the controller's port: a
+            restarted controller serves where clients look for it)."""
+            return self._kept.setdefault(key, value)
+
+        def count(self, key: str, add: int = 1) -> int:
+            """Counter ``key`` after adding ``add`` (the controller's restarts)."""
+            self._counts[key] = self._counts.get(key, 0) + add
+            return self._counts[key]
 
     return LedgerActor
 

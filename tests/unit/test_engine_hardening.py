@@ -221,7 +221,8 @@ def test_lease_and_reservation_ids_cannot_be_guessed(ctrl, client, known):
         ctrl.call({"op": "nack", "p": "known", "task": task, "lease": lease}, timeout=5)
     res = ctrl.call({"op": "reserve", "p": "g", "ids": ["x"], "create": True, "fields": ["input_ids"],
                      "blocks": [[98765, [0], 0, 1]]}, timeout=5)[0]["res"]
-    assert isinstance(res, str) and len(res) == 24
+    epoch, _, token = res.partition(".")
+    assert len(epoch) == 8 and len(token) == 24  # the controller's epoch, then 96 random bits
     assert ctrl.call({"op": "abort", "res": 1}, timeout=5)[0]["aborted"] is False
     assert ctrl.call({"op": "abort", "res": res}, timeout=5)[0]["aborted"] is True
     intact(client, known)

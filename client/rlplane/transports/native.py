@@ -63,7 +63,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from rlplane.channel import PLAIN_USER, Channel, SharedChannels
+from rlplane.channel import PLAIN_USER, Channel, SharedChannels, peer_down, ride
 from rlplane.placement import spread
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
@@ -134,7 +134,7 @@ class NativeTransport(Transport):
         self._pool = SharedChannels(secret.encode() if secret else None, user.encode())
         self.streams = DirectStreams({"endpoint": self.controller, "secret": secret, "user": user}, timeout=timeout,
                                      name="controller")
-        hello = self._ctrl().call({"op": "hello"}, timeout=min(timeout, 10.0))[0]
+        hello = self._ask({"op": "hello"}, min(timeout, 10.0))
         self.units: list[tuple[str, str]] = [(str(n), str(e)) for n, e in hello["units"]]
         self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
         # Units the controller declared lost, or suspects (it does not answer): puts go around them.
@@ -297,8 +297,11 @@ class NativeTransport(Transport):
             self._place(len(ids), sum(c.nbytes for c in columns.values())) if names else []
         ctrl = self._ctrl()
         # The reservation and the blocks travel at once; the commit waits for both.
-        rid = ctrl.send({"op": "reserve", "p": partition, "ids": ids, "create": create, "fields": names,
-                         "blocks": blocks})
+        reserve = {"op": "reserve", "p": partition, "ids": ids, "create": create, "fields": names, "blocks": blocks}
+        try:
+            rid: int | None = ctrl.send(reserve)
+        except UnavailableError:  # (only ever the channel's own: nothing answered yet)
+            rid = None  # the controller is restarting: reserved again below, once it answers
         writes = self._send_blocks(blocks, columns, stage)
         failed: BaseException | None = None
         try:
@@ -306,7 +309,14 @@ class NativeTransport(Transport):
         except BaseException as err:  # noqa: BLE001 - raised below, once the reservation is settled
             failed, where, seals = err, {}, []
         try:
-            res = ctrl.receive(rid, deadline)[0]
+            try:
+                if rid is None:
+                    raise peer_down("the controller did not take the reservation", "controller")
+                res = ctrl.receive(rid, deadline)[0]
+            except UnavailableError as err:  # its process died with the reservation: a restarted one takes it
+                if not getattr(err, "peer_down", False):
+                    raise
+                res = self._ask(reserve, self._left(deadline))
         except BaseException:
             self._drop_blocks(blocks)
             raise
@@ -321,7 +331,7 @@ class NativeTransport(Transport):
                                       "xs": seals}
             if user is not None and any(user):
                 commit["user"] = user
-            ctrl.call(commit, timeout=self._left(deadline))
+            self._ask(commit, self._left(deadline))  # sent again after a restart: answered as done if it was
             if stage is not None:
                 stage.committed = True
         except BaseException:
@@ -353,22 +363,22 @@ class NativeTransport(Transport):
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         header: dict[str, Any] = {"op": "clear", "p": partition, "ids": None if sample_ids is None else list(sample_ids)}
-        return int(self._ctrl().call(header, timeout=self.timeout)[0]["cleared"])
+        return int(self._ask(header)["cleared"])
 
     def partitions(self) -> list[str]:
         return [d["partition"] for d in self.list()]
 
     def list(self) -> list[dict[str, Any]]:
         """Every partition with samples: ``partition``, ``num_samples``, ``fields``, ``nbytes``."""
-        return list(self._ctrl().call({"op": "list"}, timeout=self.timeout)[0]["partitions"])
+        return list(self._ask({"op": "list"})["partitions"])
 
     def describe(self, partition: str) -> PartitionInfo:
-        d = self._ctrl().call({"op": "describe", "p": partition}, timeout=self.timeout)[0]
+        d = self._ask({"op": "describe", "p": partition})
         return PartitionInfo(d["partition"], list(d["sample_ids"]), dict(d["fields"]), int(d["nbytes"]))
 
     def stats(self) -> dict[str, Any]:
         """The controller's view: samples, blocks, live and retained bytes, per unit."""
-        reply = self._ctrl().call({"op": "stats"}, timeout=self.timeout)[0]
+        reply = self._ask({"op": "stats"})
         return {k: v for k, v in reply.items() if k not in _ENVELOPE_KEYS}
 
     def unit_usage(self) -> dict[str, tuple[int, int]]:
@@ -386,6 +396,11 @@ class NativeTransport(Transport):
     def _ctrl(self) -> Channel:
         return self._pool.get(self.controller, "controller")
 
+    def _ask(self, header: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """The controller's answer to ``header``, riding through a restart of the controller
+        (it rebuilds its index and answers again; see :func:`rlplane.channel.ride`)."""
+        return ride(self._ctrl, header, timeout=self.timeout if timeout is None else timeout)[0]
+
     def _unit(self, u: int) -> Channel:
         if not 0 <= u < len(self.units):
             raise WireFormatError(f"the controller named storage unit {u} of {len(self.units)}")
@@ -398,7 +413,7 @@ class NativeTransport(Transport):
         index = next((k for k, (name, _) in enumerate(self.units) if name == err.component), None)
         if index is None:
             return False
-        reply = self._ctrl().call({"op": "unit_down", "u": index}, timeout=min(self.timeout, 30.0))[0]
+        reply = self._ask({"op": "unit_down", "u": index}, min(self.timeout, 30.0))
         self.down = {int(u) for u in reply["down"]} | {int(u) for u in reply.get("suspect", [])}
         self._down_at = time.monotonic()
         return index in self.down
@@ -415,7 +430,7 @@ class NativeTransport(Transport):
         unit mapped here, one block whose first copy is local (a put is then a memcpy)."""
         if self.down and time.monotonic() - self._down_at > _DOWN_REFRESH_S:  # a suspect unit may answer again
             self._down_at = time.monotonic()
-            hello = self._ctrl().call({"op": "hello"}, timeout=min(self.timeout, 10.0))[0]
+            hello = self._ask({"op": "hello"}, min(self.timeout, 10.0))
             self.down = {int(u) for u in hello.get("down", [])} | {int(u) for u in hello.get("suspect", [])}
         live = [u for u in range(len(self.units)) if u not in self.down]
         if not live:
@@ -514,10 +529,10 @@ class NativeTransport(Transport):
     def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool
              ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
-        ctrl = self._ctrl()
-        loc = ctrl.call({"op": "locate", "p": partition, "ids": ids, "fields": fields,
+        loc = self._ask({"op": "locate", "p": partition, "ids": ids, "fields": fields,
                          "shm": sorted(self._slabs.keys() | self._remote.keys())},  # the units read at addresses
-                        timeout=self._left(deadline))[0]
+                        self._left(deadline))
+        ctrl = self._ctrl()
         pin = loc.get("pin")
         kept = False
         try:

@@ -73,6 +73,10 @@ class StoreBackend(ABC):
     def health(self, timeout: float = 2.0) -> dict[str, bool]:
         """Per component: whether it answers within ``timeout``."""
 
+    def recovering(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        """Progress of a rebuild the store runs after a component restarted (None: none runs)."""
+        return None
+
     def alive(self, timeout: float = 2.0) -> bool:
         return all(self.health(timeout).values())
 

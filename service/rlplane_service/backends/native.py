@@ -76,10 +76,12 @@ class NativeStore(StoreBackend):
         }
         try:
             unit_infos = ray.get([u.info.remote() for u in units.values()], timeout=_START_TIMEOUT_S)
-            controller = Controller.options(name=f"{prefix}-native-controller", **common).remote(
+            # Restarted by Ray when its process dies: it rebuilds its index from the units' commit log.
+            controller = Controller.options(name=f"{prefix}-native-controller", max_restarts=-1, **common).remote(
                 host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
                 settings.put_lease_s, settings.replicas, settings.claim_lease_s,
-                [i["control"] for i in unit_infos], control, settings.unit_grace_s, settings.engine_ports(), scoped)
+                [i["control"] for i in unit_infos], control, settings.unit_grace_s, settings.engine_ports(), scoped,
+                prefix)
             cinfo = ray.get(controller.info.remote(), timeout=_START_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as err:
             raise TransportError(f"the native store's actors did not start: {err}") from err
@@ -131,12 +133,24 @@ class NativeStore(StoreBackend):
             except (ray.exceptions.RayError, TimeoutError):
                 out[name] = False
                 continue
+            if got.get("recovering") is not None:
+                out["controller rebuilding its index"] = False
+                continue
             if not got.get("server", {}).get("alive", True):
                 out[f"{name} server loop"] = False
             for loop, alive in got.get("threads", {}).items():
                 if not alive:
                     out[f"{name} {loop}"] = False
         return out
+
+    def recovering(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        """The controller's rebuild progress while a restarted controller rebuilds its index
+        (None otherwise, or when it does not answer)."""
+        try:
+            got = ray.get(self.controller.health.remote(), timeout=timeout)
+        except (ray.exceptions.RayError, TimeoutError):
+            return None
+        return got.get("recovering") or ({"failed": got["rebuild_failed"]} if got.get("rebuild_failed") else None)
 
     def engine_stats(self, transport: NativeTransport) -> dict[str, Any]:
         """The controller's account: per unit samples, live bytes and slab; lost and

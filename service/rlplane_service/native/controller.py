@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 from typing import Any, Callable, Mapping, Sequence
 
@@ -46,6 +47,7 @@ from rlplane_service.native.pins import PIN_LEASE_S, Pins
 from rlplane_service.native.requests import (partition_of,
                                              sample_ids)
 from rlplane_service.native.reads import ReadOps
+from rlplane_service.native.recovery import RecoveryOps
 from rlplane_service.native.stream import StreamOps
 from rlplane_service.native.writes import WriteOps
 from rlplane_service.tenants import Access
@@ -54,23 +56,26 @@ log = logging.getLogger(__name__)
 
 
 
-class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps):
+class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps):
     """The index and its operations (called by :class:`~rlplane_service.native.server.Server`);
-    streaming (claim/ack/nack/consumption) comes from :class:`StreamOps` over the same index."""
+    streaming (claim/ack/nack/consumption) comes from :class:`StreamOps` over the same index;
+    the commit log on the units and the rebuild from it from :class:`RecoveryOps`."""
 
     def __init__(self, units: Sequence[tuple[str, str]], *, secret: bytes | None = None, capacity: int | None = None,
                  lease_s: float = 60.0, replicas: int = 1, claim_lease_s: float = 300.0,
                  pin_lease_s: float = PIN_LEASE_S, control: Sequence[str] | None = None,
                  control_secret: bytes | None = None, grace_s: float = UNIT_GRACE_S,
                  is_dead: Callable[[int], bool] | None = None,
-                 scopes: Mapping[str, tuple[Sequence[str], bool]] | None = None) -> None:
+                 scopes: Mapping[str, tuple[Sequence[str], bool]] | None = None, start: bool = True) -> None:
         """``units``: (name, data endpoint) of each storage unit; ``control``: their control
         endpoints (served with ``control_secret``), where the controller sends what only it
         may (free, block copies); without them it uses the data endpoints. ``is_dead(u)``:
         True once unit ``u``'s process is known dead (see the module docstring). ``scopes``:
         tenants' engine users -> (partition-name prefixes, may write); every other user
-        has full access."""
+        has full access. ``start=False``: the background loops wait for :meth:`start` (a
+        controller that rebuilds its index first must not sweep blocks it does not know yet)."""
         self.units = list(units)
+        self.epoch = secrets.token_hex(4)  # this process's: reservations of an earlier one are told apart
         self.scopes = {user: Access(user, tuple(prefixes), bool(write)) for user, (prefixes, write) in (scopes or {}).items()}
         self.grace_s = grace_s
         self.is_dead = is_dead
@@ -101,13 +106,20 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps):
         self._lost_samples = 0
         self.loop_errors: dict[str, int] = {}  # background loop -> iterations that failed (and were survived)
         self.orphans_freed = 0  # blocks freed on units because nothing referred to them
+        self._init_log()
         self._threads = [threading.Thread(target=self._run, args=(name, every, body), name=f"rlplane-{name}", daemon=True)
                          for name, every, body in (("reaper", 0.5, self._reap), ("free", 0.0, self._free_some),
                                                    ("watch", WATCH_EVERY_S, self._watch),
                                                    ("repair", WATCH_EVERY_S, self._repair_round),
                                                    ("sweep", SWEEP_EVERY_S, self._sweep))]
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the background loops (once)."""
         for t in self._threads:
-            t.start()
+            if not t.is_alive() and t.ident is None:
+                t.start()
 
     def _run(self, name: str, every: float, body: Callable[[], None]) -> None:
         """A background loop: ``body`` every ``every`` seconds until stop; an error in one
@@ -174,6 +186,8 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps):
                 got = [part.ids.get(s, -1) for s in ids]
                 slots = np.asarray([s for s in got if s >= 0], np.int64)
                 slots = slots[part.state[slots] == COMMITTED] if slots.size else slots
+            whole = ids is None or (slots.size == len(part.ids) and not part.lost)
+            self._log_clear(p, None if whole else part.names[slots].tolist())  # before it is answered
             if ids is None:
                 part.lost.clear()  # the partition is gone, and with it what it had lost
             self._forget(p, part, slots)
@@ -232,6 +246,8 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps):
                 "orphan_blocks_freed": self.orphans_freed,
                 "lost_samples": self._lost_samples,
                 "under_replicated_samples": self._under_replicated(),
+                "controller_restarts": self.restarts,
+                "rebuild_seconds": float(self.rebuilt.get("seconds", 0.0)),
             }
 
     def _under_replicated(self) -> int:
@@ -384,15 +400,18 @@ def controller_actor_class() -> Any:
 
     @ray.remote(num_cpus=0)
     class NativeControllerActor:
-        """Hosts a :class:`ControllerCore` and its server thread."""
+        """Hosts a :class:`ControllerCore` and its server thread. Restarted by Ray after its
+        process died (the service creates it with ``max_restarts``), it rebuilds its index
+        from the storage units in the background (``health()`` says ``recovering`` with
+        progress), then serves again on the port it served before, so clients ride through."""
 
         def __init__(self, host: str | None, secret: str | None, units: list[tuple[str, str]], capacity: int | None,
                      lease_s: float, replicas: int, claim_lease_s: float = 300.0, control: list[str] | None = None,
                      control_secret: str | None = None, grace_s: float = UNIT_GRACE_S,
-                     ports: Sequence[int] | None = None, tenants: dict[str, Any] | None = None) -> None:
-            """``tenants``: engine user -> [secret, [prefixes, may write]] (rlplane_service.tenants)."""
-            from rlplane_service.native.server import Server
-
+                     ports: Sequence[int] | None = None, tenants: dict[str, Any] | None = None,
+                     store: str | None = None) -> None:
+            """``tenants``: engine user -> [secret, [prefixes, may write]] (rlplane_service.tenants).
+            ``store``: the store's name; its ``{store}-metrics`` actor keeps the port and the restart count."""
             key = secret.encode() if secret else None
             tenants = tenants or {}
             names = [name for name, _ in units]
@@ -412,26 +431,68 @@ def controller_actor_class() -> Any:
                 except ray.exceptions.GetTimeoutError:
                     return False
 
+            self._kv = ray.get_actor(f"{store}-metrics") if store else None
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
             self._core = ControllerCore(units, secret=key, capacity=capacity, lease_s=lease_s, replicas=replicas,
                                         claim_lease_s=claim_lease_s, control=control,
                                         control_secret=control_secret.encode() if control_secret else None,
                                         grace_s=grace_s, is_dead=is_dead,
-                                        scopes={user: tuple(scope) for user, (_, scope) in tenants.items()})
-            bind = host or ray.util.get_node_ip_address()
-            self._server = Server(self._core, host=bind, secret=key, name="controller",
-                                  port=(int(ports[0]), int(ports[1])) if ports else 0,
-                                  users={user: s.encode() for user, (s, _) in tenants.items()}).start()
+                                        scopes={user: tuple(scope) for user, (_, scope) in tenants.items()},
+                                        start=not restarted)
+            self._serve = {"host": host or ray.util.get_node_ip_address(), "secret": key,
+                           "users": {user: s.encode() for user, (s, _) in tenants.items()}}
             self._secret = secret
+            self._server: Any = None
+            self._ready = threading.Event()
+            self._failed: str | None = None
+            if not restarted:
+                self._listen((int(ports[0]), int(ports[1])) if ports else 0)
+                self._remember("controller-port", int(self._server.endpoint.rsplit(":", 1)[1]))
+                return
+            port = self._remember("controller-port", 0) or ((int(ports[0]), int(ports[1])) if ports else 0)
+            self._core.restarts = int(self._recall("controller-restarts", 1))
+            threading.Thread(target=self._recover, args=(port,), name="rlplane-rebuild", daemon=True).start()
 
-        def info(self) -> dict[str, Any]:
+        def _remember(self, key: str, value: Any) -> Any:
+            return ray.get(self._kv.remember.remote(key, value), timeout=30) if self._kv is not None else value
+
+        def _recall(self, key: str, add: int) -> int:
+            return int(ray.get(self._kv.count.remote(key, add), timeout=30)) if self._kv is not None else add
+
+        def _listen(self, port: Any) -> None:
+            from rlplane_service.native.server import Server
+
+            self._server = Server(self._core, host=self._serve["host"], secret=self._serve["secret"],
+                                  name="controller", port=port, users=self._serve["users"]).start()
+            self._ready.set()
+
+        def _recover(self, port: Any) -> None:
+            """Rebuild the index, then serve on the old port and start the loops."""
+            try:
+                self._core.rebuild()
+                self._listen(port)
+                self._core.start()
+            except Exception as err:  # noqa: BLE001 - said by health(); the actor stays up to say it
+                self._failed = f"{type(err).__name__}: {err}"
+                log.exception("the controller could not rebuild its index")
+
+        def info(self, timeout: float = 120.0) -> dict[str, Any]:
+            """Endpoint, secret and units; waits for a rebuild to finish (up to ``timeout``)."""
+            if not self._ready.wait(timeout):
+                raise E.NotReadyError(f"the controller is still rebuilding its index: {self._core.recovering}")
             return {"endpoint": self._server.endpoint, "secret": self._secret, "units": self._core.units}
 
         def stats(self) -> dict[str, Any]:
             return self._core.stats()
 
         def health(self) -> dict[str, Any]:
-            """The server loop's and every background loop's state (see :meth:`ControllerCore.health`)."""
-            return {"server": self._server.health(), **self._core.health()}
+            """The server loop's and every background loop's state (see :meth:`ControllerCore.health`),
+            and while a rebuild runs ``recovering`` (its progress); ``rebuild_failed`` if it failed."""
+            if not self._ready.is_set():
+                return {"server": {"alive": self._failed is None}, "threads": {}, "recovering": self._core.recovering
+                        or {"phase": "starting"}, "rebuild_failed": self._failed, "restarts": self._core.restarts}
+            return {"server": self._server.health(), **self._core.health(), "restarts": self._core.restarts,
+                    "rebuild": self._core.rebuilt}
 
         def streams(self) -> dict[str, Any]:
             with self._core._lock:

@@ -67,12 +67,31 @@ class LocalEngine:
             self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control, users=users).start()
                           for i, (c, h) in enumerate(zip(self.cores, hosts))]
             endpoints = [(u.endpoint, u.control_endpoint) for u in self.units]
-        self.core = ControllerCore([(f"u{i}", e) for i, (e, _) in enumerate(endpoints)], secret=secret,
-                                   control=[c for _, c in endpoints], control_secret=control,
-                                   is_dead=self._is_dead, scopes={u: scope for u, (_, scope) in tenants.items()},
-                                   **controller)
+        self._make_core = lambda start: ControllerCore(
+            [(f"u{i}", e) for i, (e, _) in enumerate(endpoints)], secret=secret, control=[c for _, c in endpoints],
+            control_secret=control, is_dead=self._is_dead, scopes={u: scope for u, (_, scope) in tenants.items()},
+            start=start, **controller)
+        self._users = users
+        self.core = self._make_core(True)
         self.server = Server(self.core, secret=secret, name="controller", users=users).start()
         self.info = {"controller": self.server.endpoint, "secret": secret.decode() if secret else None}
+
+    def kill_controller(self) -> None:
+        """Stop the controller (what a SIGKILL of its process is to clients: its index is gone)."""
+        self.server.stop()
+        self.core.stop()
+
+    def restart_controller(self, *, rebuild: bool = True) -> dict[str, Any]:
+        """Start a new controller on the old one's port, as the service's restarted actor
+        does: it rebuilds its index from the units (``rebuild``), then serves. Returns the
+        rebuild's report. The old controller must be stopped first (:meth:`kill_controller`)."""
+        core = self._make_core(False)
+        report = core.rebuild() if rebuild else {}
+        port = int(self.server.endpoint.rsplit(":", 1)[1])
+        self.core = core
+        self.server = Server(core, secret=self.secret, name="controller", users=self._users, port=port).start()
+        core.start()
+        return report
 
     def _is_dead(self, i: int) -> bool:
         return i in self._killed or (bool(self.procs) and self.procs[i].poll() is not None)

@@ -34,6 +34,7 @@ class StreamOps:
 
     ledger: Ledger
     _lock: threading.RLock
+    restarts: int = 0
     scopes: Mapping[str, Access] = {}
 
     def _access(self, header: dict, partition: str, *, write: bool) -> None:
@@ -73,7 +74,10 @@ class StreamOps:
         check_task(task)
         self._access(header, p, write=False)  # type: ignore[arg-type]
         with self._lock:
-            return self.ledger.consumption(p, task), {}, []
+            out = self.ledger.consumption(p, task)
+        if self.restarts:  # claims, leases and acks before a rebuild are gone: every sample is pending again
+            out["controller_restarts"] = self.restarts
+        return out, {}, []
 
     def op_streams(self, header: dict, columns: dict, extra: list) -> Any:
         with self._lock:

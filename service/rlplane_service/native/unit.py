@@ -23,8 +23,12 @@ the addresses the controller located) or ``read``: the unit gathers the rows ask
 with one vectorized copy per field (:func:`rlplane.gather.gather`) and answers one
 column per field. ``block`` hands a whole block back as stored (re-replication).
 
+A unit also keeps its share of the controller's commit log (``log``; ``inventory`` hands
+it back with every block's extents, :mod:`~rlplane_service.native.commitlog`): what a
+restarted controller rebuilds its index from.
+
 Only the controller (on the unit's control socket, with its own credential) may ``free``
-blocks, copy a whole ``block`` out, or list the ``old`` ones: a data client can neither
+blocks, copy a whole ``block`` out, list the ``old`` ones or touch the log: a data client can neither
 delete nor copy out what it did not locate. A block's extents go back to the allocator
 only on ``free``, which the controller sends
 once no sample points at the block and no read that located it is still pinned (see
@@ -59,6 +63,7 @@ from rlplane.dtypes import numpy_of
 from rlplane.gather import gather
 from rlplane.wire import RawColumn, check_offsets, int_array, ints
 from rlplane_service.native.allocator import ALIGN, Allocator
+from rlplane_service.native.commitlog import MAX_ENTRIES_PER_REQUEST, Entry, UnitLog
 from rlplane_service.native.heap import HeapTrim
 from rlplane_service.native.slab import Slab, SlabShare
 
@@ -167,7 +172,8 @@ class UnitCore:
 
     #: Served only on the control socket (the controller's credential): dropping blocks,
     #: and copying a whole block out (re-replication).
-    CONTROL_OPS = frozenset({"free", "block", "old"})
+    #: The commit log (``log``, ``inventory``) is the controller's too.
+    CONTROL_OPS = frozenset({"free", "block", "old", "log", "inventory"})
 
     def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True,
                  seal_key: bytes | None = None, te: TransferEngineConfig | None = None) -> None:
@@ -187,6 +193,7 @@ class UnitCore:
         self._blocks: dict[int, Block] = {}
         self._staged: dict[int, dict[str, tuple[int, int, str]]] = {}  # block -> field -> (start, bytes, dtype)
         self._staged_born: dict[int, float] = {}
+        self.log = UnitLog()  # this unit's share of the controller's commit log (rlplane_service.native.commitlog)
         self._lock = threading.Lock()
         self.heap = HeapTrim()  # the transient buffers of writes and reads go back to the OS
 
@@ -323,6 +330,25 @@ class UnitCore:
                 {b for b, t in self._staged_born.items() if t < cut}
             return {"b": ints(sorted(old))}, {}, []
 
+    def op_log(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """Keep commit-log entries: ``e`` = ``[[seq, kind, partition, mac], ...]``, each
+        body in the extra buffers, in that order (the controller's, before it answers)."""
+        heads = header.get("e")
+        if not isinstance(heads, list) or not 0 < len(heads) <= MAX_ENTRIES_PER_REQUEST or len(extra) != len(heads):
+            raise E.WireFormatError("log needs 'e': [[seq, kind, partition, mac], ...] and one body buffer each")
+        self.log.extend([Entry.from_wire(h, b) for h, b in zip(heads, extra)])
+        return {"kept": len(heads)}, {}, []
+
+    def op_inventory(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """What a restarting controller rebuilds from: ``blocks`` = ``[[block, [field, dtype,
+        slab offset], ...], ...]`` of every block stored here, and the commit log (``e``, the
+        bodies in the extra buffers)."""
+        with self._lock:
+            blocks = [[b, [list(f) for f in zip(block.names, block.dtypes, block.where[0].tolist())]]
+                      for b, block in self._blocks.items()]
+        entries = self.log.entries()
+        return {"unit": self.name, "blocks": blocks, "e": [e.wire() for e in entries]}, {}, [e.body for e in entries]
+
     def op_slab(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """How to map this unit's slab from the same host: its socket and a fresh ticket.
         Only for full-access credentials: the slab holds every tenant's bytes."""
@@ -368,7 +394,7 @@ class UnitCore:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"unit": self.name, "blocks": len(self._blocks), "nbytes": self.alloc.used_bytes,
-                    "slab": self.alloc.stats()}
+                    "slab": self.alloc.stats(), "log_entries": len(self.log), "log_bytes": self.log.nbytes()}
 
     def stop(self) -> None:
         if self.share is not None:

@@ -29,6 +29,7 @@ import logging
 import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,25 @@ from rlplane_service.native.requests import block_id_ok, blocks_of, digests, ext
 from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A commit's rows, checked: per field the geometry, row bytes and digests; ``run``: each
+    field's running byte count over the rows; the block of each row and its block's first
+    row; the extents of each copy (``ext``)."""
+
+    shapes: dict[str, Geometry]
+    row_bytes: dict[str, np.ndarray]
+    row_sums: dict[str, np.ndarray | None]
+    run: np.ndarray
+    bid_of_row: np.ndarray
+    first_row: np.ndarray
+    ext: dict[int, Any]
+
+    @property
+    def spans(self) -> dict[str, np.ndarray]:
+        return {f: self.run[k] for k, f in enumerate(self.row_bytes)}
 
 
 class WriteOps:
@@ -93,7 +113,7 @@ class WriteOps:
             for b, units, _, _ in blocks:
                 self._block_units[b] = units
                 self._block_refs[b] = 0
-            res = Reservation(secrets.token_hex(12), p, part, slots, create, fields, blocks,  # type: ignore[arg-type]
+            res = Reservation(f"{self.epoch}.{secrets.token_hex(12)}", p, part, slots, create, fields, blocks,  # type: ignore[arg-type]
                               time.monotonic() + self.lease_s)
             self._res[res.rid] = res
         return {"res": res.rid, "lease_s": self.lease_s}, {}, []
@@ -113,6 +133,13 @@ class WriteOps:
             if res is not None:
                 self._access(header, res.partition, write=True)
             if res is None:
+                done = self._done.get(rid) if isinstance(rid, str) else None
+                if done is not None:  # a commit sent again (its answer was lost with a controller): it holds
+                    self._lock.release()
+                    return {"committed": done, "again": True}, {}, []
+                if isinstance(rid, str) and not rid.startswith(f"{self.epoch}."):
+                    raise E.LeaseError("the controller restarted after this put reserved and before it committed; "
+                                       "nothing of the put was stored: retry it")
                 raise E.LeaseError("this put's reservation expired before it committed (the put took longer than "
                                    f"the service's lease of {self.lease_s:.0f} s, RLPLANE_PUT_LEASE_S); nothing was "
                                    "stored: retry it")
@@ -134,69 +161,80 @@ class WriteOps:
                 self._abort(res)
                 gone = part.names[res.slots[part.state[res.slots] != COMMITTED]].tolist()
                 raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
-            bid_of_row = np.empty(n, np.int64)
-            first_row = np.empty(n, np.int64)  # the first row of each row's block
-            for b, _, a, z in res.blocks:
-                bid_of_row[a:z] = b
-                first_row[a:z] = a
-            row_in_block = np.arange(n, dtype=np.int64) - first_row
-            shapes, row_bytes, row_sums = {}, {}, {}
-            for name in res.fields:
-                g, nb = Geometry.from_wire(geoms[name], name), int_array(sizes[name], "row bytes")
-                h = digests(sums[name], name) if name in sums else None
-                if len(g) != n or nb.size != n:
-                    raise E.WireFormatError(f"commit describes {len(g)} rows of {n}", field=name)
-                if h is not None and h.size != n:
-                    raise E.WireFormatError(f"commit carries checksums for other than {n} rows", field=name)
-                if nb.size and int(nb.min()) < 0:
-                    raise E.WireFormatError("row byte counts must not be negative", field=name)
-                shapes[name], row_bytes[name], row_sums[name] = g, nb, h
-            # Each field's running byte count: a row's offset in its block's extent, a block's bytes.
-            run = np.zeros((len(res.fields), n + 1), np.int64)
-            if n and res.fields:
-                np.cumsum(np.stack([row_bytes[f] for f in res.fields]), axis=1, out=run[:, 1:])
-            spans = {f: run[k] for k, f in enumerate(res.fields)}
-            ext = extents(header.get("x"), res)
+            parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"))
             if self.seal_key is not None:
-                self._check_seals(header.get("xs"), res, ext, spans)
+                self._check_seals(header.get("xs"), res, parsed.ext, parsed.spans)
+            self._log_put(res, header)  # on the units before the answer: it outlives this process
         except BaseException:
             self._lock.release()
             raise
 
         def apply() -> None:
             try:
-                for k, name in enumerate(res.fields):
-                    fi = part.field_index(name)
-                    self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
-                    fi.block[res.slots] = bid_of_row
-                    fi.row[res.slots] = row_in_block
-                    fi.off[res.slots] = run[k, :n] - run[k, first_row]
-                    fi.nbytes[res.slots] = row_bytes[name]
-                    fi.set_geometry(res.slots, shapes[name])
-                    fi.sums[res.slots] = row_sums[name] if row_sums[name] is not None else 0
-                for b, _, a, z in res.blocks:
-                    self._block_refs[b] = self._block_refs.get(b, 0) + (z - a) * len(res.fields)
-                    live = int((run[:, z] - run[:, a]).sum())
-                    tot = self._block_bytes.setdefault(b, [0, 0])
-                    tot[0] += live
-                    tot[1] += live
-                if res.create:
-                    part.user[res.slots] = objects(user) if user is not None else None  # type: ignore[arg-type]
-                    part.state[res.slots] = COMMITTED
-                elif isinstance(user, list) and len(user) == n:  # user tags added by a later write
-                    for s, extra_tags in zip(res.slots.tolist(), user):
-                        if isinstance(extra_tags, dict) and extra_tags:
-                            part.user[s] = {**(part.user[s] or {}), **extra_tags}
-                self._block_ext.update(ext)
-                for b, _, _, _ in res.blocks:  # a block no field row points at (nothing to store) is dropped
-                    if self._block_refs.get(b, 0) == 0:
-                        self._drop_blocks([b])
-                del self._res[res.rid]
-                self.ledger.touch(res.partition)  # parked claims on it may be ready now
+                self._apply_commit(res, parsed, user)
             finally:
                 self._lock.release()
 
         return {"committed": n}, {}, [], apply  # answered once checked; indexed right after
+
+    def _parse_commit(self, res: Reservation, geoms: dict, sizes: dict, sums: dict, x: Any) -> Parsed:
+        """A commit's rows checked against its reservation (a commit, or a record replayed)."""
+        n = res.slots.size
+        bid_of_row = np.empty(n, np.int64)
+        first_row = np.empty(n, np.int64)  # the first row of each row's block
+        for b, _, a, z in res.blocks:
+            bid_of_row[a:z] = b
+            first_row[a:z] = a
+        shapes, row_bytes, row_sums = {}, {}, {}
+        for name in res.fields:
+            g, nb = Geometry.from_wire(geoms[name], name), int_array(sizes[name], "row bytes")
+            h = digests(sums[name], name) if name in sums else None
+            if len(g) != n or nb.size != n:
+                raise E.WireFormatError(f"commit describes {len(g)} rows of {n}", field=name)
+            if h is not None and h.size != n:
+                raise E.WireFormatError(f"commit carries checksums for other than {n} rows", field=name)
+            if nb.size and int(nb.min()) < 0:
+                raise E.WireFormatError("row byte counts must not be negative", field=name)
+            shapes[name], row_bytes[name], row_sums[name] = g, nb, h
+        # Each field's running byte count: a row's offset in its block's extent, a block's bytes.
+        run = np.zeros((len(res.fields), n + 1), np.int64)
+        if n and res.fields:
+            np.cumsum(np.stack([row_bytes[f] for f in res.fields]), axis=1, out=run[:, 1:])
+        return Parsed(shapes, row_bytes, row_sums, run, bid_of_row, first_row, extents(x, res))
+
+    def _apply_commit(self, res: Reservation, c: Parsed, user: Any) -> None:
+        """Put a checked commit into the index (under the lock)."""
+        part, n = res.part, res.slots.size
+        row_in_block = np.arange(n, dtype=np.int64) - c.first_row
+        for k, name in enumerate(res.fields):
+            fi = part.field_index(name)
+            self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
+            fi.block[res.slots] = c.bid_of_row
+            fi.row[res.slots] = row_in_block
+            fi.off[res.slots] = c.run[k, :n] - c.run[k, c.first_row]
+            fi.nbytes[res.slots] = c.row_bytes[name]
+            fi.set_geometry(res.slots, c.shapes[name])
+            fi.sums[res.slots] = c.row_sums[name] if c.row_sums[name] is not None else 0
+        for b, _, a, z in res.blocks:
+            self._block_refs[b] = self._block_refs.get(b, 0) + (z - a) * len(res.fields)
+            live = int((c.run[:, z] - c.run[:, a]).sum())
+            tot = self._block_bytes.setdefault(b, [0, 0])
+            tot[0] += live
+            tot[1] += live
+        if res.create:
+            part.user[res.slots] = objects(user) if user is not None else None  # type: ignore[arg-type]
+            part.state[res.slots] = COMMITTED
+        elif isinstance(user, list) and len(user) == n:  # user tags added by a later write
+            for s, extra_tags in zip(res.slots.tolist(), user):
+                if isinstance(extra_tags, dict) and extra_tags:
+                    part.user[s] = {**(part.user[s] or {}), **extra_tags}
+        self._block_ext.update(c.ext)
+        for b, _, _, _ in res.blocks:  # a block no field row points at (nothing to store) is dropped
+            if self._block_refs.get(b, 0) == 0:
+                self._drop_blocks([b])
+        self._res.pop(res.rid, None)
+        self._committed(res.rid, n)
+        self.ledger.touch(res.partition)  # parked claims on it may be ready now
 
     def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], run: dict[str, np.ndarray]) -> None:
         """Every copy of every block the commit names must come with its unit's seal of

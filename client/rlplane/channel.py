@@ -263,6 +263,8 @@ class Channel:
                 raise TransportError(f"{self.name} ({self.endpoint}) did not answer before the call's deadline; "
                                      "raise connect(timeout=...) for bigger batches, or check the service's /readyz")
             if not self._up and now - self._created > self.connect_timeout:
+                self._drain_monitor()  # its handshake may have come while another channel's answer was awaited
+            if not self._up and now - self._created > self.connect_timeout:
                 raise peer_down(f"cannot reach {self.name} at {self.endpoint} (no connection within "
                                 f"{self.connect_timeout:.0f} s); it may have died: check the service's /readyz",
                                 self.name)
@@ -309,9 +311,8 @@ class Channel:
                     f"{self.name} at {self.endpoint} refused this connection's credentials; the data path needs "
                     "the secret the service hands out under its API token (connect with the right token=)")
             elif event == zmq.EVENT_DISCONNECTED and self._up:
-                err = peer_down(f"{self.name} at {self.endpoint} dropped the connection mid-call "
+                raise peer_down(f"{self.name} at {self.endpoint} dropped the connection mid-call "
                                 "(its process died or restarted); check the service's /readyz", self.name)
-                raise err
 
     def close(self) -> None:
         if self.closed:

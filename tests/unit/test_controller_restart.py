@@ -176,11 +176,11 @@ def test_a_controller_killed_mid_rebuild_rebuilds_the_next_time(engine, monkeypa
         done = {"n": 0}
         real = RecoveryOps._replay
 
-        def dies(self, e):
+        def dies(self, e, rec):
             done["n"] += 1
             if done["n"] == 3:
                 raise KeyboardInterrupt("killed mid-rebuild")  # not an error a rebuild catches
-            return real(self, e)
+            return real(self, e, rec)
 
         monkeypatch.setattr(RecoveryOps, "_replay", dies)
         with pytest.raises(KeyboardInterrupt):

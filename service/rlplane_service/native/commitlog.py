@@ -56,29 +56,30 @@ class Entry:
     seq: int
     kind: str
     partition: str
-    body: bytes
+    body: bytes | memoryview
     mac: str
 
     def wire(self) -> list[Any]:
         return [self.seq, self.kind, self.partition, self.mac]
 
     @classmethod
-    def from_wire(cls, head: Any, body: Any) -> Entry:
-        """An entry as a request carried it: ``[seq, kind, partition, mac]`` and its body frame."""
+    def from_wire(cls, head: Any, body: Any, *, copy: bool = True) -> Entry:
+        """An entry as a request carried it: ``[seq, kind, partition, mac]`` and its body frame
+        (``copy=False``: the body stays a view of the frame, for entries read once)."""
         if not (isinstance(head, list) and len(head) == 4 and isinstance(head[0], int) and not isinstance(head[0], bool)
                 and 0 < head[0] < 1 << 63 and head[1] in KINDS and isinstance(head[2], str) and isinstance(head[3], str)
                 and len(head[3]) <= 64):
             raise E.WireFormatError(f"bad commit-log entry {str(head)[:80]}")
-        return cls(head[0], head[1], head[2], bytes(body), head[3])
+        return cls(head[0], head[1], head[2], bytes(body) if copy else memoryview(body), head[3])
 
 
-def mac(key: bytes | None, seq: int, kind: str, partition: str, body: bytes) -> str:
+def mac(key: bytes | None, seq: int, kind: str, partition: str, body: bytes | memoryview) -> str:
     """The entry's MAC: 128 bits of HMAC-SHA256 under the controller's credential, or a
     SHA-256 digest without one (then it catches damage, not forgery)."""
-    msg = b"%d|%s|%s|" % (seq, kind.encode(), partition.encode()) + body
-    if key is None:
-        return hashlib.sha256(msg).hexdigest()[:32]
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:32]
+    h = hashlib.sha256() if key is None else hmac.new(key, digestmod=hashlib.sha256)
+    h.update(b"%d|%s|%s|" % (seq, kind.encode(), partition.encode()))
+    h.update(body)
+    return h.hexdigest()[:32]
 
 
 def valid(key: bytes | None, e: Entry) -> bool:
@@ -131,7 +132,7 @@ class UnitLog:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(len(e.body) for e in self._entries.values())
+            return sum(e.body.nbytes if isinstance(e.body, memoryview) else len(e.body) for e in self._entries.values())
 
     def damage(self, seq: int) -> bool:
         """Flip one bit of entry ``seq``'s body (the hook the rebuild tests use)."""

@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import secrets
 import threading
@@ -480,7 +481,8 @@ def controller_actor_class() -> Any:
             """Endpoint, secret and units; waits for a rebuild to finish (up to ``timeout``)."""
             if not self._ready.wait(timeout):
                 raise E.NotReadyError(f"the controller is still rebuilding its index: {self._core.recovering}")
-            return {"endpoint": self._server.endpoint, "secret": self._secret, "units": self._core.units}
+            return {"endpoint": self._server.endpoint, "secret": self._secret, "units": self._core.units,
+                    "pid": os.getpid()}
 
         def stats(self) -> dict[str, Any]:
             return self._core.stats()

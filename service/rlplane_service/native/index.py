@@ -129,16 +129,20 @@ class Partition:
     used: int = 0  # slots handed out so far
     lost: dict[str, str] = field(default_factory=dict)  # sample id -> the storage unit it was lost with
 
-    def take(self, ids: list[str]) -> np.ndarray:
-        n = len(ids)
-        need = self.used + n
-        if need > self.state.size:
-            cap = max(need, 2 * self.state.size, 64)
+    def reserve(self, cap: int) -> None:
+        """Room for ``cap`` slots (a rebuild knows how many it will take)."""
+        if cap > self.state.size:
             self.names = grown(self.names, cap)
             self.state = grown(self.state, cap)
             self.user = grown(self.user, cap)
             for fi in self.fields.values():
                 fi.grow(cap)
+
+    def take(self, ids: list[str]) -> np.ndarray:
+        n = len(ids)
+        need = self.used + n
+        if need > self.state.size:
+            self.reserve(max(need, 2 * self.state.size, 64))
         slots = np.arange(self.used, need, dtype=np.int64)
         self.names[self.used : need] = objects(ids)
         self.state[self.used : need] = RESERVED

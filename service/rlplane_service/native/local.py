@@ -72,6 +72,7 @@ class LocalEngine:
             control_secret=control, is_dead=self._is_dead, scopes={u: scope for u, (_, scope) in tenants.items()},
             start=start, **controller)
         self._users = users
+        self._restarts = 0
         self.core = self._make_core(True)
         self.server = Server(self.core, secret=secret, name="controller", users=users).start()
         self.info = {"controller": self.server.endpoint, "secret": secret.decode() if secret else None}
@@ -86,6 +87,8 @@ class LocalEngine:
         does: it rebuilds its index from the units (``rebuild``), then serves. Returns the
         rebuild's report. The old controller must be stopped first (:meth:`kill_controller`)."""
         core = self._make_core(False)
+        self._restarts += 1
+        core.restarts = self._restarts
         report = core.rebuild() if rebuild else {}
         port = int(self.server.endpoint.rsplit(":", 1)[1])
         self.core = core

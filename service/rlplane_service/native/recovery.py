@@ -44,6 +44,7 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
+from rlplane.gcpause import gc_paused
 from rlplane_service.native import commitlog as clog
 from rlplane_service.native.commitlog import DROP, PUT, CLEAR, Entry
 from rlplane_service.native.index import COMMITTED, Partition, Reservation, rows_in
@@ -81,7 +82,7 @@ class RecoveryOps:
         self._seq = 1
         self._done: OrderedDict[str, int] = OrderedDict()  # reservation id -> samples, of recent commits
         self._replaying = False
-        self.restarts = 0  # times this store's controller was rebuilt (the service counts across processes)
+        self.restarts = 0  # times this store's controller restarted (its host counts them, across processes)
         self.rebuilt: dict[str, Any] = {}  # the last rebuild's report
         self.recovering: dict[str, Any] | None = None  # progress while a rebuild runs
 
@@ -148,6 +149,10 @@ class RecoveryOps:
     def rebuild(self, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Rebuild the index from the units' blocks and logs (see the module docstring);
         returns the report (also ``self.rebuilt``). Run before the controller serves."""
+        with gc_paused():  # millions of ids and tags: the collector's passes would cost more than the work
+            return self._rebuild(progress)
+
+    def _rebuild(self, progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         t0 = time.monotonic()
         state: dict[str, Any] = {"phase": "listing units", "units_done": 0, "units": len(self.units),
                                  "entries_done": 0, "entries": 0}
@@ -159,24 +164,38 @@ class RecoveryOps:
                 progress(dict(state))
 
         holders: dict[int, dict[int, list[Any]]] = {}  # block -> unit -> [[field, dtype, start], ...]
-        entries: dict[int, Entry] = {}
+        copies: dict[int, list[tuple[str, Entry]]] = {}  # seq -> (unit, entry) of every copy
         unreachable, ignored = [], []
+        asked: dict[int, tuple[Any, int] | E.RlplaneError] = {}
+        for u, (name, _) in enumerate(self.units):  # every unit lists at once
+            try:
+                ch = self._pool.get(self._control[u], name)
+                asked[u] = (ch, ch.send({"op": "inventory"}))
+            except E.RlplaneError as err:
+                asked[u] = err
+        deadline = time.monotonic() + INVENTORY_TIMEOUT_S
         for u, (name, _) in enumerate(self.units):
             try:
-                reply, _, bodies = self._pool.get(self._control[u], name).call({"op": "inventory"},
-                                                                                 timeout=INVENTORY_TIMEOUT_S)
+                got = asked[u]
+                if isinstance(got, E.RlplaneError):
+                    raise got
+                reply, _, bodies = got[0].receive(got[1], deadline)
                 for b, fields in reply.get("blocks", []):
                     holders.setdefault(int(b), {})[u] = fields
                 for head, body in zip(reply.get("e", []), bodies):
-                    e = Entry.from_wire(head, body)
-                    if not clog.valid(self.seal_key, e):
-                        ignored.append(f"entry {e.seq} on {name}")
-                    elif e.seq not in entries:
-                        entries[e.seq] = e
+                    e = Entry.from_wire(head, body, copy=False)
+                    copies.setdefault(e.seq, []).append((name, e))
             except E.RlplaneError as err:
                 unreachable.append(f"{name}: {err}")
                 self._suspected(u, f"it did not answer the controller's rebuild: {err}")
             step(units_done=u + 1)
+        entries: dict[int, Entry] = {}
+        for seq, held in copies.items():  # the first copy whose MAC holds (most are checked once)
+            for name, e in held:
+                if clog.valid(self.seal_key, e):
+                    entries[seq] = e
+                    break
+                ignored.append(f"entry {seq} on {name}")
         if ignored:
             log.error("rebuild: ignored %d commit-log entries that fail their MAC (damaged or forged): %s",
                       len(ignored), ", ".join(ignored[:10]))
@@ -185,9 +204,20 @@ class RecoveryOps:
         with self._lock:
             self._replaying = True
             try:
-                for k, seq in enumerate(sorted(entries)):
+                records, sizes = {}, {}
+                for seq, e in entries.items():
                     try:
-                        skipped += not self._replay(entries[seq])
+                        records[seq] = clog.parse(e)
+                    except E.WireFormatError as err:
+                        ignored.append(f"entry {seq}: {err}")
+                        continue
+                    if e.kind == PUT and records[seq].get("create") is True:
+                        sizes[e.partition] = sizes.get(e.partition, 0) + len(records[seq].get("ids") or ())
+                for p, n in sizes.items():  # each partition's arrays made once, at their size
+                    self._parts.setdefault(p, Partition()).reserve(n)
+                for k, seq in enumerate(sorted(records)):
+                    try:
+                        skipped += not self._replay(entries[seq], records[seq])
                     except (E.RlplaneError, KeyError, TypeError, ValueError) as err:
                         skipped += 1
                         ignored.append(f"entry {seq}: {err}")
@@ -195,10 +225,11 @@ class RecoveryOps:
                     if k % 1024 == 1023:
                         step(entries_done=k + 1)
                 self._seq = max(entries, default=0) + 1
+                for p in [p for p, part in self._parts.items() if not part.ids and not part.lost]:
+                    del self._parts[p]  # made for records a later clear undid
                 lost = self._locate_copies(holders)
             finally:
                 self._replaying = False
-        self.restarts += 1
         samples = sum(int((p.state[: p.used] == COMMITTED).sum()) for p in self._parts.values())
         self.rebuilt = {"seconds": round(time.monotonic() - t0, 3), "entries": len(entries), "samples": samples,
                         "partitions": len(self._parts), "blocks": len(self._block_units), "lost_samples": lost,
@@ -211,9 +242,9 @@ class RecoveryOps:
                     len(self._parts), len(entries), len(ignored), lost, unreachable or "none")
         return self.rebuilt
 
-    def _replay(self, e: Entry) -> bool:
-        """Apply one entry to the index as its commit or clear did; False when it no longer applies."""
-        rec = clog.parse(e)
+    def _replay(self, e: Entry, rec: dict[str, Any]) -> bool:
+        """Apply entry ``e`` (its body: ``rec``) to the index as its commit or clear did;
+        False when it no longer applies."""
         p = e.partition
         part = self._parts.get(p)
         if e.kind == DROP:

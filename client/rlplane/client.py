@@ -247,7 +247,9 @@ class Client:
     def consumption(self, partition: str, task: str) -> dict[str, int]:
         """How ``task`` stands on ``partition``: ``samples``, ``ready``, ``claimed`` (leased,
         not acked), ``acked``, ``expired`` (stale), ``pending`` (ready, never claimed) and
-        ``redelivered``. Example: ``client.consumption("step-0", "train")["pending"]``."""
+        ``redelivered``; on the native engine also ``controller_restarts`` once its controller
+        restarted (claims and acks before that are gone: every sample is pending again).
+        Example: ``client.consumption("step-0", "train")["pending"]``."""
         check_partition(partition)
         return self._streams().consumption(partition, task)
 

@@ -45,6 +45,8 @@ METRICS = frozenset({
     "rlplane_claim_leases",
     "rlplane_lost_samples",
     "rlplane_under_replicated_samples",
+    "rlplane_controller_restarts_total",
+    "rlplane_controller_rebuild_seconds",
 })
 HISTOGRAMS = frozenset({"rlplane_op_duration_seconds", "rlplane_claim_wait_seconds"})
 

@@ -3,6 +3,8 @@ fork, inside an event loop; a closed client says so; running out of descriptors 
 typed error (the native engine in one process, no Ray)."""
 
 import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
 import gc
 import multiprocessing as mp
 import os
@@ -16,6 +18,7 @@ import torch
 
 from rlplane import Client, default_registry
 from rlplane import errors as E
+from rlplane.channel import reap
 from rlplane.transports.native import NativeTransport
 from rlplane_service.native.local import LocalEngine
 
@@ -33,6 +36,15 @@ def engine():
 
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
+
+
+def settled_fds() -> int:
+    """Descriptors once the sockets of dropped clients are closed: a dropped channel's
+    sockets go to a reaper that closes them within a second (rlplane.channel)."""
+    gc.collect()
+    time.sleep(1.2)
+    reap()
+    return fds()
 
 
 def batch(k: int = 0) -> dict:
@@ -184,10 +196,16 @@ def test_an_async_client_dropped_inside_a_running_loop_gives_its_sockets_back(en
             await use(k)
 
     async def twice() -> tuple[int, int]:
-        await many()  # warms up this loop's executor threads (each keeps its own sockets per endpoint)
-        start = fds()
+        # A fixed executor whose threads all exist from the start: each thread keeps its own
+        # sockets per endpoint, so a thread born in the second round would look like a leak.
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=2))
+        both = threading.Barrier(2)
+        await asyncio.gather(*(loop.run_in_executor(None, both.wait, 10) for _ in range(2)))
+        await many()  # warms up the threads' sockets
+        start = settled_fds()
         await many()
-        return start, fds()
+        return start, settled_fds()
 
     start, end = asyncio.run(twice())  # one loop, one executor: a second asyncio.run would bring new threads
     assert end <= start + 20

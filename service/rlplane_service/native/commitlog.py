@@ -107,15 +107,19 @@ class UnitLog:
 
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}
+        self._dropped: dict[str, int] = {}  # partition -> its latest whole clear
         self._lock = threading.Lock()
 
     def append(self, e: Entry) -> None:
         """Keep ``e`` (an entry with a sequence number seen before replaces it); a whole
-        clear drops the partition's older entries."""
+        clear drops the partition's older entries, and any that arrive after it."""
         with self._lock:
             if e.kind == DROP:
                 for seq in [s for s, old in self._entries.items() if old.partition == e.partition and s < e.seq]:
                     del self._entries[seq]
+                self._dropped[e.partition] = max(e.seq, self._dropped.get(e.partition, 0))
+            elif e.seq < self._dropped.get(e.partition, 0):
+                return
             self._entries[e.seq] = e
 
     def extend(self, entries: Iterable[Entry]) -> None:

@@ -38,6 +38,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -46,7 +47,7 @@ from rlplane import errors as E
 from rlplane.channel import ChannelPool
 from rlplane.gcpause import gc_paused
 from rlplane_service.native import commitlog as clog
-from rlplane_service.native.commitlog import DROP, PUT, CLEAR, Entry
+from rlplane_service.native.commitlog import CLEAR, DROP, MAX_ENTRIES_PER_REQUEST, PUT, Entry
 from rlplane_service.native.index import COMMITTED, Partition, Reservation, rows_in
 from rlplane_service.native.requests import blocks_of
 
@@ -56,6 +57,17 @@ log = logging.getLogger(__name__)
 LOG_TIMEOUT_S, INVENTORY_TIMEOUT_S = 5.0, 60.0
 #: Reservation ids of recent commits remembered (a commit sent again is answered as done).
 DONE_REMEMBERED = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class _Staged:
+    """An entry of a batch, for ``targets``; ``slot``: the request that wrote it; ``undo``: reverts it."""
+
+    entry: Entry
+    targets: list[int]
+    what: str
+    slot: int
+    undo: Callable[[], None] | None
 
 
 class RecoveryOps:
@@ -82,6 +94,8 @@ class RecoveryOps:
         self._seq = 1
         self._done: OrderedDict[str, int] = OrderedDict()  # reservation id -> samples, of recent commits
         self._replaying = False
+        self._group: list[_Staged] | None = None  # entries of the batch of requests being served
+        self.batch_slot = 0  # the server's index of the request being handled in its batch
         self.restarts = 0  # times this store's controller restarted (its host counts them, across processes)
         self.rebuilt: dict[str, Any] = {}  # the last rebuild's report
         self.recovering: dict[str, Any] | None = None  # progress while a rebuild runs
@@ -104,46 +118,99 @@ class RecoveryOps:
         if len(holders) < 2:  # a record on one unit only would go with that unit
             spare = [u for u in self._answering() if u not in holders]
             holders += spare[: 2 - len(holders)]
-        self._journal(PUT, res.partition, body, holders, "put")
+        self._journal(PUT, res.partition, body, holders, "put", undo=self._unput(res) if res.create else None)
+
+    def _unput(self, res: Reservation) -> Callable[[], None]:
+        """What takes a new put back out of the index (its record reached no unit)."""
+        def undo() -> None:
+            part = res.part
+            if self._parts.get(res.partition) is part:
+                self._forget(res.partition, part, res.slots[part.state[res.slots] == COMMITTED])
+            self._done.pop(res.rid, None)
+        return undo
 
     def _log_clear(self, p: str, ids: list[str] | None) -> None:
         """Samples ``ids`` of ``p`` (None: all of it) cleared, on every unit that answers."""
         if self._replaying:
             return
-        if ids is None:
-            self._journal(DROP, p, clog.record({}), self._answering(), "clear")
-        else:
-            self._journal(CLEAR, p, clog.record({"ids": ids}), self._answering(), "clear")
+        kind, body = (DROP, clog.record({})) if ids is None else (CLEAR, clog.record({"ids": ids}))
+        group, self._group = self._group, None  # a clear is written before it is applied, even in a batch
+        try:
+            self._journal(kind, p, body, self._answering(), "clear")
+        finally:
+            self._group = group
 
     def _answering(self) -> list[int]:
         return [u for u in range(len(self.units)) if u not in self._lost_units and u not in self._suspect]
 
-    def _journal(self, kind: str, p: str, body: bytes, targets: list[int], what: str) -> None:
-        """One entry on ``targets`` (at once, each with LOG_TIMEOUT_S); UnavailableError when no unit kept it."""
+    def _journal(self, kind: str, p: str, body: bytes, targets: list[int], what: str,
+                 undo: Callable[[], None] | None = None) -> None:
+        """One entry for ``targets``. Within a batch (:meth:`open_batch`) it is staged and
+        written by :meth:`flush` before the batch's answers go out (``undo`` then reverts
+        the request's change if no unit kept it); otherwise written now: UnavailableError
+        when no unit kept it."""
         seq, self._seq = self._seq, self._seq + 1
         e = Entry(seq, kind, p, body, clog.mac(self.seal_key, seq, kind, p, body))
-        sent, errors = [], []
-        for u in targets:
+        if self._group is not None:
+            self._group.append(_Staged(e, targets, what, self.batch_slot, undo))
+            return
+        errors = self._write_entries({u: [e] for u in targets})
+        if not any(u not in errors for u in targets):
+            raise self._not_kept(what, [errors[u] for u in targets])
+
+    def open_batch(self) -> None:
+        """The server starts a batch of requests: their entries are staged (see :meth:`flush`)."""
+        self._group = []
+
+    def flush(self) -> dict[int, E.RlplaneError]:
+        """Write the batch's staged entries, one message per unit (group commit: one round trip
+        for every commit and clear of the batch); returns, per request of the batch whose
+        entry no unit kept, its error (its change is undone where it can be)."""
+        group, self._group = self._group or [], None
+        if not group:
+            return {}
+        per_unit: dict[int, list[Entry]] = {}
+        for g in group:
+            for u in g.targets:
+                per_unit.setdefault(u, []).append(g.entry)
+        errors = self._write_entries(per_unit)
+        failed: dict[int, E.RlplaneError] = {}
+        for g in group:
+            if not any(u not in errors for u in g.targets):
+                failed[g.slot] = self._not_kept(g.what, [errors[u] for u in g.targets])
+                if g.undo is not None:
+                    with self._lock:
+                        g.undo()
+        return failed
+
+    def _write_entries(self, per_unit: dict[int, list[Entry]]) -> dict[int, str]:
+        """Send each unit its entries at once and wait (LOG_TIMEOUT_S); the units that did not keep them, and why."""
+        sent, errors = [], {}
+        for u, entries in per_unit.items():
             name = self.units[u][0]
             try:
                 ch = self._pool.get(self._control[u], name)
-                sent.append((u, ch, ch.send({"op": "log", "e": [e.wire()]}, buffers=[body])))
+                for k in range(0, len(entries), MAX_ENTRIES_PER_REQUEST):
+                    part = entries[k : k + MAX_ENTRIES_PER_REQUEST]
+                    sent.append((u, ch, ch.send({"op": "log", "e": [e.wire() for e in part]},
+                                                buffers=[e.body for e in part])))
             except E.RlplaneError as err:
-                errors.append(f"{name}: {err}")
+                errors[u] = f"{name}: {err}"
         deadline = time.monotonic() + LOG_TIMEOUT_S
-        kept = 0
         for u, ch, rid in sent:
             try:
                 ch.receive(rid, deadline)
-                kept += 1
             except E.RlplaneError as err:
-                errors.append(f"{self.units[u][0]}: {err}")
+                errors.setdefault(u, f"{self.units[u][0]}: {err}")
         if errors:
-            log.warning("commit-log entry %d (%s of %r) not kept by %s", seq, what, p, "; ".join(errors))
-        if not kept:
-            why = "; ".join(errors) or "no storage unit answers"
-            raise E.UnavailableError(f"no storage unit kept the record of this {what} ({why}); nothing of it was "
-                                     "applied: retry it", component="storage unit")
+            log.warning("commit-log entries not kept by %s", "; ".join(errors.values()))
+        return errors
+
+    @staticmethod
+    def _not_kept(what: str, errors: list[str]) -> E.UnavailableError:
+        why = "; ".join(errors) or "no storage unit answers"
+        return E.UnavailableError(f"no storage unit kept the record of this {what} ({why}); it was not applied: "
+                                  "retry it", component="storage unit")
 
     # -- rebuilding ----------------------------------------------------------------------
     def rebuild(self, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:

@@ -13,7 +13,12 @@ answers True: all), and once more, marked final (``header["_final"]``), when its
 deadline passes. A handler may also return a fourth item, a callable the loop runs
 right after the answer is sent (before it reads the next request): a commit answers
 once it has checked everything and then updates its index, off the writer's clock.
-Headers carry ``_t0``, when the
+A handler with ``open_batch()`` and ``flush()`` (the controller: its commit-log entries)
+is served in batches: the requests waiting on a socket (up to MAX_BATCH) are handled one
+after the other, each one's after-answer work run at once, then ``flush()`` does what
+they staged (one round trip to the storage units for all of them: group commit), and
+only then are their answers sent; ``flush()`` names the requests whose staged work
+failed, and those are answered with its error. Headers carry ``_t0``, when the
 request arrived; keys starting with ``_`` from the network are dropped. A request
 whose header has ``nr: true`` is one-way: it is handled and never answered.
 
@@ -65,6 +70,8 @@ Reply = tuple[dict[str, Any], dict[str, Any], list[Any]]  # (+ an optional calla
 MAX_FRAME_BYTES = 16 << 30
 #: Longest a parked request waits for its final run, and most requests parked at once.
 MAX_PARK_S, MAX_PARKED = 3600.0, 4096
+#: Most requests served as one batch by a handler that stages work (``flush``).
+MAX_BATCH = 64
 
 
 class Park(Exception):
@@ -148,6 +155,7 @@ class Server:
             poller.register(sock, zmq.POLLIN)
         wake = getattr(self.handler, "wake", None)
         tick = getattr(self.handler, "tick", None)  # housekeeping between requests (a unit trims its heap)
+        flush = getattr(self.handler, "flush", None)  # work staged by a batch, done before its answers go out
         while not self._stop.is_set():
             try:
                 wait_ms = 200
@@ -155,9 +163,12 @@ class Server:
                     first = min(p[4] for p in self._parked)
                     wait_ms = max(0, min(wait_ms, int((first - time.monotonic()) * 1000) + 1))
                 for sock, _ in poller.poll(wait_ms):
-                    frames = sock.recv_multipart(copy=False)
-                    if len(frames) >= 2:  # else not even an identity and a header: nothing to answer
-                        self._answer(sock, frames[0], frames[1:], time.monotonic(), final=False)
+                    if flush is None:
+                        frames = sock.recv_multipart(copy=False)
+                        if len(frames) >= 2:  # else not even an identity and a header: nothing to answer
+                            self._answer(sock, frames[0], frames[1:], time.monotonic(), final=False)
+                    else:
+                        self._batch(sock, flush)
                 changed = wake() if wake is not None else False
                 if tick is not None:
                     tick()
@@ -168,6 +179,41 @@ class Server:
                     return
                 self.failures += 1
                 log.exception("%s: the server loop caught an error and goes on", self.name)
+
+    def _batch(self, sock: Any, flush: Callable[[], Mapping[int, E.RlplaneError]]) -> None:
+        """Serve the requests waiting on ``sock`` (up to MAX_BATCH) one after the other, then
+        ``flush()`` what they staged, then send their answers: a request whose staged work
+        failed is answered with its error (see the module docstring)."""
+        self.handler.open_batch()
+        answers: list[tuple[Any, list[Any], list[Any] | None]] = []
+        failed: Mapping[int, E.RlplaneError] = {}
+        try:
+            for _ in range(MAX_BATCH):
+                try:
+                    frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) < 2:
+                    continue
+                self.handler.batch_slot = len(answers)
+                answers.append((frames[0], frames[1:], self._answer(sock, frames[0], frames[1:], time.monotonic(),
+                                                                      final=False, send=False)))
+        finally:
+            try:
+                failed = flush()
+            except Exception:  # noqa: BLE001 - every request of the batch is answered, with the bug named
+                self.failures += 1
+                log.exception("%s: a batch's staged work failed", self.name)
+                failed = {k: E.TransportError(f"{self.name} failed to finish this request") for k in range(len(answers))}
+        for k, (ident, body, reply) in enumerate(answers):
+            if reply is None:
+                continue  # parked, or one-way
+            if k in failed:
+                reply = pack_message({"ok": False, "rid": _rid(body), "error": _payload(failed[k])})
+            try:
+                sock.send_multipart([ident, *reply], copy=False)
+            except zmq.ZMQError as err:
+                log.warning("%s: could not answer a peer: %s", self.name, err)
 
     def _rerun(self, changed: Any) -> None:
         """Run parked requests again: those whose key is in ``changed`` (every one when it
@@ -181,7 +227,10 @@ class Server:
             else:
                 self._parked.append((sock, ident, body, t0, deadline, key))
 
-    def _answer(self, sock: Any, ident: Any, body: list[Any], t0: float, *, final: bool) -> None:
+    def _answer(self, sock: Any, ident: Any, body: list[Any], t0: float, *, final: bool,
+                send: bool = True) -> list[Any] | None:
+        """Handle one request and send its answer (``send=False``: run what it left for
+        after at once and return the answer, for :meth:`_batch` to send)."""
         then: Callable[[], None] | None = None
         try:
             with gc_paused():
@@ -191,9 +240,13 @@ class Server:
                 now = time.monotonic()
                 deadline = park.deadline if math.isfinite(park.deadline) else now
                 self._parked.append((sock, ident, body, t0, min(max(deadline, now), now + MAX_PARK_S), park.key))
-                return
+                return None
             reply = pack_message({"ok": False, "rid": _rid(body), "error": _payload(E.UnavailableError(
                 f"{self.name} has {MAX_PARKED} requests waiting already; retry later", component=self.name))})
+        if not send:
+            if then is not None:
+                self._then(then)
+            return reply
         try:
             if reply is not None:  # else a one-way message (``nr``): nobody waits for an answer
                 sock.send_multipart([ident, *reply], copy=False)
@@ -202,6 +255,7 @@ class Server:
         finally:
             if then is not None:
                 self._then(then)
+        return None
 
     def _then(self, then: Callable[[], None]) -> None:
         """Run what a handler left for after its answer (it must run: it holds the handler's state)."""

@@ -98,3 +98,14 @@ def test_bench_ledger_times_every_claim_kind_over_each_backlog(tmp_path):
         assert {k for k in r if k != "backlog"} == {"batch_size", "groups", "max_tokens", "max_tokens + groups"}
         assert all(r[k]["ops"] == 3 and r[k]["p50_ms"] > 0 for k in r if k != "backlog")
     assert "the claim engine alone" in res.stdout
+
+
+def test_bench_rebuild_restarts_the_controller_and_times_its_rebuild(tmp_path):
+    out = tmp_path / "rebuild.json"
+    res = bench("--rebuild", "--quick", "--samples", "8192", "--json", str(out), timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {r["workload"]: r for r in json.loads(out.read_text())["rebuild"]}
+    assert rows["text-step"]["samples"] == 8192 and rows["vlm-step"]["samples"] == 8 * 2  # every sample came back
+    assert all(0 < r["rebuild_s"] < 60 and r["log_mib"] > 0 for r in rows.values())
+    assert all(r["met"] is None for r in rows.values())  # too small to judge the targets
+    assert "rebuilds its index" in res.stdout

@@ -1,5 +1,5 @@
 """``rlplane soak`` in short (30 s of writing): 4 writer and 2 reader processes against an
-embedded store with replicas=2; storage unit 1 and the Serve replica are killed midway.
+embedded store with replicas=2; storage unit 1, the Serve replica and the controller are killed midway.
 It must end with zero wrong bytes, zero lost acknowledged writes and only typed errors,
 and say so (exit 0); its report has the numbers."""
 
@@ -25,6 +25,7 @@ def test_a_short_soak_with_a_unit_and_the_replica_killed_loses_and_corrupts_noth
     assert report["violations"] == []
     assert any("killed storage unit" in e for e in report["events"])
     assert any("killed the Serve replica" in e for e in report["events"])
+    assert any("SIGKILLed the controller" in e for e in report["events"])  # it rebuilt: nothing was lost
     ops = report["ops"]
     assert ops["put_samples"]["count"] > 0 and ops["claim+read+ack"]["samples"] > 0
     assert report["read_back"]["checked"] == ops["put_samples"]["count"] * 8  # every acknowledged sample, read back

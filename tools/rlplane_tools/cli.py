@@ -174,6 +174,11 @@ def bench(
                                 "and tokens in groups over a backlog of pending samples, no service."),
     backlogs: Optional[list[int]] = typer.Option(None, "--backlog", min=64, help="With --ledger: pending samples "
                                                  "(repeat) (default 6400 102400)."),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Only the controller's rebuild: fill a native engine with "
+                                 "text-step samples and 64 vlm-step puts, restart the controller, time the rebuild of "
+                                 "its index from the units (targets: 1M samples <= 10 s, 64 vlm-step puts <= 2 s)."),
+    samples: int = typer.Option(1 << 20, "--samples", min=4096, help="With --rebuild: text-step samples to store "
+                                "(in puts of 4096)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
                                  "output live instead of in the log file."),
 ) -> None:
@@ -198,7 +203,12 @@ def bench(
         raise typer.Exit(1)
     from rlplane_tools.bench.report import write_json
 
-    if ledger:
+    if rebuild:
+        from rlplane_tools.bench.rebuild import RebuildBenchConfig, run_rebuild_bench
+
+        results = run_rebuild_bench(RebuildBenchConfig(text_samples=min(samples, 65536) if quick else samples,
+                                                       vlm_puts=8 if quick else 64), console)
+    elif ledger:
         from rlplane_tools.bench.ledger import LedgerBenchConfig, run_ledger_bench
 
         lcfg = LedgerBenchConfig(claims=min(ops or 60, 20) if quick else ops or 60)
@@ -239,7 +249,7 @@ def bench(
     if json_path is not None:  # first: a chart that fails must not cost the numbers
         write_json(results, json_path)
         console.print(f"results written to {json_path}")
-    if plot_path is not None and not (codec or ledger):
+    if plot_path is not None and not (codec or ledger or rebuild):
         from rlplane_tools.bench.plot import write_plot
 
         write_plot(results, plot_path)
@@ -326,15 +336,16 @@ def soak(
     readers: int = typer.Option(4, min=1, max=64, help="Reader processes (claim, read, check bit for bit, ack)."),
     batch: int = typer.Option(8, min=1, help="Samples per put."),
     seqlen: int = typer.Option(256, min=4, help="Sequence length."),
-    kill: bool = typer.Option(True, "--kill/--no-kill", help="At half time kill storage unit 1 and the Serve "
-                              "replica (embedded service only; it runs with replicas=2, so nothing may be lost)."),
+    kill: bool = typer.Option(True, "--kill/--no-kill", help="At half time kill storage unit 1, the Serve replica "
+                              "and (SIGKILL) the controller's process (embedded service only; it runs with "
+                              "replicas=2, and the controller rebuilds its index, so nothing may be lost)."),
     url: Optional[str] = typer.Option(None, "--url", help="Soak this running service (default: start the embedded one "
                                       "with 3 storage units and replicas=2; stop it after)."),
     token: Optional[str] = TOKEN_OPTION,
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report here."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's and Serve's own logs here."),
 ) -> None:
-    """Writers and readers for minutes, a unit and the replica killed midway, every byte checked.
+    """Writers and readers for minutes, a unit, the replica and the controller killed midway, every byte checked.
 
     Exits 1 on a wrong byte, a lost acknowledged write or an untyped error. Example:
 

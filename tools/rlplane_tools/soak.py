@@ -1,13 +1,14 @@
 """``rlplane soak``: many writers and readers against one store for minutes, a storage
-unit and the Serve replica killed midway, and every byte checked.
+unit, the Serve replica and the controller killed midway, and every byte checked.
 
 Writers put text-step batches (B samples, ids ``w{i}-{seq}-{k}``, each batch generated
 from its (writer, seq) seed, so anyone can regenerate what a sample must hold) into
 partition ``soak-w{i}``; a put that returns is *acknowledged*. Readers claim from every
 writer's partition (each reader its own task, so every sample is read once per reader),
 read every field, compare it bit for bit with the regenerated batch (the row checksums
-are checked on the way too), and ack. Midway the driver kills storage unit 1 and the
-Serve replica (the store runs with ``replicas=2``, so the unit takes no sample with it).
+are checked on the way too), and ack. Midway the driver kills storage unit 1, the Serve
+replica and the controller's process (SIGKILL: Ray restarts it, and it rebuilds its index
+from the units; the store runs with ``replicas=2``, so the unit takes no sample with it).
 At the end the driver reads back every acknowledged sample.
 
 Violations (exit 1): a wrong byte, an acknowledged sample that is gone, an error that is
@@ -22,6 +23,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 import threading
 import time
@@ -46,7 +49,7 @@ class SoakConfig:
     readers: int = 4
     batch: int = 8
     seqlen: int = 256
-    kill: bool = True  # kill storage unit 1 and the Serve replica at half time (embedded service only)
+    kill: bool = True  # kill storage unit 1, the Serve replica and the controller at half time (embedded only)
     replicas: int = 2
     storage_units: int = 3
 
@@ -300,6 +303,10 @@ def _kill_unit_and_replica(service: Any) -> list[str]:
     for a in replicas[:1]:
         ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]), no_restart=False)
         events.append(f"{time.strftime('%H:%M:%S')} killed the Serve replica {a['name'].split('#')[-1]} (Serve starts another)")
+    controller = ray.get_actor(f"{store}-native-controller", namespace=service.settings.namespace)
+    pid = int(ray.get(controller.info.remote(), timeout=60)["pid"])
+    os.kill(pid, signal.SIGKILL)  # Ray restarts it; it rebuilds its index from the units' commit log
+    events.append(f"{time.strftime('%H:%M:%S')} SIGKILLed the controller (pid {pid}; Ray restarts it)")
     return events
 
 

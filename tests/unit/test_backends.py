@@ -100,3 +100,26 @@ def test_a_fourth_backend_is_one_class_and_one_registry_line(monkeypatch):
     assert 'rlplane_partition_samples{partition="p"} 3.0' in metrics
     assert http.get("/readyz").status_code == 200
     assert http.get("/v1/transport", headers={"Authorization": "Bearer t"}).json()["in-process"]["backend"] == "in-process"
+
+
+class RecoveringStore(InProcessStore):
+    """A store whose controller restarted and rebuilds its index (as NativeStore reports it)."""
+
+    def health(self, timeout: float = 2.0) -> dict:
+        return {"memory": True, "controller rebuilding its index": False}
+
+    def recovering(self, timeout: float = 2.0) -> dict:
+        return {"phase": "replaying", "units_done": 2, "units": 2, "entries_done": 1024, "entries": 4096}
+
+
+def test_readyz_says_recovering_with_the_rebuilds_progress():
+    settings = ServiceSettings()
+    store = RecoveringStore(settings)
+    state = ServiceState(settings, default_registry(), store.service_transport(), store.transport_info(), store.health,
+                         store=store)
+    http = TestClient(build_api(state), base_url="http://rlplane.test")
+    r = http.get("/readyz")
+    assert r.status_code == 503
+    body = r.json()
+    assert body["status"] == "recovering" and "rebuilding its index" in body["reason"]
+    assert body["progress"]["entries_done"] == 1024 and body["progress"]["entries"] == 4096

@@ -57,7 +57,9 @@ def raw(t: torch.Tensor | np.ndarray) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).numpy())
+    if t.stride(-1) != 1:  # one element, stride 0 (an expand): "contiguous" to torch, but no byte view
+        t = t.clone()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def ints(a: Sequence[int] | np.ndarray | torch.Tensor) -> bytes:

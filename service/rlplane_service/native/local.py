@@ -121,6 +121,7 @@ class LocalEngine:
             if i not in self._killed:
                 u.stop()
                 c.stop()
+            c.slab.close()  # its memory now: a test session makes many engines
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)  # a test may have left it stopped

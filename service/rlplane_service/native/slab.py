@@ -50,6 +50,21 @@ class Slab:
         self.populated = threading.Event()
         threading.Thread(target=self._populate, name=f"rlplane-{name}-prefault", daemon=True).start()
 
+    def close(self) -> None:
+        """Give the memory back now (not when the collector gets to this object): the
+        descriptor is closed and the mapping too, unless an array still views it (then it
+        goes with the last view). Nothing may use the slab after."""
+        if self.fd < 0:
+            return
+        self.populated.wait(10)
+        self.u8 = None  # type: ignore[assignment]
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        os.close(self.fd)
+        self.fd = -1
+
     def _populate(self) -> None:
         t0 = time.monotonic()
         step = 256 << 20  # in slices, so a failing call says where

@@ -442,6 +442,33 @@ class Ledger:
         return {"tasks": tasks, "wait_buckets": list(WAIT_BUCKETS), "wait_counts": list(self.wait_counts),
                 "wait_sum": self.wait_sum, "leases": len(self._leases)}
 
+    def export(self, partition: str, slots: np.ndarray) -> dict[str, np.ndarray]:
+        """Per task of ``partition``, the state of each of ``slots`` as a snapshot keeps it
+        (int8: UNSEEN, ACKED or EXPIRED; a lease in flight comes back as UNSEEN)."""
+        ps = self._part(partition)
+        out = {}
+        for task, ts in (ps.tasks.items() if ps is not None else ()):
+            ts.fit(ps.index.used)  # type: ignore[union-attr]
+            st = ts.state[slots].copy()
+            st[st == LEASED] = UNSEEN
+            out[task] = st
+        return out
+
+    def load(self, partition: str, task: str, slots: np.ndarray, states: np.ndarray) -> None:
+        """Set ``task``'s state of ``slots`` (what :meth:`export` gave; a restore)."""
+        ps = self._part(partition)
+        if ps is None:
+            raise E.MissingDataError(partition, {}, hint="restore the samples before their consumption")
+        if states.shape != slots.shape or not bool(np.isin(states, (UNSEEN, ACKED, EXPIRED)).all()):
+            raise E.WireFormatError(f"bad consumption states for task {task!r} of {partition!r}")
+        ts = ps.tasks.setdefault(task, TaskState())
+        ts.fit(ps.index.used)
+        ts.state[slots] = states
+        ts.lease[slots] = 0
+        unseen = np.flatnonzero(ts.state[: ps.index.used] == UNSEEN)
+        ts.cursor = int(unseen[0]) if unseen.size else ps.index.used
+        self.touch(partition)
+
     def _part(self, partition: str) -> PartState | None:
         """The partition's consumption state; reset when the partition was dropped and made anew."""
         index = self.index_of(partition)

@@ -495,7 +495,7 @@ class NativeTransport(Transport):
                 if failed is None and w.unit in self._slabs:
                     self._copy_in(self._slabs[w.unit], got, w.part, w.staged)
                 elif failed is None and w.unit in self._remote:
-                    self._remote[w.unit].write([(c.values.view(torch.uint8).numpy(), got[f]) for f, c in w.part.items()])
+                    self._remote[w.unit].write([(np.frombuffer(raw(c.values), np.uint8), got[f]) for f, c in w.part.items()])
                 where.setdefault(w.bid, {})[w.unit] = got
                 seals.append([w.bid, w.unit, reply.get("xs") or {}])
             except BaseException as err:  # noqa: BLE001 - the first failure is raised below
@@ -513,7 +513,7 @@ class NativeTransport(Transport):
             start = where[f]
             if start < 0 or start + n > view.nbytes:
                 raise WireFormatError(f"storage unit {view.unit} allocated an extent outside its slab", field=f)
-            _copy(view.u8[start : start + n], c.values.view(torch.uint8).numpy())
+            _copy(view.u8[start : start + n], np.frombuffer(raw(c.values), np.uint8))
 
     def _drop_blocks(self, blocks: list[list[Any]]) -> None:
         """After a refused reservation (the writes have landed): the controller frees what
@@ -532,27 +532,55 @@ class NativeTransport(Transport):
         loc = self._ask({"op": "locate", "p": partition, "ids": ids, "fields": fields,
                          "shm": sorted(self._slabs.keys() | self._remote.keys())},  # the units read at addresses
                         self._left(deadline))
-        ctrl = self._ctrl()
         pin = loc.get("pin")
         kept = False
         try:
-            columns, views = self._gather(loc, partition, len(ids), fields, copy, deadline)
+            columns, tags, views = self.fetch(loc, partition, ids, fields, copy=copy, deadline=deadline)
             if views and isinstance(pin, str):
                 self._views.hold(pin, views, float(loc.get("pin_lease_s") or 60.0))
                 kept = True
         finally:
             if isinstance(pin, str) and not kept:
-                try:
-                    ctrl.post({"op": "unpin", "pin": pin})
-                except TransportError:  # the channel failed: the pin lapses on its own
-                    pass
+                self.unpin(pin)
+        return columns, tags
+
+    def fetch(self, loc: dict[str, Any], partition: str, ids: list[str], fields: list[str], *, copy: bool = True,
+              deadline: float | None = None) -> tuple[dict[str, Column], RowTags, list[np.ndarray]]:
+        """The rows a locate (or a snapshot's cut) answered: the columns, the tags and any
+        zero-copy views (``copy=False``). The caller holds and releases the pin."""
+        deadline = deadline if deadline is not None else time.monotonic() + self.timeout
+        columns, views = self._gather(loc, partition, len(ids), fields, copy, deadline)
         user = loc["user"]
         geoms = {f: Geometry.from_wire(loc["g"][f], f) for f in fields}
         sums = {f: np.frombuffer(loc["h"][f], "<u8") for f in fields}
         if user is not None and (not isinstance(user, list) or len(user) != len(ids)):
             raise WireFormatError("the controller answered tags for other samples than asked")
         columns = {f: c.with_meta(sums[f], geoms[f]) for f, c in columns.items()}
-        return columns, RowTags(user, geoms, sums, len(ids))
+        return columns, RowTags(user, geoms, sums, len(ids)), views
+
+    def unpin(self, pin: str) -> None:
+        """Release a pin (one-way; a failed channel lets it lapse on its own)."""
+        try:
+            self._ctrl().post({"op": "unpin", "pin": pin})
+        except TransportError:
+            pass
+
+    def renew(self, pins: list[str]) -> list[str]:
+        """Extend pins by their lease; answers the ones that are gone."""
+        return list(self._ask({"op": "renew", "pins": pins}).get("gone") or [])
+
+    def cut(self) -> dict[str, Any]:
+        """A consistent cut of the whole store for a snapshot (see :mod:`rlplane.snapshot`):
+        per partition the samples, where each field's rows are, the tasks' consumption; one pin."""
+        return self._ask({"op": "cut", "shm": sorted(self._slabs.keys() | self._remote.keys())})
+
+    def snapshotted(self, nbytes: int, seconds: float, samples: int) -> None:
+        """Tell the controller a snapshot was written (for its stats and /metrics)."""
+        self._ask({"op": "snapshotted", "bytes": nbytes, "seconds": seconds, "samples": samples})
+
+    def set_consumption(self, partition: str, task: str, ids: list[str], states: bytes) -> None:
+        """Set ``task``'s consumption of ``ids`` (int8 per sample: 0 pending, 2 acked, 3 expired)."""
+        self._ask({"op": "consumed", "p": partition, "task": task, "ids": ids, "states": states})
 
     def _gather(self, loc: dict[str, Any], partition: str, n: int, fields: list[str], copy: bool, deadline: float
                 ) -> tuple[dict[str, Column], list[np.ndarray]]:

@@ -6,6 +6,7 @@ loops that free blocks and reap lapsed reservations. It is one object made of co
 - :mod:`~rlplane_service.native.reads`: locate (pinned) / unpin / renew;
 - :mod:`~rlplane_service.native.health`: unit health, loss, re-replication, the orphan sweep;
 - :mod:`~rlplane_service.native.stream`: claims over the same index;
+- :mod:`~rlplane_service.native.cut`: a snapshot's consistent cut, a restore's consumption;
 - :mod:`~rlplane_service.native.index` holds, per partition, arrays over slots;
   :mod:`~rlplane_service.native.requests` checks request values before use; reads'
   pins live in :mod:`~rlplane_service.native.pins`.
@@ -43,6 +44,7 @@ from rlplane_service.ledger import Ledger
 from rlplane.wire import ints
 from rlplane_service.native.health import (CHECK_TIMEOUT_S, REPORT_TIMEOUT_S, SWEEP_EVERY_S, UNIT_GRACE_S,
                                            WATCH_EVERY_S, UnitHealth)
+from rlplane_service.native.cut import CutOps
 from rlplane_service.native.index import COMMITTED, FREE, Partition, Reservation, rows_in
 from rlplane_service.native.pins import PIN_LEASE_S, Pins
 from rlplane_service.native.requests import (partition_of,
@@ -57,7 +59,7 @@ log = logging.getLogger(__name__)
 
 
 
-class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps):
+class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutOps):
     """The index and its operations (called by :class:`~rlplane_service.native.server.Server`);
     streaming (claim/ack/nack/consumption) comes from :class:`StreamOps` over the same index;
     the commit log on the units and the rebuild from it from :class:`RecoveryOps`."""
@@ -249,6 +251,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps):
                 "under_replicated_samples": self._under_replicated(),
                 "controller_restarts": self.restarts,
                 "rebuild_seconds": float(self.rebuilt.get("seconds", 0.0)),
+                **self.snapshot_stats(),
             }
 
     def _under_replicated(self) -> int:

@@ -56,40 +56,45 @@ class ReadOps:
         with self._lock:
             part = self._parts.get(p)
             slots = self._slots(p, part, ids)  # MissingDataError unless the partition holds them all
-            part = self._parts[p]
-            missing: dict[str, list[str]] = {}
-            per_unit: dict[int, list[list[Any]]] = {}
             pinned: set[int] = set()
-            geoms, sizes, digests = {}, {}, {}
-            plans: dict[bytes, list[_Share]] = {}  # fields of one put share their blocks: planned once
-            for name in fields:
-                fi = part.fields.get(name)
-                blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
-                if fi is None or bool((blk < 0).any()):
-                    for i in np.flatnonzero(blk < 0).tolist():
-                        missing.setdefault(ids[i], []).append(name)
-                    continue
-                rows = fi.row[slots]
-                key = blk.tobytes()
-                plan = plans.get(key)
-                if plan is None:
-                    plan = plans[key] = self._plan(blk, local, pinned)
-                for share in plan:
-                    entry = [name, share.blocks, ints(rows[share.pos]), share.positions]
-                    if share.mapped:  # else the client reads them over ZMQ
-                        entry += self._addresses(name, share, fi.off[slots[share.pos]])
-                    per_unit.setdefault(share.unit, []).append(entry)
-                geoms[name] = fi.geometry(slots).to_wire()
-                sizes[name] = ints(fi.nbytes[slots])
-                digests[name] = fi.sums[slots].astype("<u8").tobytes()
-            if missing:
-                raise E.MissingDataError(p, missing)
-            tagged = part.user[slots]
-            user = tagged.tolist() if bool(np.not_equal(tagged, None).any()) else None  # None: no sample has tags
-            pin = self.pins.pin(sorted(pinned)) if pinned else None
-            caps = self._read_caps(per_unit)
+            out = self._locate(p, self._parts[p], slots, ids, fields, local, pinned)
+            out["pin"] = self.pins.pin(sorted(pinned)) if pinned else None
+        return out, {}, []
+
+    def _locate(self, p: str, part: Partition, slots: np.ndarray, ids: list[str], fields: list[str], local: set[int],
+                pinned: set[int]) -> dict[str, Any]:
+        """A locate's answer for ``slots`` (samples ``ids``) of ``part`` (under the lock); the
+        blocks it names are added to ``pinned`` (the caller pins them)."""
+        missing: dict[str, list[str]] = {}
+        per_unit: dict[int, list[list[Any]]] = {}
+        geoms, sizes, digests = {}, {}, {}
+        plans: dict[bytes, list[_Share]] = {}  # fields of one put share their blocks: planned once
+        for name in fields:
+            fi = part.fields.get(name)
+            blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
+            if fi is None or bool((blk < 0).any()):
+                for i in np.flatnonzero(blk < 0).tolist():
+                    missing.setdefault(ids[i], []).append(name)
+                continue
+            rows = fi.row[slots]
+            key = blk.tobytes()
+            plan = plans.get(key)
+            if plan is None:
+                plan = plans[key] = self._plan(blk, local, pinned)
+            for share in plan:
+                entry = [name, share.blocks, ints(rows[share.pos]), share.positions]
+                if share.mapped:  # else the client reads them over ZMQ
+                    entry += self._addresses(name, share, fi.off[slots[share.pos]])
+                per_unit.setdefault(share.unit, []).append(entry)
+            geoms[name] = fi.geometry(slots).to_wire()
+            sizes[name] = ints(fi.nbytes[slots])
+            digests[name] = fi.sums[slots].astype("<u8").tobytes()
+        if missing:
+            raise E.MissingDataError(p, missing)
+        tagged = part.user[slots]
+        user = tagged.tolist() if bool(np.not_equal(tagged, None).any()) else None  # None: no sample has tags
         return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
-                "h": digests, "pin": pin, "pin_lease_s": self.pin_lease_s, "caps": caps}, {}, []
+                "h": digests, "pin_lease_s": self.pin_lease_s, "caps": self._read_caps(per_unit)}
 
     def _read_caps(self, per_unit: dict[int, list[list[Any]]]) -> list[list[Any]]:
         """Per unit ``[unit, [[block, capability], ...]]`` for every block a locate names there

@@ -161,14 +161,23 @@ class RecoveryOps:
     def open_batch(self) -> None:
         """The server starts a batch of requests: their entries are staged (see :meth:`flush`)."""
         self._group = []
+        self._early: dict[int, E.RlplaneError] = {}
+
+    def settle(self) -> None:
+        """Write what the batch staged so far now (a snapshot's cut must see only changes the
+        units hold); the failures are answered with the batch's others."""
+        if self._group:
+            self._early.update(self.flush())
+            self._group = []
 
     def flush(self) -> dict[int, E.RlplaneError]:
         """Write the batch's staged entries, one message per unit (group commit: one round trip
         for every commit and clear of the batch); returns, per request of the batch whose
         entry no unit kept, its error (its change is undone where it can be)."""
         group, self._group = self._group or [], None
+        early, self._early = getattr(self, "_early", {}), {}
         if not group:
-            return {}
+            return early
         per_unit: dict[int, list[Entry]] = {}
         for g in group:
             for u in g.targets:
@@ -181,7 +190,7 @@ class RecoveryOps:
                 if g.undo is not None:
                     with self._lock:
                         g.undo()
-        return failed
+        return {**early, **failed}
 
     def _write_entries(self, per_unit: dict[int, list[Entry]]) -> dict[int, str]:
         """Send each unit its entries at once and wait (LOG_TIMEOUT_S); the units that did not keep them, and why."""

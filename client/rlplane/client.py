@@ -36,11 +36,15 @@ from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.meta import SampleMeta
 from rlplane.names import check_partition
 from rlplane.opstats import OpStats
+from rlplane import snapshot
 from rlplane.scratch import Scratch
+from rlplane.snapshot import SnapshotInfo
 from rlplane.transports.base import Transport
 
 log = logging.getLogger(__name__)
 
+#: How long a snapshot the service makes may take.
+SNAPSHOT_TIMEOUT_S = 3600.0
 #: How often (at most) a tq client hands its op counts to the service's /metrics.
 REPORT_EVERY_S = 5.0
 
@@ -312,6 +316,20 @@ class Client:
             "nbytes": sum(p["nbytes"] for p in parts.values()),
             "ops": self.ops.summary(),
         }
+
+    def snapshot(self, path: str) -> SnapshotInfo:
+        """A consistent snapshot of the whole store (every partition, every task's
+        consumption) in the new directory ``path`` (see :mod:`rlplane.snapshot`). Made by
+        the service, on its host's disk, when this client has a service; else here, over
+        this client's direct transport. Writes and claims go on while it runs.
+
+        Example: ``client.snapshot("/mnt/shared/snaps/step-1200").samples``
+        """
+        with self._op("snapshot"):
+            if self._service is not None:
+                return SnapshotInfo(**self._service.json("POST", "/v1/snapshot", json={"path": str(path)},
+                                                          timeout=SNAPSHOT_TIMEOUT_S))
+            return snapshot.take(self.transport, path)
 
     def report_ops(self) -> None:
         """Hand the ops done since the last report to the service's ``/metrics`` (direct

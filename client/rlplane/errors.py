@@ -164,6 +164,15 @@ class IntegrityError(RlplaneError, ValueError):
     """Bytes read back differ from what the writer stored (checksum mismatch)."""
 
 
+class SnapshotError(IntegrityError):
+    """A snapshot that cannot be restored (truncated, corrupted, of another format
+    version, or missing a file); ``component`` names the file. Nothing of it was loaded."""
+
+    def __init__(self, message: str, *, component: str = "") -> None:
+        super().__init__(message)
+        self.component = component
+
+
 class AuthenticationError(RlplaneError, PermissionError):
     """The service wants ``Authorization: Bearer <token>`` and got none or a wrong one."""
 
@@ -248,6 +257,7 @@ __all__ = [
     "NotReadyError",
     "LeaseError",
     "IntegrityError",
+    "SnapshotError",
     "AuthenticationError",
     "ForbiddenError",
     "PayloadTooLargeError",
@@ -264,7 +274,7 @@ _BY_NAME: dict[str, type[RlplaneError]] = {
         RlplaneError, RegistryError, InvalidArgumentError, UnknownStageError, FieldValidationError,
         UnregisteredFieldError, ContainerError, DtypeError, ShapeError, WireFormatError,
         MissingDataError, DuplicateSampleError, TransportError, UnavailableError, StorageFullError,
-        NotReadyError, LeaseError, IntegrityError, AuthenticationError, ForbiddenError, PayloadTooLargeError,
+        NotReadyError, LeaseError, IntegrityError, SnapshotError, AuthenticationError, ForbiddenError, PayloadTooLargeError,
     )
 }
 #: The class names a peer may report an error under (anything else is not an rlplane error).

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 #: The operations a client reports (the ``op`` label of rlplane's metrics).
-OPS = ("put_samples", "write_columns", "read_columns", "clear", "delete_partition", "claim", "ack", "nack")
+OPS = ("put_samples", "write_columns", "read_columns", "clear", "delete_partition", "claim", "ack", "nack", "snapshot")
 
 _WINDOW = 1024  # recent durations kept per op for the percentiles
 _PENDING_LIMIT = 10_000  # events kept for the service when it cannot be reached

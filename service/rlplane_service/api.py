@@ -22,6 +22,7 @@ import inspect
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
@@ -32,6 +33,7 @@ from pydantic import BaseModel, Field
 
 import rlplane
 from rlplane import errors as E
+from rlplane import snapshot
 from rlplane.names import check_partition
 from rlplane.codec import check_columns
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
@@ -59,6 +61,7 @@ _STATUS: list[tuple[type[E.RlplaneError], int]] = [
     (E.UnknownStageError, 404),
     (E.DuplicateSampleError, 409),
     (E.LeaseError, 409),
+    (E.SnapshotError, 422),
     (E.IntegrityError, 502),
     (E.NotReadyError, 408),
     (E.InvalidArgumentError, 400),
@@ -94,6 +97,7 @@ class ServiceState:
     transport_for: Optional[Callable[[Access], Optional[dict[str, Any]]]] = None
     tenants: Optional[Tenants] = None  # the tokens accepted (default: RLPLANE_API_TOKEN and RLPLANE_TOKENS_FILE)
     store: Optional[StoreBackend] = None  # what the service asks of the store; None: an in-process transport only
+    last_snapshot: Optional[dict[str, Any]] = None  # the last snapshot this replica took (SnapshotInfo.to_dict)
 
     def recovering(self) -> Optional[dict[str, Any]]:
         """A restarted component's rebuild progress (native: the controller's), or None (blocking)."""
@@ -140,6 +144,10 @@ class ClaimBody(BaseModel):
                                       "oldest first, while their summed lengths fit.")
     min_tokens: Optional[int] = Field(None, ge=1, le=1 << 40, description="What a claim at its timeout needs at least "
                                       "(default max_tokens).")
+
+
+class SnapshotBody(BaseModel):
+    path: str = Field(..., min_length=1, max_length=4096, description="A new directory on the service's host.")
 
 
 class LeaseBody(BaseModel):
@@ -444,6 +452,19 @@ def build_api(state: ServiceState) -> FastAPI:
         size = sum(len(p) for p in parts)
         return StreamingResponse(_chunks(parts), media_type=CONTENT_TYPE, headers={"Content-Length": str(size)})
 
+    @v1.post("/snapshot", tags=["data"])
+    async def take_snapshot(body: SnapshotBody, who: Access = Depends(caller)) -> dict[str, Any]:
+        """A consistent snapshot of the whole store into the new directory ``path`` on the
+        service's host (a shared filesystem for another host to restore it): see
+        :mod:`rlplane.snapshot`. Full access only; writes and claims go on meanwhile."""
+        if not who.full:
+            raise E.ForbiddenError("a tenant's token may not snapshot the whole store")
+        async with observed("snapshot") as event:
+            info = await offload(snapshot.take, transport, snapshot_path(state.settings.snapshot_dir, body.path))
+            event["nbytes"] = info.nbytes
+        state.last_snapshot = info.to_dict()
+        return info.to_dict()
+
     @v1.post("/metrics/report", tags=["status"])
     async def report_ops(body: OpsReport) -> dict[str, Any]:
         """Ops a tq client did straight against the store, for ``/metrics`` (see ``Client.report_ops``)."""
@@ -548,6 +569,20 @@ async def _refuse(send: Any, code: int, err: E.RlplaneError, headers: dict[str, 
            (b"connection", b"close")] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": code, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+def snapshot_path(root: Optional[Path], given: str) -> Path:
+    """Where a snapshot asked for over HTTP goes: inside ``root`` (RLPLANE_SNAPSHOT_DIR)
+    when the service has one (InvalidArgumentError for a path outside it), else ``given``."""
+    path = Path(given)
+    if root is None:
+        return path
+    root = root.resolve()
+    path = (root / path).resolve()
+    if path != root and root not in path.parents:
+        raise E.InvalidArgumentError(f"{given!r} is outside this service's snapshot directory {root} "
+                                     "(RLPLANE_SNAPSHOT_DIR): name a directory inside it")
+    return path
 
 
 def _check_and_store(

@@ -14,11 +14,13 @@ Configure with ``RLPLANE_*`` environment variables or the app's args::
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 import ray
 from ray import serve
 
+from rlplane import errors as E
 from rlplane_service.api import ServiceState, build_api
 from rlplane_service.backends import open_store
 from rlplane_service.settings import ServiceSettings, load_registry
@@ -36,6 +38,8 @@ class RlplaneService:
         registry = load_registry(settings)
         store = open_store(settings)
         transport = store.service_transport()
+        if settings.restore_from is not None:
+            restore_once(store, transport, settings.restore_from, registry.names())
         self._watch = store.watch_units(transport)  # where the engine does not watch its own units
         self._state = ServiceState(
             settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger),
@@ -54,6 +58,29 @@ class RlplaneService:
         state = getattr(self, "_state", None)
         if state is not None:
             state.transport.close()
+
+
+def restore_once(store: Any, transport: Any, path: Any, declared: list[str]) -> None:
+    """Load snapshot ``path`` into the new store, once: the first replica to ask does it
+    (the store's metrics actor says who), before it serves; the others and any later
+    replica find the store restored. InvalidArgumentError on a backend without snapshots."""
+    from rlplane import snapshot
+
+    if store.name != "native":
+        raise E.InvalidArgumentError(f"RLPLANE_RESTORE_FROM needs the native backend (this store is {store.name!r})")
+    me = secrets.token_hex(8)
+    if ray.get(store.ledger.remember.remote("restored-by", me), timeout=30) != me:
+        failed = ray.get(store.ledger.remember.remote("restore-failed", ""), timeout=30)
+        if failed:  # the replica that restored failed: this store must not serve as if it had
+            raise E.SnapshotError(f"the restore from {path} failed: {failed}; start a new store", component=str(path))
+        return
+    try:
+        info = snapshot.restore(transport, path, progress=log.info, declared=declared)
+    except Exception as err:
+        ray.get(store.ledger.remember.remote("restore-failed", f"{type(err).__name__}: {err}"), timeout=30)
+        raise
+    log.warning("restored %d samples in %d partitions from %s in %.1f s", info.samples, info.partitions, path,
+                info.seconds)
 
 
 class LedgerProxy:

@@ -1,4 +1,4 @@
-"""The ``rlplane`` command line's service commands: ``serve`` and ``status``. The tools
+"""The ``rlplane`` command line's service commands: ``serve``, ``status`` and ``snapshot``. The tools
 package adds ``demo`` (the main job), ``bench`` and ``soak`` (:mod:`rlplane_tools.cli`,
 the ``rlplane`` script's entry point), so the service never imports the tools.
 
@@ -75,6 +75,10 @@ def serve(
         "receive, so anyone who reaches a unit's port runs code as the service; keep those ports on a private network. "
         "Default: native.", show_default=False,
     ),
+    restore: Optional[Path] = typer.Option(
+        None, "--restore", exists=True, file_okay=False, help="native: load this snapshot (rlplane snapshot --to) "
+        "into the new store before it reports ready (RLPLANE_RESTORE_FROM). A damaged one stops the start.",
+        show_default=False),
     num_cpus: int = typer.Option(8, "--num-cpus", min=1, help="Logical CPUs of the local Ray."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
                                  "output live instead of in the log file."),
@@ -91,7 +95,8 @@ def serve(
     from rlplane_service.settings import ServiceSettings
 
     given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity, "unit_bytes": unit_bytes,
-             "registry_file": registry_file, "api_token": token, "backend": backend.value if backend else None}
+             "registry_file": registry_file, "api_token": token, "backend": backend.value if backend else None,
+             "restore_from": restore}
     settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_* or defaults
     def on_signal(*_: object) -> None:
         raise KeyboardInterrupt
@@ -169,6 +174,39 @@ def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: 
         for t in tasks:
             per_task.add_row(t["partition"], t["task"], *(str(t.get(k, 0)) for k in states))
         console.print(per_task)
+
+
+@app.command()
+def snapshot(
+    to: Path = typer.Option(..., "--to", help="A new directory on the service's host (a shared filesystem, for "
+                            "another host to restore from): the snapshot is complete there, or not there at all."),
+    url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print the raw JSON."),
+) -> None:
+    """Snapshot a running native store: every partition and every task's consumption, one
+    consistent cut, while writes and claims go on. Restore with `rlplane serve --restore PATH`
+    (or RLPLANE_RESTORE_FROM) into a new store of any size."""
+    import json
+
+    from rlplane.client import SNAPSHOT_TIMEOUT_S
+    from rlplane.errors import RlplaneError
+    from rlplane.http_api import ServiceAPI
+
+    api = ServiceAPI(url, token=token, timeout=SNAPSHOT_TIMEOUT_S)
+    try:
+        with console.status(f"snapshot of {url} -> {to}"):
+            info = api.json("POST", "/v1/snapshot", json={"path": str(to)}, timeout=SNAPSHOT_TIMEOUT_S)
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
+    finally:
+        api.close()
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return
+    console.print(f"[green]snapshot[/] {info['path']}: {info['samples']} samples in {info['partitions']} partitions, "
+                  f"{info['nbytes'] / 1e6:.1f} MB, {info['tasks']} tasks' consumption, in {info['seconds']:.2f} s "
+                  f"(cut {info['cut_ms']:.1f} ms)")
 
 
 def main() -> None:

@@ -120,6 +120,15 @@ class StoreView:
     controller: dict[str, float] | None = None  # native: the controller's restarts and its last rebuild's seconds
 
 
+#: The native controller's account of the last snapshot (rlplane.snapshot), as gauges.
+SNAPSHOT_STATS = {
+    "last_snapshot_time": "Unix time the last snapshot of the store was written (0: none since the controller started).",
+    "last_snapshot_bytes": "Bytes on disk of the last snapshot.",
+    "last_snapshot_seconds": "How long the last snapshot took, cut to rename.",
+    "last_snapshot_samples": "Samples in the last snapshot.",
+}
+
+
 def store_view(
     sizes: Callable[[list[str]], Sizes],
     *,
@@ -142,7 +151,7 @@ def store_view(
     stats = engine_stats()
     controller = None
     if stats is not None and "controller_restarts" in stats:
-        controller = {k: float(stats.get(k, 0.0)) for k in ("controller_restarts", "rebuild_seconds")}
+        controller = {k: float(stats.get(k, 0.0)) for k in ("controller_restarts", "rebuild_seconds", *SNAPSHOT_STATS)}
     if stats is not None:
         counts = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
         slabs = {u: d["slab"] for u, d in stats.get("units", {}).items() if isinstance(d.get("slab"), dict)}
@@ -276,6 +285,8 @@ class _Collector:
             yield restarts
             yield _gauge("rlplane_controller_rebuild_seconds", "How long the controller's last rebuild of its index "
                          "took (0: it never restarted).", v.controller.get("rebuild_seconds", 0.0))
+            for key, what in SNAPSHOT_STATS.items():
+                yield _gauge(f"rlplane_{key}", what, v.controller.get(key, 0.0))
         yield _gauge("rlplane_capacity_samples", "Most samples the store holds (RLPLANE_CAPACITY; 0: no limit).", v.capacity or 0)
         unit_samples = GaugeMetricFamily("rlplane_storage_unit_samples", "Samples per storage unit.", labels=["unit"])
         unit_bytes = GaugeMetricFamily("rlplane_storage_unit_bytes", "Stored bytes per storage unit.", labels=["unit"])

@@ -55,6 +55,15 @@ class ServiceSettings(BaseSettings):
     max_request_bytes: int = Field(
         2 << 30, ge=1 << 10, description="Largest HTTP data request body; larger ones get 413."
     )
+    snapshot_dir: Optional[Path] = Field(
+        None, description="Backend native: where POST /v1/snapshot (rlplane snapshot --to) may write; a relative path "
+        "is taken inside it, one outside it is refused. Unset: any new directory the service's user may create.",
+    )
+    restore_from: Optional[Path] = Field(
+        None, description="Backend native: a snapshot directory (rlplane snapshot --to) a new store loads before it "
+        "reports ready: every sample bit-exact and every task's consumption as snapshotted. A damaged snapshot stops "
+        "the start with SnapshotError naming the file (nothing of it loaded).",
+    )
     namespace: str = Field("rlplane", description="Ray namespace of the store's named actors.")
     store_name: str = Field("rlplane", description="Prefix of the store's actor names (one store per name).")
     tq_num_threads: int = Field(2, ge=1, le=64, description="TQ_NUM_THREADS for the storage units.")

@@ -1,0 +1,452 @@
+"""Snapshots of a native store: a consistent cut of every partition and every task's
+consumption, written to a directory; and the restore of one into another store.
+
+**Taking one** (:func:`take`): the controller cuts the store under its lock (every
+commit, clear, claim and ack is on one side of it entirely: see
+:mod:`rlplane_service.native.cut`), pins every block the cut names, and answers where
+the rows are. Then the bytes are copied, one field of one partition at a time, straight
+from the units (the mapped slabs on this host, or their sockets) into the snapshot's
+files, while writes and claims go on; the pin is renewed meanwhile and released at the
+end. What is kept: every committed sample's rows of every field, bit for bit, with
+their geometry, digests and user tags, in commit order; per task, which samples were
+acked or expired (a lease in flight comes back as pending, since its claimer may never ack).
+
+**On disk**: a directory ``PATH`` holding ``manifest.json`` (format version, when, what,
+and each file's size and xxh3-128) and one ``part-NNNNN.rlsnap`` per partition (a magic,
+a msgpack header, then the values). It is written as ``PATH.tmp-*``, every file fsynced,
+then renamed to ``PATH`` and the parent directory fsynced: a snapshot is complete, or
+there is no ``PATH``.
+
+**Restoring** (:func:`restore`): every file is checked against the manifest and every
+header parsed *before* anything is stored; a missing, truncated or damaged file, or
+another format version, is :class:`~rlplane.errors.SnapshotError` naming the file, and
+nothing of it was loaded. Then the samples are put back with their ids and tags (into a
+store with any number of storage units) and the tasks' consumption is set.
+
+Example::
+
+    info = snapshot.take(transport, "/snapshots/step-1200")   # SnapshotInfo(samples=..., nbytes=...)
+    snapshot.restore(other_transport, "/snapshots/step-1200")
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import secrets
+import shutil
+import struct
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Collection, Iterator
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from rlplane import errors as E
+from rlplane.column import Column
+from rlplane.dtypes import dtype_from_name, dtype_name
+from rlplane.geometry import Geometry
+from rlplane.wire import raw
+
+log = logging.getLogger(__name__)
+
+#: The snapshot format this code writes and reads.
+FORMAT, VERSION = "rlplane-snapshot", 1
+MAGIC = b"RLSNAP01"
+MANIFEST = "manifest.json"
+#: Samples one put of a restore carries at most (and bytes, roughly).
+RESTORE_BATCH, RESTORE_BYTES = 4096, 256 << 20
+#: Task states a snapshot keeps (rlplane_service.ledger): pending, acked, expired.
+_STATES = (0, 2, 3)
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What a snapshot holds and what it took: ``path``, ``partitions``, ``samples``, ``nbytes``
+    (values), ``files_bytes`` (on disk), ``tasks`` (partition/task pairs), ``cut_ms`` (the
+    cut's time under the controller's lock), ``seconds`` (all of it), ``created`` (unix time)."""
+
+    path: str
+    partitions: int
+    samples: int
+    nbytes: int
+    files_bytes: int
+    tasks: int
+    cut_ms: float
+    seconds: float
+    created: float
+    partition_names: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# -- taking -------------------------------------------------------------------------------
+def take(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[str], None] | None = None
+         ) -> SnapshotInfo:
+    """Snapshot the store ``transport`` reaches (a native one) into directory ``path``
+    (which must not exist; its parent must). Returns what was written.
+
+    Example: ``take(client.transport, "/mnt/snap/run-7-step-1200").samples``
+    """
+    if not hasattr(transport, "cut"):
+        raise E.InvalidArgumentError(f"snapshots need the native backend (this store's transport is "
+                                     f"{getattr(transport, 'name', type(transport).__name__)!r})")
+    dest = Path(path)
+    if dest.exists():
+        raise E.InvalidArgumentError(f"{dest} exists already: a snapshot goes to a new directory")
+    if not dest.parent.is_dir():
+        raise E.InvalidArgumentError(f"{dest.parent} is not a directory (make it first)")
+    say = progress or (lambda msg: None)
+    t0 = time.monotonic()
+    cut = transport.cut()
+    cut_ms = (time.monotonic() - t0) * 1e3  # the round trip: an upper bound of the time under the lock
+    pin = cut.get("pin")
+    tmp = dest.parent / f".{dest.name}.tmp-{secrets.token_hex(4)}"
+    renewer = _Renewer(transport, pin, float(cut.get("pin_lease_s") or 60.0))
+    try:
+        tmp.mkdir()
+        files, parts, samples, nbytes = {}, [], 0, 0
+        for k, entry in enumerate(cut["partitions"]):
+            name = f"part-{k:05d}.rlsnap"
+            say(f"snapshot: partition {entry['p']!r} ({len(entry['ids'])} samples)")
+            got = _write_partition(transport, entry, tmp / name)
+            files[name] = got["file"]
+            parts.append({"name": entry["p"], "file": name, "samples": len(entry["ids"]), "nbytes": got["nbytes"],
+                          "fields": sorted(entry["fields"]), "tasks": sorted(entry["tasks"])})
+            samples += len(entry["ids"])
+            nbytes += got["nbytes"]
+        renewer.check()
+        created = time.time()
+        manifest = {"format": FORMAT, "version": VERSION, "created": created, "cut_ms": round(cut_ms, 3),
+                    "partitions": parts, "files": files, "samples": samples, "nbytes": nbytes}
+        _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(tmp)
+        os.rename(tmp, dest)
+        _fsync_dir(dest.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        renewer.stop()
+        if isinstance(pin, str):
+            transport.unpin(pin)
+    info = SnapshotInfo(str(dest), len(parts), samples, nbytes, sum(f["bytes"] for f in files.values()),
+                        sum(len(p["tasks"]) for p in parts), round(cut_ms, 3), round(time.monotonic() - t0, 3),
+                        created, [p["name"] for p in parts])
+    try:
+        transport.snapshotted(info.files_bytes, info.seconds, info.samples)
+    except E.RlplaneError as err:  # the snapshot is on disk; only its metrics miss it
+        log.warning("the controller was not told of snapshot %s: %s", dest, err)
+    say(f"snapshot: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s -> {dest}")
+    return info
+
+
+def _write_partition(transport: Any, entry: dict[str, Any], path: Path) -> dict[str, Any]:
+    """One partition's file: the header (ids, tags, consumption, per field its rows'
+    positions, dtype, offsets, geometry, digests and where its values are), then the values."""
+    p, ids = entry["p"], list(entry["ids"])
+    fields, blobs, at = {}, [], 0
+    for name, fe in sorted(entry["fields"].items()):
+        pos = np.frombuffer(fe["at"], "<i8")
+        sub = [ids[i] for i in pos.tolist()] if pos.size != len(ids) else ids
+        columns, _, _ = transport.fetch(fe["loc"], p, sub, [name])
+        col = columns[name]
+        values = raw(col.values)
+        fields[name] = {"at": fe["at"], "dtype": dtype_name(col.dtype),
+                        "offsets": col.offsets.numpy().astype("<i8", copy=False).tobytes(),
+                        "g": fe["loc"]["g"][name], "h": fe["loc"]["h"][name], "start": at, "nbytes": values.nbytes}
+        blobs.append(values)
+        at += -(-values.nbytes // _ALIGN) * _ALIGN
+    header = msgpack.packb({"p": p, "ids": ids, "user": entry.get("user"), "tasks": entry["tasks"], "fields": fields},
+                           use_bin_type=True)
+    h = xxhash.xxh3_128()
+    with open(path, "wb") as f:
+        head = MAGIC + struct.pack("<Q", len(header)) + header
+        head += b"\0" * (-len(head) % _ALIGN)
+        for chunk in [head] + [b for blob in blobs for b in (blob, b"\0" * (-blob.nbytes % _ALIGN))]:
+            f.write(chunk)
+            h.update(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    return {"file": {"bytes": size, "xxh3_128": h.hexdigest()}, "nbytes": sum(b.nbytes for b in blobs)}
+
+
+class _Renewer:
+    """Renews the cut's pin every third of its lease while the bytes are copied."""
+
+    def __init__(self, transport: Any, pin: Any, lease_s: float) -> None:
+        self._transport, self._pin, self._every = transport, pin, max(0.5, lease_s / 3)
+        self._stop = threading.Event()
+        self.gone: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="rlplane-snapshot-pin", daemon=True)
+        if isinstance(pin, str):
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                if self._transport.renew([self._pin]):
+                    self.gone = "the controller dropped the snapshot's pin (did it restart?)"
+                    return
+            except E.RlplaneError as err:
+                self.gone = f"the snapshot's pin could not be renewed: {err}"
+                return
+
+    def check(self) -> None:
+        """IntegrityError when the pin lapsed: the bytes copied may have been reused."""
+        if self.gone:
+            raise E.IntegrityError(f"{self.gone}; nothing was written: take the snapshot again")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading ------------------------------------------------------------------------------
+@dataclass
+class _Part:
+    """One partition of a snapshot, parsed and checked (its values stay in the mapped file)."""
+
+    name: str
+    ids: list[str]
+    user: list[Any] | None
+    tasks: dict[str, np.ndarray]
+    fields: dict[str, tuple[np.ndarray, Column]]  # name -> (positions in ids, column)
+
+
+class Snapshot:
+    """A snapshot on disk, checked whole when opened (see the module docstring). Close it
+    (or use ``with``) to unmap its files."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._maps: list[mmap.mmap] = []
+        self._files: list[BinaryIO] = []
+        try:
+            self.manifest = self._manifest()
+            self.parts = [self._part(p) for p in self.manifest["partitions"]]
+        except BaseException:
+            self.close()
+            raise
+
+    def _manifest(self) -> dict[str, Any]:
+        where = self.path / MANIFEST
+        try:
+            m = json.loads(where.read_bytes())
+        except FileNotFoundError:
+            raise E.SnapshotError(f"{where} does not exist: {self.path} is not a complete snapshot",
+                                  component=str(where)) from None
+        except (OSError, ValueError) as err:
+            raise E.SnapshotError(f"{where} does not parse ({err})", component=str(where)) from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise E.SnapshotError(f"{where} is not an rlplane snapshot's manifest", component=str(where))
+        if m.get("version") != VERSION:
+            raise E.SnapshotError(f"{where} is of snapshot format version {m.get('version')!r}; this rlplane "
+                                  f"reads version {VERSION}", component=str(where))
+        if not isinstance(m.get("partitions"), list) or not isinstance(m.get("files"), dict):
+            raise E.SnapshotError(f"{where} lists no partitions or files", component=str(where))
+        return m
+
+    def _part(self, entry: dict[str, Any]) -> _Part:
+        name = str(entry.get("file"))
+        where = self.path / name
+        want = self.manifest["files"].get(name)
+        if not isinstance(want, dict) or "/" in name or name.startswith("."):
+            raise E.SnapshotError(f"the manifest names file {name!r} without its size and digest", component=str(where))
+
+        def bad(why: str) -> E.SnapshotError:
+            return E.SnapshotError(f"{where} {why}; nothing of the snapshot was loaded", component=str(where))
+
+        try:
+            f = open(where, "rb")
+        except OSError as err:
+            raise bad(f"cannot be opened ({err.strerror})") from None
+        self._files.append(f)
+        size = os.fstat(f.fileno()).st_size
+        if size != want.get("bytes"):
+            raise bad(f"holds {size} bytes where the manifest says {want.get('bytes')} (truncated?)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        if size:
+            self._maps.append(buf)  # type: ignore[arg-type]
+        if xxhash.xxh3_128_hexdigest(buf) != want.get("xxh3_128"):
+            raise bad("does not match its digest in the manifest (damaged)")
+        view = memoryview(buf)
+        if size < 16 or bytes(view[:8]) != MAGIC:
+            raise bad("is not an rlplane snapshot partition file")
+        (hlen,) = struct.unpack("<Q", view[8:16])
+        try:
+            h = msgpack.unpackb(view[16 : 16 + hlen], raw=False, strict_map_key=False)
+            base = -(-(16 + hlen) // _ALIGN) * _ALIGN
+            ids = list(h["ids"])
+            n = len(ids)
+            user = h.get("user")
+            if user is not None and len(user) != n:
+                raise ValueError("tags for other than its samples")
+            tasks = {str(t): np.frombuffer(s, np.int8) for t, s in h["tasks"].items()}
+            if any(s.size != n or not bool(np.isin(s, _STATES).all()) for s in tasks.values()):
+                raise ValueError("bad consumption states")
+            fields = {}
+            for fname, fe in h["fields"].items():
+                pos = np.frombuffer(fe["at"], "<i8")
+                offsets = np.frombuffer(fe["offsets"], "<i8")
+                dtype = dtype_from_name(fe["dtype"])
+                start, nb = base + int(fe["start"]), int(fe["nbytes"])
+                if start + nb > size or offsets.size != pos.size + 1 or (pos.size and (pos.min() < 0 or pos.max() >= n)):
+                    raise ValueError(f"field {fname!r} lies outside the file")
+                with warnings.catch_warnings():  # read-only: the restore only copies out of it
+                    warnings.simplefilter("ignore", UserWarning)
+                    values = torch.frombuffer(view[start : start + nb], dtype=torch.uint8) if nb else \
+                        torch.empty(0, dtype=torch.uint8)
+                values = values.view(dtype)
+                if int(offsets[0]) != 0 or int(offsets[-1]) != values.numel() or bool((np.diff(offsets) < 0).any()):
+                    raise ValueError(f"field {fname!r}'s row offsets do not fit its values")
+                g = Geometry.from_wire(fe["g"], fname)
+                sums = np.frombuffer(fe["h"], "<u8")
+                col = Column(values, torch.from_numpy(offsets.copy())).with_meta(sums, g)
+                fields[str(fname)] = (pos, col)
+        except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+                E.RlplaneError, RuntimeError) as err:
+            raise bad(f"has a bad header ({err})") from None
+        return _Part(str(h["p"]), ids, user, tasks, fields)
+
+    def close(self) -> None:
+        self.parts = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # a tensor still views it: unmapped when that goes
+                pass
+        for f in self._files:
+            f.close()
+        self._maps, self._files = [], []
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def restore(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[str], None] | None = None,
+            declared: Collection[str] | None = None) -> SnapshotInfo:
+    """Load snapshot ``path`` into the (empty of its partitions) store ``transport``
+    reaches: every sample with its id, rows and tags, then each task's consumption.
+    SnapshotError (naming the file) when any of it is damaged, before anything is stored;
+    with ``declared`` (the service's registry's names), UnregisteredFieldError for a field
+    the snapshot holds that is not declared, before anything is stored.
+
+    Example: ``restore(client.transport, "/mnt/snap/run-7-step-1200").samples``
+    """
+    if not hasattr(transport, "set_consumption"):
+        raise E.InvalidArgumentError("restoring a snapshot needs the native backend")
+    say = progress or (lambda msg: None)
+    t0 = time.monotonic()
+    with Snapshot(path) as snap:
+        if declared is not None:
+            odd = sorted({f for p in snap.parts for f in p.fields} - set(declared))
+            if odd:
+                raise E.UnregisteredFieldError(f"the snapshot holds field(s) {odd} this service does not declare: "
+                                               "add them to its registry (RLPLANE_REGISTRY_FILE); nothing was loaded",
+                                               field=odd[0])
+        there = set(transport.partitions()) & {p.name for p in snap.parts}
+        if there:
+            raise E.InvalidArgumentError(f"the store holds partition(s) {sorted(there)[:5]} already: restore into "
+                                         "a store without them (nothing was loaded)")
+        samples = nbytes = tasks = 0
+        for part in snap.parts:
+            say(f"restore: partition {part.name!r} ({len(part.ids)} samples)")
+            for ids, columns, tags, create in _puts(part):
+                transport.put(part.name, ids, columns, tags, create=create)
+                nbytes += sum(c.nbytes for c in columns.values())
+            for task, states in part.tasks.items():
+                for a in range(0, len(part.ids), RESTORE_BATCH * 16):
+                    transport.set_consumption(part.name, task, part.ids[a : a + RESTORE_BATCH * 16],
+                                              states[a : a + RESTORE_BATCH * 16].tobytes())
+            samples += len(part.ids)
+            tasks += len(part.tasks)
+        names = [p.name for p in snap.parts]
+        created = float(snap.manifest.get("created") or 0.0)
+        files = sum(int(f.get("bytes", 0)) for f in snap.manifest["files"].values())
+    info = SnapshotInfo(str(path), len(names), samples, nbytes, files, tasks, 0.0,
+                        round(time.monotonic() - t0, 3), created, names)
+    say(f"restore: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s from {path}")
+    return info
+
+
+def _puts(part: _Part) -> Iterator[tuple[list[str], dict[str, Column], list[dict[str, Any]], bool]]:
+    """The partition's samples as puts ``(ids, columns, tags, create)``, at most
+    RESTORE_BATCH samples or ~RESTORE_BYTES each: every sample in commit order with the
+    fields all of them hold, then each other field over the samples that hold it (as a
+    later write of theirs did). Without a field every sample holds, samples holding the
+    same fields are put together (commit order kept within each such group)."""
+    n = len(part.ids)
+    row_of = {}  # field -> row of each sample in the field's column (-1: none)
+    for f, (pos, _) in part.fields.items():
+        rows = np.full(n, -1, np.int64)
+        rows[pos] = np.arange(pos.size)
+        row_of[f] = rows
+    common = sorted(f for f, rows in row_of.items() if bool((rows >= 0).all()))
+    if common or not n:
+        steps = [(np.arange(n), common, True)]
+        steps += [(np.flatnonzero(row_of[f] >= 0), [f], False) for f in sorted(set(part.fields) - set(common))]
+    else:
+        names = sorted(part.fields)
+        has = np.stack([row_of[f] >= 0 for f in names], axis=1)
+        kinds, which = np.unique(has, axis=0, return_inverse=True)
+        which = np.asarray(which).reshape(-1)
+        steps = [(np.flatnonzero(which == g), [f for f, on in zip(names, kind.tolist()) if on], True)
+                 for g, kind in enumerate(kinds)]
+    for members, fields, create in steps:
+        per_sample = sum(part.fields[f][1].nbytes for f in fields) / max(1, n)
+        step = int(max(1, min(RESTORE_BATCH, RESTORE_BYTES // max(1.0, per_sample))))
+        for a in range(0, members.size, step):
+            take = members[a : a + step]
+            cols = {f: _rows(part.fields[f][1], row_of[f][take]) for f in fields}
+            ids = [part.ids[i] for i in take.tolist()]
+            tags = [dict(t) if isinstance(t, dict) else {} for t in _pick(part.user, take)] if create else \
+                [{} for _ in ids]
+            yield ids, cols, tags, create
+
+
+def _pick(user: list[Any] | None, take: np.ndarray) -> list[Any]:
+    return [None] * take.size if user is None else [user[i] for i in take.tolist()]
+
+
+def _rows(col: Column, rows: np.ndarray) -> Column:
+    """Rows ``rows`` of ``col`` (a view when they are consecutive, else one copy), with their meta."""
+    if rows.size and bool((np.diff(rows) == 1).all()):
+        a, z = int(rows[0]), int(rows[-1]) + 1
+        lo, hi = int(col.offsets[a]), int(col.offsets[z])
+        picked = Column(col.values[lo:hi], col.offsets[a : z + 1] - lo)
+    else:
+        picked = col.select(rows.tolist())
+    return picked.with_meta(col.sums[rows] if col.sums is not None else None,
+                            col.geom.take(rows) if col.geom is not None else None)
+
+
+__all__ = ["SnapshotInfo", "Snapshot", "take", "restore", "FORMAT", "VERSION"]

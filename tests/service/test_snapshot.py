@@ -1,0 +1,75 @@
+"""Snapshots under the live service: ``rlplane snapshot --to`` and ``Client.snapshot`` while
+the store serves, then a new store of another size started with RLPLANE_RESTORE_FROM
+serves every sample bit for bit and every task's consumption; the TransferQueue-based
+backends refuse with a clear error."""
+
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+import pytest
+
+import rlplane
+from rlplane import errors as E
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import text_step, vlm_step
+
+SOURCE = {"store_name": "snap-src", "backend": "native", "storage_units": 2, "unit_bytes": 128 << 20}
+
+
+@pytest.fixture(scope="module")
+def source(own_app):
+    with own_app(SOURCE, "/snap-src") as url:
+        yield url
+
+
+def test_a_snapshot_restores_into_a_new_store_before_it_is_ready(source, own_app, tmp_path):
+    p, q = f"vlm-{uuid.uuid4().hex[:6]}", f"text-{uuid.uuid4().hex[:6]}"
+    with rlplane.connect(source) as c:
+        vlm = vlm_step(8, 256, seed=21)
+        mv = c.put_samples(p, vlm.fields)
+        text = text_step(32, 64, seed=22)
+        mt = c.put_samples(q, text.fields, tags=[{"group": i // 4} for i in range(32)])
+        acked = c.claim(q, "train", batch_size=12, fields=["input_ids"], timeout=0)
+        c.ack(acked, "train")
+        info = c.snapshot(str(tmp_path / "by-client"))  # the service writes it (POST /v1/snapshot)
+        assert (info.samples, info.partitions) == (40, 2)
+        c.put_samples(q, text_step(4, 64, seed=23).fields)  # after the snapshot: not in it
+    out = subprocess.run([sys.executable, "-m", "rlplane_tools", "snapshot", "--to", str(tmp_path / "by-cli"),
+                          "--url", source, "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["samples"] == 44
+    deadline = time.monotonic() + 30  # /metrics caches a scrape for a moment
+    while "rlplane_last_snapshot_samples 44.0" not in httpx.get(f"{source}/metrics", timeout=30).text:
+        assert time.monotonic() < deadline, "the last snapshot never showed in /metrics"
+        time.sleep(0.5)
+
+    args = {"store_name": "snap-dst", "backend": "native", "storage_units": 3, "unit_bytes": 64 << 20,
+            "restore_from": str(tmp_path / "by-client")}
+    with own_app(args, "/snap-dst") as restored:
+        assert httpx.get(f"{restored}/readyz", timeout=30).status_code == 200
+        with rlplane.connect(restored) as r:
+            assert sorted(r.partitions()) == sorted([p, q])
+            got = r.read_columns(mv, list(vlm.fields))
+            assert diff_fields(r.registry, vlm.fields, got, vlm.lengths, sample_ids=mv.sample_ids) == []
+            got = r.read_columns(mt, list(text.fields))
+            assert diff_fields(r.registry, text.fields, got, text.lengths, sample_ids=mt.sample_ids) == []
+            assert r.transport.describe(q).num_samples == 32
+            train = r.consumption(q, "train")
+            assert (train["acked"], train["pending"]) == (12, 20)
+            status = httpx.get(f"{restored}/v1/status", timeout=30).json()
+            assert status["store"]["storage_units"] == 3
+
+
+def test_a_snapshot_never_overwrites_and_the_tq_backends_refuse_snapshots(source, simple_service, tmp_path):
+    with rlplane.connect(source) as c:
+        c.put_samples(f"t-{uuid.uuid4().hex[:6]}", text_step(4, 16, seed=1).fields)
+        c.snapshot(str(tmp_path / "s"))
+        with pytest.raises(E.InvalidArgumentError, match="exists already"):
+            c.snapshot(str(tmp_path / "s"))
+    with rlplane.connect(simple_service.url, token=simple_service.token, transport="http") as c:
+        with pytest.raises(E.InvalidArgumentError, match="native backend"):
+            c.snapshot(str(tmp_path / "tq"))

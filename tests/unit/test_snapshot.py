@@ -1,0 +1,313 @@
+"""Snapshots: a consistent cut of a native store written to a directory while writers and
+claimers go on, restored into another store (another number of storage units) bit for
+bit with every task's consumption; a damaged snapshot is refused whole, naming the file
+(in one process, without Ray: two LocalEngines)."""
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane import snapshot
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import text_step, vlm_step
+from rlplane.transports.native import NativeTransport
+from rlplane_service.native.local import LocalEngine
+
+SECRET = b"snapshot-test-secret"
+
+
+@pytest.fixture
+def source():
+    with LocalEngine(2, secret=SECRET, lease_s=30, slab_bytes=128 << 20) as eng:
+        yield eng
+
+
+@pytest.fixture
+def target():
+    with LocalEngine(3, secret=SECRET, lease_s=30, slab_bytes=128 << 20) as eng:
+        yield eng
+
+
+def connect(eng: LocalEngine, path: str = "shm") -> Client:
+    info = {"controller": eng.server.endpoint, "secret": SECRET.decode()}
+    return Client(default_registry(), NativeTransport(info, timeout=30, data_path=path))
+
+
+def wire(client: Client, p: str, ids: list, fields: list) -> dict:
+    """What the store hands a reader, at the wire: per field values, offsets, digests, geometry; the tags."""
+    cols, tags = client.transport.get(p, ids, fields)
+    out = {f: (c.values.view(torch.uint8).clone(), c.offsets.clone(), c.sums.tolist(), c.geom.tolist())
+           for f, c in cols.items()}
+    return {"cols": out, "tags": [dict(t) for t in tags]}
+
+
+def same(a: dict, b: dict) -> bool:
+    if a["tags"] != b["tags"] or a["cols"].keys() != b["cols"].keys():
+        return False
+    return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2] and x[3] == y[3]
+               for x, y in ((a["cols"][f], b["cols"][f]) for f in a["cols"]))
+
+
+def filled(c: Client) -> dict:
+    """Two partitions: vlm-step (pixel values, a second write of some samples) and text with tags."""
+    vlm = vlm_step(12, 128, seed=3)
+    mv = c.put_samples("vlm", vlm.fields)
+    c.write_columns(mv.subset([1, 4]), {"prev_logprobs": torch.randn(2, 128)})  # a field only two samples hold
+    text = text_step(64, 64, seed=4)
+    mt = c.put_samples("text", text.fields, tags=[{"group": i // 8, "policy_version": 3} for i in range(64)])
+    c.clear("text", mt.sample_ids[:4])
+    return {"vlm": (mv, vlm), "text": (mt, text)}
+
+
+@pytest.mark.parametrize("path", ["shm", "zmq"])
+def test_a_snapshot_restores_bit_exact_into_a_store_of_another_size_with_its_consumption(source, target, tmp_path,
+                                                                                          path):
+    with connect(source, path) as a, connect(target, path) as b:
+        got = filled(a)
+        acked = a.claim("text", "train", batch_size=20, fields=["input_ids"], timeout=0)
+        a.ack(acked, "train")
+        leased = a.claim("text", "train", batch_size=10, fields=["input_ids"], timeout=0)  # in flight at the cut
+        a.claim("vlm", "ref", batch_size=12, fields=["input_ids"], timeout=0)
+        mv, vlm = got["vlm"]
+        reads = {"vlm": (mv.sample_ids, sorted(vlm.fields)), "prev": (mv.subset([1, 4]).sample_ids, ["prev_logprobs"]),
+                 "text": (a.transport.describe("text").sample_ids, sorted(got["text"][1].fields))}
+        part = {"vlm": "vlm", "prev": "vlm", "text": "text"}
+        before = {k: wire(a, part[k], ids, fields) for k, (ids, fields) in reads.items()}
+        info = a.snapshot(str(tmp_path / "snap"))
+        assert (info.partitions, info.samples, info.tasks) == (2, 12 + 60, 2)
+        assert sorted(os.listdir(tmp_path)) == ["snap"]  # no temporary left behind
+        manifest = json.loads((tmp_path / "snap" / "manifest.json").read_text())
+        assert manifest["version"] == snapshot.VERSION and len(manifest["files"]) == 2
+
+        restored = snapshot.restore(b.transport, tmp_path / "snap")
+        assert restored.samples == 72 and sorted(b.partitions()) == ["text", "vlm"]
+        for p in ("vlm", "text"):
+            assert b.transport.describe(p).sample_ids == a.transport.describe(p).sample_ids  # commit order kept
+        for k, (ids, fields) in reads.items():
+            assert same(wire(b, part[k], ids, fields), before[k]), k
+        assert b.transport.describe("vlm").fields["prev_logprobs"] == 2
+        assert diff_fields(b.registry, vlm.fields, b.read_columns(mv, list(vlm.fields)), vlm.lengths,
+                           sample_ids=mv.sample_ids) == []
+        # Acked stays acked; the lease in flight at the cut is pending again.
+        train = b.consumption("text", "train")
+        assert (train["acked"], train["claimed"], train["pending"]) == (20, 0, 40)
+        rest = b.claim("text", "train", batch_size=40, fields=["input_ids"], timeout=0)
+        assert set(rest.sample_ids) == set(a.transport.describe("text").sample_ids) - set(acked.sample_ids)
+        assert set(leased.sample_ids) <= set(rest.sample_ids)
+        assert b.consumption("vlm", "ref")["pending"] == 12
+        assert len(b.transport.stats()["units"]) == 3
+
+
+def test_a_snapshot_while_writers_and_claimers_run_is_one_consistent_cut(source, target, tmp_path):
+    """4 writers and 2 claimers go on while the snapshot copies; every sample in the snapshot
+    is bit-exact to what its writer put, none is half there, and every ack before the cut is kept."""
+    stop = threading.Event()
+    errors: list = []
+    puts: dict = {}
+    acks: list = []
+
+    def writer(w: int) -> None:
+        with connect(source) as c:
+            k = 0
+            while not stop.is_set() and k < 400:
+                batch = text_step(8, 32, seed=1000 * w + k)
+                m = c.put_samples("live", batch.fields, sample_ids=[f"w{w}-{k}-{i}" for i in range(8)])
+                puts.update({s: (batch, i) for i, s in enumerate(m.sample_ids)})
+                k += 1
+
+    def claimer(task: str) -> None:
+        with connect(source) as c:
+            deadline = time.monotonic() + 60
+            while not stop.is_set() and time.monotonic() < deadline:
+                try:
+                    m = c.claim("live", task, batch_size=8, fields=["input_ids"], timeout=0.05)
+                except E.NotReadyError:
+                    continue
+                c.ack(m, task)
+                acks.append((task, time.monotonic(), m.sample_ids))
+
+    def guarded(fn, *args):
+        try:
+            fn(*args)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=guarded, args=(writer, w)) for w in range(4)]
+    threads += [threading.Thread(target=guarded, args=(claimer, t)) for t in ("train", "ref")]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(puts) < 200 and time.monotonic() < deadline and not errors:
+            time.sleep(0.01)
+        with connect(source) as c:
+            t_cut = time.monotonic()
+            info = c.snapshot(str(tmp_path / "live"))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors, errors
+    assert info.samples >= 200
+    with connect(target) as b:
+        snapshot.restore(b.transport, tmp_path / "live")
+        ids = b.transport.describe("live").sample_ids
+        assert len(ids) == info.samples and set(ids) <= set(puts)
+        cols, _ = b.transport.get("live", ids, ["input_ids", "input_lengths"])
+        for f in ("input_ids", "input_lengths"):
+            for j, s in enumerate(ids):
+                batch, i = puts[s]
+                want = batch.fields[f][i]
+                row = cols[f].row(j)
+                assert torch.equal(row.view(-1), want.reshape(-1)[: row.numel()]), (s, f)
+        for task in ("train", "ref"):
+            before = [s for t, when, got in acks if t == task and when < t_cut for s in got]
+            state = b.consumption("live", task)
+            assert state["acked"] >= len(before)
+            assert state["acked"] <= len([s for t, _, got in acks if t == task for s in got])
+            rest = b.claim("live", task, batch_size=state["pending"], fields=["input_ids"], timeout=0) \
+                if state["pending"] else None
+            assert not set(before) & set(rest.sample_ids if rest else [])  # acked before the cut: never again
+
+
+def test_a_clear_after_the_cut_does_not_reach_into_the_snapshot(source, target, tmp_path, monkeypatch):
+    with connect(source) as a, connect(target) as b:
+        text = text_step(32, 64, seed=9)
+        m = a.put_samples("p", text.fields)
+        before = wire(a, "p", m.sample_ids, list(text.fields))
+        fetch = a.transport.fetch
+        cleared = []
+
+        def clear_then_fetch(*args, **kw):
+            if not cleared:  # the cut is taken: clear the partition and overwrite its memory
+                cleared.append(a.clear("p"))
+                a.put_samples("q", text_step(32, 64, seed=10).fields)
+            return fetch(*args, **kw)
+
+        monkeypatch.setattr(a.transport, "fetch", clear_then_fetch)
+        info = snapshot.take(a.transport, tmp_path / "s")
+        assert cleared == [32] and info.samples == 32 and info.partition_names == ["p"]
+        snapshot.restore(b.transport, tmp_path / "s")
+        assert same(wire(b, "p", m.sample_ids, list(text.fields)), before)
+
+
+def test_an_empty_store_snapshots_and_restores_nothing(source, target, tmp_path):
+    with connect(source) as a, connect(target) as b:
+        info = a.snapshot(str(tmp_path / "e"))
+        assert (info.samples, info.partitions) == (0, 0)
+        assert snapshot.restore(b.transport, tmp_path / "e").samples == 0 and b.partitions() == []
+
+
+@pytest.fixture
+def snap(source, tmp_path):
+    with connect(source) as a:
+        filled(a)
+        a.snapshot(str(tmp_path / "snap"))
+    return tmp_path / "snap"
+
+
+def _part_file(snap) -> str:
+    return sorted(f for f in os.listdir(snap) if f.endswith(".rlsnap"))[-1]
+
+
+def _flip(path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flip a value byte", "flip a header byte", "truncate", "drop a file",
+                                    "other version", "no manifest", "bad manifest"])
+def test_a_damaged_snapshot_is_refused_naming_the_file_and_nothing_is_loaded(snap, target, damage):
+    name = _part_file(snap)
+    f = snap / name
+    named = name
+    if damage == "flip a value byte":
+        _flip(f, f.stat().st_size - 100)
+    elif damage == "flip a header byte":
+        _flip(f, 20)
+    elif damage == "truncate":
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif damage == "drop a file":
+        f.unlink()
+    else:
+        named = "manifest.json"
+        m = snap / "manifest.json"
+        if damage == "other version":
+            m.write_text(json.dumps({**json.loads(m.read_text()), "version": 99}))
+        elif damage == "no manifest":
+            m.unlink()
+        else:
+            m.write_text("{not json")
+    with connect(target) as b:
+        b.put_samples("mine", text_step(4, 16, seed=1).fields)  # already stored: must survive the refusal
+        with pytest.raises(E.SnapshotError) as err:
+            snapshot.restore(b.transport, snap)
+        assert named in str(err.value) and named in err.value.component
+        assert b.partitions() == ["mine"] and b.transport.describe("mine").num_samples == 4
+
+
+def test_a_restore_refuses_a_store_that_holds_its_partitions(snap, target):
+    with connect(target) as b:
+        b.put_samples("text", text_step(4, 16, seed=1).fields)
+        with pytest.raises(E.InvalidArgumentError, match="holds partition"):
+            snapshot.restore(b.transport, snap)
+        assert b.partitions() == ["text"] and b.transport.describe("text").num_samples == 4
+
+
+def test_a_snapshot_never_overwrites_and_leaves_nothing_when_it_fails(source, tmp_path, monkeypatch):
+    with connect(source) as a:
+        a.put_samples("p", text_step(8, 16, seed=2).fields)
+        (tmp_path / "taken").mkdir()
+        with pytest.raises(E.InvalidArgumentError, match="exists already"):
+            a.snapshot(str(tmp_path / "taken"))
+
+        def broken(*args, **kw):
+            raise E.UnavailableError("storage unit u0 does not answer", component="u0")
+
+        monkeypatch.setattr(a.transport, "fetch", broken)
+        with pytest.raises(E.UnavailableError):
+            a.snapshot(str(tmp_path / "half"))
+        assert sorted(os.listdir(tmp_path)) == ["taken"]  # no half snapshot, no temporary
+        deadline = time.monotonic() + 10  # the unpin is one-way: the controller takes it in its time
+        while source.core.stats()["pins"]:
+            assert time.monotonic() < deadline, "the cut's pin was never released"
+            time.sleep(0.05)
+
+
+def test_the_http_api_confines_snapshots_to_the_snapshot_dir(tmp_path):
+    from pathlib import Path
+
+    from rlplane_service.api import snapshot_path
+
+    assert snapshot_path(tmp_path, "step-1") == tmp_path.resolve() / "step-1"
+    assert snapshot_path(tmp_path, str(tmp_path / "a" / "b")) == tmp_path.resolve() / "a" / "b"
+    for outside in ("../elsewhere", "/etc/cron.d/x", "a/../../b"):
+        with pytest.raises(E.InvalidArgumentError, match="outside this service's snapshot directory"):
+            snapshot_path(tmp_path, outside)
+    assert snapshot_path(None, "/mnt/snaps/x") == Path("/mnt/snaps/x")
+
+
+def test_a_restore_refuses_fields_the_service_does_not_declare(snap, target):
+    with connect(target) as b:
+        with pytest.raises(E.UnregisteredFieldError, match="does not declare"):
+            snapshot.restore(b.transport, snap, declared=["input_ids", "input_lengths"])
+        assert b.partitions() == []
+        assert snapshot.restore(b.transport, snap, declared=b.registry.names()).samples == 72
+
+
+def test_the_controller_keeps_the_last_snapshot_for_metrics(source, tmp_path):
+    with connect(source) as a:
+        assert source.core.stats()["last_snapshot_time"] == 0.0
+        a.put_samples("p", text_step(8, 16, seed=2).fields)
+        info = a.snapshot(str(tmp_path / "m"))
+        st = source.core.stats()
+        assert st["last_snapshot_time"] > 0 and st["last_snapshot_samples"] == 8
+        assert st["last_snapshot_bytes"] == info.files_bytes

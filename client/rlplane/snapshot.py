@@ -17,11 +17,13 @@ a msgpack header, then the values). It is written as ``PATH.tmp-*``, every file 
 then renamed to ``PATH`` and the parent directory fsynced: a snapshot is complete, or
 there is no ``PATH``.
 
-**Restoring** (:func:`restore`): every file is checked against the manifest and every
-header parsed *before* anything is stored; a missing, truncated or damaged file, or
+**Restoring** (:func:`restore`): the manifest is read and every file checked to be there
+at its size before anything is stored; then partition by partition, its file is checked
+against its xxh3-128 and its header parsed, its samples are put back with their ids and
+tags (into a store with any number of storage units) and its tasks' consumption is set,
+while the kernel reads the next file ahead. A missing, truncated or damaged file, or
 another format version, is :class:`~rlplane.errors.SnapshotError` naming the file, and
-nothing of it was loaded. Then the samples are put back with their ids and tags (into a
-store with any number of storage units) and the tasks' consumption is set.
+the partitions loaded before it are taken back: nothing of a refused snapshot stays.
 
 Example::
 
@@ -41,6 +43,7 @@ import struct
 import threading
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Collection, Iterator
@@ -116,15 +119,25 @@ def take(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[st
     try:
         tmp.mkdir()
         files, parts, samples, nbytes = {}, [], 0, 0
-        for k, entry in enumerate(cut["partitions"]):
-            name = f"part-{k:05d}.rlsnap"
-            say(f"snapshot: partition {entry['p']!r} ({len(entry['ids'])} samples)")
-            got = _write_partition(transport, entry, tmp / name)
-            files[name] = got["file"]
-            parts.append({"name": entry["p"], "file": name, "samples": len(entry["ids"]), "nbytes": got["nbytes"],
-                          "fields": sorted(entry["fields"]), "tasks": sorted(entry["tasks"])})
-            samples += len(entry["ids"])
-            nbytes += got["nbytes"]
+        # One thread writes (and fsyncs) a partition's file while the next one's bytes are
+        # copied out of the units: at most two partitions' bytes are held at once.
+        with ThreadPoolExecutor(1, thread_name_prefix="rlplane-snapshot-write") as disk:
+            pending: Future | None = None
+            for k, entry in enumerate(cut["partitions"]):
+                name = f"part-{k:05d}.rlsnap"
+                say(f"snapshot: partition {entry['p']!r} ({len(entry['ids'])} samples)")
+                header, blobs = _collect(transport, entry)
+                if pending is not None:
+                    pending.result()
+                pending = disk.submit(_write_file, tmp / name, header, blobs, files, name)
+                size = sum(b.nbytes for b in blobs)
+                parts.append({"name": entry["p"], "file": name, "samples": len(entry["ids"]), "nbytes": size,
+                              "fields": sorted(entry["fields"]), "tasks": sorted(entry["tasks"])})
+                samples += len(entry["ids"])
+                nbytes += size
+                del header, blobs
+            if pending is not None:
+                pending.result()
         renewer.check()
         created = time.time()
         manifest = {"format": FORMAT, "version": VERSION, "created": created, "cut_ms": round(cut_ms, 3),
@@ -151,9 +164,10 @@ def take(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[st
     return info
 
 
-def _write_partition(transport: Any, entry: dict[str, Any], path: Path) -> dict[str, Any]:
-    """One partition's file: the header (ids, tags, consumption, per field its rows'
-    positions, dtype, offsets, geometry, digests and where its values are), then the values."""
+def _collect(transport: Any, entry: dict[str, Any]) -> tuple[bytes, list[memoryview]]:
+    """One partition's file contents, copied out of the units: the header (ids, tags,
+    consumption, per field its rows' positions, dtype, offsets, geometry, digests and where
+    its values are) and each field's values."""
     p, ids = entry["p"], list(entry["ids"])
     fields, blobs, at = {}, [], 0
     for name, fe in sorted(entry["fields"].items()):
@@ -169,6 +183,12 @@ def _write_partition(transport: Any, entry: dict[str, Any], path: Path) -> dict[
         at += -(-values.nbytes // _ALIGN) * _ALIGN
     header = msgpack.packb({"p": p, "ids": ids, "user": entry.get("user"), "tasks": entry["tasks"], "fields": fields},
                            use_bin_type=True)
+    return header, blobs
+
+
+def _write_file(path: Path, header: bytes, blobs: list[memoryview], files: dict[str, Any], name: str) -> None:
+    """Write a partition's file (magic, header, values, each 64-byte aligned) and fsync it;
+    its size and xxh3-128 go into ``files[name]``."""
     h = xxhash.xxh3_128()
     with open(path, "wb") as f:
         head = MAGIC + struct.pack("<Q", len(header)) + header
@@ -178,8 +198,7 @@ def _write_partition(transport: Any, entry: dict[str, Any], path: Path) -> dict[
             h.update(chunk)
         f.flush()
         os.fsync(f.fileno())
-        size = f.tell()
-    return {"file": {"bytes": size, "xxh3_128": h.hexdigest()}, "nbytes": sum(b.nbytes for b in blobs)}
+        files[name] = {"bytes": f.tell(), "xxh3_128": h.hexdigest()}
 
 
 class _Renewer:
@@ -240,19 +259,58 @@ class _Part:
 
 
 class Snapshot:
-    """A snapshot on disk, checked whole when opened (see the module docstring). Close it
-    (or use ``with``) to unmap its files."""
+    """A snapshot on disk. Opening it reads the manifest and checks that every file is
+    there at its size; :meth:`part` checks a partition's file against its digest and
+    parses its header (SnapshotError naming the file). Close it (or use ``with``) to unmap
+    its files."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._maps: list[mmap.mmap] = []
+        self._maps: list[Any] = []
         self._files: list[BinaryIO] = []
         try:
             self.manifest = self._manifest()
-            self.parts = [self._part(p) for p in self.manifest["partitions"]]
+            self._maps = [self._open(p) for p in self.manifest["partitions"]]
         except BaseException:
             self.close()
             raise
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def _bad(self, name: str, why: str) -> E.SnapshotError:
+        where = self.path / name
+        return E.SnapshotError(f"{where} {why}; nothing of the snapshot was loaded", component=str(where))
+
+    def _open(self, entry: Any) -> Any:
+        """Partition ``entry``'s file, mapped, once its size is what the manifest says."""
+        name = str(entry.get("file")) if isinstance(entry, dict) else "?"
+        want = self.manifest["files"].get(name)
+        if not isinstance(want, dict) or "/" in name or name.startswith("."):
+            raise self._bad(name, "is named by the manifest without its size and digest")
+        try:
+            f = open(self.path / name, "rb")
+        except OSError as err:
+            raise self._bad(name, f"cannot be opened ({err.strerror})") from None
+        self._files.append(f)
+        size = os.fstat(f.fileno()).st_size
+        if size != want.get("bytes"):
+            raise self._bad(name, f"holds {size} bytes where the manifest says {want.get('bytes')} (truncated?)")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+
+    def prefetch(self, k: int) -> None:
+        """Ask the kernel to read partition ``k``'s file ahead (while another is loaded)."""
+        if 0 <= k < len(self._maps) and isinstance(self._maps[k], mmap.mmap) and hasattr(mmap, "MADV_WILLNEED"):
+            self._maps[k].madvise(mmap.MADV_WILLNEED)
+
+    def part(self, k: int) -> _Part:
+        """Partition ``k``, its file checked against its digest and its header parsed."""
+        return self._part(self.manifest["partitions"][k], self._maps[k])
+
+    @property
+    def parts(self) -> list[_Part]:
+        """Every partition, checked (see :meth:`part`)."""
+        return [self.part(k) for k in range(len(self))]
 
     def _manifest(self) -> dict[str, Any]:
         where = self.path / MANIFEST
@@ -272,28 +330,14 @@ class Snapshot:
             raise E.SnapshotError(f"{where} lists no partitions or files", component=str(where))
         return m
 
-    def _part(self, entry: dict[str, Any]) -> _Part:
+    def _part(self, entry: dict[str, Any], buf: Any) -> _Part:
         name = str(entry.get("file"))
-        where = self.path / name
-        want = self.manifest["files"].get(name)
-        if not isinstance(want, dict) or "/" in name or name.startswith("."):
-            raise E.SnapshotError(f"the manifest names file {name!r} without its size and digest", component=str(where))
+        size = len(buf)
 
         def bad(why: str) -> E.SnapshotError:
-            return E.SnapshotError(f"{where} {why}; nothing of the snapshot was loaded", component=str(where))
+            return self._bad(name, why)
 
-        try:
-            f = open(where, "rb")
-        except OSError as err:
-            raise bad(f"cannot be opened ({err.strerror})") from None
-        self._files.append(f)
-        size = os.fstat(f.fileno()).st_size
-        if size != want.get("bytes"):
-            raise bad(f"holds {size} bytes where the manifest says {want.get('bytes')} (truncated?)")
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-        if size:
-            self._maps.append(buf)  # type: ignore[arg-type]
-        if xxhash.xxh3_128_hexdigest(buf) != want.get("xxh3_128"):
+        if xxhash.xxh3_128_hexdigest(buf) != self.manifest["files"][name].get("xxh3_128"):
             raise bad("does not match its digest in the manifest (damaged)")
         view = memoryview(buf)
         if size < 16 or bytes(view[:8]) != MAGIC:
@@ -335,10 +379,10 @@ class Snapshot:
         return _Part(str(h["p"]), ids, user, tasks, fields)
 
     def close(self) -> None:
-        self.parts = []
         for m in self._maps:
             try:
-                m.close()
+                if isinstance(m, mmap.mmap):
+                    m.close()
             except BufferError:  # a tensor still views it: unmapped when that goes
                 pass
         for f in self._files:
@@ -356,9 +400,9 @@ def restore(transport: Any, path: str | os.PathLike[str], *, progress: Callable[
             declared: Collection[str] | None = None) -> SnapshotInfo:
     """Load snapshot ``path`` into the (empty of its partitions) store ``transport``
     reaches: every sample with its id, rows and tags, then each task's consumption.
-    SnapshotError (naming the file) when any of it is damaged, before anything is stored;
+    SnapshotError (naming the file) when any of it is missing, truncated or damaged;
     with ``declared`` (the service's registry's names), UnregisteredFieldError for a field
-    the snapshot holds that is not declared, before anything is stored.
+    the snapshot holds that is not declared. Either way nothing of it stays stored.
 
     Example: ``restore(client.transport, "/mnt/snap/run-7-step-1200").samples``
     """
@@ -367,35 +411,56 @@ def restore(transport: Any, path: str | os.PathLike[str], *, progress: Callable[
     say = progress or (lambda msg: None)
     t0 = time.monotonic()
     with Snapshot(path) as snap:
-        if declared is not None:
-            odd = sorted({f for p in snap.parts for f in p.fields} - set(declared))
-            if odd:
-                raise E.UnregisteredFieldError(f"the snapshot holds field(s) {odd} this service does not declare: "
-                                               "add them to its registry (RLPLANE_REGISTRY_FILE); nothing was loaded",
-                                               field=odd[0])
-        there = set(transport.partitions()) & {p.name for p in snap.parts}
+        # Every file is there at its size (checked on open). Each partition's file is checked
+        # against its digest just before it is loaded, while the kernel reads the next one
+        # ahead; a damaged one takes back every partition loaded before it.
+        snap.prefetch(0)
+        head = snap.part(0) if len(snap) else None
+        names = [str(p.get("name")) for p in snap.manifest["partitions"]]
+        there = set(transport.partitions()) & set(names)
         if there:
             raise E.InvalidArgumentError(f"the store holds partition(s) {sorted(there)[:5]} already: restore into "
                                          "a store without them (nothing was loaded)")
         samples = nbytes = tasks = 0
-        for part in snap.parts:
-            say(f"restore: partition {part.name!r} ({len(part.ids)} samples)")
-            for ids, columns, tags, create in _puts(part):
-                transport.put(part.name, ids, columns, tags, create=create)
-                nbytes += sum(c.nbytes for c in columns.values())
-            for task, states in part.tasks.items():
-                for a in range(0, len(part.ids), RESTORE_BATCH * 16):
-                    transport.set_consumption(part.name, task, part.ids[a : a + RESTORE_BATCH * 16],
-                                              states[a : a + RESTORE_BATCH * 16].tobytes())
-            samples += len(part.ids)
-            tasks += len(part.tasks)
-        names = [p.name for p in snap.parts]
+        loaded: list[str] = []
+        try:
+            for k in range(len(snap)):
+                snap.prefetch(k + 1)
+                part = head if k == 0 else snap.part(k)
+                head = None
+                _check_declared(part, declared, snap.path / snap.manifest["partitions"][k]["file"])
+                say(f"restore: partition {part.name!r} ({len(part.ids)} samples)")
+                loaded.append(part.name)
+                for ids, columns, tags, create in _puts(part):
+                    transport.put(part.name, ids, columns, tags, create=create)
+                    nbytes += sum(c.nbytes for c in columns.values())
+                for task, states in part.tasks.items():
+                    for a in range(0, len(part.ids), RESTORE_BATCH * 16):
+                        transport.set_consumption(part.name, task, part.ids[a : a + RESTORE_BATCH * 16],
+                                                  states[a : a + RESTORE_BATCH * 16].tobytes())
+                samples += len(part.ids)
+                tasks += len(part.tasks)
+        except BaseException:
+            for name in loaded:  # nothing of a refused snapshot stays
+                try:
+                    transport.clear(name)
+                except E.RlplaneError as err:
+                    log.error("could not take back partition %r of a failed restore: %s", name, err)
+            raise
         created = float(snap.manifest.get("created") or 0.0)
         files = sum(int(f.get("bytes", 0)) for f in snap.manifest["files"].values())
     info = SnapshotInfo(str(path), len(names), samples, nbytes, files, tasks, 0.0,
                         round(time.monotonic() - t0, 3), created, names)
     say(f"restore: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s from {path}")
     return info
+
+
+def _check_declared(part: _Part, declared: Collection[str] | None, where: Path) -> None:
+    odd = sorted(set(part.fields) - set(declared)) if declared is not None else []
+    if odd:
+        raise E.UnregisteredFieldError(f"the snapshot holds field(s) {odd} this service does not declare ({where}): "
+                                       "add them to its registry (RLPLANE_REGISTRY_FILE); nothing was loaded",
+                                       field=odd[0])
 
 
 def _puts(part: _Part) -> Iterator[tuple[list[str], dict[str, Column], list[dict[str, Any]], bool]]:

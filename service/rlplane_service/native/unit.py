@@ -394,6 +394,7 @@ class UnitCore:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"unit": self.name, "blocks": len(self._blocks), "nbytes": self.alloc.used_bytes,
+                    "populated": self.slab.populated.is_set(),
                     "slab": self.alloc.stats(), "log_entries": len(self.log), "log_bytes": self.log.nbytes()}
 
     def stop(self) -> None:

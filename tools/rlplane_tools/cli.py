@@ -179,6 +179,13 @@ def bench(
                                  "its index from the units (targets: 1M samples <= 10 s, 64 vlm-step puts <= 2 s)."),
     samples: int = typer.Option(1 << 20, "--samples", min=4096, help="With --rebuild: text-step samples to store "
                                 "(in puts of 4096)."),
+    durability: bool = typer.Option(False, "--durability", help="Only snapshots: fill a native engine with --gib of "
+                                    "vlm-step, snapshot it while another process puts, restore it into 3 units; "
+                                    "against this disk's sequential write / read in the same run (targets: >= 0.7x "
+                                    "each; put p99 during the snapshot <= 2x without)."),
+    gib: float = typer.Option(1.0, "--gib", min=0.01, help="With --durability: GiB to store and snapshot."),
+    snapshot_dir: Optional[Path] = typer.Option(None, "--dir", help="With --durability: the disk to snapshot to "
+                                                "(default: the temporary directory)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
                                  "output live instead of in the log file."),
 ) -> None:
@@ -203,7 +210,13 @@ def bench(
         raise typer.Exit(1)
     from rlplane_tools.bench.report import write_json
 
-    if rebuild:
+    if durability:
+        from rlplane_tools.bench.durability import DurabilityBenchConfig, run_durability_bench
+
+        results = run_durability_bench(DurabilityBenchConfig(gib=min(gib, 0.25) if quick else gib,
+                                                             dir=str(snapshot_dir) if snapshot_dir else None,
+                                                             put_seconds=2.0 if quick else 4.0), console)
+    elif rebuild:
         from rlplane_tools.bench.rebuild import RebuildBenchConfig, run_rebuild_bench
 
         results = run_rebuild_bench(RebuildBenchConfig(text_samples=min(samples, 65536) if quick else samples,
@@ -249,7 +262,7 @@ def bench(
     if json_path is not None:  # first: a chart that fails must not cost the numbers
         write_json(results, json_path)
         console.print(f"results written to {json_path}")
-    if plot_path is not None and not (codec or ledger or rebuild):
+    if plot_path is not None and not (codec or ledger or rebuild or durability):
         from rlplane_tools.bench.plot import write_plot
 
         write_plot(results, plot_path)

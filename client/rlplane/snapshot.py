@@ -223,7 +223,13 @@ class _Renewer:
                 return
 
     def check(self) -> None:
-        """IntegrityError when the pin lapsed: the bytes copied may have been reused."""
+        """IntegrityError when the pin lapsed (asked once more now): the bytes copied may have been reused."""
+        if not self.gone and isinstance(self._pin, str):
+            try:
+                if self._transport.renew([self._pin]):
+                    self.gone = "the controller dropped the snapshot's pin (did it restart?)"
+            except E.RlplaneError as err:
+                self.gone = f"the snapshot's pin could not be renewed: {err}"
         if self.gone:
             raise E.IntegrityError(f"{self.gone}; nothing was written: take the snapshot again")
 

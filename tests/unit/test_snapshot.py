@@ -311,3 +311,14 @@ def test_the_controller_keeps_the_last_snapshot_for_metrics(source, tmp_path):
         st = source.core.stats()
         assert st["last_snapshot_time"] > 0 and st["last_snapshot_samples"] == 8
         assert st["last_snapshot_bytes"] == info.files_bytes
+
+
+def test_a_snapshot_whose_pin_lapsed_is_not_written(source, tmp_path, monkeypatch):
+    """The cut's pin is what keeps the blocks from reuse: a snapshot that lost it (a controller
+    restart, a lease passed) writes nothing rather than bytes that may have been reused."""
+    with connect(source) as a:
+        a.put_samples("p", text_step(8, 16, seed=2).fields)
+        monkeypatch.setattr(a.transport, "renew", lambda pins: list(pins))  # every pin is gone
+        with pytest.raises(E.IntegrityError, match="dropped the snapshot's pin"):
+            a.snapshot(str(tmp_path / "s"))
+        assert os.listdir(tmp_path) == []

@@ -75,8 +75,8 @@ _ALIGN = 64
 @dataclass(frozen=True)
 class SnapshotInfo:
     """What a snapshot holds and what it took: ``path``, ``partitions``, ``samples``, ``nbytes``
-    (values), ``files_bytes`` (on disk), ``tasks`` (partition/task pairs), ``cut_ms`` (the
-    cut's time under the controller's lock), ``seconds`` (all of it), ``created`` (unix time)."""
+    (values), ``files_bytes`` (on disk), ``tasks`` (partition/task pairs), ``cut_ms`` (how
+    long the cut held the controller's lock: the longest a commit or claim waited for it), ``seconds`` (all of it), ``created`` (unix time)."""
 
     path: str
     partitions: int
@@ -112,7 +112,7 @@ def take(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[st
     say = progress or (lambda msg: None)
     t0 = time.monotonic()
     cut = transport.cut()
-    cut_ms = (time.monotonic() - t0) * 1e3  # the round trip: an upper bound of the time under the lock
+    cut_ms = float(cut.get("held_ms") or 0.0)  # what the controller's lock was held for (the pause writers see)
     pin = cut.get("pin")
     tmp = dest.parent / f".{dest.name}.tmp-{secrets.token_hex(4)}"
     renewer = _Renewer(transport, pin, float(cut.get("pin_lease_s") or 60.0))

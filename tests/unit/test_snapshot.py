@@ -82,6 +82,7 @@ def test_a_snapshot_restores_bit_exact_into_a_store_of_another_size_with_its_con
         before = {k: wire(a, part[k], ids, fields) for k, (ids, fields) in reads.items()}
         info = a.snapshot(str(tmp_path / "snap"))
         assert (info.partitions, info.samples, info.tasks) == (2, 12 + 60, 2)
+        assert 0 < info.cut_ms < info.seconds * 1e3  # the lock was held for the cut, not while bytes moved
         assert sorted(os.listdir(tmp_path)) == ["snap"]  # no temporary left behind
         manifest = json.loads((tmp_path / "snap" / "manifest.json").read_text())
         assert manifest["version"] == snapshot.VERSION and len(manifest["files"]) == 2

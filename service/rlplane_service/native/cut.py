@@ -48,6 +48,7 @@ class CutOps:
         out, pinned = [], set()
         self.settle()  # type: ignore[attr-defined]  # commits of this batch on the units first
         with self._lock:
+            t0 = time.perf_counter()
             for p, part in sorted(self._parts.items()):
                 slots = part.committed()
                 if not slots.size:
@@ -65,7 +66,9 @@ class CutOps:
                 out.append({"p": p, "ids": ids, "fields": fields, "tasks": tasks,
                             "user": user.tolist() if bool(np.not_equal(user, None).any()) else None})
             pin = self.pins.pin(sorted(pinned)) if pinned else None  # type: ignore[attr-defined]
-        return {"partitions": out, "pin": pin, "pin_lease_s": self.pin_lease_s}, {}, []  # type: ignore[attr-defined]
+            held_ms = (time.perf_counter() - t0) * 1e3
+        return {"partitions": out, "pin": pin, "pin_lease_s": self.pin_lease_s,  # type: ignore[attr-defined]
+                "held_ms": held_ms}, {}, []
 
     def op_consumed(self, header: dict, columns: dict, extra: list) -> Any:
         """Set task ``task``'s consumption of samples ``ids`` of ``p`` to ``states`` (int8

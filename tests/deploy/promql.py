@@ -47,6 +47,10 @@ METRICS = frozenset({
     "rlplane_under_replicated_samples",
     "rlplane_controller_restarts_total",
     "rlplane_controller_rebuild_seconds",
+    "rlplane_last_snapshot_time",
+    "rlplane_last_snapshot_bytes",
+    "rlplane_last_snapshot_seconds",
+    "rlplane_last_snapshot_samples",
 })
 HISTOGRAMS = frozenset({"rlplane_op_duration_seconds", "rlplane_claim_wait_seconds"})
 

@@ -78,6 +78,7 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
                 with console.status(f"disk: writing and reading {stored / 2**30:.2f} GiB"):
                     disk = [_disk(root / "probe", stored)]
                 quiet = _puts_from_another_process(src.info, cfg.put_seconds, None)
+                snapper = _Child()  # started (and its imports done) before the timed window opens
                 started, done = threading.Event(), threading.Event()
                 lat: dict = {}
                 t = threading.Thread(target=lambda: lat.update(_puts_from_another_process(src.info, 600, done, started)))
@@ -86,8 +87,9 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
                     raise RuntimeError("the putting process did not start within 120 s")
                 time.sleep(0.3)
                 with console.status("snapshot (puts going on)"):
-                    info = SnapshotInfo(**_in_child(_take, src.info, str(root / "snap")))
+                    info = SnapshotInfo(**snapper.run(_take, src.info, str(root / "snap")))
                 done.set()
+                snapper.close()
                 t.join(timeout=120)
             finally:
                 client.close()
@@ -96,7 +98,9 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
             with Client(default_registry(), NativeTransport(dst.info, timeout=600, data_path="shm")) as c2:
                 with console.status("restore into 3 storage units (their slabs pre-fault first)"):
                     _populated(c2.transport)
-                    back = SnapshotInfo(**_in_child(_restore, dst.info, str(root / "snap")))
+                    restorer = _Child()
+                    back = SnapshotInfo(**restorer.run(_restore, dst.info, str(root / "snap")))
+                    restorer.close()
                 if back.samples != info.samples:
                     raise RuntimeError(f"the restore came back with {back.samples} of {info.samples} samples")
         with console.status("disk: writing and reading it again"):
@@ -142,11 +146,25 @@ def _populated(transport: Any, within_s: float = 300.0) -> None:
             time.sleep(0.2)
 
 
-def _in_child(fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a process of its own (as the service's replica is: not the
-    controller's, whose thread would share this one's interpreter lock)."""
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+class _Child:
+    """A process of its own (as the service's replica is: not the controller's, whose
+    thread would share this one's interpreter lock), rlplane imported before it is used."""
+
+    def __init__(self) -> None:
+        self._pool = mp.get_context("spawn").Pool(1)
+        self._pool.apply(_warm)
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        return self._pool.apply(fn, args)
+
+    def close(self) -> None:
+        self._pool.close()
+        self._pool.join()
+
+
+def _warm() -> None:
+    import rlplane.snapshot  # noqa: F401
+    import rlplane.transports.native  # noqa: F401
 
 
 def _take(info: dict, path: str) -> dict:

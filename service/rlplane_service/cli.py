@@ -137,17 +137,7 @@ def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: 
     each streaming task's consumption (pending, claimed, acked, expired per partition)."""
     import json
 
-    from rlplane.errors import RlplaneError
-    from rlplane.http_api import ServiceAPI
-
-    api = ServiceAPI(url, token=token, timeout=30)
-    try:
-        st = api.json("GET", "/v1/status")
-    except RlplaneError as err:
-        console.print(f"[red]error[/]: {err}")
-        raise typer.Exit(1)
-    finally:
-        api.close()
+    st = _call(url, token, "GET", "/v1/status", timeout=30)
     if as_json:
         print(json.dumps(st, indent=2))
         return
@@ -189,24 +179,30 @@ def snapshot(
     import json
 
     from rlplane.client import SNAPSHOT_TIMEOUT_S
-    from rlplane.errors import RlplaneError
-    from rlplane.http_api import ServiceAPI
 
-    api = ServiceAPI(url, token=token, timeout=SNAPSHOT_TIMEOUT_S)
-    try:
-        with console.status(f"snapshot of {url} -> {to}"):
-            info = api.json("POST", "/v1/snapshot", json={"path": str(to)}, timeout=SNAPSHOT_TIMEOUT_S)
-    except RlplaneError as err:
-        console.print(f"[red]error[/]: {err}")
-        raise typer.Exit(1)
-    finally:
-        api.close()
+    with console.status(f"snapshot of {url} -> {to}"):
+        info = _call(url, token, "POST", "/v1/snapshot", json={"path": str(to)}, timeout=SNAPSHOT_TIMEOUT_S)
     if as_json:
         print(json.dumps(info, indent=2))
         return
     console.print(f"[green]snapshot[/] {info['path']}: {info['samples']} samples in {info['partitions']} partitions, "
                   f"{info['nbytes'] / 1e6:.1f} MB, {info['tasks']} tasks' consumption, in {info['seconds']:.2f} s "
                   f"(cut {info['cut_ms']:.1f} ms)")
+
+
+def _call(url: str, token: Optional[str], method: str, path: str, *, timeout: float, **kwargs: Any) -> Any:
+    """The service's JSON answer; an rlplane error is printed and exits 1."""
+    from rlplane.errors import RlplaneError
+    from rlplane.http_api import ServiceAPI
+
+    api = ServiceAPI(url, token=token, timeout=timeout)
+    try:
+        return api.json(method, path, timeout=timeout, **kwargs)
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(1)
+    finally:
+        api.close()
 
 
 def main() -> None:

@@ -87,7 +87,7 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
                     raise RuntimeError("the putting process did not start within 120 s")
                 time.sleep(0.3)
                 with console.status("snapshot (puts going on)"):
-                    info = SnapshotInfo(**snapper.run(_take, src.info, str(root / "snap")))
+                    info = SnapshotInfo(**snapper.run(_snapshot_op, "take", src.info, str(root / "snap")))
                 done.set()
                 snapper.close()
                 t.join(timeout=120)
@@ -99,7 +99,7 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
                 with console.status("restore into 3 storage units (their slabs pre-fault first)"):
                     _populated(c2.transport)
                     restorer = _Child()
-                    back = SnapshotInfo(**restorer.run(_restore, dst.info, str(root / "snap")))
+                    back = SnapshotInfo(**restorer.run(_snapshot_op, "restore", dst.info, str(root / "snap")))
                     restorer.close()
                 if back.samples != info.samples:
                     raise RuntimeError(f"the restore came back with {back.samples} of {info.samples} samples")
@@ -167,24 +167,14 @@ def _warm() -> None:
     import rlplane.transports.native  # noqa: F401
 
 
-def _take(info: dict, path: str) -> dict:
+def _snapshot_op(op: str, info: dict, path: str) -> dict:
+    """``rlplane.snapshot.take`` or ``.restore`` (``op``) of the store at ``info``, in this process."""
     from rlplane import snapshot
     from rlplane.transports.native import NativeTransport
 
     t = NativeTransport(info, timeout=600, data_path="shm")
     try:
-        return snapshot.take(t, path).to_dict()
-    finally:
-        t.close()
-
-
-def _restore(info: dict, path: str) -> dict:
-    from rlplane import snapshot
-    from rlplane.transports.native import NativeTransport
-
-    t = NativeTransport(info, timeout=600, data_path="shm")
-    try:
-        return snapshot.restore(t, path).to_dict()
+        return getattr(snapshot, op)(t, path).to_dict()
     finally:
         t.close()
 

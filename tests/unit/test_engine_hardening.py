@@ -469,7 +469,7 @@ def test_a_commit_wakes_only_the_claims_parked_on_its_partition(engine, client, 
         waiting = 200
         for k in range(waiting):
             raw.send_multipart([msgpack.packb({"op": "claim", "rid": k, "p": "idle", "task": "t", "n": 1,
-                                               "fields": ["input_ids"], "wait": 8.0, "v": VERSION, "c": [], "nbuf": 0})])
+                                               "fields": ["input_ids"], "wait": 30.0, "v": VERSION, "c": [], "nbuf": 0})])
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and engine.server.health()["parked"] < waiting:
             time.sleep(0.05)
@@ -489,6 +489,10 @@ def test_a_commit_wakes_only_the_claims_parked_on_its_partition(engine, client, 
         while time.monotonic() < deadline and runs["n"] < before + waiting:
             time.sleep(0.05)
         assert runs["n"] >= before + waiting  # every claim parked on "idle" looked again
+        # health() may read the list while the loop rebuilds it: wait for the settled count
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and engine.server.health()["parked"] != waiting - 2:
+            time.sleep(0.05)
         assert engine.server.health()["parked"] == waiting - 2
     finally:
         raw.close(linger=0)

@@ -74,11 +74,14 @@ class Client:
         *,
         sample_ids: Sequence[str] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
+        durable: bool = False,
     ) -> SampleMeta:
         """Store new samples; returns their meta.
 
         Lengths come from ``input_lengths`` (required when a token field is written).
         An invalid field raises a typed error naming field and sample; nothing is stored.
+        ``durable=True``: returns once the put is in the store's journal on disk
+        (RLPLANE_JOURNAL_DIR; native backend): it survives every engine process dying.
 
         Example::
 
@@ -95,7 +98,14 @@ class Client:
             with self._buffers() as mine, self.transport.put_buffers(batch, mine) as alloc:
                 enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep)
                 merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None else enc.tags
-                self.transport.put(partition, ids, enc.columns, merged, create=True)
+                if durable:
+                    if not hasattr(self.transport, "journal"):
+                        raise InvalidArgumentError(f"put_samples(..., durable=True) needs the native backend with a "
+                                                   f"journal (RLPLANE_JOURNAL_DIR); this client's transport is "
+                                                   f"{getattr(self.transport, 'name', type(self.transport).__name__)!r}")
+                    self.transport.put(partition, ids, enc.columns, merged, create=True, durable=True)
+                else:
+                    self.transport.put(partition, ids, enc.columns, merged, create=True)
                 op.nbytes = enc.nbytes
         stored_lengths = lengths.tolist() if lengths is not None else [0] * batch
         return SampleMeta(partition, ids, stored_lengths, frozenset(enc.columns), merged)

@@ -76,7 +76,9 @@ _ALIGN = 64
 class SnapshotInfo:
     """What a snapshot holds and what it took: ``path``, ``partitions``, ``samples``, ``nbytes``
     (values), ``files_bytes`` (on disk), ``tasks`` (partition/task pairs), ``cut_ms`` (how
-    long the cut held the controller's lock: the longest a commit or claim waited for it), ``seconds`` (all of it), ``created`` (unix time)."""
+    long the cut held the controller's lock: the longest a commit or claim waited for it), ``seconds`` (all of it), ``created`` (unix time);
+    ``seq``: the cut's change number (a journal continues from it); after a restore with a
+    journal, ``journal``: what its replay applied (:class:`rlplane.journal.ReplayInfo`)."""
 
     path: str
     partitions: int
@@ -88,6 +90,8 @@ class SnapshotInfo:
     seconds: float
     created: float
     partition_names: list[str] = field(default_factory=list)
+    seq: int = 0
+    journal: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -141,7 +145,8 @@ def take(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[st
         renewer.check()
         created = time.time()
         manifest = {"format": FORMAT, "version": VERSION, "created": created, "cut_ms": round(cut_ms, 3),
-                    "partitions": parts, "files": files, "samples": samples, "nbytes": nbytes}
+                    "seq": int(cut.get("seq") or 0), "partitions": parts, "files": files, "samples": samples,
+                    "nbytes": nbytes}
         _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         os.rename(tmp, dest)
@@ -155,9 +160,9 @@ def take(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[st
             transport.unpin(pin)
     info = SnapshotInfo(str(dest), len(parts), samples, nbytes, sum(f["bytes"] for f in files.values()),
                         sum(len(p["tasks"]) for p in parts), round(cut_ms, 3), round(time.monotonic() - t0, 3),
-                        created, [p["name"] for p in parts])
+                        created, [p["name"] for p in parts], int(cut.get("seq") or 0))
     try:
-        transport.snapshotted(info.files_bytes, info.seconds, info.samples)
+        transport.snapshotted(info.files_bytes, info.seconds, info.samples, int(cut.get("seq") or 0) or None, str(dest))
     except E.RlplaneError as err:  # the snapshot is on disk; only its metrics miss it
         log.warning("the controller was not told of snapshot %s: %s", dest, err)
     say(f"snapshot: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s -> {dest}")
@@ -402,34 +407,55 @@ class Snapshot:
         self.close()
 
 
-def restore(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[str], None] | None = None,
-            declared: Collection[str] | None = None) -> SnapshotInfo:
+def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Callable[[str], None] | None = None,
+            declared: Collection[str] | None = None, journal: str | os.PathLike[str] | None = None) -> SnapshotInfo:
     """Load snapshot ``path`` into the (empty of its partitions) store ``transport``
-    reaches: every sample with its id, rows and tags, then each task's consumption.
-    SnapshotError (naming the file) when any of it is missing, truncated or damaged;
-    with ``declared`` (the service's registry's names), UnregisteredFieldError for a field
-    the snapshot holds that is not declared. Either way nothing of it stays stored.
+    reaches: every sample with its id, rows and tags, then each task's consumption; then,
+    with ``journal`` (a journal directory, RLPLANE_JOURNAL_DIR), every change the journal
+    holds after the snapshot's cut (``path=None``: the journal alone, on an empty store).
+    SnapshotError (naming the file) when any of it is missing, truncated or damaged, or
+    when the journal was truncated after this snapshot; with ``declared`` (the service's
+    registry's names), UnregisteredFieldError for a field that is not declared. Either
+    way nothing of it stays stored. A torn last journal record is skipped and reported
+    (``info.journal["torn"]``).
 
-    Example: ``restore(client.transport, "/mnt/snap/run-7-step-1200").samples``
+    Example: ``restore(client.transport, "/mnt/snap/run-7-step-1200", journal="/mnt/journal").samples``
     """
+    from rlplane import journal as J
+
     if not hasattr(transport, "set_consumption"):
         raise E.InvalidArgumentError("restoring a snapshot needs the native backend")
+    if path is None and journal is None:
+        raise E.InvalidArgumentError("restore needs a snapshot, a journal, or both")
     say = progress or (lambda msg: None)
     t0 = time.monotonic()
-    with Snapshot(path) as snap:
-        # Every file is there at its size (checked on open). Each partition's file is checked
-        # against its digest just before it is loaded, while the kernel reads the next one
-        # ahead; a damaged one takes back every partition loaded before it.
+    with Snapshot(path) if path is not None else _NoSnapshot() as snap:
+        # Every file is there at its size (checked on open), the journal read and checked
+        # whole. Each partition's file is checked against its digest just before it is
+        # loaded, while the kernel reads the next one ahead; a damaged one takes back every
+        # partition loaded before it.
+        since = int(snap.manifest.get("seq") or 0)
+        jr = J.Journal.open(journal) if journal is not None else None
+        if jr is not None:
+            if path is not None and not since and jr.changes:
+                raise E.SnapshotError(f"snapshot {path} records no change number (taken by an older rlplane): it "
+                                      f"cannot be continued by the journal in {journal}", component=str(path))
+            J.check(jr, since or 1, declared, str(path or ""))
         snap.prefetch(0)
         head = snap.part(0) if len(snap) else None
         names = [str(p.get("name")) for p in snap.manifest["partitions"]]
-        there = set(transport.partitions()) & set(names)
+        there = set(transport.partitions()) & (set(names) | {r.partition for r in (jr.after(since) if jr else [])})
         if there:
             raise E.InvalidArgumentError(f"the store holds partition(s) {sorted(there)[:5]} already: restore into "
                                          "a store without them (nothing was loaded)")
         samples = nbytes = tasks = 0
         loaded: list[str] = []
+        replayed: Any = None
+        paused = False
         try:
+            if jr is not None:  # what the restore puts is in the snapshot or the old journal already
+                transport.journal(floor=max(jr.last_seq, since) + 1, pause=True)
+                paused = True
             for k in range(len(snap)):
                 snap.prefetch(k + 1)
                 part = head if k == 0 else snap.part(k)
@@ -446,19 +472,54 @@ def restore(transport: Any, path: str | os.PathLike[str], *, progress: Callable[
                                                   states[a : a + RESTORE_BATCH * 16].tobytes())
                 samples += len(part.ids)
                 tasks += len(part.tasks)
+            if jr is not None:
+                say(f"restore: replaying {len(jr.after(since or 1))} journal changes from {journal}")
+                replayed = J.replay(transport, jr, since or 1, touched=loaded, progress=say)
+                samples += replayed.samples
+            if paused:
+                transport.journal(pause=False)
         except BaseException:
             for name in loaded:  # nothing of a refused snapshot stays
                 try:
                     transport.clear(name)
                 except E.RlplaneError as err:
                     log.error("could not take back partition %r of a failed restore: %s", name, err)
+            if paused:
+                try:
+                    transport.journal(pause=False)
+                except E.RlplaneError as err:
+                    log.error("could not resume the journal after a failed restore: %s", err)
             raise
         created = float(snap.manifest.get("created") or 0.0)
         files = sum(int(f.get("bytes", 0)) for f in snap.manifest["files"].values())
-    info = SnapshotInfo(str(path), len(names), samples, nbytes, files, tasks, 0.0,
-                        round(time.monotonic() - t0, 3), created, names)
-    say(f"restore: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s from {path}")
+    info = SnapshotInfo(str(path or journal), len(names), samples, nbytes, files, tasks, 0.0,
+                        round(time.monotonic() - t0, 3), created, names, since,
+                        asdict(replayed) if replayed is not None else None)
+    say(f"restore: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s from {path or journal}"
+        + (f" (+{replayed.changes} journal changes)" if replayed is not None else ""))
     return info
+
+
+class _NoSnapshot:
+    """What :func:`restore` reads when there is no snapshot (the journal alone)."""
+
+    manifest: dict[str, Any] = {"partitions": [], "files": {}}
+    path = Path(".")
+
+    def __len__(self) -> int:
+        return 0
+
+    def prefetch(self, k: int) -> None:
+        pass
+
+    def part(self, k: int) -> _Part:
+        raise IndexError(k)
+
+    def __enter__(self) -> _NoSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 def _check_declared(part: _Part, declared: Collection[str] | None, where: Path) -> None:

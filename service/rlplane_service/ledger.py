@@ -346,9 +346,14 @@ class Ledger:
         self.wait_sum += seconds
 
     # -- leases ----------------------------------------------------------------------
-    def ack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None = None) -> int:
-        """Mark the lease's samples (or those of ``ids``) consumed; LeaseError if it expired."""
+    def ack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None = None, *,
+            before: Callable[[list[str]], None] | None = None) -> int:
+        """Mark the lease's samples (or those of ``ids``) consumed; LeaseError if it expired.
+        ``before``: called with the sample ids first (a journal; if it raises, nothing changes)."""
         le, slots = self._lease(partition, task, lease, ids, "ack")
+        if before is not None:
+            ps = self._part(partition)
+            before(list(ps.index.ids_of(slots)) if ps is not None and ps.index is not None and slots.size else [])
         le.state.state[slots] = ACKED
         self._settle(le, slots)
         return int(slots.size)

@@ -204,14 +204,17 @@ class NativeTransport(Transport):
         tags: Sequence[Mapping[str, Any]],
         *,
         create: bool,
+        durable: bool = False,
     ) -> None:
+        """``durable``: answered once the commit is in the units' journals on disk
+        (InvalidArgumentError from a store without a journal)."""
         check_put(sample_ids, columns, tags)
         try:
-            self._put(partition, list(sample_ids), columns, tags, create)
+            self._put(partition, list(sample_ids), columns, tags, create, durable)
         except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
             if not self._lost(err):
                 raise
-            self._put(partition, list(sample_ids), columns, tags, create)
+            self._put(partition, list(sample_ids), columns, tags, create, durable)
 
     @contextmanager
     def put_buffers(self, batch: int, fallback: Alloc | None) -> Iterator[Alloc | None]:
@@ -278,7 +281,7 @@ class NativeTransport(Transport):
         return stage
 
     def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
-             create: bool) -> None:
+             create: bool, durable: bool = False) -> None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
         # Split tags: geometry and digests per field (kept in the controller's arrays; the
@@ -331,6 +334,8 @@ class NativeTransport(Transport):
                                       "xs": seals}
             if user is not None and any(user):
                 commit["user"] = user
+            if durable:
+                commit["durable"] = True
             self._ask(commit, self._left(deadline))  # sent again after a restart: answered as done if it was
             if stage is not None:
                 stage.committed = True
@@ -574,9 +579,23 @@ class NativeTransport(Transport):
         per partition the samples, where each field's rows are, the tasks' consumption; one pin."""
         return self._ask({"op": "cut", "shm": sorted(self._slabs.keys() | self._remote.keys())})
 
-    def snapshotted(self, nbytes: int, seconds: float, samples: int) -> None:
-        """Tell the controller a snapshot was written (for its stats and /metrics)."""
-        self._ask({"op": "snapshotted", "bytes": nbytes, "seconds": seconds, "samples": samples})
+    def snapshotted(self, nbytes: int, seconds: float, samples: int, seq: int | None = None, path: str = "") -> None:
+        """Tell the controller a snapshot was written (for its stats and /metrics); ``seq``:
+        its cut's, below which the units' journals are truncated."""
+        header: dict[str, Any] = {"op": "snapshotted", "bytes": nbytes, "seconds": seconds, "samples": samples}
+        if seq is not None:
+            header.update(seq=seq, path=path)
+        self._ask(header)
+
+    def journal(self, *, floor: int | None = None, pause: bool | None = None) -> dict[str, Any]:
+        """The store's journal: ``journal`` (whether it has one), ``seq`` (the next change's
+        number), ``paused``. A restore pauses it and sets the ``floor`` (the next number)."""
+        header: dict[str, Any] = {"op": "journal"}
+        if floor is not None:
+            header["floor"] = floor
+        if pause is not None:
+            header["pause"] = pause
+        return dict(self._ask(header))
 
     def set_consumption(self, partition: str, task: str, ids: list[str], states: bytes) -> None:
         """Set ``task``'s consumption of ``ids`` (int8 per sample: 0 pending, 2 acked, 3 expired)."""

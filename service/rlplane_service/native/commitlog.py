@@ -41,9 +41,10 @@ import msgpack
 
 from rlplane import errors as E
 
-#: The kinds of entries: a commit's record, cleared samples, a whole partition cleared.
-PUT, CLEAR, DROP = "put", "clear", "drop"
-KINDS = frozenset({PUT, CLEAR, DROP})
+#: The kinds of entries: a commit's record, cleared samples, a whole partition cleared;
+#: and acks, which only a journal keeps (a unit counts their sequence numbers, see ``high``).
+PUT, CLEAR, DROP, ACK = "put", "clear", "drop", "ack"
+KINDS = frozenset({PUT, CLEAR, DROP, ACK})
 #: Most entries one ``log`` request carries.
 MAX_ENTRIES_PER_REQUEST = 4096
 
@@ -109,11 +110,15 @@ class UnitLog:
         self._entries: dict[int, Entry] = {}
         self._dropped: dict[str, int] = {}  # partition -> its latest whole clear
         self._lock = threading.Lock()
+        self.high = 0  # the highest sequence number seen (acks included): a rebuilt controller continues above it
 
     def append(self, e: Entry) -> None:
         """Keep ``e`` (an entry with a sequence number seen before replaces it); a whole
         clear drops the partition's older entries, and any that arrive after it."""
         with self._lock:
+            self.high = max(self.high, e.seq)
+            if e.kind == ACK:
+                return
             if e.kind == DROP:
                 for seq in [s for s, old in self._entries.items() if old.partition == e.partition and s < e.seq]:
                     del self._entries[seq]
@@ -150,5 +155,5 @@ class UnitLog:
             return True
 
 
-__all__ = ["Entry", "UnitLog", "mac", "valid", "record", "parse", "PUT", "CLEAR", "DROP", "KINDS",
+__all__ = ["Entry", "UnitLog", "mac", "valid", "record", "parse", "PUT", "CLEAR", "DROP", "ACK", "KINDS",
            "MAX_ENTRIES_PER_REQUEST"]

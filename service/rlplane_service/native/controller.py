@@ -69,15 +69,19 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                  pin_lease_s: float = PIN_LEASE_S, control: Sequence[str] | None = None,
                  control_secret: bytes | None = None, grace_s: float = UNIT_GRACE_S,
                  is_dead: Callable[[int], bool] | None = None,
-                 scopes: Mapping[str, tuple[Sequence[str], bool]] | None = None, start: bool = True) -> None:
+                 scopes: Mapping[str, tuple[Sequence[str], bool]] | None = None, start: bool = True,
+                 journal: bool = False) -> None:
         """``units``: (name, data endpoint) of each storage unit; ``control``: their control
         endpoints (served with ``control_secret``), where the controller sends what only it
         may (free, block copies); without them it uses the data endpoints. ``is_dead(u)``:
         True once unit ``u``'s process is known dead (see the module docstring). ``scopes``:
         tenants' engine users -> (partition-name prefixes, may write); every other user
         has full access. ``start=False``: the background loops wait for :meth:`start` (a
-        controller that rebuilds its index first must not sweep blocks it does not know yet)."""
+        controller that rebuilds its index first must not sweep blocks it does not know yet).
+        ``journal``: the units keep a journal (RLPLANE_JOURNAL_DIR): acks are journalled and
+        ``durable`` puts wait for the disk."""
         self.units = list(units)
+        self.journaling = journal
         self.epoch = secrets.token_hex(4)  # this process's: reservations of an earlier one are told apart
         self.scopes = {user: Access(user, tuple(prefixes), bool(write)) for user, (prefixes, write) in (scopes or {}).items()}
         self.grace_s = grace_s
@@ -413,7 +417,7 @@ def controller_actor_class() -> Any:
                      lease_s: float, replicas: int, claim_lease_s: float = 300.0, control: list[str] | None = None,
                      control_secret: str | None = None, grace_s: float = UNIT_GRACE_S,
                      ports: Sequence[int] | None = None, tenants: dict[str, Any] | None = None,
-                     store: str | None = None) -> None:
+                     store: str | None = None, journal: bool = False) -> None:
             """``tenants``: engine user -> [secret, [prefixes, may write]] (rlplane_service.tenants).
             ``store``: the store's name; its ``{store}-metrics`` actor keeps the port and the restart count."""
             key = secret.encode() if secret else None
@@ -442,7 +446,7 @@ def controller_actor_class() -> Any:
                                         control_secret=control_secret.encode() if control_secret else None,
                                         grace_s=grace_s, is_dead=is_dead,
                                         scopes={user: tuple(scope) for user, (_, scope) in tenants.items()},
-                                        start=not restarted)
+                                        start=not restarted, journal=journal)
             self._serve = {"host": host or ray.util.get_node_ip_address(), "secret": key,
                            "users": {user: s.encode() for user, (s, _) in tenants.items()}}
             self._secret = secret

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -27,6 +28,8 @@ from rlplane import errors as E
 from rlplane_service.ledger import Ledger
 from rlplane_service.native.index import COMMITTED, Partition
 from rlplane_service.native.requests import partition_of, sample_ids
+
+log = logging.getLogger(__name__)
 
 
 class CutOps:
@@ -67,8 +70,9 @@ class CutOps:
                             "user": user.tolist() if bool(np.not_equal(user, None).any()) else None})
             pin = self.pins.pin(sorted(pinned)) if pinned else None  # type: ignore[attr-defined]
             held_ms = (time.perf_counter() - t0) * 1e3
+            seq = self._seq  # type: ignore[attr-defined]  # every change before it is in the cut, none after
         return {"partitions": out, "pin": pin, "pin_lease_s": self.pin_lease_s,  # type: ignore[attr-defined]
-                "held_ms": held_ms}, {}, []
+                "held_ms": held_ms, "seq": seq}, {}, []
 
     def op_consumed(self, header: dict, columns: dict, extra: list) -> Any:
         """Set task ``task``'s consumption of samples ``ids`` of ``p`` to ``states`` (int8
@@ -98,7 +102,42 @@ class CutOps:
             raise E.WireFormatError("snapshotted needs 'bytes', 'seconds' and 'samples' (numbers)")
         with self._lock:
             self.last_snapshot = {"time": time.time(), **{k: float(v) for k, v in got.items()}}
-        return {}, {}, []
+        seq, path = header.get("seq"), header.get("path")
+        truncating = getattr(self, "journaling", False) and isinstance(seq, int) and not isinstance(seq, bool) \
+            and 0 < seq <= self._seq  # type: ignore[attr-defined]
+        if truncating:  # off the serving thread: the units fsync and delete files
+            threading.Thread(target=self._truncate_journals, args=(seq, str(path or "")[:4096]),
+                             name="rlplane-journal-truncate", daemon=True).start()
+        return {"truncating": truncating}, {}, []
+
+    def _truncate_journals(self, below: int, path: str) -> int:
+        """The snapshot ``path`` holds every change before ``below``: each unit drops its
+        journal's older segments (a unit that does not answer keeps them: harmless)."""
+        deleted = 0
+        for u, (name, _) in enumerate(self.units):  # type: ignore[attr-defined]
+            try:
+                ch = self._pool.get(self._control[u], name)  # type: ignore[attr-defined]
+                deleted += int(ch.call({"op": "jtrunc", "below": below, "snapshot": path}, timeout=30.0)[0]["deleted"])
+            except E.RlplaneError as err:
+                log.warning("journal of %s not truncated after snapshot %s: %s", name, path, err)
+        log.info("journals truncated below change %d (snapshot %s): %d segment(s) deleted", below, path, deleted)
+        return deleted
+
+    def op_journal(self, header: dict, columns: dict, extra: list) -> Any:
+        """A restore replays an old journal: ``pause`` (bool) keeps what it puts out of the
+        units' journals, ``floor``: the next change's sequence number is at least this (the
+        new journal continues the old one). Answers the journal's state."""
+        self._full_only(header, "steer the journal")
+        floor, pause = header.get("floor"), header.get("pause")
+        if floor is not None and not (isinstance(floor, int) and not isinstance(floor, bool) and 0 < floor < 1 << 62):
+            raise E.WireFormatError("journal 'floor' must be a sequence number")
+        with self._lock:
+            if floor is not None:
+                self._seq = max(self._seq, floor)  # type: ignore[attr-defined]
+            if isinstance(pause, bool):
+                self.journal_paused = pause
+            return {"journal": bool(getattr(self, "journaling", False)), "seq": self._seq,  # type: ignore[attr-defined]
+                    "paused": bool(getattr(self, "journal_paused", False))}, {}, []
 
     def snapshot_stats(self) -> dict[str, float]:
         """The last snapshot's unix time, file bytes, seconds and samples (zeros: none yet)."""

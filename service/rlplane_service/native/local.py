@@ -24,9 +24,11 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from rlplane_service.native.controller import ControllerCore
+from rlplane_service.native.journal import JournalWriter
 from rlplane_service.native.server import Server
 from rlplane_service.native.unit import DEFAULT_SLAB_BYTES, TransferEngineConfig, UnitCore
 
@@ -40,10 +42,12 @@ class LocalEngine:
     def __init__(self, units: int = 2, *, secret: bytes | None = b"local-engine-secret",
                  slab_bytes: int = DEFAULT_SLAB_BYTES, hosts: Sequence[str] | None = None, processes: bool = False,
                  tenants: Mapping[str, tuple[bytes, tuple[Sequence[str], bool]]] | None = None,
-                 te_protocol: str = "", **controller: Any) -> None:
+                 te_protocol: str = "", journal_dir: str | os.PathLike[str] | None = None,
+                 journal_flush_ms: float = 20.0, **controller: Any) -> None:
         """``tenants``: engine user -> (secret, (partition prefixes, may write)), as the
         service derives them from RLPLANE_TOKENS_FILE (in-process units only).
-        ``te_protocol``: each unit registers its slab with a transfer engine (``tcp``)."""
+        ``te_protocol``: each unit registers its slab with a transfer engine (``tcp``).
+        ``journal_dir``: each unit keeps a journal in ``journal_dir/<unit>`` (RLPLANE_JOURNAL_DIR)."""
         self.secret = secret
         tenants = dict(tenants or {})
         users = {name: s for name, (s, _) in tenants.items()}
@@ -54,7 +58,8 @@ class LocalEngine:
         self.units: list[Server] = []
         self.procs: list[subprocess.Popen] = []
         if processes:
-            self.procs = [_spawn(f"u{i}", h, slab_bytes, secret, control, te_protocol) for i, h in enumerate(hosts)]
+            self.procs = [_spawn(f"u{i}", h, slab_bytes, secret, control, te_protocol, journal_dir, journal_flush_ms)
+                          for i, h in enumerate(hosts)]
             started = [json.loads(p.stdout.readline() or "{}") for p in self.procs]  # type: ignore[union-attr]
             if not all("endpoint" in s for s in started):
                 self.stop()
@@ -62,7 +67,8 @@ class LocalEngine:
             endpoints = [(s["endpoint"], s["control"]) for s in started]
         else:
             self.cores = [UnitCore(f"u{i}", slab_bytes, seal_key=control,
-                                   te=TransferEngineConfig(h, te_protocol) if te_protocol else None)
+                                   te=TransferEngineConfig(h, te_protocol) if te_protocol else None,
+                                   journal=_journal(journal_dir, f"u{i}", journal_flush_ms))
                           for i, h in zip(range(units), hosts)]
             self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control, users=users).start()
                           for i, (c, h) in enumerate(zip(self.cores, hosts))]
@@ -70,7 +76,7 @@ class LocalEngine:
         self._make_core = lambda start: ControllerCore(
             [(f"u{i}", e) for i, (e, _) in enumerate(endpoints)], secret=secret, control=[c for _, c in endpoints],
             control_secret=control, is_dead=self._is_dead, scopes={u: scope for u, (_, scope) in tenants.items()},
-            start=start, **controller)
+            start=start, journal=journal_dir is not None, **controller)
         self._users = users
         self._restarts = 0
         self.core = self._make_core(True)
@@ -139,11 +145,17 @@ class LocalEngine:
         self.stop()
 
 
+def _journal(root: str | os.PathLike[str] | None, name: str, flush_ms: float) -> JournalWriter | None:
+    return JournalWriter(Path(root), name, flush_ms=flush_ms) if root is not None else None
+
+
 def _spawn(name: str, host: str, slab_bytes: int, secret: bytes | None, control: bytes,
-           te_protocol: str = "") -> subprocess.Popen:
+           te_protocol: str = "", journal_dir: str | os.PathLike[str] | None = None,
+           journal_flush_ms: float = 20.0) -> subprocess.Popen:
     env = dict(os.environ, RLPLANE_LOCAL_SECRET=(secret or b"").decode(), RLPLANE_LOCAL_CONTROL=control.decode())
+    journal = ["--journal-dir", str(journal_dir), "--journal-flush-ms", str(journal_flush_ms)] if journal_dir else []
     return subprocess.Popen([sys.executable, "-m", "rlplane_service.native.local", "--name", name, "--host", host,
-                             "--slab-bytes", str(slab_bytes), "--te-protocol", te_protocol],
+                             "--slab-bytes", str(slab_bytes), "--te-protocol", te_protocol, *journal],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
 
@@ -157,11 +169,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--slab-bytes", type=int, default=DEFAULT_SLAB_BYTES)
     ap.add_argument("--te-protocol", default="", choices=["", "tcp", "rdma"],
                     help="register the slab with Mooncake's transfer engine over this protocol ('' = no)")
+    ap.add_argument("--journal-dir", default=None, help="keep a write-ahead journal in JOURNAL_DIR/NAME")
+    ap.add_argument("--journal-flush-ms", type=float, default=20.0, help="group fsync interval of the journal")
     args = ap.parse_args(argv)
     secret = os.environ.get("RLPLANE_LOCAL_SECRET", "").encode() or None
     control = os.environ.get("RLPLANE_LOCAL_CONTROL", "").encode() or None
     te = TransferEngineConfig(args.host, args.te_protocol) if args.te_protocol else None
-    core = UnitCore(args.name, args.slab_bytes, seal_key=control, te=te)
+    core = UnitCore(args.name, args.slab_bytes, seal_key=control, te=te,
+                    journal=_journal(args.journal_dir, args.name, args.journal_flush_ms))
     server = Server(core, host=args.host, secret=secret, name=args.name, control_secret=control).start()
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -47,7 +47,7 @@ from rlplane import errors as E
 from rlplane.channel import ChannelPool
 from rlplane.gcpause import gc_paused
 from rlplane_service.native import commitlog as clog
-from rlplane_service.native.commitlog import CLEAR, DROP, MAX_ENTRIES_PER_REQUEST, PUT, Entry
+from rlplane_service.native.commitlog import ACK, CLEAR, DROP, MAX_ENTRIES_PER_REQUEST, PUT, Entry
 from rlplane_service.native.index import COMMITTED, Partition, Reservation, rows_in
 from rlplane_service.native.requests import blocks_of
 
@@ -61,13 +61,16 @@ DONE_REMEMBERED = 1 << 16
 
 @dataclass(frozen=True, slots=True)
 class _Staged:
-    """An entry of a batch, for ``targets``; ``slot``: the request that wrote it; ``undo``: reverts it."""
+    """An entry of a batch, for ``targets``; ``slot``: the request that wrote it; ``undo``:
+    reverts it; ``durable``: the units in ``holders`` (those with its bytes) fsync it first."""
 
     entry: Entry
     targets: list[int]
     what: str
     slot: int
     undo: Callable[[], None] | None
+    durable: bool = False
+    holders: tuple[int, ...] = ()
 
 
 class RecoveryOps:
@@ -99,6 +102,7 @@ class RecoveryOps:
         self.restarts = 0  # times this store's controller restarted (its host counts them, across processes)
         self.rebuilt: dict[str, Any] = {}  # the last rebuild's report
         self.recovering: dict[str, Any] | None = None  # progress while a rebuild runs
+        self.journal_paused = False  # a restore replays an old journal: what it puts is not journalled again
 
     # -- writing -------------------------------------------------------------------------
     def _committed(self, rid: str, n: int) -> None:
@@ -106,8 +110,9 @@ class RecoveryOps:
         if len(self._done) > DONE_REMEMBERED:
             self._done.popitem(last=False)
 
-    def _log_put(self, res: Reservation, header: dict[str, Any]) -> None:
-        """The record of commit ``res`` (its header checked) on its units, or UnavailableError."""
+    def _log_put(self, res: Reservation, header: dict[str, Any], durable: bool = False) -> None:
+        """The record of commit ``res`` (its header checked) on its units, or UnavailableError;
+        ``durable``: in their journals on disk, too."""
         if self._replaying:
             return
         body = clog.record({"rid": res.rid, "ids": res.part.names[res.slots].tolist(), "create": res.create,
@@ -115,10 +120,23 @@ class RecoveryOps:
                             "g": header["g"], "nb": header["nb"], "h": header.get("h") or {},
                             "user": header.get("user"), "x": header.get("x")})
         holders = sorted({u for _, units, _, _ in res.blocks for u in units})
+        bytes_on = tuple(holders)
         if len(holders) < 2:  # a record on one unit only would go with that unit
             spare = [u for u in self._answering() if u not in holders]
             holders += spare[: 2 - len(holders)]
-        self._journal(PUT, res.partition, body, holders, "put", undo=self._unput(res) if res.create else None)
+        self._journal(PUT, res.partition, body, holders, "put", undo=self._unput(res) if res.create else None,
+                      durable=durable, holders=bytes_on)
+
+    def _log_ack(self, p: str, task: str, ids: list[str]) -> None:
+        """Acks of ``ids`` for ``task`` in the journals of two units, before they apply
+        (UnavailableError when no unit kept them). Only with a journal."""
+        if self._replaying or not self.journaling or self.journal_paused or not ids:
+            return
+        group, self._group = self._group, None
+        try:
+            self._journal(ACK, p, clog.record({"task": task, "ids": ids}), self._answering()[:2], "ack")
+        finally:
+            self._group = group
 
     def _unput(self, res: Reservation) -> Callable[[], None]:
         """What takes a new put back out of the index (its record reached no unit)."""
@@ -144,19 +162,23 @@ class RecoveryOps:
         return [u for u in range(len(self.units)) if u not in self._lost_units and u not in self._suspect]
 
     def _journal(self, kind: str, p: str, body: bytes, targets: list[int], what: str,
-                 undo: Callable[[], None] | None = None) -> None:
+                 undo: Callable[[], None] | None = None, *, durable: bool = False, holders: tuple[int, ...] = ()
+                 ) -> None:
         """One entry for ``targets``. Within a batch (:meth:`open_batch`) it is staged and
         written by :meth:`flush` before the batch's answers go out (``undo`` then reverts
         the request's change if no unit kept it); otherwise written now: UnavailableError
         when no unit kept it."""
         seq, self._seq = self._seq, self._seq + 1
         e = Entry(seq, kind, p, body, clog.mac(self.seal_key, seq, kind, p, body))
+        staged = _Staged(e, targets, what, self.batch_slot, undo, durable, holders)
         if self._group is not None:
-            self._group.append(_Staged(e, targets, what, self.batch_slot, undo))
+            self._group.append(staged)
             return
-        errors = self._write_entries({u: [e] for u in targets})
+        errors = self._write_entries({u: [e] for u in targets}, {u for u in holders if durable})
         if not any(u not in errors for u in targets):
             raise self._not_kept(what, [errors[u] for u in targets])
+        if (why := _not_durable(staged, errors)) is not None:
+            raise why
 
     def open_batch(self) -> None:
         """The server starts a batch of requests: their entries are staged (see :meth:`flush`)."""
@@ -182,7 +204,7 @@ class RecoveryOps:
         for g in group:
             for u in g.targets:
                 per_unit.setdefault(u, []).append(g.entry)
-        errors = self._write_entries(per_unit)
+        errors = self._write_entries(per_unit, {u for g in group if g.durable for u in g.holders})
         failed: dict[int, E.RlplaneError] = {}
         for g in group:
             if not any(u not in errors for u in g.targets):
@@ -190,10 +212,14 @@ class RecoveryOps:
                 if g.undo is not None:
                     with self._lock:
                         g.undo()
+            elif (why := _not_durable(g, errors)) is not None:
+                failed[g.slot] = why
         return {**early, **failed}
 
-    def _write_entries(self, per_unit: dict[int, list[Entry]]) -> dict[int, str]:
-        """Send each unit its entries at once and wait (LOG_TIMEOUT_S); the units that did not keep them, and why."""
+    def _write_entries(self, per_unit: dict[int, list[Entry]], sync: set[int] = frozenset()) -> dict[int, str]:  # type: ignore[assignment]
+        """Send each unit its entries at once and wait (LOG_TIMEOUT_S); the units that did
+        not keep them, and why. The units in ``sync`` fsync their journals before answering;
+        while a restore replays an old journal the units keep the entries out of theirs."""
         sent, errors = [], {}
         for u, entries in per_unit.items():
             name = self.units[u][0]
@@ -201,8 +227,12 @@ class RecoveryOps:
                 ch = self._pool.get(self._control[u], name)
                 for k in range(0, len(entries), MAX_ENTRIES_PER_REQUEST):
                     part = entries[k : k + MAX_ENTRIES_PER_REQUEST]
-                    sent.append((u, ch, ch.send({"op": "log", "e": [e.wire() for e in part]},
-                                                buffers=[e.body for e in part])))
+                    head: dict[str, Any] = {"op": "log", "e": [e.wire() for e in part]}
+                    if u in sync and k + MAX_ENTRIES_PER_REQUEST >= len(entries):
+                        head["sync"] = True
+                    if self.journal_paused:
+                        head["nj"] = True
+                    sent.append((u, ch, ch.send(head, buffers=[e.body for e in part])))
             except E.RlplaneError as err:
                 errors[u] = f"{name}: {err}"
         deadline = time.monotonic() + LOG_TIMEOUT_S
@@ -242,6 +272,7 @@ class RecoveryOps:
         holders: dict[int, dict[int, list[Any]]] = {}  # block -> unit -> [[field, dtype, start], ...]
         copies: dict[int, list[tuple[str, Entry]]] = {}  # seq -> (unit, entry) of every copy
         unreachable, ignored = [], []
+        high = 0  # the highest sequence number a unit saw (acks are journalled only)
         asked: dict[int, tuple[Any, int] | E.RlplaneError] = {}
         for u, (name, _) in enumerate(self.units):  # every unit lists at once
             try:
@@ -261,6 +292,7 @@ class RecoveryOps:
                 for head, body in zip(reply.get("e", []), bodies):
                     e = Entry.from_wire(head, body, copy=False)
                     copies.setdefault(e.seq, []).append((name, e))
+                high = max(high, int(reply.get("high") or 0))
             except E.RlplaneError as err:
                 unreachable.append(f"{name}: {err}")
                 self._suspected(u, f"it did not answer the controller's rebuild: {err}")
@@ -300,7 +332,7 @@ class RecoveryOps:
                         log.error("rebuild: commit-log entry %d does not apply (%s); skipped", seq, err)
                     if k % 1024 == 1023:
                         step(entries_done=k + 1)
-                self._seq = max(entries, default=0) + 1
+                self._seq = max(max(entries, default=0), high) + 1
                 for p in [p for p, part in self._parts.items() if not part.ids and not part.lost]:
                     del self._parts[p]  # made for records a later clear undid
                 lost = self._locate_copies(holders)
@@ -387,6 +419,15 @@ class RecoveryOps:
         self._lost_samples += lost
         log.error("rebuild: %d samples had rows in %d blocks no storage unit holds; they are lost", lost, len(gone))
         return lost
+
+
+def _not_durable(g: _Staged, errors: dict[int, str]) -> E.UnavailableError | None:
+    """A durable put whose bytes a unit did not get into its journal on disk: stored, not durable."""
+    failed = [errors[u] for u in g.holders if u in errors] if g.durable else []
+    if not failed:
+        return None
+    return E.UnavailableError(f"this durable put is stored but not on disk: {'; '.join(failed)}; put it again (the "
+                              "same ids replace it) once the journal's disk is back", component="journal")
 
 
 __all__ = ["RecoveryOps", "LOG_TIMEOUT_S", "INVENTORY_TIMEOUT_S"]

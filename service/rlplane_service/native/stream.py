@@ -59,8 +59,10 @@ class StreamOps:
     def op_ack(self, header: dict, columns: dict, extra: list) -> Any:
         p, task, lease, ids = _lease_args(header)
         self._access(header, p, write=False)
+        journal = getattr(self, "_log_ack", None)  # the native controller's (a journal, when it has one)
         with self._lock:
-            return {"acked": self.ledger.ack(p, task, lease, ids)}, {}, []
+            before = (lambda got: journal(p, task, got)) if journal is not None else None
+            return {"acked": self.ledger.ack(p, task, lease, ids, before=before)}, {}, []
 
     def op_nack(self, header: dict, columns: dict, extra: list) -> Any:
         p, task, lease, ids = _lease_args(header)

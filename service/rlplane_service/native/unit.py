@@ -63,8 +63,10 @@ from rlplane.dtypes import numpy_of
 from rlplane.gather import gather
 from rlplane.wire import RawColumn, check_offsets, int_array, ints
 from rlplane_service.native.allocator import ALIGN, Allocator
+from rlplane_service.native import commitlog as clog
 from rlplane_service.native.commitlog import MAX_ENTRIES_PER_REQUEST, Entry, UnitLog
 from rlplane_service.native.heap import HeapTrim
+from rlplane_service.native.journal import JournalWriter
 from rlplane_service.native.slab import Slab, SlabShare
 
 log = logging.getLogger(__name__)
@@ -173,15 +175,18 @@ class UnitCore:
     #: Served only on the control socket (the controller's credential): dropping blocks,
     #: and copying a whole block out (re-replication).
     #: The commit log (``log``, ``inventory``) is the controller's too.
-    CONTROL_OPS = frozenset({"free", "block", "old", "log", "inventory"})
+    CONTROL_OPS = frozenset({"free", "block", "old", "log", "inventory", "jtrunc"})
 
     def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True,
-                 seal_key: bytes | None = None, te: TransferEngineConfig | None = None) -> None:
+                 seal_key: bytes | None = None, te: TransferEngineConfig | None = None,
+                 journal: JournalWriter | None = None) -> None:
         """``seal_key`` (the controller's credential): every extent the unit hands out is
         sealed with it (:func:`seal`), so a commit cannot claim extents or sizes it was not given.
         ``te``: register the slab with Mooncake's transfer engine (clients on other hosts
-        then write and read it one-sided, :mod:`rlplane.te`)."""
+        then write and read it one-sided, :mod:`rlplane.te`). ``journal``: append every change
+        the controller logs here to it (:mod:`rlplane_service.native.journal`)."""
         self.name = name
+        self.journal = journal
         self.seal_key = seal_key
         self.slab = Slab(slab_bytes, name)
         self.alloc = Allocator(self.slab.nbytes)
@@ -336,8 +341,51 @@ class UnitCore:
         heads = header.get("e")
         if not isinstance(heads, list) or not 0 < len(heads) <= MAX_ENTRIES_PER_REQUEST or len(extra) != len(heads):
             raise E.WireFormatError("log needs 'e': [[seq, kind, partition, mac], ...] and one body buffer each")
-        self.log.extend([Entry.from_wire(h, b) for h, b in zip(heads, extra)])
+        entries = [Entry.from_wire(h, b) for h, b in zip(heads, extra)]
+        self.log.extend(entries)
+        if self.journal is not None and not header.get("nj"):
+            try:
+                for e in entries:
+                    self._journal(e)
+                if header.get("sync"):  # a durable put among them: on disk before the controller hears back
+                    self.journal.sync()
+            except OSError as err:
+                raise E.UnavailableError(f"storage unit {self.name} could not write its journal "
+                                         f"({self.journal.dir}: {err.strerror or err})", component=self.name) from None
         return {"kept": len(heads)}, {}, []
+
+    def _journal(self, e: Entry) -> None:
+        """Append entry ``e`` to the journal; a put with the bytes of its blocks stored here."""
+        places: list[list[Any]] = []
+        body: list[memoryview] = []
+        if e.kind == clog.PUT:
+            rec = clog.parse(e)
+            at = 0
+            with self._lock:
+                for b, *_ in rec.get("blocks") or ():
+                    block = self._blocks.get(b) if isinstance(b, int) else None
+                    if block is None:
+                        continue
+                    fields = []
+                    for name, x in block.items():
+                        fields.append([name, at, x.nbytes])
+                        body.append(memoryview(self.slab.u8[x.start : x.start + x.nbytes]))
+                        at += x.nbytes
+                    places.append([b, fields])
+        self.journal.append(e.seq, e.kind, e.partition, e.body, places, body)  # type: ignore[union-attr]
+
+    def op_jtrunc(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """A snapshot holds every change before ``below``: drop the journal's older segments."""
+        below, snap = header.get("below"), header.get("snapshot") or ""
+        if not isinstance(below, int) or isinstance(below, bool) or not 0 < below < 1 << 63 or not isinstance(snap, str):
+            raise E.WireFormatError("jtrunc needs 'below': a sequence number")
+        if self.journal is None:
+            return {"deleted": 0}, {}, []
+        try:
+            return {"deleted": self.journal.truncate(below, snap[:4096])}, {}, []
+        except OSError as err:
+            raise E.UnavailableError(f"storage unit {self.name} could not truncate its journal ({err})",
+                                     component=self.name) from None
 
     def op_inventory(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """What a restarting controller rebuilds from: ``blocks`` = ``[[block, [field, dtype,
@@ -347,7 +395,8 @@ class UnitCore:
             blocks = [[b, [list(f) for f in zip(block.names, block.dtypes, block.where[0].tolist())]]
                       for b, block in self._blocks.items()]
         entries = self.log.entries()
-        return {"unit": self.name, "blocks": blocks, "e": [e.wire() for e in entries]}, {}, [e.body for e in entries]
+        return ({"unit": self.name, "blocks": blocks, "e": [e.wire() for e in entries], "high": self.log.high}, {},
+                [e.body for e in entries])
 
     def op_slab(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """How to map this unit's slab from the same host: its socket and a fresh ticket.
@@ -395,9 +444,13 @@ class UnitCore:
         with self._lock:
             return {"unit": self.name, "blocks": len(self._blocks), "nbytes": self.alloc.used_bytes,
                     "populated": self.slab.populated.is_set(),
-                    "slab": self.alloc.stats(), "log_entries": len(self.log), "log_bytes": self.log.nbytes()}
+                    "slab": self.alloc.stats(), "log_entries": len(self.log), "log_bytes": self.log.nbytes(),
+                    **({"journal": self.journal.stats()} if self.journal is not None else {})}
 
     def stop(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
         if self.share is not None:
             self.share.stop()
 

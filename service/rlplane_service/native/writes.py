@@ -124,6 +124,10 @@ class WriteOps:
             raise E.WireFormatError("commit needs 'g' (geometry per field) and 'nb' (row bytes per field)")
         if user is not None and not (isinstance(user, list) and all(t is None or isinstance(t, dict) for t in user)):
             raise E.WireFormatError("commit 'user' must be one tag map per sample")
+        durable = header.get("durable") is True
+        if durable and not getattr(self, "journaling", False):
+            raise E.InvalidArgumentError("put_samples(..., durable=True) needs a journal: this store has none (start "
+                                         "the service with RLPLANE_JOURNAL_DIR); nothing of the put was stored")
         rid = header.get("res")
         # The lock is held from here until the index holds the put (``apply``, which the server
         # runs right after sending the answer): nothing else sees the store in between.
@@ -164,7 +168,7 @@ class WriteOps:
             parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"))
             if self.seal_key is not None:
                 self._check_seals(header.get("xs"), res, parsed.ext, parsed.spans)
-            self._log_put(res, header)  # on the units before the answer: it outlives this process
+            self._log_put(res, header, durable)  # on the units before the answer: it outlives this process
         except BaseException:
             self._lock.release()
             raise

@@ -1,0 +1,344 @@
+"""The write-ahead journal: its file format, reading it back, and replaying it into a store.
+
+With ``RLPLANE_JOURNAL_DIR`` set, every storage unit appends each change the controller
+logs to it (a commit's record with the bytes of the blocks this unit holds, a clear, an
+ack) to a journal file in ``DIR/<unit name>/``, and fsyncs in groups (see
+:mod:`rlplane_service.native.journal`). After every engine process died, a new store
+replays the journal on top of the last snapshot (:func:`rlplane.snapshot.restore` with
+``journal=DIR``): every change after the snapshot's cut, in the order the controller
+applied it.
+
+**On disk**: ``DIR/<unit>/seg-*.rlj`` segments, each a run of records::
+
+    b"RLJ1" | head length (u32) | body length (u64) | head (msgpack) | body | xxh3-64 (u64)
+
+The head holds the change's sequence number (``seq``, the controller's), its kind
+(``put``, ``clear``, ``drop``, ``ack``), the partition, the change's record (``r``) and,
+for a put, where each of this unit's blocks' fields lie in the body (``x``). The
+checksum covers everything after the magic. ``DIR/<unit>/BASE`` says below which
+sequence number the journal was truncated (at a snapshot): a snapshot older than that
+cannot be continued by this journal.
+
+**Torn and damaged records**: a record that runs past the end of its file (the process
+died writing it) or fails its checksum as the file's last record is *torn*: skipped and
+reported. A record that fails its checksum with more records after it is damage:
+:class:`~rlplane.errors.SnapshotError` naming the file, and nothing is replayed.
+
+Example::
+
+    j = Journal.open("/var/lib/rlplane/journal")      # every segment read and checked
+    j.last_seq, j.torn                                 # (1834, [])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Collection, Iterator, Sequence
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+
+from rlplane import errors as E
+from rlplane.column import Column
+from rlplane.dtypes import dtype_from_name
+from rlplane.geometry import Geometry
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"RLJ1"
+FRAME = struct.Struct("<4sIQ")  # magic, head length, body length
+TRAILER = struct.Struct("<Q")  # xxh3-64 of frame (after the magic), head and body
+#: A segment's name pattern, and the file that records the last truncation.
+SEGMENT_GLOB, BASE = "seg-*.rlj", "BASE"
+#: Kinds of records (the commit log's, plus acks).
+PUT, CLEAR, DROP, ACK = "put", "clear", "drop", "ack"
+_KINDS = frozenset({PUT, CLEAR, DROP, ACK})
+_ACKED = 2  # the ledger's state of an acked sample
+_MAX_HEAD = 1 << 30
+
+
+def frame(seq: int, kind: str, partition: str, record: bytes | memoryview,
+          places: list[list[Any]] | None, body: Sequence[memoryview]) -> tuple[bytes, Any]:
+    """One record's prefix (frame and head) and a checksum object over it, to be updated
+    with ``body`` and finished as the trailer (see :func:`trailer`)."""
+    head = msgpack.packb({"seq": seq, "k": kind, "p": partition, "r": bytes(record), "x": places or []},
+                         use_bin_type=True)
+    nbody = sum(b.nbytes for b in body)
+    prefix = FRAME.pack(MAGIC, len(head), nbody) + head
+    h = xxhash.xxh3_64()
+    h.update(memoryview(prefix)[4:])
+    for b in body:
+        h.update(b)
+    return prefix, h
+
+
+def trailer(h: Any) -> bytes:
+    return TRAILER.pack(h.intdigest())
+
+
+@dataclass
+class Record:
+    """One change as the journal holds it: ``seq``, ``kind``, ``partition``, its record
+    (``rec``) and, for a put, per block the bytes of each field (views of the file)."""
+
+    seq: int
+    kind: str
+    partition: str
+    rec: dict[str, Any]
+    blocks: dict[int, dict[str, memoryview]] = field(default_factory=dict)
+    where: str = ""
+
+
+@dataclass
+class Segment:
+    """A segment's records, checked; ``torn``: why its last record was skipped, if it was."""
+
+    path: Path
+    records: list[Record]
+    torn: str | None
+    nbytes: int
+
+
+def read_segment(path: Path, *, heads_only: bool = False) -> Segment:
+    """Every record of segment ``path`` (SnapshotError on damage, see the module docstring).
+    ``heads_only``: skip the bodies and checksums (a unit learning its segments' seqs)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        buf: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    view = memoryview(buf)
+    out: list[Record] = []
+    at, torn = 0, None
+
+    def bad(why: str) -> E.SnapshotError:
+        return E.SnapshotError(f"journal file {path} {why} at byte {at}; nothing of the journal was replayed",
+                               component=str(path))
+
+    while at < size:
+        if size - at < FRAME.size:
+            torn = f"{size - at} bytes of a record's frame at the end"
+            break
+        magic, hlen, blen = FRAME.unpack_from(view, at)
+        end = at + FRAME.size + hlen + blen + TRAILER.size
+        if magic != MAGIC or hlen > _MAX_HEAD:
+            if end >= size or magic == b"\0\0\0\0":
+                torn = "a record's frame was not written whole"
+                break
+            raise bad("holds no record frame")
+        if end > size:
+            torn = f"a record of {end - at} bytes of which {size - at} were written"
+            break
+        hstart = at + FRAME.size
+        body = view[hstart + hlen : end - TRAILER.size]
+        if not heads_only:
+            h = xxhash.xxh3_64()
+            h.update(view[at + 4 : hstart + hlen])
+            h.update(body)
+            if h.intdigest() != TRAILER.unpack_from(view, end - TRAILER.size)[0]:
+                if end == size:
+                    torn = "its last record fails its checksum"
+                    break
+                raise bad("has a record that fails its checksum (damaged)")
+        try:
+            head = msgpack.unpackb(view[hstart : hstart + hlen], raw=False, strict_map_key=False)
+            rec = msgpack.unpackb(head["r"], raw=False, strict_map_key=False) if not heads_only else {}
+            seq, kind, p = int(head["seq"]), str(head["k"]), str(head["p"])
+            if kind not in _KINDS or not isinstance(rec, dict):
+                raise ValueError(f"kind {kind!r}")
+            blocks: dict[int, dict[str, memoryview]] = {}
+            for b, places in head.get("x") or []:
+                got = blocks.setdefault(int(b), {})
+                for name, off, nb in places:
+                    if not 0 <= int(off) <= int(off) + int(nb) <= body.nbytes:
+                        raise ValueError(f"field {name!r} of block {b} lies outside the record")
+                    got[str(name)] = body[int(off) : int(off) + int(nb)]
+        except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as err:
+            if end == size:
+                torn = f"its last record does not parse ({err})"
+                break
+            raise bad(f"has a record that does not parse ({err})") from None
+        out.append(Record(seq, kind, p, rec, blocks, str(path)))
+        at = end
+    return Segment(path, out, torn, size)
+
+
+def read_base(unit_dir: Path) -> dict[str, Any]:
+    """A unit directory's last truncation (``seq``: records below it were dropped; ``snapshot``)."""
+    try:
+        got = json.loads((unit_dir / BASE).read_text())
+        return got if isinstance(got, dict) else {}
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        raise E.SnapshotError(f"{unit_dir / BASE} does not parse ({err})", component=str(unit_dir / BASE)) from None
+
+
+class Journal:
+    """A journal directory read back: every unit's segments, checked, merged by sequence
+    number (a change several units journalled is one change; a put's blocks are gathered
+    from every unit that held one). Use :meth:`open`."""
+
+    def __init__(self, root: Path, segments: list[Segment], base: int, base_snapshot: str) -> None:
+        self.root = root
+        self.segments = segments
+        self.base, self.base_snapshot = base, base_snapshot
+        self.changes: dict[int, Record] = {}
+        for seg in segments:
+            for r in seg.records:
+                got = self.changes.get(r.seq)
+                if got is None:
+                    self.changes[r.seq] = Record(r.seq, r.kind, r.partition, r.rec, dict(r.blocks), r.where)
+                else:
+                    for b, fields in r.blocks.items():
+                        got.blocks.setdefault(b, fields)
+        self.torn = [f"{seg.path}: {seg.torn}" for seg in segments if seg.torn]
+        self.last_seq = max(self.changes, default=0)
+
+    @classmethod
+    def open(cls, root: str | os.PathLike[str]) -> Journal:
+        """Read and check every segment under ``root`` (an empty or missing one is an empty journal)."""
+        path = Path(root)
+        segments, base, snap = [], 0, ""
+        if path.is_dir():
+            for unit_dir in sorted(d for d in path.iterdir() if d.is_dir()):
+                b = read_base(unit_dir)
+                if int(b.get("seq") or 0) > base:
+                    base, snap = int(b["seq"]), str(b.get("snapshot") or "")
+                segments += [read_segment(s) for s in sorted(unit_dir.glob(SEGMENT_GLOB))]
+        return cls(path, segments, base, snap)
+
+    def after(self, seq: int) -> list[Record]:
+        """The changes from sequence number ``seq`` on, in order."""
+        return [self.changes[s] for s in sorted(self.changes) if s >= seq]
+
+    def fields(self, since: int) -> set[str]:
+        return {str(f) for r in self.after(since) if r.kind == PUT for f in r.rec.get("fields") or ()}
+
+
+@dataclass(frozen=True)
+class ReplayInfo:
+    """What a replay applied: changes, samples put, samples cleared, acks, the last
+    sequence number, records skipped as torn and changes that could not apply (why)."""
+
+    changes: int
+    samples: int
+    cleared: int
+    acks: int
+    last_seq: int
+    torn: list[str]
+    skipped: list[str]
+
+
+def check(journal: Journal, since: int, declared: Collection[str] | None, snapshot: str = "") -> None:
+    """Refuse, before anything is loaded, a journal that cannot continue a snapshot cut at
+    ``since`` (it was truncated after it) or that holds fields the service does not declare."""
+    if journal.base > since:
+        what = f"snapshot {snapshot}" if snapshot else "an empty store"
+        later = f" ({journal.base_snapshot})" if journal.base_snapshot else ""
+        raise E.SnapshotError(f"the journal in {journal.root} was truncated at a later snapshot{later} (it starts at "
+                              f"change {journal.base}, {what} ends before change {since}): restore from that "
+                              "snapshot, or empty the journal directory to start afresh", component=str(journal.root))
+    odd = sorted(journal.fields(since) - set(declared)) if declared is not None else []
+    if odd:
+        raise E.UnregisteredFieldError(f"the journal in {journal.root} holds field(s) {odd} this service does not "
+                                       "declare: add them to its registry (RLPLANE_REGISTRY_FILE); nothing was loaded",
+                                       field=odd[0])
+
+
+def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] | None = None,
+           progress: Callable[[str], None] | None = None) -> ReplayInfo:
+    """Apply the journal's changes from ``since`` on to the store ``transport`` reaches, in
+    order: puts (with their ids, rows and tags), clears and acks. ``touched`` collects
+    the partitions written (the caller takes them back if it fails). A put whose blocks
+    no unit journalled whole (a crash before its group reached the disk) is skipped and
+    named in ``skipped``.
+
+    Example: ``replay(client.transport, Journal.open(d), snapshot_seq).samples``
+    """
+    say = progress or (lambda msg: None)
+    todo = journal.after(since)
+    samples = cleared = acks = 0
+    skipped: list[str] = []
+    for k, r in enumerate(todo):
+        if touched is not None and r.partition not in touched and r.kind == PUT:
+            touched.append(r.partition)
+        if r.kind == PUT:
+            got = _put_of(r)
+            if isinstance(got, str):
+                skipped.append(got)
+                continue
+            ids, columns, tags, create = got
+            try:
+                transport.put(r.partition, ids, columns, tags, create=create)
+            except (E.MissingDataError, E.LeaseError) as err:  # an extension of samples cleared or lost since
+                skipped.append(f"change {r.seq} ({r.partition!r}): {err}")
+                continue
+            samples += len(ids) if create else 0
+        elif r.kind == DROP:
+            cleared += transport.clear(r.partition)
+        elif r.kind == CLEAR:
+            cleared += transport.clear(r.partition, list(r.rec.get("ids") or ()))
+        else:
+            ids = [str(s) for s in r.rec.get("ids") or ()]
+            if ids:
+                try:
+                    transport.set_consumption(r.partition, str(r.rec.get("task")), ids,
+                                              np.full(len(ids), _ACKED, np.int8).tobytes())
+                    acks += len(ids)
+                except (E.MissingDataError, E.InvalidArgumentError) as err:
+                    skipped.append(f"change {r.seq} (ack on {r.partition!r}): {err}")
+        if k % 256 == 255:
+            say(f"journal: {k + 1} of {len(todo)} changes replayed")
+    if skipped:
+        log.error("journal replay: %d change(s) could not apply: %s", len(skipped), "; ".join(skipped[:5]))
+    for t in journal.torn:
+        log.warning("journal replay: skipped a torn last record: %s", t)
+    return ReplayInfo(len(todo), samples, cleared, acks, todo[-1].seq if todo else since - 1, list(journal.torn),
+                      skipped)
+
+
+def _put_of(r: Record) -> tuple[list[str], dict[str, Column], list[dict[str, Any]], bool] | str:
+    """A journalled put as ``(ids, columns, tags, create)``, or why it cannot be replayed."""
+    rec = r.rec
+    ids = [str(s) for s in rec["ids"]]
+    fields = [str(f) for f in rec["fields"]]
+    blocks = sorted((int(b), int(a), int(z)) for b, _, a, z in rec["blocks"])
+    missing = [b for b, _, _ in blocks if b not in r.blocks or not set(fields) <= set(r.blocks[b])]
+    if missing:
+        return (f"change {r.seq} ({r.partition!r}, {len(ids)} samples): block(s) {missing[:3]} are in no unit's "
+                "journal (the store died before they reached the disk)")
+    dtypes = {str(f): str(d) for f, d in (rec["x"][0][1].items() if rec.get("x") else ())}
+    columns = {}
+    for f in fields:
+        dtype = dtype_from_name(dtypes[f])
+        row_bytes = np.frombuffer(rec["nb"][f], "<i8")
+        size = torch.empty(0, dtype=dtype).element_size()
+        parts = [np.frombuffer(r.blocks[b][f], np.uint8) for b, _, _ in blocks]
+        raw = np.concatenate(parts) if len(parts) != 1 else parts[0].copy()
+        if raw.size != int(row_bytes.sum()):
+            return f"change {r.seq} ({r.partition!r}): field {f!r} holds {raw.size} bytes, its rows {row_bytes.sum()}"
+        values = torch.from_numpy(raw).view(dtype) if raw.size else torch.empty(0, dtype=dtype)
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(row_bytes // size)]).astype(np.int64))
+        sums = np.frombuffer(rec["h"][f], "<u8") if rec.get("h") and f in rec["h"] else None
+        columns[f] = Column(values, offsets).with_meta(sums, Geometry.from_wire(rec["g"][f], f))
+    user = rec.get("user")
+    tags = [dict(t) if isinstance(t, dict) else {} for t in user] if user else [{} for _ in ids]
+    return ids, columns, tags, rec.get("create") is True
+
+
+def segments(root: Path) -> Iterator[Path]:
+    """Every segment file under journal directory ``root``."""
+    if root.is_dir():
+        for unit_dir in sorted(d for d in root.iterdir() if d.is_dir()):
+            yield from sorted(unit_dir.glob(SEGMENT_GLOB))
+
+
+__all__ = ["Journal", "Record", "Segment", "ReplayInfo", "read_segment", "read_base", "replay", "check", "frame",
+           "trailer", "segments", "MAGIC", "PUT", "CLEAR", "DROP", "ACK", "BASE", "SEGMENT_GLOB"]

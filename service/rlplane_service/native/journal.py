@@ -1,0 +1,194 @@
+"""A storage unit's write-ahead journal writer (the format: :mod:`rlplane.journal`).
+
+The unit appends every change the controller logs to it (``log`` requests: a commit's
+record with the bytes of this unit's blocks of it, clears, acks) to its current segment
+in ``DIR/<unit>/`` with one ``writev`` (the page cache: memory speed), before it answers
+the controller, so before the change is answered. Making it durable is grouped:
+
+- a flusher thread fsyncs every ``flush_ms`` (``RLPLANE_JOURNAL_FLUSH_MS``) when anything
+  was appended since its last pass: a change is on disk at most that long after it was
+  answered (``lag_s`` in :meth:`JournalWriter.stats` says how far behind it is);
+- a ``log`` request that carries a durable put (``put_samples(..., durable=True)``) is
+  answered only after :meth:`JournalWriter.sync`, which fsyncs everything appended before
+  it: every commit of the controller's batch rides on that one fsync (group commit).
+
+Segments roll over at ``segment_bytes``; a new process never appends to an old segment
+(its last record may be torn). :meth:`JournalWriter.truncate` (after a snapshot whose cut
+is at ``below``) deletes the segments holding only older changes and records ``below``
+in ``BASE``.
+
+Example::
+
+    j = JournalWriter(Path("/var/lib/rlplane/journal"), "u0", flush_ms=20)
+    j.append(7, "put", "step-0", record, [[block, [["input_ids", 0, 4096]]]], [view])
+    j.sync()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from rlplane import errors as E
+from rlplane.journal import BASE, SEGMENT_GLOB, frame, read_segment, trailer
+
+log = logging.getLogger(__name__)
+
+#: A segment rolls over once it holds this many bytes.
+SEGMENT_BYTES = 256 << 20
+_IOV_MAX = 512
+
+
+class JournalWriter:
+    """Appends, group fsyncs and truncates one unit's journal (see the module docstring)."""
+
+    def __init__(self, root: Path, unit: str, *, flush_ms: float = 20.0, segment_bytes: int = SEGMENT_BYTES) -> None:
+        if not 0 < flush_ms <= 10_000:
+            raise E.InvalidArgumentError(f"RLPLANE_JOURNAL_FLUSH_MS must be in (0, 10000], got {flush_ms}")
+        self.dir = Path(root) / unit
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise E.InvalidArgumentError(f"the journal directory {self.dir} cannot be made ({err.strerror}): "
+                                         "check RLPLANE_JOURNAL_DIR") from None
+        self.flush_s, self.segment_bytes = flush_ms / 1000.0, segment_bytes
+        self._lock = threading.Lock()  # appends and rollovers
+        self._sync_lock = threading.Lock()  # fsync passes (and closing the fds they sync)
+        self._max: dict[Path, int] = {}  # segment -> highest seq in it
+        for old in sorted(self.dir.glob(SEGMENT_GLOB)):  # earlier processes' segments (for truncation)
+            try:
+                self._max[old] = max((r.seq for r in read_segment(old, heads_only=True).records), default=0)
+            except E.RlplaneError as err:
+                log.error("journal: %s", err)
+                self._max[old] = 1 << 62  # kept: the restore will say what is wrong with it
+        self._fd, self._path, self._size = -1, Path(), 0
+        self._closing: list[int] = []  # fds rolled over, fsynced and closed by the next pass
+        self._dirty_since: float | None = None
+        self._unsynced = 0
+        self.appended = self.synced = self.syncs = 0
+        self._open()
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._loop, name=f"rlplane-journal-{unit}", daemon=True)
+        self._flusher.start()
+
+    def _open(self) -> None:
+        name = f"seg-{time.time_ns():020d}-{secrets.token_hex(3)}.rlj"
+        self._path = self.dir / name
+        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        self._size = 0
+        self._max[self._path] = 0
+        _fsync_dir(self.dir)
+
+    def append(self, seq: int, kind: str, partition: str, record: bytes | memoryview,
+               places: list[list[Any]] | None = None, body: Sequence[memoryview] = ()) -> int:
+        """Append one change (page cache); returns its bytes. OSError when the disk refuses."""
+        prefix, h = frame(seq, kind, partition, record, places, body)
+        tail = trailer(h)
+        n = len(prefix) + sum(b.nbytes for b in body) + len(tail)
+        with self._lock:
+            if self._size and self._size + n > self.segment_bytes:
+                self._closing.append(self._fd)
+                self._open()
+            _write_all(self._fd, [memoryview(prefix), *body, memoryview(tail)])
+            self._size += n
+            self._max[self._path] = max(self._max[self._path], seq)
+            self.appended += n
+            self._unsynced += n
+            if self._dirty_since is None:
+                self._dirty_since = time.monotonic()
+        return n
+
+    def sync(self) -> None:
+        """Everything appended before this call is on disk when it returns."""
+        with self._sync_lock:
+            with self._lock:
+                fds, self._closing = [self._fd, *self._closing], []
+                pending, self._unsynced, self._dirty_since = self._unsynced, 0, None
+            for fd in fds:
+                os.fsync(fd)
+            for fd in fds[1:]:
+                os.close(fd)
+            self.synced += pending
+            self.syncs += 1
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            if self._dirty_since is not None or self._closing:
+                try:
+                    self.sync()
+                except OSError as err:  # the next pass tries again; lag_s shows it falling behind
+                    log.error("journal %s: fsync failed: %s", self.dir, err)
+
+    def truncate(self, below: int, snapshot: str = "") -> int:
+        """A snapshot holds every change before ``below``: roll over, delete the segments
+        holding only older changes, record ``below`` in BASE. Returns segments deleted."""
+        with self._lock:
+            if self._size:
+                self._closing.append(self._fd)
+                self._open()
+            old = [p for p, top in self._max.items() if p != self._path and top < below]
+        self.sync()
+        base = self.dir / BASE
+        tmp = self.dir / f".{BASE}.tmp"
+        tmp.write_text(json.dumps({"seq": below, "snapshot": snapshot, "time": time.time()}))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, base)
+        for p in old:
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            self._max.pop(p, None)
+        _fsync_dir(self.dir)
+        return len(old)
+
+    def stats(self) -> dict[str, Any]:
+        """``lag_s`` (age of the oldest change not yet on disk), ``lag_bytes``, bytes appended
+        and synced, fsyncs, segments."""
+        since = self._dirty_since
+        return {"lag_s": 0.0 if since is None else round(time.monotonic() - since, 4), "lag_bytes": self._unsynced,
+                "appended_bytes": self.appended, "synced_bytes": self.synced, "syncs": self.syncs,
+                "segments": len(self._max)}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._flusher.join(timeout=5)
+        try:
+            self.sync()
+        except OSError as err:
+            log.error("journal %s: final fsync failed: %s", self.dir, err)
+        os.close(self._fd)
+        self._fd = -1
+
+
+def _write_all(fd: int, bufs: list[memoryview]) -> None:
+    """``writev`` every buffer, however the kernel splits it."""
+    bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in bufs if b.nbytes]
+    while bufs:
+        n = os.writev(fd, bufs[:_IOV_MAX])
+        while bufs and n >= bufs[0].nbytes:
+            n -= bufs[0].nbytes
+            bufs.pop(0)
+        if n:
+            bufs[0] = bufs[0][n:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+__all__ = ["JournalWriter", "SEGMENT_BYTES"]

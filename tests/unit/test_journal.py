@@ -1,0 +1,216 @@
+"""The write-ahead journal: with RLPLANE_JOURNAL_DIR every commit, clear and ack is appended
+on the storage units; after every engine process is SIGKILLed, a new store (another
+number of units) restored from the last snapshot plus the journal holds every durable
+put and ack bit for bit. A torn last record is skipped and reported; damage elsewhere is
+refused naming the file, nothing loaded (in one process plus unit processes, no Ray)."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane import journal as J
+from rlplane import snapshot
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import text_step, vlm_step
+from rlplane.transports.native import NativeTransport
+from rlplane_service.native.local import LocalEngine
+
+SECRET = b"journal-test-secret"
+
+
+def engine(journal: Path | None = None, units: int = 2, **kw) -> LocalEngine:
+    return LocalEngine(units, secret=SECRET, lease_s=30, slab_bytes=128 << 20, journal_dir=journal, **kw)
+
+
+def connect(eng: LocalEngine) -> Client:
+    info = {"controller": eng.server.endpoint, "secret": SECRET.decode()}
+    return Client(default_registry(), NativeTransport(info, timeout=30))
+
+
+def wire(client: Client, p: str, ids: list, fields: list) -> dict:
+    """What a reader gets at the wire: per field values, offsets, digests, geometry; the tags."""
+    cols, tags = client.transport.get(p, ids, fields)
+    return {"cols": {f: (c.values.view(torch.uint8).clone(), c.offsets.clone(), c.sums.tolist(), c.geom.tolist())
+                     for f, c in cols.items()}, "tags": [dict(t) for t in tags]}
+
+
+def same(a: dict, b: dict) -> bool:
+    if a["tags"] != b["tags"] or a["cols"].keys() != b["cols"].keys():
+        return False
+    return all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) and x[2] == y[2] and x[3] == y[3]
+               for x, y in ((a["cols"][f], b["cols"][f]) for f in a["cols"]))
+
+
+def segments(root: Path) -> list[Path]:
+    return list(J.segments(root))
+
+
+def test_a_durable_put_needs_a_journal_and_stores_nothing_without_one():
+    with engine() as eng, connect(eng) as c:
+        with pytest.raises(E.InvalidArgumentError, match="RLPLANE_JOURNAL_DIR"):
+            c.put_samples("p", text_step(4, 8, seed=1).fields, durable=True)
+        assert c.partitions() == []
+        c.put_samples("p", text_step(4, 8, seed=1).fields)  # a plain put still works
+        assert c.transport.describe("p").sample_ids and c.transport.journal()["journal"] is False
+
+
+def test_after_sigkill_of_every_engine_process_snapshot_plus_journal_bring_back_every_durable_put_and_ack(tmp_path):
+    """Units in processes of their own, SIGKILLed after durable puts (nothing flushed them
+    but the durable fsync); the controller's process state is dropped too. A new store
+    of three units restored from the snapshot plus the journal holds everything."""
+    jdir, snap = tmp_path / "journal", tmp_path / "snap"
+    eng = engine(jdir, processes=True, journal_flush_ms=10_000)  # no timed flush: only durable fsyncs count
+    try:
+        with connect(eng) as a:
+            vlm = vlm_step(8, 96, seed=5)
+            mv = a.put_samples("vlm", vlm.fields, durable=True)
+            text = text_step(40, 32, seed=6)
+            mt = a.put_samples("text", text.fields, tags=[{"group": i // 4} for i in range(40)], durable=True)
+            acked = a.claim("text", "train", batch_size=10, fields=["input_ids"], timeout=0)
+            a.ack(acked, "train")
+            a.snapshot(str(snap))  # the cut: everything above is in the snapshot
+            late = text_step(16, 32, seed=7)
+            ml = a.put_samples("late", late.fields, tags=[{"k": i} for i in range(16)], durable=True)
+            a.write_columns(mv.subset([2, 5]), {"prev_logprobs": torch.randn(2, 96)})  # an extension after the cut
+            a.clear("text", mt.sample_ids[:3])
+            more = a.claim("text", "train", batch_size=12, fields=["input_ids"], timeout=0)
+            a.ack(more, "train")
+            a.put_samples("tail", late.fields, durable=True)  # the last durable put: its fsync covers the ones before
+            want = {"vlm": wire(a, "vlm", mv.sample_ids, sorted(vlm.fields)),
+                    "prev": wire(a, "vlm", mv.subset([2, 5]).sample_ids, ["prev_logprobs"]),
+                    "late": wire(a, "late", ml.sample_ids, sorted(late.fields)),
+                    "text": wire(a, "text", a.transport.describe("text").sample_ids, sorted(text.fields))}
+            order = {p: a.transport.describe(p).sample_ids for p in ("vlm", "text", "late", "tail")}
+            consumed = a.consumption("text", "train")
+        for i in range(2):
+            os.kill(eng.unit_pid(i), 9)
+            eng.procs[i].wait(timeout=10)
+        eng.kill_controller()
+    finally:
+        eng.stop()
+    with engine(None, units=3) as new, connect(new) as b:
+        info = snapshot.restore(b.transport, snap, journal=jdir)
+        assert info.journal is not None and info.journal["torn"] == [] and info.journal["skipped"] == []
+        assert sorted(b.partitions()) == ["late", "tail", "text", "vlm"]
+        for p, ids in order.items():
+            assert b.transport.describe(p).sample_ids == ids, p  # commit order kept
+        assert same(wire(b, "vlm", mv.sample_ids, sorted(vlm.fields)), want["vlm"])
+        assert same(wire(b, "vlm", mv.subset([2, 5]).sample_ids, ["prev_logprobs"]), want["prev"])
+        assert same(wire(b, "late", ml.sample_ids, sorted(late.fields)), want["late"])
+        assert same(wire(b, "text", order["text"], sorted(text.fields)), want["text"])
+        assert diff_fields(b.registry, late.fields, b.read_columns(ml, list(late.fields)), late.lengths,
+                           sample_ids=ml.sample_ids) == []
+        got = b.consumption("text", "train")
+        assert (got["acked"], got["pending"]) == (consumed["acked"], consumed["pending"] + consumed["claimed"])
+        assert got["acked"] == 10 + 12 - len(set(mt.sample_ids[:3]) & set(acked.sample_ids))
+        assert len(b.transport.stats()["units"]) == 3
+
+
+def test_the_journal_alone_restores_a_store_that_never_snapshotted_and_skips_a_torn_last_record(tmp_path):
+    jdir = tmp_path / "journal"
+    with engine(jdir, units=1) as eng, connect(eng) as a:
+        first = text_step(8, 16, seed=1)
+        m1 = a.put_samples("a", first.fields, durable=True)
+        want = wire(a, "a", m1.sample_ids, sorted(first.fields))
+        a.put_samples("b", text_step(8, 16, seed=2).fields, durable=True)  # its record is torn below
+    (seg,) = [s for s in segments(jdir) if s.stat().st_size]
+    with open(seg, "r+b") as f:  # the process died writing the last record: its tail never reached the disk
+        f.truncate(seg.stat().st_size - 100)
+    with engine(None) as new, connect(new) as b:
+        info = snapshot.restore(b.transport, None, journal=jdir)
+        assert b.partitions() == ["a"] and same(wire(b, "a", m1.sample_ids, sorted(first.fields)), want)
+        assert len(info.journal["torn"]) == 1 and str(seg) in info.journal["torn"][0]
+
+
+def test_a_damaged_journal_record_is_refused_naming_the_file_and_nothing_is_loaded(tmp_path):
+    jdir = tmp_path / "journal"
+    with engine(jdir, units=1) as eng, connect(eng) as a:
+        a.put_samples("a", text_step(8, 16, seed=1).fields, durable=True)
+        a.put_samples("b", text_step(8, 16, seed=2).fields, durable=True)
+    (seg,) = [s for s in segments(jdir) if s.stat().st_size]
+    first = J.read_segment(seg)
+    assert [r.kind for r in first.records] == ["put", "put"]
+    data = bytearray(seg.read_bytes())
+    data[200] ^= 0x10  # inside the first record, with another after it
+    seg.write_bytes(bytes(data))
+    with engine(None) as new, connect(new) as b:
+        with pytest.raises(E.SnapshotError) as err:
+            snapshot.restore(b.transport, None, journal=jdir)
+        assert err.value.component == str(seg) and "checksum" in str(err.value)
+        assert b.partitions() == []
+
+
+def test_a_snapshot_truncates_the_journal_and_an_older_snapshot_cannot_be_continued(tmp_path):
+    jdir = tmp_path / "journal"
+    with engine(jdir) as eng, connect(eng) as a:
+        a.put_samples("a", text_step(8, 16, seed=1).fields)
+        before = set(segments(jdir))
+        old = a.snapshot(str(tmp_path / "s1"))
+        a.put_samples("b", text_step(8, 16, seed=2).fields)
+        a.snapshot(str(tmp_path / "s2"))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (before & set(segments(jdir))):
+            time.sleep(0.05)
+        assert not before & set(segments(jdir))  # the segments holding only changes before the cut are gone
+        bases = [J.read_base(d) for d in jdir.iterdir()]
+        assert all(b["seq"] > old.seq and b["snapshot"] == str(tmp_path / "s2") for b in bases)
+        a.put_samples("c", text_step(4, 16, seed=3).fields, durable=True)
+    with engine(None) as new, connect(new) as b:
+        with pytest.raises(E.SnapshotError, match="truncated at a later snapshot"):
+            snapshot.restore(b.transport, tmp_path / "s1", journal=jdir)
+        assert b.partitions() == []
+        info = snapshot.restore(b.transport, tmp_path / "s2", journal=jdir)
+        assert sorted(b.partitions()) == ["a", "b", "c"] and info.journal["changes"] == 1
+
+
+def test_a_restored_store_journals_on_after_the_old_journal(tmp_path):
+    """The new store's own changes continue the old journal's numbers: a second crash is
+    restored from the same snapshot and journal, old and new changes alike."""
+    jdir = tmp_path / "journal"
+    with engine(jdir) as eng, connect(eng) as a:
+        m1 = a.put_samples("a", text_step(8, 16, seed=1).fields, durable=True)
+    with engine(jdir, units=3) as eng, connect(eng) as b:
+        snapshot.restore(b.transport, None, journal=jdir)
+        assert b.transport.journal()["paused"] is False
+        m2 = b.put_samples("b", text_step(4, 16, seed=2).fields, durable=True)
+        b.clear("a", m1.sample_ids[:2])
+        b.put_samples("c", text_step(2, 16, seed=3).fields, durable=True)
+    with engine(None) as new, connect(new) as c:
+        snapshot.restore(c.transport, None, journal=jdir)
+        assert sorted(c.partitions()) == ["a", "b", "c"]
+        assert c.transport.describe("a").sample_ids == m1.sample_ids[2:]
+        assert c.transport.describe("b").sample_ids == m2.sample_ids
+
+
+def test_a_rebuilt_controller_numbers_changes_above_the_journalled_acks(tmp_path):
+    jdir = tmp_path / "journal"
+    with engine(jdir) as eng, connect(eng) as a:
+        a.put_samples("a", text_step(8, 16, seed=1).fields)
+        for _ in range(3):
+            got = a.claim("a", "t", batch_size=2, fields=["input_ids"], timeout=0)
+            a.ack(got, "t")
+        seq = a.transport.journal()["seq"]
+        eng.kill_controller()
+        eng.restart_controller()
+        assert a.transport.journal()["seq"] >= seq  # no number an ack holds is given out again
+        a.put_samples("b", text_step(2, 16, seed=2).fields, durable=True)
+    j = J.Journal.open(jdir)  # a number given out twice would merge two changes into one here
+    assert [r.kind for r in j.after(1)] == ["put", "ack", "ack", "ack", "put"]
+
+
+def test_a_durable_put_returns_only_after_its_group_was_fsynced(tmp_path):
+    """With the timed flush far off, a plain put leaves its record in the page cache; a
+    durable one is answered after the fsync that covers it and everything before it."""
+    with engine(tmp_path / "journal", journal_flush_ms=10_000) as eng, connect(eng) as a:
+        a.put_samples("a", text_step(8, 16, seed=1).fields)
+        lag = [c.journal.stats() for c in eng.cores]
+        assert sum(s["lag_bytes"] for s in lag) > 0 and all(s["syncs"] == 0 for s in lag)
+        a.put_samples("b", vlm_step(2, 32, seed=2).fields, durable=True)
+        after = [c.journal.stats() for c in eng.cores]
+        holders = [s for s in after if s["appended_bytes"] > 1 << 20]  # the unit(s) holding b's pixel values
+        assert holders and all(s["lag_bytes"] == 0 and s["synced_bytes"] == s["appended_bytes"] for s in holders)

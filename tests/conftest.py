@@ -38,14 +38,16 @@ class Live:
 
 
 @pytest.fixture(scope="session")
-def service():
+def service(tmp_path_factory):
     """The embedded service (default backend: native) on a free loopback port, with an API
-    token, its units' slabs also on the transfer engine (TCP) for the ``te`` data path."""
+    token, its units' slabs also on the transfer engine (TCP) for the ``te`` data path, and
+    a write-ahead journal (so every service test runs with one)."""
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
     svc = EmbeddedService(ServiceSettings(port=free_port(), api_token=TOKEN, storage_units=2, unit_bytes=512 << 20,
-                                          te_protocol="tcp"),  # the units' slabs on the transfer engine too
+                                          te_protocol="tcp",  # the units' slabs on the transfer engine too
+                                          journal_dir=tmp_path_factory.mktemp("journal")),
                           num_cpus=8)
     svc.start()
     try:

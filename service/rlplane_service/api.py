@@ -274,6 +274,7 @@ def build_api(state: ServiceState) -> FastAPI:
             streams=state.streams,
             loss=state.loss,
         )
+        view.snapshot_interval_s = float(state.settings.snapshot_interval_s)
         return render(state.ledger.snapshot(), view)
 
     scrapes = ScrapeCache(scrape)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -24,6 +25,7 @@ from rlplane import errors as E
 from rlplane_service.api import ServiceState, build_api
 from rlplane_service.backends import open_store
 from rlplane_service.settings import ServiceSettings, load_registry
+from rlplane_service.snapshotter import start_snapshotter
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +40,10 @@ class RlplaneService:
         registry = load_registry(settings)
         store = open_store(settings)
         transport = store.service_transport()
-        if settings.restore_from is not None:
-            restore_once(store, transport, settings.restore_from, registry.names())
+        if settings.restore_from is not None or has_journal(settings.journal_dir):
+            restore_once(store, transport, settings.restore_from, registry.names(), settings.journal_dir)
         self._watch = store.watch_units(transport)  # where the engine does not watch its own units
+        self._snapshotter = start_snapshotter(settings, transport, store.ledger)
         self._state = ServiceState(
             settings, registry, transport, store.transport_info(), store.health, LedgerProxy(store.ledger),
             store.master_info, publish_key=store.publish_key, streams=store.streams,
@@ -55,19 +58,31 @@ class RlplaneService:
         watch = getattr(self, "_watch", None)
         if watch is not None:
             watch.stop()
+        snapshotter = getattr(self, "_snapshotter", None)
+        if snapshotter is not None:
+            snapshotter.stop()
         state = getattr(self, "_state", None)
         if state is not None:
             state.transport.close()
 
 
-def restore_once(store: Any, transport: Any, path: Any, declared: list[str]) -> None:
-    """Load snapshot ``path`` into the new store, once: the first replica to ask does it
-    (the store's metrics actor says who), before it serves; the others and any later
-    replica find the store restored. InvalidArgumentError on a backend without snapshots."""
+def has_journal(root: Any) -> bool:
+    """Whether journal directory ``root`` holds a segment (a store died with it)."""
+    from rlplane.journal import segments
+
+    return root is not None and next(iter(segments(Path(root))), None) is not None
+
+
+def restore_once(store: Any, transport: Any, path: Any, declared: list[str], journal: Any = None) -> None:
+    """Load snapshot ``path`` (and/or replay ``journal``) into the new store, once: the
+    first replica to ask does it (the store's metrics actor says who), before it serves;
+    the others and any later replica find the store restored. InvalidArgumentError on a
+    backend without snapshots."""
     from rlplane import snapshot
 
     if store.name != "native":
-        raise E.InvalidArgumentError(f"RLPLANE_RESTORE_FROM needs the native backend (this store is {store.name!r})")
+        what = "RLPLANE_RESTORE_FROM" if path is not None else "RLPLANE_JOURNAL_DIR"
+        raise E.InvalidArgumentError(f"{what} needs the native backend (this store is {store.name!r})")
     me = secrets.token_hex(8)
     if ray.get(store.ledger.remember.remote("restored-by", me), timeout=30) != me:
         failed = ray.get(store.ledger.remember.remote("restore-failed", ""), timeout=30)
@@ -75,12 +90,13 @@ def restore_once(store: Any, transport: Any, path: Any, declared: list[str]) -> 
             raise E.SnapshotError(f"the restore from {path} failed: {failed}; start a new store", component=str(path))
         return
     try:
-        info = snapshot.restore(transport, path, progress=log.info, declared=declared)
+        info = snapshot.restore(transport, path, progress=log.info, declared=declared,
+                                journal=journal if has_journal(journal) else None)
     except Exception as err:
         ray.get(store.ledger.remember.remote("restore-failed", f"{type(err).__name__}: {err}"), timeout=30)
         raise
-    log.warning("restored %d samples in %d partitions from %s in %.1f s", info.samples, info.partitions, path,
-                info.seconds)
+    log.warning("restored %d samples in %d partitions from %s in %.1f s%s", info.samples, info.partitions,
+                path or journal, info.seconds, f" (journal: {info.journal})" if info.journal else "")
 
 
 class LedgerProxy:

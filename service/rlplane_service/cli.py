@@ -79,6 +79,10 @@ def serve(
         None, "--restore", exists=True, file_okay=False, help="native: load this snapshot (rlplane snapshot --to) "
         "into the new store before it reports ready (RLPLANE_RESTORE_FROM). A damaged one stops the start.",
         show_default=False),
+    journal: Optional[Path] = typer.Option(
+        None, "--journal", file_okay=False, help="native: keep a write-ahead journal here (RLPLANE_JOURNAL_DIR); "
+        "one a dead store left is replayed (after --restore's snapshot) before the store reports ready.",
+        show_default=False),
     num_cpus: int = typer.Option(8, "--num-cpus", min=1, help="Logical CPUs of the local Ray."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
                                  "output live instead of in the log file."),
@@ -96,7 +100,7 @@ def serve(
 
     given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity, "unit_bytes": unit_bytes,
              "registry_file": registry_file, "api_token": token, "backend": backend.value if backend else None,
-             "restore_from": restore}
+             "restore_from": restore, "journal_dir": journal}
     settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_* or defaults
     def on_signal(*_: object) -> None:
         raise KeyboardInterrupt

@@ -118,6 +118,7 @@ class StoreView:
     slabs: dict[str, dict[str, Any]] = field(default_factory=dict)  # native: unit -> its slab's figures
     components: dict[str, bool] = field(default_factory=dict)  # every component and loop the store's health names
     controller: dict[str, float] | None = None  # native: the controller's restarts and its last rebuild's seconds
+    snapshot_interval_s: float = 0.0  # RLPLANE_SNAPSHOT_INTERVAL_S (0: no periodic snapshots)
 
 
 #: The native controller's account of the last snapshot (rlplane.snapshot), as gauges.
@@ -151,7 +152,8 @@ def store_view(
     stats = engine_stats()
     controller = None
     if stats is not None and "controller_restarts" in stats:
-        controller = {k: float(stats.get(k, 0.0)) for k in ("controller_restarts", "rebuild_seconds", *SNAPSHOT_STATS)}
+        controller = {k: float(stats.get(k, 0.0))
+                      for k in ("controller_restarts", "rebuild_seconds", "started", *SNAPSHOT_STATS)}
     if stats is not None:
         counts = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
         slabs = {u: d["slab"] for u, d in stats.get("units", {}).items() if isinstance(d.get("slab"), dict)}
@@ -287,6 +289,12 @@ class _Collector:
                          "took (0: it never restarted).", v.controller.get("rebuild_seconds", 0.0))
             for key, what in SNAPSHOT_STATS.items():
                 yield _gauge(f"rlplane_{key}", what, v.controller.get(key, 0.0))
+            since = max(v.controller.get("last_snapshot_time", 0.0), v.controller.get("started", 0.0))
+            yield _gauge("rlplane_snapshot_age_seconds", "Seconds since the last snapshot was written, or since the "
+                         "controller started when none was since (what the snapshot alert watches).",
+                         max(0.0, time.time() - since) if since else 0.0)
+            yield _gauge("rlplane_snapshot_interval_seconds", "How often the service takes a snapshot "
+                         "(RLPLANE_SNAPSHOT_INTERVAL_S; 0: it does not).", v.snapshot_interval_s)
         yield _gauge("rlplane_capacity_samples", "Most samples the store holds (RLPLANE_CAPACITY; 0: no limit).", v.capacity or 0)
         unit_samples = GaugeMetricFamily("rlplane_storage_unit_samples", "Samples per storage unit.", labels=["unit"])
         unit_bytes = GaugeMetricFamily("rlplane_storage_unit_bytes", "Stored bytes per storage unit.", labels=["unit"])
@@ -307,6 +315,18 @@ class _Collector:
                 frag.add_metric([unit], float(d.get("fragmentation", 0.0)))
             yield slab
             yield frag
+            journals = {u: d["journal"] for u, d in v.slabs.items() if isinstance(d.get("journal"), dict)}
+            if journals:
+                lag = GaugeMetricFamily("rlplane_journal_lag_seconds", "Age of the oldest change a native storage "
+                                        "unit appended to its journal and has not yet fsynced (RLPLANE_JOURNAL_DIR; "
+                                        "durable=True puts never wait in it).", labels=["unit"])
+                lag_bytes = GaugeMetricFamily("rlplane_journal_lag_bytes", "Bytes a storage unit appended to its "
+                                              "journal and has not yet fsynced.", labels=["unit"])
+                for unit, j in sorted(journals.items()):
+                    lag.add_metric([unit], float(j.get("lag_s", 0.0)))
+                    lag_bytes.add_metric([unit], float(j.get("lag_bytes", 0)))
+                yield lag
+                yield lag_bytes
         if v.components:
             comp = GaugeMetricFamily("rlplane_component_up", "1 when a component of the store answers and does its "
                                      "work; 0 for one that does not, or for a loop of one that died ('controller "
@@ -434,6 +454,17 @@ def ledger_actor_class() -> Any:
             """``key``'s value, set to ``value`` by the first call (the controller's port: a
             restarted controller serves where clients look for it)."""
             return self._kept.setdefault(key, value)
+
+        def turn(self, key: str, period_s: float) -> bool:
+            """True for the first caller in each ``period_s`` (one replica of several takes
+            the periodic snapshot)."""
+            import time
+
+            now = time.time()
+            if now - float(self._kept.get(f"turn:{key}", 0.0)) < period_s * 0.9:
+                return False
+            self._kept[f"turn:{key}"] = now
+            return True
 
         def count(self, key: str, add: int = 1) -> int:
             """Counter ``key`` after adding ``add`` (the controller's restarts)."""

@@ -64,6 +64,21 @@ class ServiceSettings(BaseSettings):
         "reports ready: every sample bit-exact and every task's consumption as snapshotted. A damaged snapshot stops "
         "the start with SnapshotError naming the file (nothing of it loaded).",
     )
+    snapshot_interval_s: float = Field(
+        0.0, ge=0, description="Backend native: take a snapshot every this many seconds into "
+        "RLPLANE_SNAPSHOT_DIR/auto-<UTC time> (one replica of several takes it; each truncates the journal). 0: never.",
+    )
+    snapshot_keep: int = Field(3, ge=1, description="How many periodic snapshots to keep (the oldest go).")
+    journal_dir: Optional[Path] = Field(
+        None, description="Backend native: each storage unit appends every commit (with its bytes), clear and ack "
+        "to a write-ahead journal in JOURNAL_DIR/<unit> (on the units' hosts; a shared volume when they are several). "
+        "put_samples(..., durable=True) returns once its commit is on disk. A new store replays it (after "
+        "RLPLANE_RESTORE_FROM's snapshot, if set) before it reports ready; each snapshot truncates it.",
+    )
+    journal_flush_ms: float = Field(
+        20.0, gt=0, le=1000, description="Backend native, with a journal: how often the units fsync what was appended "
+        "(the most a change that is not durable=True can lose to a power cut); durable puts fsync at once.",
+    )
     namespace: str = Field("rlplane", description="Ray namespace of the store's named actors.")
     store_name: str = Field("rlplane", description="Prefix of the store's actor names (one store per name).")
     tq_num_threads: int = Field(2, ge=1, le=64, description="TQ_NUM_THREADS for the storage units.")
@@ -157,6 +172,18 @@ class ServiceSettings(BaseSettings):
         set_ = [p for p in named.values() if p]
         if len(set_) != len(set(set_)):
             raise ValueError(f"the mooncake_master's ports must differ (each server binds its own), got {named}")
+        return self
+
+    @model_validator(mode="after")
+    def _durability_is_native(self) -> "ServiceSettings":
+        if self.snapshot_interval_s and self.snapshot_dir is None:
+            raise ValueError("RLPLANE_SNAPSHOT_INTERVAL_S needs RLPLANE_SNAPSHOT_DIR (where the periodic snapshots go)")
+        if self.backend != "native" and (self.journal_dir is not None or self.restore_from is not None
+                                         or self.snapshot_interval_s):
+            what = "RLPLANE_JOURNAL_DIR" if self.journal_dir is not None else "RLPLANE_RESTORE_FROM" \
+                if self.restore_from is not None else "RLPLANE_SNAPSHOT_INTERVAL_S"
+            raise ValueError(f"{what} needs the native backend (snapshots and the journal are the native engine's); "
+                             f"this service is configured for backend {self.backend!r}")
         return self
 
     def engine_ports(self) -> tuple[int, int] | None:

@@ -51,6 +51,10 @@ METRICS = frozenset({
     "rlplane_last_snapshot_bytes",
     "rlplane_last_snapshot_seconds",
     "rlplane_last_snapshot_samples",
+    "rlplane_snapshot_age_seconds",
+    "rlplane_snapshot_interval_seconds",
+    "rlplane_journal_lag_seconds",
+    "rlplane_journal_lag_bytes",
 })
 HISTOGRAMS = frozenset({"rlplane_op_duration_seconds", "rlplane_claim_wait_seconds"})
 

@@ -29,6 +29,12 @@ MOONCAKE_ENV = {
 }
 
 
+#: Snapshots and the journal on, on the chart's volume.
+DURABLE = {"durability": {"volume": {"enabled": True}, "journal": True,
+                          "restoreFrom": "/var/lib/rlplane/snapshots/auto-20261201T000000Z"},
+           "service": {"snapshotIntervalS": 600}}
+
+
 def rdma_values() -> dict:
     return yaml.safe_load(RDMA_VALUES.read_text())
 
@@ -399,6 +405,7 @@ def perturbed(path: tuple, value):
         ("imagePullSecrets",): [{"name": "regcred"}], ("tolerations",): [{"key": "k", "operator": "Exists"}],
         ("networkPolicy", "httpFrom"): [{"podSelector": {}}], ("networkPolicy", "clientNamespaceSelector"): {"a": "b"},
         ("networkPolicy", "operatorNamespaceSelector"): {"a": "b"},
+        ("durability", "volume", "accessModes"): ["ReadWriteOnce"],
     }
     if path in special:
         return special[path]
@@ -432,20 +439,28 @@ def test_every_value_changes_the_rendered_output():
     with helm.Chart.load(CHART) as chart:
         defaults = chart.values
 
-    def manifests(values: dict) -> dict:
-        with helm.Chart.load(CHART) as chart:
-            out = chart.render(values, name="rl", namespace="ml")
+    def manifests(values: dict) -> dict | None:
+        """What the chart renders, or None where it refuses these values (the test of
+        that refusal is elsewhere): a knob counts where a base it fits changes."""
+        try:
+            with helm.Chart.load(CHART) as chart:
+                out = chart.render(values, name="rl", namespace="ml")
+        except helm.HelmError:
+            return None
         return {k: v for k, v in out.items() if not k.endswith("secret.yaml") or values.get("apiToken")}
 
     bases = [{"apiToken": "fixed"}, {**rdma_values(), "apiToken": "fixed"},
-             {"apiToken": "fixed", "storage": {"transferEngine": {"protocol": "tcp"}}}]
+             {"apiToken": "fixed", "storage": {"transferEngine": {"protocol": "tcp"}}},
+             {"apiToken": "fixed", **DURABLE}]
     before = [manifests(b) for b in bases]
+    assert None not in before  # every base renders
     merged = [dict(leaves(render_values(b))) for b in bases]
     dead = []
     for path, value in leaves(defaults):
         if path == ("apiToken",):
             continue  # checked by test_token_reaches_every_container_only_from_the_secret
-        changed = [manifests(with_value(b, path, perturbed(path, m.get(path, value)))) != o for b, m, o in zip(bases, merged, before)]
+        after = [manifests(with_value(b, path, perturbed(path, m.get(path, value)))) for b, m in zip(bases, merged)]
+        changed = [a is not None and a != o for a, o in zip(after, before)]
         if not any(changed):
             dead.append(".".join(path))
     assert dead == [], f"values that change nothing: {dead}"
@@ -460,3 +475,43 @@ def test_a_tokens_secret_is_mounted_on_the_head_and_named_in_its_env():
     assert {"name": "tokens", "mountPath": "/etc/rlplane/tokens", "readOnly": True} in c["volumeMounts"]
     (vol,) = [v for v in head["volumes"] if v["name"] == "tokens"]
     assert vol["secret"]["secretName"] == "rl-tenants"
+
+
+def test_durability_mounts_one_volume_on_head_and_workers_and_sets_the_env():
+    out = render(DURABLE)
+    pvc = out["PersistentVolumeClaim"]
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"] and pvc["spec"]["resources"]["requests"]["storage"] == "100Gi"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    kubernetes_validate.validate(pvc, KUBE_VERSION, strict=True)
+    for name, g in groups(out["RayService"]).items():
+        spec = g["template"]["spec"]
+        assert {"name": "durable", "persistentVolumeClaim": {"claimName": pvc["metadata"]["name"]}} in spec["volumes"]
+        (c,) = spec["containers"]
+        assert {"name": "durable", "mountPath": "/var/lib/rlplane"} in c["volumeMounts"], name
+        e = {k: v.get("value") for k, v in env(c).items()}
+        assert e["RLPLANE_SNAPSHOT_DIR"] == "/var/lib/rlplane/snapshots" and e["RLPLANE_JOURNAL_DIR"] == "/var/lib/rlplane/journal"
+        assert e["RLPLANE_SNAPSHOT_INTERVAL_S"] == "600" and e["RLPLANE_SNAPSHOT_KEEP"] == "3"
+        assert e["RLPLANE_RESTORE_FROM"] == DURABLE["durability"]["restoreFrom"]
+    from rlplane_service.settings import ServiceSettings  # what the service makes of that env
+    (c,) = groups(out["RayService"])["head"]["template"]["spec"]["containers"]
+    got = ServiceSettings(**{k[len("RLPLANE_"):].lower(): v["value"] for k, v in env(c).items()
+                             if "value" in v and k in {"RLPLANE_SNAPSHOT_DIR", "RLPLANE_JOURNAL_DIR",
+                                                       "RLPLANE_SNAPSHOT_INTERVAL_S", "RLPLANE_JOURNAL_FLUSH_MS"}})
+    assert got.snapshot_interval_s == 600 and str(got.journal_dir) == "/var/lib/rlplane/journal"
+    claimed = render({**DURABLE, "durability": {**DURABLE["durability"], "volume": {"enabled": True,
+                                                                                   "existingClaim": "nfs-rl"}}})
+    assert "PersistentVolumeClaim" not in claimed
+    head = groups(claimed["RayService"])["head"]["template"]["spec"]
+    assert {"name": "durable", "persistentVolumeClaim": {"claimName": "nfs-rl"}} in head["volumes"]
+
+
+def test_durability_without_its_volume_or_off_native_is_refused():
+    with pytest.raises(helm.HelmError, match="need durability.volume.enabled"):
+        render({"durability": {"journal": True}})
+    with pytest.raises(helm.HelmError, match="need durability.volume.enabled"):
+        render({"service": {"snapshotIntervalS": 60}})
+    with pytest.raises(helm.HelmError, match="backend native"):
+        render({**DURABLE, "service": {"backend": "simple", "snapshotIntervalS": 60}})
+    out = render({})
+    assert "PersistentVolumeClaim" not in out
+    assert not {"RLPLANE_JOURNAL_DIR", "RLPLANE_SNAPSHOT_DIR"} & set(env(containers(out["RayService"])[0]))

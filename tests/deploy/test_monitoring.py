@@ -65,7 +65,7 @@ def test_rules_have_the_alerts_and_only_known_metrics():
     assert {r["alert"] for r in rules} == {
         "RlplaneCapacityHigh", "RlplaneErrorRatioHigh", "RlplaneStorageUnitDown",
         "RlplaneIdleWithData", "RlplaneMooncakeMasterDown", "RlplaneConsumerLagging", "RlplaneSamplesLost",
-        "RlplaneUnderReplicated", "RlplaneControllerRestarting",
+        "RlplaneUnderReplicated", "RlplaneControllerRestarting", "RlplaneSnapshotStale",
     }
     for r in rules:
         assert r["labels"]["severity"] in {"info", "warning", "critical"}, r["alert"]
@@ -77,7 +77,7 @@ def test_rules_have_the_alerts_and_only_known_metrics():
 def test_promtool_checks_rules_and_their_unit_tests():
     check = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "SUCCESS: 9 rules found" in check.stdout
+    assert "SUCCESS: 10 rules found" in check.stdout
     unit = subprocess.run([promtool(), "test", "rules", RULES_TEST.name], cwd=RULES_TEST.parent,
                           capture_output=True, text=True, timeout=120)
     assert unit.returncode == 0, unit.stdout + unit.stderr

@@ -4,6 +4,7 @@ serves every sample bit for bit and every task's consumption; the TransferQueue-
 backends refuse with a clear error."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -73,3 +74,36 @@ def test_a_snapshot_never_overwrites_and_the_tq_backends_refuse_snapshots(source
     with rlplane.connect(simple_service.url, token=simple_service.token, transport="http") as c:
         with pytest.raises(E.InvalidArgumentError, match="native backend"):
             c.snapshot(str(tmp_path / "tq"))
+
+
+def test_after_every_engine_process_is_killed_a_new_store_replays_the_journal_before_it_is_ready(own_app, tmp_path):
+    """RLPLANE_JOURNAL_DIR under the live service: durable puts and acks, every unit's
+    process SIGKILLed and the controller killed for good; a new store of another size on
+    the same journal directory serves all of it, bit for bit, once /readyz says ready."""
+    import ray
+
+    jdir = tmp_path / "journal"
+    src = {"store_name": "jr-src", "backend": "native", "storage_units": 2, "unit_bytes": 64 << 20,
+           "journal_dir": str(jdir), "journal_flush_ms": 20}
+    p = f"vlm-{uuid.uuid4().hex[:6]}"
+    with own_app(src, "/jr-src") as url:
+        with rlplane.connect(url) as c:
+            vlm = vlm_step(6, 128, seed=31)
+            mv = c.put_samples(p, vlm.fields, durable=True)
+            acked = c.claim(p, "train", batch_size=4, fields=["input_ids"], timeout=0)
+            c.ack(acked, "train")
+            c.put_samples(p + "-t", text_step(8, 16, seed=32).fields, durable=True)  # fsyncs the ack's group too
+        units = [ray.get_actor(f"jr-src-native-unit-{i}", namespace="rlplane") for i in range(2)]
+        pids = [int(ray.get(u.info.remote(), timeout=60)["pid"]) for u in units]
+        for pid in pids:
+            os.kill(pid, 9)
+        ray.kill(ray.get_actor("jr-src-native-controller", namespace="rlplane"), no_restart=True)
+    dst = {**src, "store_name": "jr-dst", "storage_units": 3}
+    with own_app(dst, "/jr-dst") as url:
+        assert httpx.get(f"{url}/readyz", timeout=30).status_code == 200
+        with rlplane.connect(url) as r:
+            assert sorted(r.partitions()) == sorted([p, p + "-t"])
+            got = r.read_columns(mv, list(vlm.fields))
+            assert diff_fields(r.registry, vlm.fields, got, vlm.lengths, sample_ids=mv.sample_ids) == []
+            assert r.consumption(p, "train")["acked"] == 4
+            r.put_samples(p + "-new", text_step(2, 16, seed=33).fields, durable=True)  # the new store journals on

@@ -43,6 +43,27 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - name: RLPLANE_TOKENS_FILE
   value: /etc/rlplane/tokens/tokens.yaml
 {{- end }}
+{{- $d := .Values.durability }}
+{{- if $d.volume.enabled }}
+- name: RLPLANE_SNAPSHOT_DIR
+  value: {{ printf "%s/snapshots" $d.volume.mountPath | quote }}
+{{- if .Values.service.snapshotIntervalS }}
+- name: RLPLANE_SNAPSHOT_INTERVAL_S
+  value: {{ .Values.service.snapshotIntervalS | quote }}
+- name: RLPLANE_SNAPSHOT_KEEP
+  value: {{ .Values.service.snapshotKeep | quote }}
+{{- end }}
+{{- if $d.journal }}
+- name: RLPLANE_JOURNAL_DIR
+  value: {{ printf "%s/journal" $d.volume.mountPath | quote }}
+- name: RLPLANE_JOURNAL_FLUSH_MS
+  value: {{ $d.journalFlushMs | quote }}
+{{- end }}
+{{- if $d.restoreFrom }}
+- name: RLPLANE_RESTORE_FROM
+  value: {{ $d.restoreFrom | quote }}
+{{- end }}
+{{- end }}
 {{- if eq .Values.service.backend "mooncake" }}
 - name: RLPLANE_MOONCAKE_PROTOCOL
   value: {{ .Values.mooncake.protocol | quote }}
@@ -103,6 +124,11 @@ volumes:
     emptyDir:
       medium: Memory
       sizeLimit: {{ .Values.shm.sizeLimit }}
+  {{- if .Values.durability.volume.enabled }}
+  - name: durable
+    persistentVolumeClaim:
+      claimName: {{ .Values.durability.volume.existingClaim | default (printf "%s-durable" (include "rlplane.fullname" .)) }}
+  {{- end }}
   {{- if .Values.tokensSecret }}
   - name: tokens
     secret:

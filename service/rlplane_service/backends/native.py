@@ -71,7 +71,8 @@ class NativeStore(StoreBackend):
             f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **unit_options(settings, common))
             .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control, settings.engine_ports(),
                     {name: s for name, (s, _) in scoped.items()},
-                    (settings.te_protocol, settings.te_devices) if settings.te_protocol else None)
+                    (settings.te_protocol, settings.te_devices) if settings.te_protocol else None,
+                    (str(settings.journal_dir), settings.journal_flush_ms) if settings.journal_dir else None)
             for i in range(settings.storage_units)
         }
         try:
@@ -81,7 +82,7 @@ class NativeStore(StoreBackend):
                 host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
                 settings.put_lease_s, settings.replicas, settings.claim_lease_s,
                 [i["control"] for i in unit_infos], control, settings.unit_grace_s, settings.engine_ports(), scoped,
-                prefix)
+                prefix, settings.journal_dir is not None)
             cinfo = ray.get(controller.info.remote(), timeout=_START_TIMEOUT_S)
         except (ray.exceptions.RayError, TimeoutError) as err:
             raise TransportError(f"the native store's actors did not start: {err}") from err

@@ -17,8 +17,11 @@ Each entry carries a sequence number (the controller's, continued across restart
 the rebuild replays the union of the units' logs in the order the controller applied
 them, and a MAC under the controller's own credential (a SHA-256 digest without one): an
 entry a unit mangled or that someone forged is ignored and reported, never indexed.
-Consumption (claims, acks) is not logged: a restarted controller has every sample
-pending again, and ``consumption()`` says ``controller_restarts``.
+Consumption (claims, acks) is not in the log: a restarted controller has every sample
+pending again, and ``consumption()`` says ``controller_restarts``. With a journal
+(:mod:`~rlplane_service.native.journal`) acks are sent as ``ack`` entries too, which a
+unit only journals; it counts their numbers (``high``) so a rebuilt controller never
+gives one out again.
 
 :class:`UnitLog` is the units' side; :func:`record` / :func:`parse` the entries' bodies.
 

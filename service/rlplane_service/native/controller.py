@@ -34,6 +34,7 @@ import os
 import queue
 import secrets
 import threading
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -82,6 +83,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         ``durable`` puts wait for the disk."""
         self.units = list(units)
         self.journaling = journal
+        self.started = time.time()
         self.epoch = secrets.token_hex(4)  # this process's: reservations of an earlier one are told apart
         self.scopes = {user: Access(user, tuple(prefixes), bool(write)) for user, (prefixes, write) in (scopes or {}).items()}
         self.grace_s = grace_s
@@ -255,6 +257,8 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 "under_replicated_samples": self._under_replicated(),
                 "controller_restarts": self.restarts,
                 "rebuild_seconds": float(self.rebuilt.get("seconds", 0.0)),
+                "started": self.started,
+                "journal": self.journaling,
                 **self.snapshot_stats(),
             }
 

@@ -166,7 +166,8 @@ class UnitHealth:
         name, _ = self.units[u]
         reply = self._pool.get(self._control[u], name).call({"op": "ping"}, timeout=timeout)[0]
         if isinstance(reply.get("slab"), dict):
-            self._unit_slabs[u] = reply["slab"]
+            self._unit_slabs[u] = {**reply["slab"], **({"journal": reply["journal"]}
+                                                       if isinstance(reply.get("journal"), dict) else {})}
 
     def _repair_round(self) -> None:
         """Re-replication: once a unit is lost, copy every committed block that has fewer

@@ -422,7 +422,8 @@ class UnitCore:
     def op_ping(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         with self._lock:
             slab = self.alloc.stats()
-        return {"unit": self.name, "slab": slab}, {}, []
+        journal = {"journal": self.journal.stats()} if self.journal is not None else {}
+        return {"unit": self.name, "slab": slab, **journal}, {}, []
 
     def damage(self, bid: int, name: str, row: int) -> bool:
         """Flip one bit of row ``row`` of field ``name`` in block ``bid`` (what a failing
@@ -616,15 +617,19 @@ def unit_actor_class() -> Any:
         def __init__(self, name: str, host: str | None, secret: str | None,
                      slab_bytes: int = DEFAULT_SLAB_BYTES, control_secret: str | None = None,
                      ports: Sequence[int] | None = None, tenants: dict[str, str] | None = None,
-                     te: Sequence[str] | None = None) -> None:
+                     te: Sequence[str] | None = None, journal: Sequence[Any] | None = None) -> None:
             """``tenants``: engine user -> secret of each tenant (they may not map the slab).
-            ``te``: ``(protocol, devices)`` of the transfer engine to register the slab with."""
+            ``te``: ``(protocol, devices)`` of the transfer engine to register the slab with.
+            ``journal``: ``(directory, flush ms)`` of its write-ahead journal (RLPLANE_JOURNAL_DIR)."""
+            from pathlib import Path
+
             from rlplane_service.native.server import Server
 
             bind = host or ray.util.get_node_ip_address()
             engine = TransferEngineConfig(bind, str(te[0]), str(te[1])) if te else None
+            writer = JournalWriter(Path(journal[0]), name, flush_ms=float(journal[1])) if journal else None
             self._core = UnitCore(name, slab_bytes, seal_key=control_secret.encode() if control_secret else None,
-                                  te=engine)
+                                  te=engine, journal=writer)
             self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name,
                                   port=(int(ports[0]), int(ports[1])) if ports else 0,
                                   control_secret=control_secret.encode() if control_secret else None,

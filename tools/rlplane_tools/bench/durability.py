@@ -13,7 +13,10 @@ In the same run:
   from a process of its own, the snapshot's pages dropped from the page cache first: its
   GB/s against the disk's read (target >= 0.7x);
 - small puts (text-step, B=8) from another process for a few seconds without a
-  snapshot, then while one runs: p99 with against p99 without (target <= 2x).
+  snapshot, then while one runs: p99 with against p99 without (target <= 2x);
+- the journal (RLPLANE_JOURNAL_DIR on the same disk): text-step B=8 puts with
+  ``durable=True`` into an engine with a journal against plain puts into one without
+  (median, target <= 1.5x), and vlm-step durable puts' GB/s against the disk's write.
 
 Example::
 
@@ -38,8 +41,9 @@ from rich.table import Table
 
 from rlplane_tools.bench.report import machine_facts
 
-#: Targets of the durability issue: snapshot / restore speed as a share of the disk's, put p99 growth.
-WRITE_SHARE, READ_SHARE, P99_GROWTH = 0.7, 0.7, 2.0
+#: Targets of the durability issue: snapshot / restore speed as a share of the disk's, put p99 growth,
+#: a durable small put's time against a plain one's.
+WRITE_SHARE, READ_SHARE, P99_GROWTH, DURABLE_SLOWDOWN = 0.7, 0.7, 2.0, 1.5
 CHUNK = 64 << 20
 
 
@@ -106,6 +110,9 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
         with console.status("disk: writing and reading it again"):
             disk.append(_disk(root / "probe", stored))  # the faster of two probes is the baseline
         disk_w, disk_r = max(d[0] for d in disk), max(d[1] for d in disk)
+        with console.status("journal: durable puts against plain ones"):
+            shutil.rmtree(root / "snap", ignore_errors=True)
+            journal = _journal_bench(root / "journal", min(cfg.gib, 0.5))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     snap_gbs, rest_gbs = info.files_bytes / info.seconds / 1e9, info.files_bytes / back.seconds / 1e9
@@ -120,6 +127,11 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
         {"what": "put p99 (text-step B=8)", "quiet ms": p99_quiet, "busy ms": p99_busy, "ratio": p99_busy / p99_quiet,
          "target": P99_GROWTH, "met": p99_busy / p99_quiet <= P99_GROWTH, "puts_quiet": quiet["n"],
          "puts_busy": lat.get("n", 0)},
+        {"what": "durable put (text-step B=8)", "durable ms": journal["durable_ms"], "plain ms": journal["plain_ms"],
+         "journalled ms": journal["journalled_ms"], "ratio": journal["durable_ms"] / journal["plain_ms"],
+         "target": DURABLE_SLOWDOWN, "met": journal["durable_ms"] / journal["plain_ms"] <= DURABLE_SLOWDOWN},
+        {"what": "durable put (vlm-step B=16)", "GB/s": journal["vlm_gbs"], "disk GB/s": disk_w,
+         "ratio": journal["vlm_gbs"] / disk_w, "seconds": journal["vlm_seconds"], "bytes": journal["vlm_bytes"]},
     ]
     table = Table(title=f"snapshot of {info.files_bytes / 2**30:.2f} GiB ({info.samples} vlm-step samples) on "
                         f"{cfg.dir or tempfile.gettempdir()}")
@@ -131,9 +143,60 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
                   f">= {READ_SHARE}x", "met" if rows[1]["met"] else "missed")
     table.add_row("put p99", f"{p99_busy:.2f} ms (snapshot)", f"{p99_quiet:.2f} ms (none)", f"{rows[2]['ratio']:.2f}x",
                   f"<= {P99_GROWTH}x", "met" if rows[2]["met"] else "missed")
+    table.add_row("durable put", f"{journal['durable_ms']:.2f} ms (text-step B=8)",
+                  f"{journal['plain_ms']:.2f} ms (no journal)", f"{rows[3]['ratio']:.2f}x", f"<= {DURABLE_SLOWDOWN}x",
+                  "met" if rows[3]["met"] else "missed")
+    table.add_row("durable put", f"{journal['vlm_gbs']:.2f} GB/s (vlm-step B=16)", f"disk write {disk_w:.2f} GB/s",
+                  f"{rows[4]['ratio']:.2f}x", "bound by the disk", "")
     console.print(table)
+    console.print(f"journal on, durable=False: {journal['journalled_ms']:.2f} ms a text-step put (fsynced every 20 ms "
+                  "behind it)")
     console.print(f"cut: the controller's lock held {info.cut_ms:.1f} ms (the longest a commit or claim waited for it)")
     return {"durability": rows, "config": asdict(cfg), "machine": machine_facts()}
+
+
+def _journal_bench(jdir: Path, gib: float, n_small: int = 300) -> dict:
+    """Median time of text-step B=8 puts: plain into an engine without a journal, plain and
+    ``durable=True`` into one with a journal in ``jdir``; and vlm-step durable puts' GB/s."""
+    from rlplane import Client, default_registry
+    from rlplane.testing.workloads import text_step, vlm_step
+    from rlplane.transports.native import NativeTransport
+    from rlplane_service.native.local import LocalEngine
+
+    small, big = text_step(8, 128, seed=1), vlm_step(16, 1024, seed=7)
+    slab = int(gib * 2**30 * 1.2) + (256 << 20)
+
+    def timed(c: Any, durable: bool, n: int) -> float:
+        lat = []
+        for k in range(n):
+            t0 = time.perf_counter()
+            c.put_samples(f"small-{k % 4}", small.fields, durable=durable)
+            lat.append(time.perf_counter() - t0)
+            if k % 64 == 63:
+                c.clear(f"small-{k % 4}")
+        return float(np.median(lat)) * 1e3
+
+    out: dict[str, float] = {}
+    with LocalEngine(2, slab_bytes=slab, processes=True, lease_s=600) as plain:
+        with Client(default_registry(), NativeTransport(plain.info, timeout=600, data_path="shm")) as c:
+            timed(c, False, 20)
+            out["plain_ms"] = timed(c, False, n_small)
+    with LocalEngine(2, slab_bytes=slab, processes=True, lease_s=600, journal_dir=jdir) as journalled:
+        with Client(default_registry(), NativeTransport(journalled.info, timeout=600, data_path="shm")) as c:
+            timed(c, False, 20)
+            out["journalled_ms"] = timed(c, False, n_small)
+            out["durable_ms"] = timed(c, True, n_small)
+            c.put_samples("vlm-size", big.fields)
+            per_put = int(c.transport.describe("vlm-size").nbytes)  # the bytes one vlm-step put stores
+            c.clear("vlm-size")
+            k, t0 = 0, time.monotonic()
+            while k * per_put < gib * 2**30 and k < 10_000:
+                c.put_samples(f"vlm-{k % 8}", big.fields, durable=True)
+                k += 1
+            took = time.monotonic() - t0
+            out.update(vlm_gbs=k * per_put / took / 1e9, vlm_seconds=took, vlm_bytes=float(k * per_put))
+    shutil.rmtree(jdir, ignore_errors=True)
+    return out
 
 
 def _populated(transport: Any, within_s: float = 300.0) -> None:

@@ -99,7 +99,7 @@ class Client:
                 enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep)
                 merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None else enc.tags
                 if durable:
-                    if not hasattr(self.transport, "journal"):
+                    if not self.transport.durable_puts:
                         raise InvalidArgumentError(f"put_samples(..., durable=True) needs the native backend with a "
                                                    f"journal (RLPLANE_JOURNAL_DIR); this client's transport is "
                                                    f"{getattr(self.transport, 'name', type(self.transport).__name__)!r}")

@@ -43,13 +43,9 @@ from typing import Any, Callable, Collection, Iterator, Sequence
 
 import msgpack
 import numpy as np
-import torch
 import xxhash
 
 from rlplane import errors as E
-from rlplane.column import Column
-from rlplane.dtypes import dtype_from_name
-from rlplane.geometry import Geometry
 
 log = logging.getLogger(__name__)
 
@@ -304,8 +300,14 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
                       skipped)
 
 
-def _put_of(r: Record) -> tuple[list[str], dict[str, Column], list[dict[str, Any]], bool] | str:
+def _put_of(r: Record) -> tuple[list[str], dict[str, Any], list[dict[str, Any]], bool] | str:
     """A journalled put as ``(ids, columns, tags, create)``, or why it cannot be replayed."""
+    import torch  # here: a storage unit writes journals with this module and never loads torch
+
+    from rlplane.column import Column
+    from rlplane.dtypes import dtype_from_name
+    from rlplane.geometry import Geometry
+
     rec = r.rec
     ids = [str(s) for s in rec["ids"]]
     fields = [str(f) for f in rec["fields"]]

@@ -426,17 +426,19 @@ def build_api(state: ServiceState) -> FastAPI:
         }
 
     @v1.post("/data/{partition}/put", tags=["data"])
-    async def put(partition: str, request: Request, create: bool = Query(True),
+    async def put(partition: str, request: Request, create: bool = Query(True), durable: bool = Query(False),
                   who: Access = Depends(caller)) -> dict[str, Any]:
         """Store encoded columns (body: rlplane envelope with ``sample_ids`` and ``tags``).
 
-        Checked against the registry first; a body that fails stores nothing.
+        Checked against the registry first; a body that fails stores nothing. ``durable``:
+        answered once the put is in the journal on disk (native with RLPLANE_JOURNAL_DIR).
         """
         async with observed("put_samples" if create else "write_columns") as event:
             check_partition(partition)
             who.check(partition, write=True)
             body = await _read_body(request, state.settings.max_request_bytes)
-            stored, event["nbytes"] = await offload(_check_and_store, registry, transport, partition, body, create)
+            stored, event["nbytes"] = await offload(_check_and_store, registry, transport, partition, body, create,
+                                                    durable)
         return {"partition": partition, "stored": stored, "nbytes": len(body)}
 
     @v1.post("/data/{partition}/get", tags=["data"])
@@ -587,7 +589,7 @@ def snapshot_path(root: Optional[Path], given: str) -> Path:
 
 
 def _check_and_store(
-    registry: Registry, transport: Transport, partition: str, body: bytearray, create: bool
+    registry: Registry, transport: Transport, partition: str, body: bytearray, create: bool, durable: bool = False
 ) -> tuple[int, int]:
     """Parse, check and store one put body; returns (samples, column bytes). Parsing and
     checking touch every byte, so this runs off the event loop, with the store call."""
@@ -601,7 +603,13 @@ def _check_and_store(
     ):
         raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
     check_columns(registry, columns, tags, sample_ids=ids)
-    transport.put(partition, ids, columns, tags, create=create)
+    if durable:
+        if not transport.durable_puts:
+            raise E.InvalidArgumentError(f"durable=True needs the native backend with a journal "
+                                         f"(RLPLANE_JOURNAL_DIR); this service stores on {transport.name!r}")
+        transport.put(partition, ids, columns, tags, create=create, durable=True)
+    else:
+        transport.put(partition, ids, columns, tags, create=create)
     return len(ids), sum(col.nbytes for col in columns.values())
 
 

@@ -107,3 +107,18 @@ def test_after_every_engine_process_is_killed_a_new_store_replays_the_journal_be
             assert diff_fields(r.registry, vlm.fields, got, vlm.lengths, sample_ids=mv.sample_ids) == []
             assert r.consumption(p, "train")["acked"] == 4
             r.put_samples(p + "-new", text_step(2, 16, seed=33).fields, durable=True)  # the new store journals on
+
+
+def test_durable_puts_over_http_reach_the_journal_and_the_tq_backends_refuse_them(service, simple_service):
+    from rlplane import journal as J
+
+    p = f"durable-{uuid.uuid4().hex[:6]}"
+    with rlplane.connect(service.url, token=service.settings.token(), transport="http") as c:
+        meta = c.put_samples(p, text_step(4, 16, seed=41).fields, durable=True)
+    j = J.Journal.open(service.settings.journal_dir)  # the session's service keeps one
+    (rec,) = [r for r in j.after(1) if r.partition == p]
+    assert rec.kind == "put" and rec.rec["ids"] == meta.sample_ids and rec.blocks
+    with rlplane.connect(simple_service.url, token=simple_service.token, transport="http") as c:
+        with pytest.raises(E.InvalidArgumentError, match="durable=True needs the native backend"):
+            c.put_samples(p, text_step(4, 16, seed=41).fields, durable=True)
+        assert p not in c.partitions()

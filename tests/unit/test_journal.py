@@ -214,3 +214,18 @@ def test_a_durable_put_returns_only_after_its_group_was_fsynced(tmp_path):
         after = [c.journal.stats() for c in eng.cores]
         holders = [s for s in after if s["appended_bytes"] > 1 << 20]  # the unit(s) holding b's pixel values
         assert holders and all(s["lag_bytes"] == 0 and s["synced_bytes"] == s["appended_bytes"] for s in holders)
+
+
+def test_with_two_copies_each_block_is_journalled_by_both_units_and_one_suffices(tmp_path):
+    jdir = tmp_path / "journal"
+    with engine(jdir, replicas=2) as eng, connect(eng) as a:
+        w = vlm_step(4, 64, seed=9)
+        m = a.put_samples("v", w.fields, durable=True)
+        want = wire(a, "v", m.sample_ids, sorted(w.fields))
+    mine = {d.name: [s for s in d.glob("seg-*.rlj") if s.stat().st_size] for d in jdir.iterdir()}
+    assert all(mine.values()) and len(mine) == 2  # both units hold the put's bytes
+    for seg in mine["u0"]:
+        seg.unlink()  # one unit's journal gone: the other copy restores it all
+    with engine(None) as new, connect(new) as b:
+        snapshot.restore(b.transport, None, journal=jdir)
+        assert same(wire(b, "v", m.sample_ids, sorted(w.fields)), want)

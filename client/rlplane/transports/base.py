@@ -53,6 +53,8 @@ class Transport(ABC):
     #: How this transport reaches the store's consumption ledger (claim/ack/nack); None
     #: when it cannot (see :mod:`rlplane.streams`).
     streams: Any = None
+    #: Whether ``put`` takes ``durable=True`` (native: the store's journal decides).
+    durable_puts: bool = False
 
     @abstractmethod
     def put(

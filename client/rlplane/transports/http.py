@@ -38,6 +38,7 @@ class HttpTransport(Transport):
     """Moves columns over the service's ``/v1/data`` endpoints (see the module docstring)."""
 
     name = "http"
+    durable_puts = True  # the service decides (InvalidArgumentError without a journal)
 
     def __init__(self, api: ServiceAPI) -> None:
         self.api = api
@@ -51,13 +52,16 @@ class HttpTransport(Transport):
         tags: Sequence[Mapping[str, Any]],
         *,
         create: bool,
+        durable: bool = False,
     ) -> None:
+        """``durable``: the service answers once the put is in its journal on disk."""
         check_put(sample_ids, columns, tags)
         parts = pack_parts({"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}, columns)
+        params = {"create": "true" if create else "false", **({"durable": "true"} if durable else {})}
         self.api.request(
             "POST",
             f"/v1/data/{_p(partition)}/put",
-            params={"create": "true" if create else "false"},
+            params=params,
             content=chunked(parts, _CHUNK),
             headers={"Content-Type": CONTENT_TYPE, "Content-Length": str(sum(len(p) for p in parts))},
         )

@@ -118,6 +118,7 @@ class NativeTransport(Transport):
 
     name = "native"
     direct = True
+    durable_puts = True  # the controller answers InvalidArgumentError without a journal
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
                  pool: ReadPool | None = None, te: TeOptions | None = None) -> None:

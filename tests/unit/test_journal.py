@@ -229,3 +229,23 @@ def test_with_two_copies_each_block_is_journalled_by_both_units_and_one_suffices
     with engine(None) as new, connect(new) as b:
         snapshot.restore(b.transport, None, journal=jdir)
         assert same(wire(b, "v", m.sample_ids, sorted(w.fields)), want)
+
+
+def test_a_durable_put_whose_journal_disk_fails_says_so_and_nothing_stored_is_lost(tmp_path, monkeypatch):
+    import errno
+
+    with engine(tmp_path / "journal", units=1) as eng, connect(eng) as a:
+        kept = a.put_samples("kept", text_step(4, 16, seed=1).fields, durable=True)
+        want = wire(a, "kept", kept.sample_ids, ["input_ids"])
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(eng.cores[0].journal, "append", full)
+        with pytest.raises(E.UnavailableError, match="journal") as err:
+            a.put_samples("late", text_step(4, 16, seed=2).fields, durable=True)
+        assert "No space left" in str(err.value)
+        monkeypatch.undo()
+        assert same(wire(a, "kept", kept.sample_ids, ["input_ids"]), want)
+        a.put_samples("late", text_step(4, 16, seed=2).fields, durable=True)  # the disk is back: it goes through
+        assert sorted(a.partitions()) == ["kept", "late"]

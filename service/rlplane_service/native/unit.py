@@ -350,6 +350,7 @@ class UnitCore:
                 if header.get("sync"):  # a durable put among them: on disk before the controller hears back
                     self.journal.sync()
             except OSError as err:
+                log.error("storage unit %s: journal write failed (%s): its changes are not journalled", self.name, err)
                 raise E.UnavailableError(f"storage unit {self.name} could not write its journal "
                                          f"({self.journal.dir}: {err.strerror or err})", component=self.name) from None
         return {"kept": len(heads)}, {}, []

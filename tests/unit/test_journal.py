@@ -153,12 +153,16 @@ def test_a_snapshot_truncates_the_journal_and_an_older_snapshot_cannot_be_contin
         old = a.snapshot(str(tmp_path / "s1"))
         a.put_samples("b", text_step(8, 16, seed=2).fields)
         a.snapshot(str(tmp_path / "s2"))
+        def truncated() -> bool:  # both truncations run on a thread of the controller's: wait for s2's
+            bases = [J.read_base(d) for d in jdir.iterdir()]
+            return bool(bases) and all(b.get("snapshot") == str(tmp_path / "s2") for b in bases)
+
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and (before & set(segments(jdir))):
+        while time.monotonic() < deadline and not truncated():
             time.sleep(0.05)
+        assert truncated()
         assert not before & set(segments(jdir))  # the segments holding only changes before the cut are gone
-        bases = [J.read_base(d) for d in jdir.iterdir()]
-        assert all(b["seq"] > old.seq and b["snapshot"] == str(tmp_path / "s2") for b in bases)
+        assert all(J.read_base(d)["seq"] > old.seq for d in jdir.iterdir())
         a.put_samples("c", text_step(4, 16, seed=3).fields, durable=True)
     with engine(None) as new, connect(new) as b:
         with pytest.raises(E.SnapshotError, match="truncated at a later snapshot"):
@@ -249,3 +253,23 @@ def test_a_durable_put_whose_journal_disk_fails_says_so_and_nothing_stored_is_lo
         assert same(wire(a, "kept", kept.sample_ids, ["input_ids"]), want)
         a.put_samples("late", text_step(4, 16, seed=2).fields, durable=True)  # the disk is back: it goes through
         assert sorted(a.partitions()) == ["kept", "late"]
+
+
+def test_an_older_snapshots_truncation_arriving_late_does_not_lower_the_base(tmp_path):
+    from rlplane_service.native.journal import JournalWriter
+
+    j = JournalWriter(tmp_path, "u0", flush_ms=10)
+    try:
+        for seq in (1, 2, 3):
+            j.append(seq, "clear", "p", b"\x80")
+        j.truncate(4, "s3")
+        assert J.read_base(tmp_path / "u0")["seq"] == 4
+        assert j.truncate(2, "s1") == 0  # late: the newer snapshot's base stays
+        assert J.read_base(tmp_path / "u0")["seq"] == 4 and J.read_base(tmp_path / "u0")["snapshot"] == "s3"
+    finally:
+        j.close()
+    again = JournalWriter(tmp_path, "u0", flush_ms=10)  # a new process knows the base too
+    try:
+        assert again.base == 4 and again.truncate(3, "s2") == 0
+    finally:
+        again.close()

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlplane import errors as E
-from rlplane.journal import BASE, SEGMENT_GLOB, frame, read_segment, trailer
+from rlplane.journal import BASE, SEGMENT_GLOB, frame, read_base, read_segment, trailer
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class JournalWriter:
             except E.RlplaneError as err:
                 log.error("journal: %s", err)
                 self._max[old] = 1 << 62  # kept: the restore will say what is wrong with it
+        self.base = int(read_base(self.dir).get("seq") or 0)  # the last truncation's change number
         self._fd, self._path, self._size = -1, Path(), 0
         self._closing: list[int] = []  # fds rolled over, fsynced and closed by the next pass
         self._dirty_since: float | None = None
@@ -127,8 +128,12 @@ class JournalWriter:
 
     def truncate(self, below: int, snapshot: str = "") -> int:
         """A snapshot holds every change before ``below``: roll over, delete the segments
-        holding only older changes, record ``below`` in BASE. Returns segments deleted."""
+        holding only older changes, record ``below`` in BASE. Returns segments deleted. An
+        older snapshot's truncation arriving after a newer one's does nothing (BASE only rises)."""
         with self._lock:
+            if below <= self.base:
+                return 0
+            self.base = below
             if self._size:
                 self._closing.append(self._fd)
                 self._open()

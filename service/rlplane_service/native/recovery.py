@@ -39,7 +39,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import numpy as np
 
@@ -53,8 +53,9 @@ from rlplane_service.native.requests import blocks_of
 
 log = logging.getLogger(__name__)
 
-#: How long a unit may take to keep a commit-log entry, and to list its blocks and log.
-LOG_TIMEOUT_S, INVENTORY_TIMEOUT_S = 5.0, 60.0
+#: How long a unit may take to keep a commit-log entry, to keep entries and fsync its
+#: journal (a durable put), and to list its blocks and log.
+LOG_TIMEOUT_S, SYNC_TIMEOUT_S, INVENTORY_TIMEOUT_S = 5.0, 60.0, 60.0
 #: Reservation ids of recent commits remembered (a commit sent again is answered as done).
 DONE_REMEMBERED = 1 << 16
 
@@ -88,6 +89,7 @@ class RecoveryOps:
     _lost_units: dict[int, str]
     _suspect: dict[int, tuple[float, str]]
     _lost_samples: int
+    journaling: bool
     _forget: Callable[[str, Partition, np.ndarray], None]
     _parse_commit: Callable[..., Any]
     _apply_commit: Callable[..., None]
@@ -216,10 +218,11 @@ class RecoveryOps:
                 failed[g.slot] = why
         return {**early, **failed}
 
-    def _write_entries(self, per_unit: dict[int, list[Entry]], sync: set[int] = frozenset()) -> dict[int, str]:  # type: ignore[assignment]
-        """Send each unit its entries at once and wait (LOG_TIMEOUT_S); the units that did
-        not keep them, and why. The units in ``sync`` fsync their journals before answering;
-        while a restore replays an old journal the units keep the entries out of theirs."""
+    def _write_entries(self, per_unit: dict[int, list[Entry]], sync: Collection[int] = ()) -> dict[int, str]:
+        """Send each unit its entries at once and wait (LOG_TIMEOUT_S, SYNC_TIMEOUT_S when a
+        unit fsyncs); the units that did not keep them, and why. The units in ``sync`` fsync
+        their journals before answering; while a restore replays an old journal the units
+        keep the entries out of theirs."""
         sent, errors = [], {}
         for u, entries in per_unit.items():
             name = self.units[u][0]
@@ -235,7 +238,7 @@ class RecoveryOps:
                     sent.append((u, ch, ch.send(head, buffers=[e.body for e in part])))
             except E.RlplaneError as err:
                 errors[u] = f"{name}: {err}"
-        deadline = time.monotonic() + LOG_TIMEOUT_S
+        deadline = time.monotonic() + (SYNC_TIMEOUT_S if sync else LOG_TIMEOUT_S)
         for u, ch, rid in sent:
             try:
                 ch.receive(rid, deadline)

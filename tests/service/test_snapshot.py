@@ -1,7 +1,9 @@
 """Snapshots under the live service: ``rlplane snapshot --to`` and ``Client.snapshot`` while
 the store serves, then a new store of another size started with RLPLANE_RESTORE_FROM
-serves every sample bit for bit and every task's consumption; the TransferQueue-based
-backends refuse with a clear error."""
+serves every sample bit for bit and every task's consumption; that store journals
+(RLPLANE_JOURNAL_DIR), has every engine process killed, and a third one restored from
+the snapshot plus the journal serves all of it; the TransferQueue-based backends refuse
+with a clear error."""
 
 import json
 import os
@@ -48,8 +50,9 @@ def test_a_snapshot_restores_into_a_new_store_before_it_is_ready(source, own_app
         assert time.monotonic() < deadline, "the last snapshot never showed in /metrics"
         time.sleep(0.5)
 
+    jdir = tmp_path / "journal"
     args = {"store_name": "snap-dst", "backend": "native", "storage_units": 3, "unit_bytes": 64 << 20,
-            "restore_from": str(tmp_path / "by-client")}
+            "restore_from": str(tmp_path / "by-client"), "journal_dir": str(jdir), "journal_flush_ms": 20}
     with own_app(args, "/snap-dst") as restored:
         assert httpx.get(f"{restored}/readyz", timeout=30).status_code == 200
         with rlplane.connect(restored) as r:
@@ -63,6 +66,33 @@ def test_a_snapshot_restores_into_a_new_store_before_it_is_ready(source, own_app
             assert (train["acked"], train["pending"]) == (12, 20)
             status = httpx.get(f"{restored}/v1/status", timeout=30).json()
             assert status["store"]["storage_units"] == 3
+            # The restored store journals on: durable puts and acks, then every engine process killed.
+            late = vlm_step(4, 128, seed=24)
+            ml = r.put_samples(f"{p}-late", late.fields, durable=True)
+            r.ack(r.claim(q, "train", batch_size=5, fields=["input_ids"], timeout=0), "train")
+            r.put_samples(f"{p}-tail", text_step(2, 16, seed=25).fields, durable=True)  # fsyncs the ack's group
+        kill_engine("snap-dst", 3)
+    # A third store from the same snapshot plus the journal: the snapshot's samples, then all the above.
+    with own_app({**args, "store_name": "snap-again", "storage_units": 2}, "/snap-again") as again:
+        assert httpx.get(f"{again}/readyz", timeout=30).status_code == 200
+        with rlplane.connect(again) as r:
+            assert sorted(r.partitions()) == sorted([p, q, f"{p}-late", f"{p}-tail"])
+            got = r.read_columns(ml, list(late.fields))
+            assert diff_fields(r.registry, late.fields, got, late.lengths, sample_ids=ml.sample_ids) == []
+            got = r.read_columns(mv, list(vlm.fields))
+            assert diff_fields(r.registry, vlm.fields, got, vlm.lengths, sample_ids=mv.sample_ids) == []
+            assert r.consumption(q, "train")["acked"] == 12 + 5
+            r.put_samples(f"{p}-new", text_step(2, 16, seed=26).fields, durable=True)  # and it journals on
+
+
+def kill_engine(store: str, units: int) -> None:
+    """SIGKILL every storage unit's process of ``store`` and kill its controller for good."""
+    import ray
+
+    handles = [ray.get_actor(f"{store}-native-unit-{i}", namespace="rlplane") for i in range(units)]
+    for pid in [int(ray.get(u.info.remote(), timeout=60)["pid"]) for u in handles]:
+        os.kill(pid, 9)
+    ray.kill(ray.get_actor(f"{store}-native-controller", namespace="rlplane"), no_restart=True)
 
 
 def test_a_snapshot_never_overwrites_and_the_tq_backends_refuse_snapshots(source, simple_service, tmp_path):
@@ -74,39 +104,6 @@ def test_a_snapshot_never_overwrites_and_the_tq_backends_refuse_snapshots(source
     with rlplane.connect(simple_service.url, token=simple_service.token, transport="http") as c:
         with pytest.raises(E.InvalidArgumentError, match="native backend"):
             c.snapshot(str(tmp_path / "tq"))
-
-
-def test_after_every_engine_process_is_killed_a_new_store_replays_the_journal_before_it_is_ready(own_app, tmp_path):
-    """RLPLANE_JOURNAL_DIR under the live service: durable puts and acks, every unit's
-    process SIGKILLed and the controller killed for good; a new store of another size on
-    the same journal directory serves all of it, bit for bit, once /readyz says ready."""
-    import ray
-
-    jdir = tmp_path / "journal"
-    src = {"store_name": "jr-src", "backend": "native", "storage_units": 2, "unit_bytes": 64 << 20,
-           "journal_dir": str(jdir), "journal_flush_ms": 20}
-    p = f"vlm-{uuid.uuid4().hex[:6]}"
-    with own_app(src, "/jr-src") as url:
-        with rlplane.connect(url) as c:
-            vlm = vlm_step(6, 128, seed=31)
-            mv = c.put_samples(p, vlm.fields, durable=True)
-            acked = c.claim(p, "train", batch_size=4, fields=["input_ids"], timeout=0)
-            c.ack(acked, "train")
-            c.put_samples(p + "-t", text_step(8, 16, seed=32).fields, durable=True)  # fsyncs the ack's group too
-        units = [ray.get_actor(f"jr-src-native-unit-{i}", namespace="rlplane") for i in range(2)]
-        pids = [int(ray.get(u.info.remote(), timeout=60)["pid"]) for u in units]
-        for pid in pids:
-            os.kill(pid, 9)
-        ray.kill(ray.get_actor("jr-src-native-controller", namespace="rlplane"), no_restart=True)
-    dst = {**src, "store_name": "jr-dst", "storage_units": 3}
-    with own_app(dst, "/jr-dst") as url:
-        assert httpx.get(f"{url}/readyz", timeout=30).status_code == 200
-        with rlplane.connect(url) as r:
-            assert sorted(r.partitions()) == sorted([p, p + "-t"])
-            got = r.read_columns(mv, list(vlm.fields))
-            assert diff_fields(r.registry, vlm.fields, got, vlm.lengths, sample_ids=mv.sample_ids) == []
-            assert r.consumption(p, "train")["acked"] == 4
-            r.put_samples(p + "-new", text_step(2, 16, seed=33).fields, durable=True)  # the new store journals on
 
 
 def test_durable_puts_over_http_reach_the_journal_and_the_tq_backends_refuse_them(service, simple_service):

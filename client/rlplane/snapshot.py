@@ -55,6 +55,7 @@ import xxhash
 
 from rlplane import errors as E
 from rlplane.column import Column
+from rlplane.durable import fsync_dir, write_durably
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.geometry import Geometry
 from rlplane.wire import raw
@@ -167,10 +168,10 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
         manifest = {"format": FORMAT, "version": VERSION, "created": created, "cut_ms": round(cut_ms, 3),
                     "seq": int(cut.get("seq") or 0), "partitions": parts, "files": files, "samples": samples,
                     "nbytes": nbytes}
-        _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        _fsync_dir(tmp)
+        write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fsync_dir(tmp)
         os.rename(tmp, dest)
-        _fsync_dir(dest.parent)
+        fsync_dir(dest.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -275,21 +276,6 @@ def _read_through(fd: int, size: int, chunk: int = 16 << 20) -> None:
             at += got
     except OSError as err:  # the faults read what is left
         log.debug("restore read-ahead stopped: %s", err)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from rlplane import errors as E
+from rlplane.durable import fsync_dir, replace_durably
 from rlplane.journal import BASE, SEGMENT_GLOB, frame, read_base, read_segment, trailer
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class JournalWriter:
         self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
         self._size = 0
         self._max[self._path] = 0
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def append(self, seq: int, kind: str, partition: str, record: bytes | memoryview,
                places: list[list[Any]] | None = None, body: Sequence[memoryview] = ()) -> int:
@@ -139,22 +140,14 @@ class JournalWriter:
                 self._open()
             old = [p for p, top in self._max.items() if p != self._path and top < below]
         self.sync()
-        base = self.dir / BASE
-        tmp = self.dir / f".{BASE}.tmp"
-        tmp.write_text(json.dumps({"seq": below, "snapshot": snapshot, "time": time.time()}))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, base)
+        replace_durably(self.dir / BASE, json.dumps({"seq": below, "snapshot": snapshot, "time": time.time()}).encode())
         for p in old:
             try:
                 p.unlink()
             except FileNotFoundError:
                 pass
             self._max.pop(p, None)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return len(old)
 
     def stats(self) -> dict[str, Any]:
@@ -186,14 +179,6 @@ def _write_all(fd: int, bufs: list[memoryview]) -> None:
             bufs.pop(0)
         if n:
             bufs[0] = bufs[0][n:]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = ["JournalWriter", "SEGMENT_BYTES"]

@@ -55,6 +55,7 @@ class Client:
     def __init__(self, registry: Registry, transport: Transport, *, service: Any = None, reuse_buffers: bool = True) -> None:
         self.registry = registry
         self.transport = transport
+        self._shares = bool(getattr(transport, "shares_rows", False))  # identical rows stored once (rlplane.dedup)
         # Encode buffers kept from one put to the next (see rlplane.scratch): the second and
         # later puts skip the page faults of fresh memory. reuse_buffers=False frees them.
         self._scratch = Scratch() if reuse_buffers else None
@@ -96,7 +97,7 @@ class Client:
                 raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
             user = _user_tags(tags, batch, ids)
             with self._buffers() as mine, self.transport.put_buffers(batch, mine) as alloc:
-                enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep)
+                enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep, share_rows=self._shares)
                 merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None else enc.tags
                 if durable:
                     if not self.transport.durable_puts:
@@ -124,7 +125,8 @@ class Client:
             if given is not None and not torch.equal(prep.lengths, lengths):
                 raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
-                enc = encode(self.registry, fields, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep)
+                enc = encode(self.registry, fields, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
+                             share_rows=self._shares)
                 if not enc.columns:
                     return meta
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
@@ -172,7 +174,10 @@ class Client:
             names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
             for name in names:
                 self.registry.get(name)
-            columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy)
+            if self._shares:  # rows stored once for several samples come back as views of one copy
+                columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, shared=True)
+            else:
+                columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy)
             op.nbytes = sum(col.nbytes for col in columns.values())
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
             return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,

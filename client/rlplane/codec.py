@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from rlplane.column import Column, offsets_from_numels
+from rlplane.dedup import twins
 from rlplane.errors import (
     ContainerError,
     DtypeError,
@@ -101,6 +102,7 @@ def encode(
     sample_ids: Sequence[Any] | None = None,
     alloc: Alloc | None = None,
     prepared: Prepared | None = None,
+    share_rows: bool = False,
 ) -> Encoded:
     """Validate ``fields`` against ``registry`` and encode them for the wire.
 
@@ -109,6 +111,9 @@ def encode(
     only name samples in errors. Columns may share memory with the inputs. ``alloc``
     supplies the buffers packed fields are copied into (:class:`rlplane.scratch.Scratch`).
     ``prepared``: what :func:`prepare` already found for these fields (not checked again).
+    ``share_rows``: identical rows of a field that shares rows (:attr:`FieldSpec.shares_rows`,
+    media by default) are stored once: its column says which rows repeat which
+    (:mod:`rlplane.dedup`); only for a transport that stores such columns.
 
     Example::
 
@@ -124,7 +129,10 @@ def encode(
         if value is None:
             continue
         spec = registry.get(name)
-        out = _ENCODERS[(spec.alignment, spec.container)](spec, value, tokens, batch, ids, alloc)
+        if share_rows and spec.shares_rows and spec.container == "packed":
+            out = _encode_media_packed(spec, value, tokens, batch, ids, alloc, share=True)
+        else:
+            out = _ENCODERS[(spec.alignment, spec.container)](spec, value, tokens, batch, ids, alloc)
         if out is None:
             continue
         columns[name], geoms[name] = out
@@ -250,13 +258,21 @@ def _encode_token_dense(
     return col, Geometry.token(lens.numpy().copy(), rest)
 
 
-def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids, alloc) -> tuple[Column, Geometry] | None:
+def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids, alloc, *,
+                         share: bool = False) -> tuple[Column, Geometry] | None:
     into = (lambda numel, dtype: alloc(spec.name, numel, dtype)) if alloc is not None else None
-    values, row_numels, shapes = value.flatten(spec.wire_dtype, alloc=into)
+    d, p = value.dim_to_pack, value.pad_to_max_shape
+    same = twins(value._rows) if share else None
+    if same is not None and bool((same >= 0).any()):  # each repeated row is stored once, by its first sample
+        shapes = value.shapes()
+        stored = PackedTensor._from_rows([() if k >= 0 else row for row, k in zip(value._rows, same.tolist())], d, p)
+        values, row_numels, _ = stored.flatten(spec.wire_dtype, alloc=into)
+    else:
+        same = None
+        values, row_numels, shapes = value.flatten(spec.wire_dtype, alloc=into)
     if values is None:
         return None  # every row empty: nothing to write
-    col = Column(values, offsets_from_numels(row_numels))
-    d, p = value.dim_to_pack, value.pad_to_max_shape
+    col = Column(values, offsets_from_numels(row_numels), same=same)
     return col, Geometry.of_rows([{"d": d, "p": p, "s": s} for s in shapes])
 
 
@@ -335,6 +351,8 @@ def decode(
         if col.num_rows != batch:
             raise WireFormatError(f"column has {col.num_rows} rows for {batch} samples", field=name)
         geoms = _geometries(spec, tags, ids, col.geom)
+        if col.same is not None and spec.container != "packed":  # only packed rows come back as shared views
+            col = col.expanded()
         out[name] = _DECODERS[(spec.alignment, spec.container)](spec, col, geoms, layout, pad_to_seqlen, ids)
     return out
 
@@ -614,7 +632,21 @@ def _decode_media_packed(spec: FieldSpec, col: Column, geometry: Geometry, layou
             field=spec.name,
         )
     d, p = packing.pop()
-    return PackedTensor._from_flat(col.values, col.row_numels().tolist(), shapes, d, p, field=spec.name)
+    if col.same is None:
+        return PackedTensor._from_flat(col.values, col.row_numels().tolist(), shapes, d, p, field=spec.name)
+    # Rows stored once for several samples: each sample's segments are views of the one copy.
+    own = np.flatnonzero(col.same < 0)
+    numels = col.row_numels().numpy()
+    stored = PackedTensor._from_flat(col.values, numels[own].tolist(), [shapes[i] for i in own.tolist()], d, p,
+                                     field=spec.name)._rows
+    rank = np.cumsum(col.same < 0) - 1  # a row's place among the stored ones
+    src = np.where(col.same >= 0, col.same, np.arange(col.same.size))
+    rows = [stored[k] for k in rank[src].tolist()]
+    for i, j in zip(np.flatnonzero(col.same >= 0).tolist(), col.same[col.same >= 0].tolist()):
+        if shapes[i] != shapes[j]:
+            raise WireFormatError(f"a row shared with sample {_name(ids, j)} has other segment "
+                                  f"shapes than it was written with", field=spec.name, sample=_name(ids, i))
+    return PackedTensor._from_rows(rows, d, p)
 
 
 def _decode_sample_object(spec: FieldSpec, col: Column, geoms: Geometry, layout, pad, ids) -> list[Any]:

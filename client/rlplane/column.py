@@ -11,6 +11,12 @@ Example::
     col = Column.from_rows([torch.arange(3), torch.arange(2)])
     col.num_rows, col.row(1)          # (2, tensor([0, 1]))
     col.select([1, 0]).offsets        # tensor([0, 2, 5])
+
+**Shared rows.** A column may store a row once for several samples (identical images of
+a GRPO group): ``same[i] = j`` (``j < i``) says row ``i``'s bytes are row ``j``'s, and
+row ``i`` itself is stored empty; ``same[i] = -1`` for a row that holds its own bytes.
+Only the codec, the native engine and the decoders make or take such columns; anything
+else gets :meth:`Column.expanded` (every row its own bytes).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from rlplane.errors import WireFormatError
 from rlplane.geometry import Geometry
+from rlplane.wire import check_same
 
 
 def offsets_from_numels(numels: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -47,6 +54,7 @@ class Column:
     offsets: torch.Tensor
     sums: np.ndarray | None = None
     geom: Geometry | None = None
+    same: np.ndarray | None = None  # int64, one per row: -1, or the earlier row whose bytes this one shares
 
     def __post_init__(self) -> None:
         if self.geom is not None and not isinstance(self.geom, Geometry):
@@ -57,6 +65,8 @@ class Column:
             raise WireFormatError(f"{self.sums.size} row digests for {n} rows")
         if self.geom is not None and len(self.geom) != n:
             raise WireFormatError(f"{len(self.geom)} row geometries for {n} rows")
+        if self.same is not None:
+            check_same(self.same, n)
         if v.dim() != 1 or not v.is_contiguous():
             raise WireFormatError(f"column values must be 1-D and contiguous, got shape {list(v.shape)}")
         if o.dim() != 1 or o.dtype != torch.int64 or o.numel() < 1:
@@ -67,6 +77,8 @@ class Column:
             raise WireFormatError(
                 f"column offsets must rise from 0 to {v.numel()} (the values' length); got {int(a[0])}..{int(a[-1])}"
             )
+        if self.same is not None and bool((np.diff(a)[self.same >= 0] != 0).any()):
+            raise WireFormatError("a row that shares another row's bytes must be stored empty")
 
     def with_meta(self, sums: np.ndarray | None, geom: Geometry | Sequence[Any] | None) -> Column:
         """The same rows with their digests and geometries (values and offsets are not
@@ -79,9 +91,60 @@ class Column:
         if geom is not None and len(geom) != n:
             raise WireFormatError(f"{len(geom)} row geometries for {n} rows")
         out = object.__new__(Column)
-        for name, value in (("values", self.values), ("offsets", self.offsets), ("sums", sums), ("geom", geom)):
+        for name, value in (("values", self.values), ("offsets", self.offsets), ("sums", sums), ("geom", geom),
+                            ("same", self.same)):
             object.__setattr__(out, name, value)
         return out
+
+    def sharing(self, same: np.ndarray | None) -> Column:
+        """The same stored rows, with row ``i``'s bytes those of row ``same[i]`` where it is >= 0
+        (those rows must be stored empty). ``None``: every row holds its own bytes."""
+        return Column(self.values, self.offsets, self.sums, self.geom, None if same is None else
+                      np.ascontiguousarray(same, dtype=np.int64))
+
+    def take(self, rows: np.ndarray) -> Column:
+        """Rows ``rows`` (distinct, in that order) in a new buffer, keeping which of them share
+        bytes: the first taken row of each shared group holds the bytes, the rest repeat it.
+
+        Example::
+
+            col = Column(torch.arange(3), torch.tensor([0, 3, 3, 3]), same=np.array([-1, 0, 0]))
+            col.take(np.array([1, 2])).same      # array([-1,  0])
+        """
+        rows = np.asarray(rows, np.int64)
+        src = rows if self.same is None else np.where(self.same[rows] >= 0, self.same[rows], rows)
+        same = None
+        if self.same is not None:
+            _, first, which = np.unique(src, return_index=True, return_inverse=True)
+            back = first[which.reshape(-1)]
+            same = np.where(back == np.arange(rows.size), -1, back).astype(np.int64)
+        from rlplane.copies import copy_ranges
+
+        off = self.offsets.numpy()
+        lens = np.diff(off)[src] if same is None else np.where(same >= 0, 0, np.diff(off)[src])
+        out = np.zeros(lens.size + 1, np.int64)
+        np.cumsum(lens, out=out[1:])
+        values = torch.empty(int(out[-1]), dtype=self.dtype)
+        size = self.values.element_size()
+        if values.numel():
+            copy_ranges(values.view(torch.uint8).numpy(), out[:-1] * size, self.values.view(torch.uint8).numpy(),
+                        off[:-1][src] * size, lens * size)
+        return Column(values, torch.from_numpy(out), same=same)
+
+    def expanded(self) -> Column:
+        """This column with every row holding its own bytes (shared rows copied out; the column
+        itself when no row is shared).
+
+        Example::
+
+            Column(torch.arange(3), torch.tensor([0, 3, 3]), same=np.array([-1, 0])).expanded().values
+            # tensor([0, 1, 2, 0, 1, 2])
+        """
+        if self.same is None:
+            return self
+        plain = Column(self.values, self.offsets)
+        src = np.where(self.same >= 0, self.same, np.arange(self.same.size))
+        return plain.take(src).with_meta(self.sums, self.geom)
 
     # -- construction ----------------------------------------------------------------
     @classmethod
@@ -143,15 +206,26 @@ class Column:
         return self.values.numel() * self.values.element_size()
 
     def row_numels(self) -> torch.Tensor:
-        """Element count of every row (int64, length B)."""
+        """Element count of every row as stored (int64, length B; 0 for a row sharing another's)."""
         return torch.diff(self.offsets)
 
+    def logical_numels(self) -> torch.Tensor:
+        """Element count of every row's bytes, shared or not (int64, length B)."""
+        numels = torch.diff(self.offsets)
+        if self.same is None:
+            return numels
+        return numels[torch.from_numpy(np.where(self.same >= 0, self.same, np.arange(self.same.size)))]
+
     def row(self, i: int) -> torch.Tensor:
-        """Row ``i`` as a 1-D view."""
+        """Row ``i`` as a 1-D view (a shared row: a view of the row whose bytes it shares)."""
+        if self.same is not None and self.same[i] >= 0:
+            i = int(self.same[i])
         return self.values[int(self.offsets[i]) : int(self.offsets[i + 1])]
 
     def rows(self) -> list[torch.Tensor]:
         """Every row as a 1-D view of ``values``."""
+        if self.same is not None:
+            return [self.row(i) for i in range(self.num_rows)]
         return list(self.values.split(self.row_numels().tolist())) if self.num_rows else []
 
     # -- selection -------------------------------------------------------------------
@@ -165,5 +239,6 @@ class Column:
         return torch.nested.nested_tensor_from_jagged(self.values, self.offsets.to(self.values.device))
 
     def __repr__(self) -> str:
-        return f"Column(rows={self.num_rows}, dtype={self.dtype}, nbytes={self.nbytes})"
+        shared = f", shared_rows={int((self.same >= 0).sum())}" if self.same is not None else ""
+        return f"Column(rows={self.num_rows}, dtype={self.dtype}, nbytes={self.nbytes}{shared})"
 

@@ -74,6 +74,9 @@ class FieldSpec:
     pad_value: int | float | bool = 0
     optional: bool = False
     doc: str = ""
+    #: Identical rows of the field stored once per put (and read back as views of one
+    #: buffer): None means on for media fields, off otherwise; only media fields may share.
+    dedup: bool | None = None
 
     def __post_init__(self) -> None:
         stages = self.stages
@@ -87,6 +90,11 @@ class FieldSpec:
                     object.__setattr__(self, attr, dtype_from_name(value))
                 except ValueError as err:
                     raise RegistryError(f"field {self.name!r}: {attr}: {err}", field=self.name) from None
+
+    @property
+    def shares_rows(self) -> bool:
+        """Whether identical rows of this field are stored once (``dedup``, default: media fields)."""
+        return self.alignment == "media" if self.dedup is None else bool(self.dedup)
 
     def stored_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype a payload of ``dtype`` is stored with: ``wire_dtype`` for floating payloads."""
@@ -106,12 +114,14 @@ class FieldSpec:
             "pad_value": self.pad_value,
             "optional": self.optional,
             "doc": self.doc,
+            **({} if self.dedup is None else {"dedup": self.dedup}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> FieldSpec:
         """Inverse of :meth:`to_dict`; unknown keys raise RegistryError."""
-        known = {"name", "alignment", "container", "stages", "dtype", "wire_dtype", "pad_value", "optional", "doc"}
+        known = {"name", "alignment", "container", "stages", "dtype", "wire_dtype", "pad_value", "optional", "doc",
+                 "dedup"}
         extra = set(data) - known
         if extra:
             raise RegistryError(f"field spec {data.get('name')!r}: unknown keys {sorted(extra)}", field=data.get("name"))
@@ -135,6 +145,11 @@ def _check_spec(spec: FieldSpec) -> None:
             f"legal pairs are {legal}",
             field=name,
         )
+    if spec.dedup is not None and not isinstance(spec.dedup, bool):
+        raise RegistryError(f"field {name!r}: dedup must be true, false or left out", field=name)
+    if spec.dedup and spec.alignment != "media":
+        raise RegistryError(f"field {name!r}: only media fields store identical rows once (dedup); leave dedup out "
+                            f"for a {spec.alignment} field", field=name)
     if spec.container == "object" and (spec.dtype is not None or spec.wire_dtype is not None):
         raise RegistryError(f"field {name!r}: object fields have no dtype/wire_dtype", field=name)
     if spec.wire_dtype is not None and not spec.wire_dtype.is_floating_point:

@@ -33,7 +33,8 @@ from rlplane.tags import SUM_TAG
 
 
 def row_sums(col: Column) -> np.ndarray:
-    """The xxh3-64 digest of each row's stored bytes (uint64; an empty row's is xxh3 of nothing)."""
+    """The xxh3-64 digest of each row's bytes (uint64; an empty row's is xxh3 of nothing; a
+    row sharing another's bytes gets that row's)."""
     values = col.values
     if values.device.type != "cpu":
         values = values.cpu()
@@ -43,8 +44,12 @@ def row_sums(col: Column) -> np.ndarray:
     offsets = col.offsets if col.offsets.device.type == "cpu" else col.offsets.cpu()
     bounds = (offsets.numpy() * values.element_size()).tolist()
     digest = xxhash.xxh3_64_intdigest
-    return np.fromiter(map(digest, map(buf.__getitem__, map(slice, bounds[:-1], bounds[1:]))), np.uint64,
+    sums = np.fromiter(map(digest, map(buf.__getitem__, map(slice, bounds[:-1], bounds[1:]))), np.uint64,
                        len(bounds) - 1)
+    if col.same is not None:  # a shared row's digest is that of the row whose bytes it shares
+        dup = np.flatnonzero(col.same >= 0)
+        sums[dup] = sums[col.same[dup]]
+    return sums
 
 
 def check_sums(partition: str, sample_ids: Sequence[str], columns: Mapping[str, Column],

@@ -318,9 +318,15 @@ def _put_of(r: Record) -> tuple[list[str], dict[str, Any], list[dict[str, Any]],
                 "journal (the store died before they reached the disk)")
     dtypes = {str(f): str(d) for f, d in (rec["x"][0][1].items() if rec.get("x") else ())}
     columns = {}
+    twins = rec.get("s") or {}
     for f in fields:
         dtype = dtype_from_name(dtypes[f])
         row_bytes = np.frombuffer(rec["nb"][f], "<i8")
+        same = np.frombuffer(twins[f], "<i8").astype(np.int64) if f in twins else None
+        if same is not None:  # a row repeating an earlier one was stored empty (rlplane.dedup)
+            if same.size != row_bytes.size:
+                return f"change {r.seq} ({r.partition!r}): field {f!r} names twins for other rows"
+            row_bytes = np.where(same >= 0, 0, row_bytes)
         size = torch.empty(0, dtype=dtype).element_size()
         parts = [np.frombuffer(r.blocks[b][f], np.uint8) for b, _, _ in blocks]
         raw = np.concatenate(parts) if len(parts) != 1 else parts[0].copy()
@@ -329,7 +335,7 @@ def _put_of(r: Record) -> tuple[list[str], dict[str, Any], list[dict[str, Any]],
         values = torch.from_numpy(raw).view(dtype) if raw.size else torch.empty(0, dtype=dtype)
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(row_bytes // size)]).astype(np.int64))
         sums = np.frombuffer(rec["h"][f], "<u8") if rec.get("h") and f in rec["h"] else None
-        columns[f] = Column(values, offsets).with_meta(sums, Geometry.from_wire(rec["g"][f], f))
+        columns[f] = Column(values, offsets, same=same).with_meta(sums, Geometry.from_wire(rec["g"][f], f))
     user = rec.get("user")
     tags = [dict(t) if isinstance(t, dict) else {} for t in user] if user else [{} for _ in ids]
     return ids, columns, tags, rec.get("create") is True

@@ -205,6 +205,8 @@ def _collect(transport: Any, entry: dict[str, Any]) -> tuple[bytes, list[memoryv
         fields[name] = {"at": fe["at"], "dtype": dtype_name(col.dtype),
                         "offsets": col.offsets.numpy().astype("<i8", copy=False).tobytes(),
                         "g": fe["loc"]["g"][name], "h": fe["loc"]["h"][name], "start": at, "nbytes": values.nbytes}
+        if col.same is not None:  # rows stored once for several samples stay so on disk and after a restore
+            fields[name]["s"] = col.same.astype("<i8").tobytes()
         blobs.append(values)
         at += -(-values.nbytes // _ALIGN) * _ALIGN
     header = msgpack.packb({"p": p, "ids": ids, "user": entry.get("user"), "tasks": entry["tasks"], "fields": fields},
@@ -409,7 +411,8 @@ class Snapshot:
                     raise ValueError(f"field {fname!r}'s row offsets do not fit its values")
                 g = Geometry.from_wire(fe["g"], fname)
                 sums = np.frombuffer(fe["h"], "<u8")
-                col = Column(values, torch.from_numpy(offsets.copy())).with_meta(sums, g)
+                same = np.frombuffer(fe["s"], "<i8").astype(np.int64) if fe.get("s") is not None else None
+                col = Column(values, torch.from_numpy(offsets.copy()), same=same).with_meta(sums, g)
                 fields[str(fname)] = (pos, col)
         except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
                 E.RlplaneError, RuntimeError) as err:
@@ -598,7 +601,9 @@ def _pick(user: list[Any] | None, take: np.ndarray) -> list[Any]:
 
 def _rows(col: Column, rows: np.ndarray) -> Column:
     """Rows ``rows`` of ``col`` (a view when they are consecutive, else one copy), with their meta."""
-    if rows.size and bool((np.diff(rows) == 1).all()):
+    if col.same is not None:  # rows that share bytes keep sharing them, within what is taken
+        picked = col.take(rows)
+    elif rows.size and bool((np.diff(rows) == 1).all()):
         a, z = int(rows[0]), int(rows[-1]) + 1
         lo, hi = int(col.offsets[a]), int(col.offsets[z])
         picked = Column(col.values[lo:hi], col.offsets[a : z + 1] - lo)

@@ -200,6 +200,18 @@ def check_offsets(offsets: np.ndarray, size: int, rows: int, name: str) -> None:
     if offsets[0] != 0 or offsets[-1] != size or (rows and bool((offsets[1:] < offsets[:-1]).any())):
         raise WireFormatError(f"offsets must rise from 0 to {size} (the values' length)", field=name)
 
+def check_same(same: np.ndarray, n: int, field: str | None = None) -> None:
+    """WireFormatError unless ``same`` (one per row) names, for each row, -1 or an earlier
+    row that holds its own bytes."""
+    if same.shape != (n,) or same.dtype != np.int64:
+        raise WireFormatError(f"'same' must be one int64 per row ({n})", field=field)
+    dup = np.flatnonzero(same >= 0)
+    if dup.size and (bool((same[dup] >= dup).any()) or bool((same[same[dup]] != -1).any())):
+        raise WireFormatError("a shared row must name an earlier row that holds its own bytes", field=field)
+    if bool((same < -1).any()):
+        raise WireFormatError("'same' holds -1 or a row index", field=field)
+
+
 
 def _view(frame: Any, dtype: Any, name: str) -> np.ndarray:
     view = memoryview(frame).cast("B")
@@ -214,5 +226,5 @@ def numpy_dtype(dtype: torch.dtype) -> Any:
     return numpy_of(dtype_name(dtype)).type
 
 
-__all__ = ["VERSION", "RawColumn", "pack_message", "unpack_message", "unpack_header", "check_offsets",
+__all__ = ["VERSION", "RawColumn", "pack_message", "unpack_message", "unpack_header", "check_offsets", "check_same",
            "ints", "int_array", "raw", "numpy_dtype"]

@@ -119,6 +119,7 @@ class StoreView:
     components: dict[str, bool] = field(default_factory=dict)  # every component and loop the store's health names
     controller: dict[str, float] | None = None  # native: the controller's restarts and its last rebuild's seconds
     snapshot_interval_s: float = 0.0  # RLPLANE_SNAPSHOT_INTERVAL_S (0: no periodic snapshots)
+    shared_bytes: int | None = None  # native: bytes samples hold in rows stored once for several of them
 
 
 #: The native controller's account of the last snapshot (rlplane.snapshot), as gauges.
@@ -166,6 +167,8 @@ def store_view(
                      components={str(k): bool(v) for k, v in health.items()})
     view.slabs = slabs
     view.controller = controller
+    if stats is not None and "shared_bytes" in stats:
+        view.shared_bytes = int(stats["shared_bytes"])
     if streams is not None:
         try:
             view.streams = streams()
@@ -274,6 +277,10 @@ class _Collector:
         yield nbytes
         yield _gauge("rlplane_stored_samples", "Samples held by the store.", sum(n for n, _ in v.partitions.values()))
         yield _gauge("rlplane_stored_bytes", "Bytes held by the store.", sum(b for _, b in v.partitions.values()))
+        if v.shared_bytes is not None:
+            yield _gauge("rlplane_shared_bytes", "Bytes of rlplane_stored_bytes that no storage unit holds a second "
+                         "time: rows identical across samples (a GRPO group's images) are stored once (native).",
+                         v.shared_bytes)
         if v.loss is not None:
             yield _gauge("rlplane_lost_samples", "Samples lost with a storage unit that held their only copy, since "
                          "the store started.", v.loss["lost_samples"])

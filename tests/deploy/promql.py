@@ -32,6 +32,7 @@ METRICS = frozenset({
     "rlplane_storage_unit_slab_fragmentation",
     "rlplane_stored_samples",
     "rlplane_stored_bytes",
+    "rlplane_shared_bytes",
     "rlplane_capacity_samples",
     "rlplane_mooncake_master_up",
     "rlplane_mooncake_allocated_bytes",

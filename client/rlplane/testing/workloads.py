@@ -110,6 +110,20 @@ def vlm_step(batch: int = 64, seqlen: int = 2048, seed: int = 0, max_images: int
     return w
 
 
+def vlm_grpo(batch: int = 64, seqlen: int = 2048, seed: int = 0, group: int = 8) -> Workload:
+    """"vlm-grpo": the vlm-step batch as groups of ``group`` samples (B/group prompts with G
+    answers each) sharing each group's images: every member's ``pixel_values`` and
+    ``image_grid_thw`` rows are equal copies (separate tensors, same bytes) of its group's
+    first member's, as a rollout that processed each sample's prompt on its own would hand over."""
+    w = vlm_step(batch, seqlen, seed)
+    for name in ("pixel_values", "image_grid_thw"):
+        rows = w.fields[name].rows
+        w.fields[name] = PackedTensor([None if rows[i - i % group] is None else [t.clone() for t in rows[i - i % group]]
+                                       for i in range(batch)])
+    w.name = "vlm-grpo"
+    return w
+
+
 def small_step(batch: int = 8, seqlen: int = 512, seed: int = 0) -> Workload:
     """A small text batch (B=8): per-operation latency, where fixed costs dominate bytes."""
     w = text_step(batch, seqlen, seed)
@@ -123,4 +137,4 @@ def text_scale(batch: int = 4096, seqlen: int = 1024, seed: int = 0) -> Workload
     return text_step(batch, seqlen, seed)
 
 
-WORKLOADS = {"vlm-step": vlm_step, "text-step": text_step, "small": small_step, "text-scale": text_scale}
+WORKLOADS = {"vlm-step": vlm_step, "vlm-grpo": vlm_grpo, "text-step": text_step, "small": small_step, "text-scale": text_scale}

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
 from rlplane.column import Column
-from rlplane.errors import ShapeError
+from rlplane.errors import ShapeError, WireFormatError
 from rlplane.scratch import Alloc
 
 
@@ -55,6 +55,10 @@ class Transport(ABC):
     streams: Any = None
     #: Whether ``put`` takes ``durable=True`` (native: the store's journal decides).
     durable_puts: bool = False
+    #: Whether ``put`` stores columns with shared rows (:attr:`rlplane.column.Column.same`)
+    #: once, and ``get(..., shared=True)`` hands them back so (native); else every
+    #: row travels and is stored as its own.
+    shares_rows: bool = False
 
     @abstractmethod
     def put(
@@ -113,8 +117,11 @@ class Transport(ABC):
         self.close()
 
 
-def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]]) -> None:
-    """Shape checks every transport makes before storing anything."""
+def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]], *,
+              shares_rows: bool = False) -> None:
+    """Shape checks every transport makes before storing anything (``shares_rows``: the
+    transport stores a column's shared rows once; any other refuses such a column rather
+    than store its repeated rows empty)."""
     n = len(sample_ids)
     if len(set(sample_ids)) != n:
         raise ShapeError("sample ids within one put must be unique")
@@ -123,3 +130,6 @@ def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Se
     for name, col in columns.items():
         if col.num_rows != n:
             raise ShapeError(f"column has {col.num_rows} rows for {n} samples", field=name)
+        if col.same is not None and not shares_rows:
+            raise WireFormatError("this column stores repeated rows once (Column.same) and this transport stores "
+                                  "every row as its own: pass column.expanded()", field=name)

@@ -81,7 +81,7 @@ from rlplane.copies import copy as _copy
 from rlplane.copies import copy_ranges
 from rlplane.gather import BIG_RUN as _BIG_RUN
 from rlplane.gather import MAX_RUNS as _MAX_RUNS
-from rlplane.wire import RawColumn, int_array, ints, numpy_dtype, raw
+from rlplane.wire import RawColumn, check_same, int_array, ints, numpy_dtype, raw
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +119,7 @@ class NativeTransport(Transport):
     name = "native"
     direct = True
     durable_puts = True  # the controller answers InvalidArgumentError without a journal
+    shares_rows = True  # a row several samples share is stored once and read once (Column.same)
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
                  pool: ReadPool | None = None, te: TeOptions | None = None) -> None:
@@ -209,7 +210,7 @@ class NativeTransport(Transport):
     ) -> None:
         """``durable``: answered once the commit is in the units' journals on disk
         (InvalidArgumentError from a store without a journal)."""
-        check_put(sample_ids, columns, tags)
+        check_put(sample_ids, columns, tags, shares_rows=True)
         try:
             self._put(partition, list(sample_ids), columns, tags, create, durable)
         except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
@@ -329,12 +330,16 @@ class NativeTransport(Transport):
                 raise failed
             commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": {f: g.to_wire() for f, g in geoms.items()},
                                       "h": sums,
-                                      "nb": {f: ints(c.row_numels() * c.values.element_size()) for f, c in columns.items()},
+                                      "nb": {f: ints(c.logical_numels() * c.values.element_size())
+                                             for f, c in columns.items()},
                                       "x": [[b, {f: dtype_name(c.dtype) for f, c in columns.items()},
                                              [[u, x] for u, x in copies.items()]] for b, copies in where.items()],
                                       "xs": seals}
             if user is not None and any(user):
                 commit["user"] = user
+            shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}
+            if shared:  # rows stored empty whose bytes are an earlier row's (rlplane.dedup)
+                commit["s"] = shared
             if durable:
                 commit["durable"] = True
             self._ask(commit, self._left(deadline))  # sent again after a restart: answered as done if it was
@@ -348,11 +353,14 @@ class NativeTransport(Transport):
             raise
 
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
+        shared: bool = False,
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         """``copy=False``: a field whose rows lie in order in one mapped slab comes back as
-        a read-only view of it (zero copy), its blocks pinned until the last view is gone."""
-        args = (partition, list(sample_ids), list(fields), copy)
+        a read-only view of it (zero copy), its blocks pinned until the last view is gone.
+        ``shared=True``: a row stored once for several of the samples is read once, and its
+        column says which rows repeat it (:attr:`Column.same`); else every row is its own."""
+        args = (partition, list(sample_ids), list(fields), copy, shared)
         try:
             try:
                 return self._get(*args)
@@ -532,12 +540,14 @@ class NativeTransport(Transport):
         except Exception:  # noqa: BLE001 - best effort; the store may be going away
             pass
 
-    def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool
+    def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool = False
              ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
-        loc = self._ask({"op": "locate", "p": partition, "ids": ids, "fields": fields,
-                         "shm": sorted(self._slabs.keys() | self._remote.keys())},  # the units read at addresses
-                        self._left(deadline))
+        ask = {"op": "locate", "p": partition, "ids": ids, "fields": fields,
+               "shm": sorted(self._slabs.keys() | self._remote.keys())}  # the units read at addresses
+        if shared:
+            ask["share"] = True
+        loc = self._ask(ask, self._left(deadline))
         pin = loc.get("pin")
         kept = False
         try:
@@ -562,6 +572,9 @@ class NativeTransport(Transport):
         if user is not None and (not isinstance(user, list) or len(user) != len(ids)):
             raise WireFormatError("the controller answered tags for other samples than asked")
         columns = {f: c.with_meta(sums[f], geoms[f]) for f, c in columns.items()}
+        for f, same in (loc.get("s") or {}).items():  # rows read once for the samples sharing them
+            if f in columns:
+                columns[f] = columns[f].sharing(_same(same, len(ids), f))
         return columns, RowTags(user, geoms, sums, len(ids)), views
 
     def unpin(self, pin: str) -> None:
@@ -626,7 +639,8 @@ class NativeTransport(Transport):
                     columns[f], array = view
                     views.append(array)
         # A field one zmq unit holds whole is used as it arrives (the received frame, no copy).
-        whole = {f for f in fields if f not in columns and len(entries_of[f]) == 1
+        shared = loc.get("s") or {}  # fields with rows read once for several samples: not every row is asked
+        whole = {f for f in fields if f not in columns and f not in shared and len(entries_of[f]) == 1
                  and not self._mapped(*entries_of[f][0])}
         out = {f: self.pool.take(int(starts[f][-1])) for f in fields if f not in columns and f not in whole}
         dtypes: dict[str, set[str]] = {f: set() for f in out}
@@ -758,10 +772,20 @@ def _sink(sinks: dict[str, memoryview]) -> Any:
     return where
 
 
+def _same(given: Any, n: int, field: str) -> np.ndarray:
+    """A locate's ``same`` of a field (int64 per requested sample), checked."""
+    if not isinstance(given, bytes) or len(given) != 8 * n:
+        raise WireFormatError("the controller answered a malformed 'same'", field=field)
+    same = np.frombuffer(given, "<i8").astype(np.int64)
+    check_same(same, n, field)
+    return same
+
+
 def _rows(col: Column, a: int, z: int) -> Column:
-    """Rows ``a:z`` of ``col`` (values as a view; offsets rebased)."""
+    """Rows ``a:z`` of ``col`` as stored (values as a view; offsets rebased; a shared row
+    travels empty: the commit says whose bytes it has)."""
     if a == 0 and z == col.num_rows:
-        return col
+        return col if col.same is None else Column(col.values, col.offsets)
     off = col.offsets[a : z + 1]
     return Column(col.values[int(off[0]) : int(off[-1])], off - off[0])
 

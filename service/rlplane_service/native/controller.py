@@ -46,7 +46,7 @@ from rlplane.wire import ints
 from rlplane_service.native.health import (CHECK_TIMEOUT_S, REPORT_TIMEOUT_S, SWEEP_EVERY_S, UNIT_GRACE_S,
                                            WATCH_EVERY_S, UnitHealth)
 from rlplane_service.native.cut import CutOps
-from rlplane_service.native.index import COMMITTED, FREE, Partition, Reservation, rows_in
+from rlplane_service.native.index import COMMITTED, FREE, FieldIndex, Partition, Reservation, rows_in
 from rlplane_service.native.pins import PIN_LEASE_S, Pins
 from rlplane_service.native.requests import (partition_of,
                                              sample_ids)
@@ -104,6 +104,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         self._unit_slabs: dict[int, dict[str, Any]] = {}  # unit -> its slab figures, from the last ping
         self._block_refs: dict[int, int] = {}  # (slot, field) pairs pointing at the block
         self._block_bytes: dict[int, list[int]] = {}  # [bytes written, bytes still referenced]
+        self._shared_bytes = 0  # bytes of rows samples hold without storing them (a shared row's: rlplane.dedup)
         self._cursor = 0
         self._lock = threading.RLock()
         self.ledger = Ledger(self._parts.get, lease_s=claim_lease_s)
@@ -248,6 +249,10 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 "blocks": len(self._block_units),
                 "live_bytes": live,
                 "retained_bytes": written - live,
+                # Rows identical across samples are stored once: what the samples hold as written,
+                # and what of it no block stores a second time.
+                "written_bytes": live + self._shared_bytes,
+                "shared_bytes": self._shared_bytes,
                 "units": per_unit,
                 "replicas": self.replicas,
                 "lost_units": sorted(self.units[u][0] for u in self._lost_units),
@@ -308,7 +313,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         """Drop samples ``slots`` of partition ``p`` from the index (their rows' blocks are
         released); the partition goes when nothing of it is left to answer for."""
         for fi in part.fields.values():
-            self._release(fi.block[slots], fi.nbytes[slots])
+            self._release_rows(fi, slots)
             fi.block[slots] = -1
             fi.forget(slots)
             fi.sums[slots] = 0
@@ -343,6 +348,18 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         lost = {s: part.lost[s] for s in ids if part is not None and s in part.lost}
         hint = E.lost_hint(lost, "they held the only copy; RLPLANE_REPLICAS=2 keeps two") if lost else ""
         return E.MissingDataError(p, {s: [] for s in ids}, hint=hint)
+
+    def _release_rows(self, fi: FieldIndex, slots: np.ndarray) -> None:
+        """The rows of ``fi`` at ``slots`` go (cleared or overwritten): their blocks lose a
+        reference each; a row sharing another's bytes gives back no stored bytes of its own."""
+        dup = fi.dup[slots]
+        nbytes = fi.nbytes[slots]
+        if bool(dup.any()):
+            held = dup & (fi.block[slots] >= 0)
+            self._shared_bytes -= int(nbytes[held].sum())
+            nbytes = np.where(dup, 0, nbytes)
+            fi.dup[slots] = False
+        self._release(fi.block[slots], nbytes)
 
     def _release(self, blocks: np.ndarray, nbytes: np.ndarray) -> None:
         """Drop references from rows to blocks; free blocks nothing points at any more."""

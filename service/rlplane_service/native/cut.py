@@ -63,7 +63,7 @@ class CutOps:
                     if has.size:
                         fields[name] = {"at": has.astype("<i8").tobytes(),
                                         "loc": self._locate(p, part, slots[has], [ids[i] for i in has.tolist()],
-                                                            [name], local, pinned)}
+                                                            [name], local, pinned, share=True)}
                 tasks = {t: st.astype(np.int8).tobytes() for t, st in self.ledger.export(p, slots).items()}
                 user = part.user[slots]
                 out.append({"p": p, "ids": ids, "fields": fields, "tasks": tasks,

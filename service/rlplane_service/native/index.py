@@ -59,17 +59,18 @@ class FieldIndex:
     # the trailing shape in ``shapes`` (-1: the row's geometry is the object in ``geom``).
     lead: np.ndarray
     kind: np.ndarray
+    dup: np.ndarray  # bool: the row's bytes are another slot's row (stored once, rlplane.dedup)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     _shape_kind: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     _COLUMNS = (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0), ("off", 0), ("lead", -1),
-                ("kind", -1))
+                ("kind", -1), ("dup", False))
 
     @classmethod
     def empty(cls, cap: int) -> FieldIndex:
         return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object),
                    np.zeros(cap, np.uint64), np.zeros(cap, np.int64), np.full(cap, -1, np.int64),
-                   np.full(cap, -1, np.int32))
+                   np.full(cap, -1, np.int32), np.zeros(cap, bool))
 
     def grow(self, cap: int) -> None:
         for name, fill in self._COLUMNS:

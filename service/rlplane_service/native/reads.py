@@ -57,17 +57,20 @@ class ReadOps:
             part = self._parts.get(p)
             slots = self._slots(p, part, ids)  # MissingDataError unless the partition holds them all
             pinned: set[int] = set()
-            out = self._locate(p, self._parts[p], slots, ids, fields, local, pinned)
+            out = self._locate(p, self._parts[p], slots, ids, fields, local, pinned, share=header.get("share") is True)
             out["pin"] = self.pins.pin(sorted(pinned)) if pinned else None
         return out, {}, []
 
     def _locate(self, p: str, part: Partition, slots: np.ndarray, ids: list[str], fields: list[str], local: set[int],
-                pinned: set[int]) -> dict[str, Any]:
+                pinned: set[int], share: bool = False) -> dict[str, Any]:
         """A locate's answer for ``slots`` (samples ``ids``) of ``part`` (under the lock); the
-        blocks it names are added to ``pinned`` (the caller pins them)."""
+        blocks it names are added to ``pinned`` (the caller pins them). ``share``: a row
+        stored once for several of the samples is located once, for the first of them: the
+        answer's ``s`` gives, per such field, each sample's earlier twin (-1: none), and the
+        twins' sizes are 0 (the reader makes them views of the one copy)."""
         missing: dict[str, list[str]] = {}
         per_unit: dict[int, list[list[Any]]] = {}
-        geoms, sizes, digests = {}, {}, {}
+        geoms, sizes, digests, twins = {}, {}, {}, {}
         plans: dict[bytes, list[_Share]] = {}  # fields of one put share their blocks: planned once
         for name in fields:
             fi = part.fields.get(name)
@@ -77,24 +80,40 @@ class ReadOps:
                     missing.setdefault(ids[i], []).append(name)
                 continue
             rows = fi.row[slots]
-            key = blk.tobytes()
-            plan = plans.get(key)
-            if plan is None:
-                plan = plans[key] = self._plan(blk, local, pinned)
-            for share in plan:
-                entry = [name, share.blocks, ints(rows[share.pos]), share.positions]
-                if share.mapped:  # else the client reads them over ZMQ
-                    entry += self._addresses(name, share, fi.off[slots[share.pos]])
-                per_unit.setdefault(share.unit, []).append(entry)
+            nbytes = fi.nbytes[slots]
+            same = first_twins(blk, rows) if share and bool(fi.dup[slots].any()) else None
+            if same is not None:  # only the first sample of each shared row is read
+                twins[name] = same.astype("<i8").tobytes()
+                nbytes = np.where(same >= 0, 0, nbytes)
+                own = np.flatnonzero(same < 0)
+                for part_share in self._plan(blk[own], local, pinned):
+                    pos = own[part_share.pos]
+                    entry = [name, part_share.blocks, ints(rows[pos]), ints(pos)]
+                    if part_share.mapped:
+                        entry += self._addresses(name, part_share, fi.off[slots[pos]])
+                    per_unit.setdefault(part_share.unit, []).append(entry)
+            else:
+                key = blk.tobytes()
+                plan = plans.get(key)
+                if plan is None:
+                    plan = plans[key] = self._plan(blk, local, pinned)
+                for unit_share in plan:
+                    entry = [name, unit_share.blocks, ints(rows[unit_share.pos]), unit_share.positions]
+                    if unit_share.mapped:  # else the client reads them over ZMQ
+                        entry += self._addresses(name, unit_share, fi.off[slots[unit_share.pos]])
+                    per_unit.setdefault(unit_share.unit, []).append(entry)
             geoms[name] = fi.geometry(slots).to_wire()
-            sizes[name] = ints(fi.nbytes[slots])
+            sizes[name] = ints(nbytes)
             digests[name] = fi.sums[slots].astype("<u8").tobytes()
         if missing:
             raise E.MissingDataError(p, missing)
         tagged = part.user[slots]
         user = tagged.tolist() if bool(np.not_equal(tagged, None).any()) else None  # None: no sample has tags
-        return {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
-                "h": digests, "pin_lease_s": self.pin_lease_s, "caps": self._read_caps(per_unit)}
+        out = {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
+               "h": digests, "pin_lease_s": self.pin_lease_s, "caps": self._read_caps(per_unit)}
+        if twins:
+            out["s"] = twins
+        return out
 
     def _read_caps(self, per_unit: dict[int, list[list[Any]]]) -> list[list[Any]]:
         """Per unit ``[unit, [[block, capability], ...]]`` for every block a locate names there
@@ -182,6 +201,17 @@ class _Share(NamedTuple):
     which: np.ndarray
 
 
+def first_twins(blocks: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """For each requested row at ``(blocks, rows)``, the first earlier position naming the
+    same stored row (-1: it is the first).
+
+    Example: ``first_twins(np.array([5, 5, 5]), np.array([0, 0, 1]))`` -> ``array([-1, 0, -1])``.
+    """
+    _, first, which = np.unique(np.stack([blocks, rows], axis=1), axis=0, return_index=True, return_inverse=True)
+    src = first[which.reshape(-1)]
+    return np.where(src == np.arange(src.size), -1, src).astype(np.int64)
+
+
 def groups(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(a, return_inverse=True)``, without its sort when every value is the
     same (a read of one put's rows names one block on one unit: the usual case).
@@ -194,4 +224,4 @@ def groups(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return uniq, which.reshape(-1)
 
 
-__all__ = ["ReadOps", "groups"]
+__all__ = ["ReadOps", "groups", "first_twins"]

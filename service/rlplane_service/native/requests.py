@@ -21,6 +21,7 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.names import MAX_ID_LEN, MAX_NAME_LEN, check_partition
+from rlplane.wire import check_same
 from rlplane_service.native.index import Reservation
 
 
@@ -112,4 +113,30 @@ def extents(given: Any, res: Reservation) -> dict[int, tuple[dict[str, str], dic
     return out
 
 
-__all__ = ["partition_of", "sample_ids", "field_names", "block_id_ok", "blocks_of", "digests", "extents"]
+def shared_rows(given: Any, fields: list[str], n: int, row_bytes: dict[str, np.ndarray],
+                row_sums: dict[str, np.ndarray | None]) -> dict[str, np.ndarray]:
+    """A commit's ``s``: per field whose rows repeat one another, each of its ``n`` rows'
+    earlier twin (-1: none). A twin must hold its own bytes, be as long, and have the same
+    digest where both are recorded: a writer cannot make one sample read another's bytes
+    under a length or digest of its own."""
+    if given is None:
+        return {}
+    if not isinstance(given, dict) or not set(given) <= set(fields):
+        raise E.WireFormatError("commit 's' must map reserved fields to their rows' twins")
+    out = {}
+    for name, raw in given.items():
+        if not isinstance(raw, bytes) or len(raw) != 8 * n:
+            raise E.WireFormatError(f"commit 's' needs one int64 per row ({n})", field=name)
+        same = np.frombuffer(raw, "<i8").astype(np.int64)
+        check_same(same, n, name)
+        dup = np.flatnonzero(same >= 0)
+        if bool((row_bytes[name][dup] != row_bytes[name][same[dup]]).any()):
+            raise E.WireFormatError("a row said to repeat another is of another length", field=name)
+        h = row_sums[name]
+        if h is not None and bool(((h[dup] != h[same[dup]]) & (h[dup] != 0) & (h[same[dup]] != 0)).any()):
+            raise E.WireFormatError("a row said to repeat another has another digest", field=name)
+        out[name] = same
+    return out
+
+
+__all__ = ["partition_of", "sample_ids", "field_names", "block_id_ok", "blocks_of", "digests", "extents", "shared_rows"]

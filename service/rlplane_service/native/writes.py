@@ -38,7 +38,8 @@ from rlplane import errors as E
 from rlplane.geometry import Geometry
 from rlplane.wire import int_array
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, objects
-from rlplane_service.native.requests import block_id_ok, blocks_of, digests, extents, field_names, partition_of, sample_ids
+from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
+                                             sample_ids, shared_rows)
 from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Parsed:
     bid_of_row: np.ndarray
     first_row: np.ndarray
     ext: dict[int, Any]
+    same: dict[str, np.ndarray]  # fields with rows stored once: per row -1, or the earlier row it repeats
 
     @property
     def spans(self) -> dict[str, np.ndarray]:
@@ -165,7 +167,7 @@ class WriteOps:
                 self._abort(res)
                 gone = part.names[res.slots[part.state[res.slots] != COMMITTED]].tolist()
                 raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
-            parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"))
+            parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"), header.get("s"))
             if self.seal_key is not None:
                 self._check_seals(header.get("xs"), res, parsed.ext, parsed.spans)
             self._log_put(res, header, durable)  # on the units before the answer: it outlives this process
@@ -181,8 +183,11 @@ class WriteOps:
 
         return {"committed": n}, {}, [], apply  # answered once checked; indexed right after
 
-    def _parse_commit(self, res: Reservation, geoms: dict, sizes: dict, sums: dict, x: Any) -> Parsed:
-        """A commit's rows checked against its reservation (a commit, or a record replayed)."""
+    def _parse_commit(self, res: Reservation, geoms: dict, sizes: dict, sums: dict, x: Any, same: Any = None
+                      ) -> Parsed:
+        """A commit's rows checked against its reservation (a commit, or a record replayed).
+        ``same``: per field whose rows repeat one another, each row's earlier twin (-1: none),
+        as int64 bytes; such a row is stored empty and holds its twin's bytes."""
         n = res.slots.size
         bid_of_row = np.empty(n, np.int64)
         first_row = np.empty(n, np.int64)  # the first row of each row's block
@@ -200,27 +205,43 @@ class WriteOps:
             if nb.size and int(nb.min()) < 0:
                 raise E.WireFormatError("row byte counts must not be negative", field=name)
             shapes[name], row_bytes[name], row_sums[name] = g, nb, h
-        # Each field's running byte count: a row's offset in its block's extent, a block's bytes.
+        twins = shared_rows(same, res.fields, n, row_bytes, row_sums)
+        # Each field's running byte count as stored: a row's offset in its block's extent, a
+        # block's bytes (a row that repeats another is stored empty).
         run = np.zeros((len(res.fields), n + 1), np.int64)
         if n and res.fields:
-            np.cumsum(np.stack([row_bytes[f] for f in res.fields]), axis=1, out=run[:, 1:])
-        return Parsed(shapes, row_bytes, row_sums, run, bid_of_row, first_row, extents(x, res))
+            np.cumsum(np.stack([np.where(twins[f] >= 0, 0, row_bytes[f]) if f in twins else row_bytes[f]
+                                for f in res.fields]), axis=1, out=run[:, 1:])
+        return Parsed(shapes, row_bytes, row_sums, run, bid_of_row, first_row, extents(x, res), twins)
 
     def _apply_commit(self, res: Reservation, c: Parsed, user: Any) -> None:
         """Put a checked commit into the index (under the lock)."""
         part, n = res.part, res.slots.size
         row_in_block = np.arange(n, dtype=np.int64) - c.first_row
+        refs: dict[int, int] = {b: (z - a) * len(res.fields) for b, _, a, z in res.blocks}
         for k, name in enumerate(res.fields):
             fi = part.field_index(name)
-            self._release(fi.block[res.slots], fi.nbytes[res.slots])  # rows this write replaces
-            fi.block[res.slots] = c.bid_of_row
-            fi.row[res.slots] = row_in_block
-            fi.off[res.slots] = c.run[k, :n] - c.run[k, c.first_row]
+            self._release_rows(fi, res.slots)  # rows this write replaces
+            block, row, off = c.bid_of_row, row_in_block, c.run[k, :n] - c.run[k, c.first_row]
+            same = c.same.get(name)
+            if same is not None:  # a repeated row points at its twin's bytes, wherever they are stored
+                dup = np.flatnonzero(same >= 0)
+                block, row, off = block.copy(), row.copy(), off.copy()
+                moved, counts = np.unique(np.stack([block[dup], block[same[dup]]]), axis=1, return_counts=True)
+                for (was, now), cnt in zip(moved.T.tolist(), counts.tolist()):
+                    refs[was] -= cnt
+                    refs[now] += cnt
+                block[dup], row[dup], off[dup] = block[same[dup]], row[same[dup]], off[same[dup]]
+                fi.dup[res.slots[dup]] = True
+                self._shared_bytes += int(c.row_bytes[name][dup].sum())
+            fi.block[res.slots] = block
+            fi.row[res.slots] = row
+            fi.off[res.slots] = off
             fi.nbytes[res.slots] = c.row_bytes[name]
             fi.set_geometry(res.slots, c.shapes[name])
             fi.sums[res.slots] = c.row_sums[name] if c.row_sums[name] is not None else 0
         for b, _, a, z in res.blocks:
-            self._block_refs[b] = self._block_refs.get(b, 0) + (z - a) * len(res.fields)
+            self._block_refs[b] = self._block_refs.get(b, 0) + refs[b]
             live = int((c.run[:, z] - c.run[:, a]).sum())
             tot = self._block_bytes.setdefault(b, [0, 0])
             tot[0] += live

@@ -104,8 +104,16 @@ def _bytes(seg: torch.Tensor) -> memoryview:
 
 def _equal(a: Row, b: Row) -> bool:
     """Byte for byte (not ``==`` on values: -0.0 equals 0.0 there, and NaN nothing)."""
-    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and torch.equal(_u8(x), _u8(y))
+    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and _same_bytes(x, y)
                                     for x, y in zip(a, b))
+
+
+def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    # numpy on one thread, 8 bytes a step: torch.equal ran at 0.2 GB/s on a busy 2-core host
+    a, b = _u8(x).numpy(), _u8(y).numpy()
+    if a.size % 8 == 0:
+        a, b = a.view(np.uint64), b.view(np.uint64)
+    return bool(np.array_equal(a, b))
 
 
 __all__ = ["twins", "digest"]

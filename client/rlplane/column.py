@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from rlplane.copies import copy_ranges
 from rlplane.errors import WireFormatError
 from rlplane.geometry import Geometry
 from rlplane.wire import check_same
@@ -118,8 +119,6 @@ class Column:
             _, first, which = np.unique(src, return_index=True, return_inverse=True)
             back = first[which.reshape(-1)]
             same = np.where(back == np.arange(rows.size), -1, back).astype(np.int64)
-        from rlplane.copies import copy_ranges
-
         off = self.offsets.numpy()
         lens = np.diff(off)[src] if same is None else np.where(same >= 0, 0, np.diff(off)[src])
         out = np.zeros(lens.size + 1, np.int64)

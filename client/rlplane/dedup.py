@@ -9,10 +9,14 @@ shapes, the same dtype and the same bytes:
 1. rows made of the very same tensors (same memory, shape and strides) are equal with
    no look at their bytes (the usual GRPO case: one image tensor handed to every member);
 2. otherwise rows whose shapes and first and last KiB of every segment agree are
-   candidates; each candidate gets an xxh3-128 digest of its bytes (:func:`digest`), and
-   a candidate whose digest matches an earlier row's is **compared byte for byte** with it
-   before it is called a twin. A digest collision therefore stores both rows; it never
-   makes one sample read another's image (a test forces one through :func:`digest`).
+   candidates, and a candidate is **compared byte for byte** with the earlier distinct
+   rows of its kind before it is called a twin. While a kind holds at most
+   :data:`COMPARE_LEADERS` distinct rows that is all (the GRPO case: one image per kind;
+   hashing every byte first would read each twin twice for nothing a compare does not
+   decide). Past that, rows are keyed by an xxh3-128 digest (:func:`digest`) and a
+   candidate is compared only with the rows of its digest, so the compares stay one per
+   twin. A digest collision therefore stores both rows; it never makes one sample read
+   another's image (a test forces one through :func:`digest`).
 
 Rows on an accelerator are matched by (1) only (their bytes are not pulled to the host).
 
@@ -32,8 +36,11 @@ import xxhash
 
 Row = tuple[torch.Tensor, ...]
 
-#: Bytes of each end of a segment that pick candidates before any row is hashed whole.
+#: Bytes of each end of a segment that pick candidates before any row is compared whole.
 _EDGE = 1024
+#: Distinct rows of one kind (shapes and edges) compared with a candidate before rows of
+#: that kind are keyed by digest.
+COMPARE_LEADERS = 2
 
 
 def twins(rows: Sequence[Row]) -> np.ndarray:
@@ -52,23 +59,57 @@ def twins(rows: Sequence[Row]) -> np.ndarray:
         elif all(s.device.type == "cpu" for s in row):
             by_edges.setdefault(_edges(row), []).append(i)
     for group in by_edges.values():
-        if len(group) < 2:
-            continue
-        leaders: dict[tuple[int, int], list[int]] = {}
-        for i in group:
-            key = digest(rows[i])
-            for j in leaders.get(key, ()):
-                if _equal(rows[i], rows[j]):
-                    same[i] = j
-                    break
-            else:
-                leaders.setdefault(key, []).append(i)
+        if len(group) > 1:
+            _match(rows, group, same)
     # A twin of a twin names the first row of its kind (twins found by identity may point
     # at a row that itself was found equal by its bytes to an earlier one).
     dup = np.flatnonzero(same >= 0)
     if dup.size:
         same[dup] = np.where(same[same[dup]] >= 0, same[same[dup]], same[dup])
     return same
+
+
+def _match(rows: Sequence[Row], group: list[int], same: np.ndarray) -> None:
+    """Set ``same`` for the rows of one kind (``group``, in order, alike in shapes and
+    edges): the first row is compared with all the others at once, then the first of those
+    that differ with the rest, and so on; past :data:`COMPARE_LEADERS` distinct rows the
+    rest are split by digest first."""
+    rest = group
+    for _ in range(COMPARE_LEADERS):
+        if len(rest) < 2:
+            return
+        rest = _against_first(rows, rest, same)
+    if len(rest) < 2:
+        return
+    keyed: dict[tuple[int, int], list[int]] = {}
+    for i in rest:
+        keyed.setdefault(digest(rows[i]), []).append(i)
+    for members in keyed.values():
+        while len(members) > 1:
+            members = _against_first(rows, members, same)
+
+
+#: Bytes of a row compared at a time: the first row's chunk stays in cache while every
+#: other row's is compared with it, so each byte is read from memory once.
+_CHUNK = 512 << 10
+
+
+def _against_first(rows: Sequence[Row], members: list[int], same: np.ndarray) -> list[int]:
+    """Compare every row of ``members[1:]`` with ``members[0]`` byte for byte (not ``==``
+    on values: -0.0 equals 0.0 there, and NaN nothing), chunk by chunk; the equal ones
+    become its twins; returns the others, in order."""
+    first, words = members[0], {i: [_words(seg) for seg in rows[i]] for i in members}
+    alive = [i for i in members[1:] if all(x.size == y.size for x, y in zip(words[i], words[first]))]
+    step = _CHUNK // 8
+    for s, lead in enumerate(words[first]):
+        for lo in range(0, lead.size, step):
+            if not alive:
+                break
+            part = lead[lo:lo + step]
+            alive = [i for i in alive if np.array_equal(part, words[i][s][lo:lo + step])]
+    same[alive] = first
+    kept = set(alive)
+    return [i for i in members[1:] if i not in kept]
 
 
 def digest(row: Row) -> tuple[int, int]:
@@ -102,18 +143,11 @@ def _bytes(seg: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
 
 
-def _equal(a: Row, b: Row) -> bool:
-    """Byte for byte (not ``==`` on values: -0.0 equals 0.0 there, and NaN nothing)."""
-    return len(a) == len(b) and all(x.dtype == y.dtype and x.shape == y.shape and _same_bytes(x, y)
-                                    for x, y in zip(a, b))
-
-
-def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
-    # numpy on one thread, 8 bytes a step: torch.equal ran at 0.2 GB/s on a busy 2-core host
-    a, b = _u8(x).numpy(), _u8(y).numpy()
-    if a.size % 8 == 0:
-        a, b = a.view(np.uint64), b.view(np.uint64)
-    return bool(np.array_equal(a, b))
+def _words(seg: torch.Tensor) -> np.ndarray:
+    """A segment's bytes as numpy words (8 bytes where they divide evenly: numpy on one
+    thread; torch.equal ran at 0.2 GB/s on a busy 2-core host)."""
+    a = _u8(seg).numpy()
+    return a.view(np.uint64) if a.size % 8 == 0 else a
 
 
 __all__ = ["twins", "digest"]

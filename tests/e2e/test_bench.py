@@ -36,9 +36,14 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     assert not data["embedded"] and data["config"]["quick"]
-    assert [w["workload"] for w in data["workloads"]] == ["vlm-step", "text-step"]
+    assert [w["workload"] for w in data["workloads"]] == ["vlm-step", "text-step", "vlm-grpo"]
+    grpo = data["workloads"][2]  # one group of 2 sharing its images: the native engine stores them once
+    assert {r["path"] for r in grpo["paths"]} == {"rlplane-native", "raw-tq", "mooncake-dataproto", "ray-object-store"}
+    assert set(grpo["held_bytes"]) == {"rlplane-native"} and grpo["unique_bytes"] < grpo["bytes_stored"]
+    assert grpo["unique_bytes"] <= grpo["held_bytes"]["rlplane-native"] < grpo["bytes_stored"]
     for w in data["workloads"]:
-        assert {r["path"] for r in w["paths"]} == LIVE and w["bytes_stored"] > 0
+        assert {r["path"] for r in w["paths"]} == (LIVE if w is not grpo else set(grpo["held_bytes"]) | {
+            "raw-tq", "mooncake-dataproto", "ray-object-store"}) and w["bytes_stored"] > 0
         for r in w["paths"]:
             assert set(r["ops"]) == {"put", "get", "round trip"} and r["ops"]["put"]["reps"] == 1
             assert r["ratio_to_raw_tq"]["put"] > 0
@@ -65,7 +70,7 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert all(r["ops"] > 0 and r["ops_per_s"] > 0 for r in ctl["rows"])
     te = [t for t in data["targets"] if ": te " in t["name"]]  # the te row sat this run out: not judged
     others = [t for t in data["targets"] if t not in te]
-    assert len(others) == 30 and all(t["met"] in (True, False) for t in others)
+    assert len(others) == 32 and all(t["met"] in (True, False) for t in others)
     assert len(te) == 5 and all(t["met"] is None for t in te)
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]

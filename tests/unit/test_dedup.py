@@ -70,8 +70,20 @@ def test_a_forced_digest_collision_is_caught_by_the_byte_compare(monkeypatch):
     other[1500, 3] += 1.0
     rows = [(base,), (other,), (base.clone(),)]
     assert dedup.twins(rows).tolist() == [-1, -1, 0]
-    monkeypatch.setattr(dedup, "digest", lambda row: (0, 0))
-    assert dedup.twins(rows).tolist() == [-1, -1, 0]
+    # Many distinct rows of one kind: they are keyed by digest, and a candidate is compared
+    # only with its digest's rows; every digest forced equal, the compare still decides.
+    others = []
+    for k in range(dedup.COMPARE_LEADERS + 2):
+        o = base.clone()
+        o[1000 + k, 0] += 1.0
+        others.append((o,))
+    many = [(base,), *others, (base.clone(),), (others[-1][0].clone(),)]
+    want = [-1] * (len(others) + 1) + [0, len(others)]
+    assert dedup.twins(many).tolist() == want
+    calls = []
+    monkeypatch.setattr(dedup, "digest", lambda row: calls.append(1) or (0, 0))
+    assert dedup.twins(rows).tolist() == [-1, -1, 0] and not calls  # a few distinct rows: compared, not hashed
+    assert dedup.twins(many).tolist() == want and calls
     w = PackedTensor([base, other, base.clone()])
     with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
         meta = c.put_samples("p", {"pixel_values": w})

@@ -98,6 +98,11 @@ class BenchPath:
         written = {f: sub.fields[f] for f in fields or sub.fields}
         return diff_fields(self.registry, written, got, sub.lengths, sample_ids=[batch.ids[i] for i in rows])
 
+    def held_bytes(self) -> int | None:
+        """Bytes the path's store holds now (None: it cannot tell): the bench takes the
+        difference across one write to see what that write stored."""
+        return None
+
     def clear(self, key: str) -> None:
         """Drop what ``write`` stored under ``key`` (untimed)."""
 

@@ -87,6 +87,10 @@ class RlplaneNative(RlplanePath):
     transport = "native"
     data_path = "shm"
 
+    def held_bytes(self) -> int | None:
+        """The bytes the engine's blocks hold for live samples (its controller's stats)."""
+        return int(self.client.transport.stats()["live_bytes"])
+
 
 class RlplaneNativeZmq(RlplaneNative):
     """The native engine with every byte over ZMQ frames (what a client on another host uses)."""

@@ -18,6 +18,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+#: Short names of the rows a title names (the tables' rows carry their own labels).
+PATH_LABELS = {"rlplane-native": "native"}
+
 
 def machine_facts() -> dict:
     """The host and library versions a result was measured with."""
@@ -74,7 +77,9 @@ def print_report(results: dict, console: Console) -> None:
 def workload_table(w: dict) -> Table:
     """One row per (path, op): median ms, min..max, GB/s, ratio to raw TransferQueue."""
     reps = w["paths"][0]["ops"]["put"]["reps"] if w["paths"] else 0
-    t = Table(title=f"{w['workload']} B={w['batch']} S={w['seqlen']}: {w['bytes_stored'] / 1e6:.1f} MB stored, "
+    held = "".join(f"; {PATH_LABELS.get(p, p)} stored {b / 1e6:.1f} MB" for p, b in (w.get("held_bytes") or {}).items())
+    unique = f" ({w['unique_bytes'] / 1e6:.1f} MB unique{held})" if w.get("unique_bytes") is not None else ""
+    t = Table(title=f"{w['workload']} B={w['batch']} S={w['seqlen']}: {w['bytes_stored'] / 1e6:.1f} MB written{unique}, "
                     f"writer -> reader, median of {reps}")
     for col in ("path", "op", "ms", "min..max ms", "GB/s", "x raw TQ"):
         t.add_column(col, justify="left" if col in ("path", "op") else "right")

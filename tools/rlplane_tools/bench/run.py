@@ -33,6 +33,12 @@ from rlplane_tools.bench.workers import Share, start_workers
 from rlplane_tools.timing import Phase, memcpy_phases
 
 THROUGHPUT_WORKLOADS = ("vlm-step", "text-step")
+#: vlm-grpo: the vlm-step batch as 8 groups of 8 sharing each group's images. The native engine
+#: stores each group's images once; raw TransferQueue, DataProto and the Ray object store store
+#: every copy. Only these rows: the others store every copy too and add nothing the vlm-step
+#: section does not show.
+GRPO_WORKLOAD = "vlm-grpo"
+GRPO_PATHS = ("rlplane-native", "raw-tq", "mooncake-dataproto", "ray-object-store")
 LATENCY_WORKLOAD = "small"
 SWEEP_WORKLOAD = "vlm-step"
 #: The HTTP proxy moves ~0.1-0.2 GB/s (DESIGN.md): at B=256 it alone would take minutes. Mooncake
@@ -75,7 +81,7 @@ class BenchConfig:
     """What one ``rlplane bench`` run measures. ``quick`` shrinks batches, reps and ops
     (every path, workload and sweep still runs); explicit values win over it."""
 
-    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, LATENCY_WORKLOAD, SCALE_WORKLOAD, DP_SHARD_SECTION,
+    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, GRPO_WORKLOAD, LATENCY_WORKLOAD, SCALE_WORKLOAD, DP_SHARD_SECTION,
                                   CLAIM_SECTION, CONTROLLER_SECTION)
     paths: tuple[str, ...] = tuple(PATHS)
     batch: int | None = None
@@ -265,6 +271,10 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
                 if name in THROUGHPUT_WORKLOADS:
                     share = _share(cfg, name, cfg.batch)
                     out["workloads"].append(_throughput(cfg, pool, share, cfg.paths, progress))
+            if GRPO_WORKLOAD in cfg.workloads:
+                paths = tuple(p for p in cfg.paths if p in GRPO_PATHS)
+                out["workloads"].append(_throughput(cfg, pool, _share(cfg, GRPO_WORKLOAD, cfg.batch), paths, progress,
+                                                    stored=True))
             if LATENCY_WORKLOAD in cfg.workloads:
                 out["latency"] = _latency(cfg, pool, progress)
             if DP_SHARD_SECTION in cfg.workloads:
@@ -309,14 +319,17 @@ def _share(cfg: BenchConfig, workload: str, batch: int | None, seqlen: int | Non
 
 
 def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None, rows: list[int] | None = None,
-          fields: list[str] | None = None) -> tuple[float, float]:
+          fields: list[str] | None = None, stored: dict[str, int] | None = None) -> tuple[float, float]:
     """One writer -> reader move through ``path`` (the reader reads ``fields`` of ``rows``
-    when given); (put s, get s). Raises on any difference."""
+    when given); (put s, get s). Raises on any difference. With ``stored``, the bytes the
+    put added to its store are recorded there under ``path`` (where the path can tell)."""
     import ray
 
     writer = writer or pool.writers[0]
     peer = pool.reader if PATHS[path].needs_peer else None
-    sent = ray.get(writer.write.remote(path, key, peer))
+    sent = ray.get(writer.write.remote(path, key, peer, stored is not None))
+    if stored is not None and sent["stored"] is not None:
+        stored[path] = sent["stored"]
     got = ray.get(pool.reader.read.remote(path, sent["handle"], verify, rows, fields))
     ray.get(writer.clear.remote(path, key))
     if got["problems"]:
@@ -325,19 +338,23 @@ def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None, ro
     return sent["end"] - sent["start"], got["end"] - got["start"]
 
 
-def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, ...], progress: Progress) -> dict:
+def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, ...], progress: Progress,
+                stored: bool = False) -> dict:
     """A checked warm-up move through every path, then ``reps`` rounds of one timed move
     per path. Rounds, not one path after the other: whichever path ran first used to
-    pay for the machine settling (its reads were 2-3x slower, whichever path it was)."""
+    pay for the machine settling (its reads were 2-3x slower, whichever path it was).
+    With ``stored``, the warm-up also records what each put added to its store (the
+    paths that can tell) and the batch's unique bytes (every repeated row once)."""
     task = progress.add_task(f"{share.workload} B={share.batch}: preparing", total=len(paths) * (cfg.reps + 1))
     nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
     puts = {path: Phase("put", share.batch, nbytes) for path in paths}
     gets = {path: Phase("get", share.batch, nbytes) for path in paths}
     wrong: dict[str, str] = {}
+    held: dict[str, int] | None = {} if stored else None
     for rep in range(cfg.reps + 1):
         progress.update(task, description=f"{share.workload} B={share.batch}: {'warm-up' if rep == 0 else f'round {rep}'}")
         for path in [p for p in paths if p not in wrong]:
-            moved = _checked_move(pool, path, _key(path, rep), rep == 0, wrong)
+            moved = _checked_move(pool, path, _key(path, rep), rep == 0, wrong, stored=held if rep == 0 else None)
             if moved and rep:
                 puts[path].seconds.append(moved[0])
                 gets[path].seconds.append(moved[1])
@@ -353,9 +370,12 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
     _ratios(rows)
     import ray
 
-    return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
-            "paths": rows, "bounds": [warm.to_dict(), fresh.to_dict()], "wrong": wrong,
-            "checksum_ms": ray.get(pool.writers[0].checksum_ms.remote(cfg.reps))}
+    out = {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
+           "paths": rows, "bounds": [warm.to_dict(), fresh.to_dict()], "wrong": wrong,
+           "checksum_ms": ray.get(pool.writers[0].checksum_ms.remote(cfg.reps))}
+    if held is not None:
+        out.update(unique_bytes=ray.get(pool.writers[0].unique_bytes.remote()), held_bytes=held)
+    return out
 
 
 def _checked_move(pool: _Pool, path: str, key: str, verify: bool, wrong: dict[str, str],

@@ -35,6 +35,10 @@ CLAIM_P50_MS, WAKE_P50_MS, CLAIMERS_MIN_RATE = 2.0, 20.0, 1000.0
 CHECKSUM_SHARE = 0.05
 #: The transfer engine: small put/get p50 at most this (ms); text-scale at most this multiple of shm's µs/sample.
 TE_SMALL_MS, TE_SCALE_VS_SHM = 1.0, 1.5
+#: vlm-grpo (groups sharing their images): what the native engine stores as a multiple of the
+#: batch's unique bytes, and its round trip as a share of raw TransferQueue's (which stores every copy).
+GRPO_STORED_VS_UNIQUE, GRPO_TRIP_VS_TQ = 1.05, 0.15
+GRPO_WORKLOAD = "vlm-grpo"
 TARGET_WORKLOAD = "vlm-step"
 NATIVE = "rlplane-native"
 TE, ZMQ = "rlplane-native-te", "rlplane-native-zmq"
@@ -91,6 +95,7 @@ def evaluate(results: dict) -> list[dict]:
     out.extend(_versus_dataproto(results, vlm, lat, scale))
     out.extend(_slab_targets(results, vlm))
     out.extend(_te_targets(vlm, lat, scale))
+    out.extend(_grpo_targets(work.get(GRPO_WORKLOAD)))
     ours, sums = _median(vlm, NATIVE, "round trip"), (vlm or {}).get("checksum_ms")
     value = 2 * sums / ours if ours and sums is not None else None
     out.append(_target(f"{TARGET_WORKLOAD}: row checksums (computed on put, checked on read) <= {CHECKSUM_SHARE:.0%} of "
@@ -194,6 +199,21 @@ def _slab_targets(results: dict, vlm: dict | None) -> list[dict]:
                      if g.get((NATIVE, "get")) and g.get((REFERENCE, "get"))), default=None)
         out.append(_target("sweep: native get GB/s >= raw TransferQueue's at every B", worst, 1.0,
                            worst is not None and worst >= 1.0, "lowest GB/s ratio over the sweep"))
+    return out
+
+
+def _grpo_targets(grpo: dict | None) -> list[dict]:
+    """vlm-grpo: the native engine keeps each group's images once (bytes it stored against
+    the batch's unique bytes) and moves them once (round trip against raw TransferQueue's)."""
+    held, unique = (grpo or {}).get("held_bytes", {}).get(NATIVE), (grpo or {}).get("unique_bytes")
+    value = held / unique if held is not None and unique else None
+    out = [_target(f"{GRPO_WORKLOAD}: native stores <= {GRPO_STORED_VS_UNIQUE}x the batch's unique bytes", value,
+                   GRPO_STORED_VS_UNIQUE, value is not None and value <= GRPO_STORED_VS_UNIQUE,
+                   "bytes stored / unique bytes")]
+    ours, ref = _median(grpo, NATIVE, "round trip"), _median(grpo, REFERENCE, "round trip")
+    value = ours / ref if ours is not None and ref else None
+    out.append(_target(f"{GRPO_WORKLOAD}: native round trip <= {GRPO_TRIP_VS_TQ}x raw TransferQueue's", value,
+                       GRPO_TRIP_VS_TQ, value is not None and value <= GRPO_TRIP_VS_TQ, "time ratio (median)"))
     return out
 
 

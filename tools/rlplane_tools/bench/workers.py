@@ -72,9 +72,22 @@ class BenchWorker:
             if name not in self.paths:
                 self.paths[name] = PATHS[name](self.env)
 
-    def write(self, path: str, key: str, peer: Any = None) -> dict:
-        sent = self.paths[path].write(self._batch(), key, peer)
-        return {"handle": sent.handle, "start": sent.start, "end": sent.end}
+    def write(self, path: str, key: str, peer: Any = None, measure: bool = False) -> dict:
+        """Write the held batch under ``key``; with ``measure``, also what the write added
+        to the path's store (``stored``: bytes, None where the path cannot tell), read
+        outside the timed call."""
+        p = self.paths[path]
+        before = p.held_bytes() if measure else None
+        sent = p.write(self._batch(), key, peer)
+        after = p.held_bytes() if before is not None else None
+        return {"handle": sent.handle, "start": sent.start, "end": sent.end,
+                "stored": None if after is None else after - before}
+
+    def unique_bytes(self) -> int:
+        """The held batch's bytes with every repeated row counted once (what a store that
+        keeps identical rows once must hold at least)."""
+        b = self._batch()
+        return encode(self.registry, b.work.fields, b.work.lengths, sample_ids=b.ids, share_rows=True).nbytes
 
     def read(self, path: str, handle: Any, verify: bool, rows: list[int] | None = None,
              fields: list[str] | None = None) -> dict:

@@ -47,6 +47,8 @@ class ClaimRequest:
     max_tokens: int | None = None
     min_tokens: int | None = None  # what a claim at its deadline needs at least (default: max_tokens)
     tokens_field: str | None = None  # the token field whose rows' lengths count (one of ``fields``)
+    #: Hand out partial rollouts too (samples whose ``finished`` tag is False: rlplane.tags).
+    unfinished: bool = False
 
     def to_header(self) -> dict[str, Any]:
         out = {"p": self.partition, "task": self.task, "n": self.batch_size, "fields": list(self.fields),
@@ -54,6 +56,8 @@ class ClaimRequest:
                "stale": self.max_staleness, "lease_s": self.lease_s}
         if self.max_tokens is not None:
             out.update({"tok": self.max_tokens, "mintok": self.min_tokens, "tokf": self.tokens_field})
+        if self.unfinished:
+            out["unf"] = True
         return out
 
     @classmethod
@@ -61,12 +65,12 @@ class ClaimRequest:
               fields: Sequence[str] | None = None, timeout: float = 0.0, min_batch: int | None = None,
               group_key: str | None = None, current_version: int | None = None, max_staleness: int | None = None,
               lease_s: float | None = None, max_tokens: int | None = None,
-              min_tokens: int | None = None) -> ClaimRequest:
+              min_tokens: int | None = None, unfinished: bool = False) -> ClaimRequest:
         """A checked claim from a caller's arguments: ``fields``, or ``stage``'s fields from
         ``registry`` (every name registered); typed errors name what is wrong. With
         ``max_tokens`` the lengths counted are those of the first token field among them,
         ``batch_size`` may be None (at most :data:`MAX_CLAIM_BATCH`) and ``min_batch``
-        defaults to 1."""
+        defaults to 1. ``unfinished``: partial rollouts are handed out too."""
         check_partition(partition)
         if not isinstance(task, str) or not task:
             raise E.InvalidArgumentError(f"task must be a non-empty string, got {task!r}")
@@ -95,7 +99,7 @@ class ClaimRequest:
             min_batch = 1 if max_tokens is not None else batch_size
         req = cls(partition, task, batch_size, tuple(names), float(timeout or 0.0), int(min_batch), group_key,
                   current_version, max_staleness, lease_s, max_tokens,
-                  max_tokens if min_tokens is None else min_tokens, tokens_field)
+                  max_tokens if min_tokens is None else min_tokens, tokens_field, _flag(unfinished, "unfinished"))
         req.check()
         return req
 
@@ -117,7 +121,7 @@ class ClaimRequest:
                   _num(h.get("min") or n, int, "min"), _opt(h.get("group"), str, "group"),
                   _opt(h.get("version"), int, "version"), _opt(h.get("stale"), int, "stale"),
                   _opt(h.get("lease_s"), float, "lease_s"), _opt(h.get("tok"), int, "tok"),
-                  _opt(h.get("mintok"), int, "mintok"), _opt(h.get("tokf"), str, "tokf"))
+                  _opt(h.get("mintok"), int, "mintok"), _opt(h.get("tokf"), str, "tokf"), _flag(h.get("unf"), "unf"))
         req.check()
         return req
 
@@ -158,6 +162,12 @@ def _num(x: Any, kind: type, what: str) -> Any:
     if not ok:
         raise E.WireFormatError(f"claim field {what!r} must be a finite {kind.__name__}, got {str(x)[:40]!r}")
     return kind(x)
+
+
+def _flag(x: Any, what: str) -> bool:
+    if x is None or isinstance(x, bool):
+        return bool(x)
+    raise E.WireFormatError(f"claim field {what!r} must be true or false, got {str(x)[:40]!r}")
 
 
 def _opt(x: Any, kind: type, what: str) -> Any:

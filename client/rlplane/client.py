@@ -33,12 +33,14 @@ from rlplane.errors import (InvalidArgumentError, LeaseError, MissingDataError, 
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.gcpause import gc_paused
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
+from rlplane.extension import appended, token_fields
 from rlplane.meta import SampleMeta
 from rlplane.names import check_partition
 from rlplane.opstats import OpStats
 from rlplane import snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
+from rlplane.tags import FINISHED_TAG
 from rlplane.transports.base import Transport
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class Client:
         sample_ids: Sequence[str] | None = None,
         tags: Sequence[Mapping[str, Any]] | None = None,
         durable: bool = False,
+        finished: bool = True,
     ) -> SampleMeta:
         """Store new samples; returns their meta.
 
@@ -83,6 +86,8 @@ class Client:
         An invalid field raises a typed error naming field and sample; nothing is stored.
         ``durable=True``: returns once the put is in the store's journal on disk
         (RLPLANE_JOURNAL_DIR; native backend): it survives every engine process dying.
+        ``finished=False`` starts partial rollouts (tag ``finished`` False): claims and a
+        stage's readiness skip them until :meth:`extend` (or a write of the tag) finishes them.
 
         Example::
 
@@ -96,9 +101,12 @@ class Client:
             if len(ids) != batch:
                 raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
             user = _user_tags(tags, batch, ids)
+            if not finished:
+                user = [{**u, FINISHED_TAG: False} for u in user]
             with self._buffers() as mine, self.transport.put_buffers(batch, mine) as alloc:
                 enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep, share_rows=self._shares)
-                merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None else enc.tags
+                merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None or not finished \
+                    else enc.tags
                 if durable:
                     if not self.transport.durable_puts:
                         raise InvalidArgumentError(f"put_samples(..., durable=True) needs the native backend with a "
@@ -132,6 +140,45 @@ class Client:
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
                 op.nbytes = enc.nbytes
         return meta.with_fields(enc.columns, enc.tags)
+
+    def extend(self, meta: SampleMeta, fields: Mapping[str, Any], *, finished: bool = False) -> SampleMeta:
+        """Append tokens to stored samples (partial rollouts): ``fields`` holds, for every
+        token field the samples hold (and only those), the new tokens ``[B, T, ...]``, and
+        ``input_lengths`` how many each sample gets (0 for none). The samples' lengths grow;
+        every other field stays as it is. ``finished=True`` marks them done: claims hand
+        them out from then on. Returns the meta with the new lengths. A token field left
+        out, or one the samples do not hold, is a ShapeError naming it, and nothing changes.
+        One writer extends a sample at a time (the rollout that owns it): two extends of
+        the same sample at once keep one of them.
+
+        Example::
+
+            meta = client.put_samples("step-0", {"input_ids": ids, "input_lengths": lens}, finished=False)
+            meta = client.extend(meta, {"input_ids": more, "input_lengths": more_lens}, finished=True)
+        """
+        with self._op("extend") as op:
+            names = token_fields(self.registry, meta.fields, fields)
+            given = prepare(self.registry, fields, fields[LENGTHS_FIELD], sample_ids=meta.sample_ids)
+            if given.batch != len(meta):
+                raise ShapeError(f"{given.batch} samples of appended tokens for a meta of {len(meta)}")
+            columns, tags = self.transport.get(meta.partition, meta.sample_ids, [*names, LENGTHS_FIELD])
+            stored = decode(self.registry, columns, tags, "padded", None, sample_ids=meta.sample_ids,
+                            partition=meta.partition)
+            out: dict[str, Any] = {}
+            for name in names:
+                out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], fields[name], given.lengths)
+            out[LENGTHS_FIELD] = lengths
+            prep = prepare(self.registry, out, lengths, sample_ids=meta.sample_ids)
+            user = [{FINISHED_TAG: bool(finished)} for _ in range(len(meta))]
+            with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
+                enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep)
+                written = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
+                self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False)
+                op.nbytes = enc.nbytes
+        grown = meta.with_fields(enc.columns, written)
+        new = lengths.tolist()
+        pad = meta.pad_to_seqlen if meta.pad_to_seqlen is None or meta.pad_to_seqlen >= max(new, default=0) else None
+        return replace(grown, lengths=new, pad_to_seqlen=pad)
 
     # -- reading ---------------------------------------------------------------------
     def fields_for_stage(self, stage: str, meta_or_partition: SampleMeta | str) -> list[str]:
@@ -200,6 +247,7 @@ class Client:
         lease_s: float | None = None,
         max_tokens: int | None = None,
         min_tokens: int | None = None,
+        unfinished: bool = False,
     ) -> SampleMeta:
         """Up to ``batch_size`` samples of ``partition`` that are ready for ``stage`` (or hold
         ``fields``) and that ``task`` has not claimed, oldest first; exactly once per task
@@ -217,6 +265,9 @@ class Client:
         waits until the next one would not fit; at its deadline it returns what is ready
         if that holds at least ``min_tokens`` (default ``max_tokens``) tokens.
 
+        Partial rollouts (tag ``finished`` False: ``put_samples(..., finished=False)``) are
+        not handed out until they are finished, unless ``unfinished=True``.
+
         Example::
 
             meta = client.claim("step-0", "train", batch_size=64, stage="train", timeout=30)
@@ -228,7 +279,7 @@ class Client:
             want = ClaimRequest.build(self.registry, partition, task, batch_size, stage=stage, fields=fields,
                                       timeout=timeout, min_batch=min_batch, group_key=group_key,
                                       current_version=current_version, max_staleness=max_staleness, lease_s=lease_s,
-                                      max_tokens=max_tokens, min_tokens=min_tokens)
+                                      max_tokens=max_tokens, min_tokens=min_tokens, unfinished=unfinished)
             reply = self._claim(want, timeout)
         tags = reply["tags"]
         lengths = self._stored_lengths(tags)

@@ -37,6 +37,20 @@ def merge_tags(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]
     return out
 
 
+#: A user tag rlplane reads: a sample whose ``finished`` tag is False is a partial rollout
+#: still being written (``put_samples(..., finished=False)``, then ``Client.extend``); claims
+#: and a stage's readiness skip it until a write sets it True. Absent means finished.
+FINISHED_TAG = "finished"
+
+
+def unfinished(tags: Mapping[str, Any] | None) -> bool:
+    """Whether a sample with these tags is still being written (its ``finished`` tag is False).
+
+    Example: ``unfinished({"finished": False})`` is True; ``unfinished({})`` is False.
+    """
+    return (tags or {}).get(FINISHED_TAG) is False
+
+
 #: Reserved key in each sample's tags: ``{field: xxh3-64 of the row's stored bytes}``.
 SUM_TAG = "_rlplane_sum"
 

@@ -144,6 +144,7 @@ class ClaimBody(BaseModel):
                                       "oldest first, while their summed lengths fit.")
     min_tokens: Optional[int] = Field(None, ge=1, le=1 << 40, description="What a claim at its timeout needs at least "
                                       "(default max_tokens).")
+    unfinished: bool = Field(False, description="Hand out partial rollouts too (samples whose 'finished' tag is false).")
 
 
 class SnapshotBody(BaseModel):
@@ -375,7 +376,8 @@ def build_api(state: ServiceState) -> FastAPI:
                                      fields=body.fields, timeout=body.timeout, min_batch=body.min_batch,
                                      group_key=body.group_key, current_version=body.current_version,
                                      max_staleness=body.max_staleness, lease_s=body.lease_s,
-                                     max_tokens=body.max_tokens, min_tokens=body.min_tokens)
+                                     max_tokens=body.max_tokens, min_tokens=body.min_tokens,
+                                     unfinished=body.unfinished)
             out = await ledger().acall({"op": "claim", **req.to_header()}, req.wait_s)
         return {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
                 "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"],

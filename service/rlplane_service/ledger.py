@@ -33,11 +33,13 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
-from rlplane.tags import WIRE_TAG, merge_tags
+from rlplane.tags import WIRE_TAG, merge_tags, unfinished
 
 UNSEEN, LEASED, ACKED, EXPIRED = 0, 1, 2, 3
 #: Tags the ledger reads (besides the claim's ``group_key``).
 VERSION_TAG, GROUP_SIZE_TAG = "policy_version", "group_size"
+#: The cache key of the ``finished`` tag (rlplane.tags.FINISHED_TAG).
+FINISHED_KEY = "finished"
 #: ``policy_version`` of a sample without one: never stale.
 NO_VERSION = np.iinfo(np.int64).max
 #: Upper bounds (seconds) of the claim-wait histogram's buckets.
@@ -69,6 +71,10 @@ class Index(Protocol):
         """Int64 per one of ``slots``: the leading dim of its row of ``field`` (a token
         field's: the sample's length), -1 where it has none."""
 
+    def epochs(self) -> np.ndarray:
+        """Int64 per slot < used: how many times its tags changed after its commit (a
+        later write's tags: a partial rollout finished), so tag caches know to look again."""
+
 
 @dataclass
 class TaskState:
@@ -96,17 +102,21 @@ class PartState:
     version: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     groups: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)  # key -> (code, size)
     codes: dict[str, dict[Any, int]] = field(default_factory=dict)
-    filled: dict[str, np.ndarray] = field(default_factory=dict)  # per cache: which slots it holds
+    filled: dict[str, np.ndarray] = field(default_factory=dict)  # per cache: the tag epoch it holds per slot (-1: none)
+    open: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # a partial rollout, still being written
 
     def _todo(self, key: str) -> np.ndarray:
-        """Live slots whose ``key`` cache is not filled yet (a slot's tags are final once it
-        is live: a reserved slot of a put in flight has none yet), marked filled."""
+        """Live slots whose ``key`` cache does not hold their current tags (never read, or
+        their tags changed since: :meth:`Index.epochs`), marked read. A reserved slot of a
+        put in flight has no tags yet: it is read once it is live."""
         n = self.index.used
-        done = self.filled.get(key, np.zeros(0, bool))
-        if done.size < n:
-            done = self.filled[key] = np.concatenate([done, np.zeros(max(n, 2 * done.size, 64) - done.size, bool)])
-        todo = np.flatnonzero(self.index.live()[:n] & ~done[:n])
-        done[todo] = True
+        seen = self.filled.get(key, np.zeros(0, np.int64))
+        if seen.size < n:
+            seen = self.filled[key] = np.concatenate([seen, np.full(max(n, 2 * seen.size, 64) - seen.size, -1,
+                                                                    np.int64)])
+        epoch = self.index.epochs()[:n]
+        todo = np.flatnonzero(self.index.live()[:n] & (seen[:n] != epoch))
+        seen[todo] = epoch[todo]
         return todo
 
     @staticmethod
@@ -121,6 +131,17 @@ class PartState:
         if todo.size:
             self.version[todo] = [_version(t) for t in self.index.tags_of(todo)]
         return self.version[:n]
+
+    def unfinished(self) -> np.ndarray:
+        """Per slot: its ``finished`` tag is False (a partial rollout: never claimed, not
+        ready), read once per sample and again whenever its tags change."""
+        n = self.index.used
+        if self.open.size < n:
+            self.open = np.concatenate([self.open, np.zeros(max(n, 2 * self.open.size, 64) - self.open.size, bool)])
+        todo = self._todo(FINISHED_KEY)
+        if todo.size:
+            self.open[todo] = [unfinished(t) for t in self.index.tags_of(todo)]
+        return self.open[:n]
 
     def tokens(self, name: str, slots: np.ndarray) -> np.ndarray:
         """The length of each of ``slots`` in token field ``name`` (-1 without a row)."""
@@ -216,6 +237,8 @@ class Ledger:
             stale = (ps.versions()[lo:n] < req.current_version - req.max_staleness) & live & (st == UNSEEN)  # type: ignore[operator]
             st[stale] = EXPIRED
         ready = live & (st == UNSEEN)
+        if not req.unfinished:  # a partial rollout is claimed once it is finished
+            ready &= ~ps.unfinished()[lo:n]
         for f in req.fields:
             ready &= idx.has(f)[lo:n]
         cand = np.flatnonzero(ready) + lo
@@ -432,6 +455,7 @@ class Ledger:
             state = ts.state[:n]
             for f in ts.fields:
                 ready &= idx.has(f)[:n]
+        ready &= ~ps.unfinished()
         return {"samples": int(live.sum()), "ready": int(ready.sum()),
                 "claimed": int((live & (state == LEASED)).sum()), "acked": int((live & (state == ACKED)).sum()),
                 "expired": int((live & (state == EXPIRED)).sum()), "pending": int((ready & (state == UNSEEN)).sum()),
@@ -505,6 +529,7 @@ class SimpleIndex:
         self.present: dict[str, np.ndarray] = {}
         self.tags = np.empty(0, object)
         self._leads: dict[str, np.ndarray] = {}  # field -> each slot's row length (_UNREAD until read)
+        self.retagged = np.zeros(0, np.int64)  # per slot: tag changes after its first write (Index.epochs)
 
     def live(self) -> np.ndarray:
         return self.alive[: self.used]
@@ -515,6 +540,9 @@ class SimpleIndex:
 
     def field_names(self) -> list[str]:
         return list(self.present)
+
+    def epochs(self) -> np.ndarray:
+        return self.retagged[: self.used]
 
     def ids_of(self, slots: np.ndarray) -> list[str]:
         return self.names[slots].tolist()
@@ -544,6 +572,7 @@ class SimpleIndex:
                 self.names = grown(self.names, cap)
                 self.alive = grown(self.alive, cap)
                 self.tags = grown(self.tags, cap)
+                self.retagged = grown(self.retagged, cap)
                 self.present = {f: grown(a, cap) for f, a in self.present.items()}
             slots = np.arange(self.used, need)
             for i, s in enumerate(ids):
@@ -559,6 +588,7 @@ class SimpleIndex:
             for i in keep:
                 if i < len(tags) and tags[i]:
                     self.tags[got[i]] = merge_tags(self.tags[got[i]] or {}, tags[i])
+                    self.retagged[got[i]] += 1
         for f in fields:
             if f not in self.present:
                 self.present[f] = np.zeros(self.alive.size, bool)

@@ -175,3 +175,59 @@ def test_claims_hand_each_sample_out_once_per_task_and_a_nack_gives_them_back(co
         assert client.ack(first, "train") + client.ack(again, "train") == 6
         assert client.consumption(p, "train")["acked"] == 6
         client.clear(p)
+
+
+def _partial_step(g: torch.Generator, lens: list[int]) -> dict:
+    """Tokens for a step of a partial rollout: ``lens[i]`` new tokens for sample i."""
+    n, width = len(lens), max(max(lens), 1)
+    return {"input_ids": torch.randint(0, 1 << 40, (n, width), generator=g),
+            "token_mask": torch.randint(0, 2, (n, width), generator=g).to(torch.int32),
+            "generation_logprobs": torch.randn(n, width, generator=g),
+            "input_lengths": torch.tensor(lens)}
+
+
+def test_partial_rollouts_grow_bit_exactly_through_extends_and_are_claimed_once_finished(conn, request):
+    """Three rollouts written partway, then extended ten times (some steps add nothing to
+    some samples), read back after every step equal to what a rollout that had it all
+    at once would have written; an extend that leaves a token field out, or brings one
+    the samples never had, changes nothing; claims skip the rollouts until they finish."""
+    g = torch.Generator().manual_seed(5)
+    with conn() as client:
+        p = part()
+        first = _partial_step(g, [3, 1, 2])
+        meta = client.put_samples(p, first, finished=False)
+        done = client.put_samples(p, small(1))  # a finished sample next to them
+        want = {f: [first[f][i, : int(first["input_lengths"][i])] for i in range(3)] for f in first if f != "input_lengths"}
+        claims = request.node.callspec.params["conn"] != "memory"
+        if claims:
+            got = client.claim(p, "train", batch_size=4, min_batch=1, fields=["input_ids"], timeout=0)
+            assert got.sample_ids == done.sample_ids  # the partial rollouts are not handed out
+            early = client.claim(p, "peek", batch_size=3, fields=["input_ids"], timeout=5, unfinished=True)
+            assert sorted(early.sample_ids) == sorted(meta.sample_ids)  # unless asked for
+            assert client.consumption(p, "train")["ready"] == 1
+        for step in range(10):
+            lens = torch.randint(0, 5, (3,), generator=g).tolist()
+            more = _partial_step(g, lens)
+            meta = client.extend(meta, more, finished=step == 9)
+            for f in want:
+                want[f] = [torch.cat([want[f][i], more[f][i, : lens[i]]]) for i in range(3)]
+            assert meta.lengths == [len(r) for r in want["input_ids"]]
+            got = client.read_columns(meta, [*want, "input_lengths"], layout="jagged")
+            for f in want:
+                assert all(torch.equal(a, b) for a, b in zip(got[f], want[f])), (step, f)
+            if claims and step < 9:
+                with pytest.raises(E.NotReadyError):
+                    client.claim(p, "train", batch_size=1, fields=["input_ids"], timeout=0)
+        with pytest.raises(E.ShapeError) as err:  # a token field left out: refused, nothing changes
+            client.extend(meta, {"input_ids": torch.ones(3, 2, dtype=torch.int64), "input_lengths": torch.tensor([2, 2, 2])})
+        assert err.value.field in ("generation_logprobs", "token_mask")
+        with pytest.raises(E.ShapeError) as err:  # a token field the rollouts never had
+            client.extend(meta, {**_partial_step(g, [1, 1, 1]), "advantages": torch.zeros(3, 1)})
+        assert err.value.field == "advantages"
+        got = client.read_columns(meta, list(want), layout="jagged")
+        assert all(torch.equal(a, b) for f in want for a, b in zip(got[f], want[f]))
+        if claims:
+            rest = client.claim(p, "train", batch_size=3, fields=["input_ids"], timeout=10)
+            assert sorted(rest.sample_ids) == sorted(meta.sample_ids) and rest.lengths == meta.lengths
+            assert client.consumption(p, "train")["ready"] == 4
+        client.clear(p)

@@ -130,7 +130,7 @@ def _claim_body(req: ClaimRequest) -> dict[str, Any]:
     return {"task": req.task, "batch_size": req.batch_size, "fields": list(req.fields), "timeout": req.wait_s,
             "min_batch": req.min_batch, "group_key": req.group_key, "current_version": req.current_version,
             "max_staleness": req.max_staleness, "lease_s": req.lease_s, "max_tokens": req.max_tokens,
-            "min_tokens": req.min_tokens}
+            "min_tokens": req.min_tokens, "unfinished": req.unfinished}
 
 
 __all__ = ["HttpTransport", "HttpStreams"]

@@ -126,6 +126,7 @@ class Partition:
     names: np.ndarray = field(default_factory=lambda: np.empty(0, object))
     state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
     user: np.ndarray = field(default_factory=lambda: np.empty(0, object))
+    retagged: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # user tag changes after the commit
     fields: dict[str, FieldIndex] = field(default_factory=dict)
     used: int = 0  # slots handed out so far
     lost: dict[str, str] = field(default_factory=dict)  # sample id -> the storage unit it was lost with
@@ -136,6 +137,7 @@ class Partition:
             self.names = grown(self.names, cap)
             self.state = grown(self.state, cap)
             self.user = grown(self.user, cap)
+            self.retagged = grown(self.retagged, cap)
             for fi in self.fields.values():
                 fi.grow(cap)
 
@@ -170,6 +172,9 @@ class Partition:
 
     def field_names(self) -> list[str]:
         return list(self.fields)
+
+    def epochs(self) -> np.ndarray:
+        return self.retagged[: self.used]
 
     def ids_of(self, slots: np.ndarray) -> list[str]:
         return self.names[slots].tolist()

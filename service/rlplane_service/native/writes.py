@@ -253,6 +253,7 @@ class WriteOps:
             for s, extra_tags in zip(res.slots.tolist(), user):
                 if isinstance(extra_tags, dict) and extra_tags:
                     part.user[s] = {**(part.user[s] or {}), **extra_tags}
+                    part.retagged[s] += 1  # the ledger reads them again (a partial rollout finished)
         self._block_ext.update(c.ext)
         for b, _, _, _ in res.blocks:  # a block no field row points at (nothing to store) is dropped
             if self._block_refs.get(b, 0) == 0:

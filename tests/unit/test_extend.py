@@ -1,0 +1,86 @@
+"""Partial rollouts on the native engine (in one process plus storage units, no Ray):
+what an extend leaves survives a controller restart and a snapshot restore (lengths,
+bytes, and which samples are still being written); a claim by tokens counts the grown
+lengths; the two pure steps of an extend (which fields, the rows it writes) on their own.
+The same behaviour over every transport is in tests/service/test_conformance.py."""
+
+import pytest
+import torch
+
+from rlplane import Client, default_registry, snapshot
+from rlplane import errors as E
+from rlplane.extension import appended, token_fields
+from rlplane.transports.native import NativeTransport
+from rlplane_service.native.local import LocalEngine
+
+SECRET = b"extend-test-secret"
+
+
+def connect(eng: LocalEngine) -> Client:
+    info = {"controller": eng.server.endpoint, "secret": SECRET.decode()}
+    return Client(default_registry(), NativeTransport(info, timeout=30, data_path="shm"))
+
+
+def tokens(lens: list[int], start: int) -> dict:
+    width = max(max(lens), 1)
+    ids = torch.arange(start, start + len(lens) * width, dtype=torch.int64).reshape(len(lens), width)
+    return {"input_ids": ids, "input_lengths": torch.tensor(lens)}
+
+
+def test_appended_puts_each_samples_new_tokens_after_its_own_and_casts_to_the_stored_dtype():
+    stored = torch.tensor([[1, 2, 0], [3, 0, 0], [0, 0, 0]], dtype=torch.int32)
+    rows, lengths = appended(stored, torch.tensor([2, 1, 0]), torch.tensor([[9, 9], [8, 0], [7, 6]]), torch.tensor([2, 0, 2]))
+    assert lengths.tolist() == [4, 1, 2] and rows.dtype == torch.int32
+    assert [rows[i, :n].tolist() for i, n in enumerate(lengths.tolist())] == [[1, 2, 9, 9], [3], [7, 6]]
+    with pytest.raises(E.ShapeError):  # trailing dims must agree
+        appended(torch.zeros(1, 2, 3), torch.tensor([1]), torch.zeros(1, 1, 4), torch.tensor([1]))
+
+
+def test_token_fields_names_what_an_extension_must_carry():
+    reg = default_registry()
+    held = {"input_ids", "input_lengths", "generation_logprobs", "pixel_values"}
+    two = {"input_ids": torch.zeros(1, 1), "generation_logprobs": torch.zeros(1, 1), "input_lengths": torch.tensor([1])}
+    assert token_fields(reg, held, two) == ["generation_logprobs", "input_ids"]
+    for given, field in (({"input_ids": torch.zeros(1, 1), "input_lengths": torch.tensor([1])}, "generation_logprobs"),
+                         ({**two, "pixel_values": torch.zeros(1, 1)}, "pixel_values"),
+                         ({**two, "advantages": torch.zeros(1, 1)}, "advantages"),
+                         ({k: v for k, v in two.items() if k != "input_lengths"}, "input_lengths")):
+        with pytest.raises(E.ShapeError) as err:
+            token_fields(reg, held, given)
+        assert err.value.field == field
+    with pytest.raises(E.ShapeError, match="no token field"):
+        token_fields(reg, {"input_lengths", "pixel_values"}, two)
+
+
+def test_partial_rollouts_survive_a_controller_restart_and_a_snapshot_restore(tmp_path):
+    with LocalEngine(2, secret=SECRET, lease_s=30) as a, LocalEngine(1, secret=SECRET, lease_s=30) as b, \
+            connect(a) as ca, connect(b) as cb:
+        meta = ca.put_samples("p", tokens([2, 3], 0), finished=False)
+        meta = ca.extend(meta, tokens([4, 1], 100))
+        done = ca.put_samples("p", tokens([5], 500))
+        want = ca.read_columns(meta, ["input_ids"], layout="jagged")["input_ids"]
+        a.kill_controller()
+        a.restart_controller()
+        assert ca.claim("p", "train", batch_size=3, min_batch=1, fields=["input_ids"], timeout=0).sample_ids == done.sample_ids
+        snapshot.take(ca.transport, tmp_path / "snap")
+        snapshot.restore(cb.transport, tmp_path / "snap")
+        for c in (ca, cb):
+            got = c.read_columns(meta, ["input_ids"], layout="jagged")["input_ids"]
+            assert all(torch.equal(x, y) for x, y in zip(got, want)) and [len(x) for x in got] == [6, 4]
+        with pytest.raises(E.NotReadyError):  # restored: still being written
+            cb.claim("p", "train", batch_size=3, fields=["input_ids"], timeout=0)
+        assert cb.claim("p", "train", batch_size=3, min_batch=1, fields=["input_ids"], timeout=0).sample_ids == done.sample_ids
+        for c in (ca, cb):
+            c.extend(meta, tokens([0, 2], 900), finished=True)
+            got = c.claim("p", "train", batch_size=2, fields=["input_ids"], timeout=5)
+            assert sorted(got.sample_ids) == sorted(meta.sample_ids) and sorted(got.lengths) == [6, 6]
+
+
+def test_a_claim_by_tokens_counts_the_lengths_an_extend_grew():
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        meta = c.put_samples("p", tokens([10, 10], 0), finished=False)
+        c.extend(meta, tokens([90, 0], 100), finished=True)  # 100 and 10 tokens now
+        got = c.claim("p", "train", max_tokens=50, fields=["input_ids"], timeout=5)
+        assert got.sample_ids == meta.sample_ids[:1] and got.over_budget  # alone, larger than the budget
+        got = c.claim("p", "train", max_tokens=50, min_tokens=1, fields=["input_ids"], timeout=0)
+        assert got.sample_ids == meta.sample_ids[1:] and got.lengths == [10]

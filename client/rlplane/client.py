@@ -27,7 +27,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import msgpack
 import torch
 
-from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, decode, encode, merge_tags, prepare
+from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, decode, encode, prepare
 from rlplane.errors import (InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
                             TransportError)
 from rlplane.fields import LENGTHS_FIELD, Registry
@@ -105,8 +105,7 @@ class Client:
                 user = [{**u, FINISHED_TAG: False} for u in user]
             with self._buffers() as mine, self.transport.put_buffers(batch, mine) as alloc:
                 enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep, share_rows=self._shares)
-                merged = [merge_tags(u, w) for u, w in zip(user, enc.tags)] if tags is not None or not finished \
-                    else enc.tags
+                merged = enc.tags.with_user(user) if tags is not None or not finished else enc.tags
                 if durable:
                     if not self.transport.durable_puts:
                         raise InvalidArgumentError(f"put_samples(..., durable=True) needs the native backend with a "
@@ -169,10 +168,10 @@ class Client:
                 out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], fields[name], given.lengths)
             out[LENGTHS_FIELD] = lengths
             prep = prepare(self.registry, out, lengths, sample_ids=meta.sample_ids)
-            user = [{FINISHED_TAG: bool(finished)} for _ in range(len(meta))]
+            user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
                 enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep)
-                written = [merge_tags(u, w) for u, w in zip(user, enc.tags)]
+                written = enc.tags.with_user(user)
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False)
                 op.nbytes = enc.nbytes
         grown = meta.with_fields(enc.columns, written)

@@ -93,9 +93,10 @@ class RowTags(Sequence[dict[str, Any]]):
         tag = self._built.get(i)
         if tag is None:
             user = self.user[i] if self.user is not None else None
-            tag = {**(user if isinstance(user, Mapping) else {}),
-                   WIRE_TAG: {f: g[i] for f, g in self.geoms.items()},
-                   SUM_TAG: {f: int(s[i]) for f, s in self.sums.items()}}
+            tag = dict(user) if isinstance(user, Mapping) else {}
+            # a built tag map handed on (take) keeps its own geometry and digests
+            tag[WIRE_TAG] = {**(tag.get(WIRE_TAG) or {}), **{f: g[i] for f, g in self.geoms.items()}}
+            tag[SUM_TAG] = {**(tag.get(SUM_TAG) or {}), **{f: int(s[i]) for f, s in self.sums.items()}}
             self._built[i] = tag
         return tag
 
@@ -117,10 +118,30 @@ class RowTags(Sequence[dict[str, Any]]):
 
     def merged(self, new: Sequence[Mapping[str, Any]]) -> Sequence[dict[str, Any]]:
         """Each sample's tags after a write whose tags are ``new`` (:func:`merge_tags`)."""
-        if isinstance(new, RowTags) and not self._built and not new._built and not new.has_user_tags() \
-                and len(new) == self._n:
-            return RowTags(self.user, {**self.geoms, **new.geoms}, {**self.sums, **new.sums}, self._n)
+        if isinstance(new, RowTags) and not self._built and not new._built and len(new) == self._n:
+            user = self.user
+            if new.has_user_tags():  # the new user tags win, key by key (they hold no reserved key)
+                old = self.user if self.user is not None else [None] * self._n
+                user = [{**(a or {}), **(b or {})} or None for a, b in zip(old, new.user)]  # type: ignore[arg-type]
+            return RowTags(user, {**self.geoms, **new.geoms}, {**self.sums, **new.sums}, self._n)
         return [merge_tags(a, b) for a, b in zip(self, new, strict=True)]
+
+    def with_user(self, user: Sequence[Mapping[str, Any] | None]) -> RowTags:
+        """These rows' geometry and digests with ``user`` as the user tags (one map or None
+        per sample, no reserved keys): what a write with user tags sends, built lazily."""
+        if len(user) != self._n:
+            raise ValueError(f"{len(user)} user tag maps for {self._n} samples")
+        if self._built:  # edited tag maps come along
+            return RowTags([merge_tags(t, u or {}) for t, u in zip(self, user)], {}, {}, self._n)
+        return RowTags(list(user), self.geoms, self.sums, self._n)
+
+    def user_tags(self) -> list[Any]:
+        """Each sample's own tags (a map or None, rlplane's reserved keys left out), without
+        building the whole tag maps unless some were built (and so may have been edited)."""
+        if not self._built:
+            return list(self.user) if self.user is not None else [None] * self._n
+        return [{k: v for k, v in self[i].items() if not k.startswith(RESERVED_TAG_PREFIX)} or None
+                for i in range(self._n)]
 
     def has_user_tags(self) -> bool:
         """Whether any sample carries a tag of its own (not rlplane's)."""

@@ -64,13 +64,15 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     claim = data["claim"]
     assert claim["claim"]["ops"] == 3 and claim["wake"]["ops"] + claim["wake_missed"] == 3
     assert claim["claim_tokens"]["ops"] == 3 and claim["claim_tokens"]["max_tokens"] > 0
+    ext = claim["extend"]  # the finished rollouts were claimed whole after the extends (checked by the bench)
+    assert ext["extends"] == 3 and ext["first"]["ops"] == ext["last"]["ops"] == 1 and ext["length"] == 4 * 128
     assert claim["drain"]["exactly_once"] and claim["drain"]["samples"] == 8 * 2 and claim["drain"]["claimers"] == 4
     ctl = data["controller"]
     assert [r["op"] for r in ctl["rows"]] == ["put_samples", "claim+ack", "read_columns"] and ctl["processes"] == 2
     assert all(r["ops"] > 0 and r["ops_per_s"] > 0 for r in ctl["rows"])
     te = [t for t in data["targets"] if ": te " in t["name"]]  # the te row sat this run out: not judged
     others = [t for t in data["targets"] if t not in te]
-    assert len(others) == 32 and all(t["met"] in (True, False) for t in others)
+    assert len(others) == 34 and all(t["met"] in (True, False) for t in others)
     assert len(te) == 5 and all(t["met"] is None for t in te)
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]

@@ -292,8 +292,12 @@ class NativeTransport(Transport):
                  for f, c in columns.items()}
         sums = {f: c.sums.astype("<u8").tobytes() if c.sums is not None
                 else _u64([(t.get(SUM_TAG) or {}).get(f, 0) for t in tags], f) for f, c in columns.items()}
-        user = None if isinstance(tags, RowTags) and not tags.has_user_tags() else \
-            [{k: v for k, v in t.items() if not k.startswith(RESERVED_TAG_PREFIX)} or None for t in tags]
+        if isinstance(tags, RowTags) and not tags.has_user_tags():
+            user = None
+        elif isinstance(tags, RowTags):  # its user tags apart: no tag map built per sample
+            user = tags.user_tags()
+        else:
+            user = [{k: v for k, v in t.items() if not k.startswith(RESERVED_TAG_PREFIX)} or None for t in tags]
         for f, g in geoms.items():
             if not g.dense and any(x is None for x in g.tolist()):
                 raise WireFormatError("a row carries no wire geometry (encode it with rlplane's codec)", field=f)

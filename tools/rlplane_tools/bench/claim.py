@@ -7,6 +7,10 @@
 - **wake-up**: a claimer blocked on an empty partition; from the producer's put
   returning (its commit) to the claimer's return, p50/p99 (negative: the claimer got its
   answer before the producer got the commit's reply);
+- **extend**: partial rollouts of ``batch`` samples (``put_samples(..., finished=False)``)
+  grown by ``ops`` extends of ``EXTEND_TOKENS`` tokens each on every token field;
+  p50/p99 of the first and of the last tenth of the extends (what the cost does as a
+  rollout grows), then the finished batch claimed;
 - **throughput**: ``claimers`` processes of one task claim 64 at a time, read the
   text-step fields and ack, until a pre-filled partition is drained; samples/s, and
   every sample consumed exactly once.
@@ -30,6 +34,7 @@ from rlplane.testing.workloads import text_step
 
 FIELDS = ["input_ids", "input_lengths", "token_mask", "generation_logprobs", "advantages"]
 GROUP = 8  # samples per GRPO group in the claim-by-tokens row
+EXTEND_TOKENS = 128  # tokens each extend appends to every sample
 
 
 @dataclass
@@ -97,6 +102,8 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
         out["claim_tokens"] = {**percentiles(tokens_s[1:]), "max_tokens": budget, "group": group}
         progress.remove_task(task)
 
+        out["extend"] = _extends(c, cfg, progress)
+
         # -- wake-up: a blocked claimer, then the put that makes its batch ready ----------------
         small = {k: v[:, :64] if v.dim() == 2 else v.clamp(max=64) for k, v in fields.items()}
         task = progress.add_task("claim wake-up", total=cfg.wakeups)
@@ -138,6 +145,36 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
         ids = out["drain"].pop("ids")
         out["drain"]["exactly_once"] = sorted(ids) == sorted(written)
     return out
+
+
+def _extends(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any]:
+    """Partial rollouts grown by ``cfg.ops`` extends (see the module docstring)."""
+    import torch
+
+    from rlplane_tools.bench.base import percentiles
+
+    p = f"bench-extend-{uuid.uuid4().hex[:8]}"
+    work = text_step(batch=cfg.batch, seqlen=EXTEND_TOKENS, seed=8)
+    step = {k: work.fields[k] for k in FIELDS if work.fields[k].dim() == 2}  # the token fields
+    step["input_lengths"] = torch.full((cfg.batch,), EXTEND_TOKENS)
+    task = progress.add_task(f"extend: {cfg.ops} x {EXTEND_TOKENS} tokens", total=cfg.ops + 1)
+    meta = c.put_samples(p, step, finished=False)
+    seconds = []
+    for i in range(cfg.ops):
+        t0 = time.perf_counter()
+        meta = c.extend(meta, step, finished=i == cfg.ops - 1)
+        seconds.append(time.perf_counter() - t0)
+        progress.advance(task)
+    got = c.claim(p, "bench", batch_size=cfg.batch, fields=list(step), timeout=10)
+    want = EXTEND_TOKENS * (cfg.ops + 1)
+    if len(got) != cfg.batch or set(got.lengths) != {want}:
+        raise RuntimeError(f"after {cfg.ops} extends the claim got {len(got)} samples of lengths {sorted(set(got.lengths))}, "
+                           f"not {cfg.batch} of {want}")
+    c.clear(p)
+    progress.remove_task(task)
+    tenth = max(1, cfg.ops // 10)
+    return {"batch": cfg.batch, "tokens": EXTEND_TOKENS, "extends": cfg.ops, "fields": sorted(set(step) - {"input_lengths"}),
+            "first": percentiles(seconds[:tenth]), "last": percentiles(seconds[-tenth:]), "length": want}
 
 
 def _claimer(url: str, token: str | None, cfg_dict: dict, p: str, go: Any, start: Any, conn: Any) -> None:

@@ -191,6 +191,11 @@ def claim_table(c: dict) -> Table:
         t.add_row(f"claim by tokens (groups of {tok['group']}, max_tokens {tok['max_tokens']})", _num(tok["p50_ms"]),
                   _num(tok["p99_ms"]), f"{tok['ops']} claims")
     t.add_row("ack", _num(c["ack"]["p50_ms"]), _num(c["ack"]["p99_ms"]), "")
+    if c.get("extend"):
+        e = c["extend"]
+        for which in ("first", "last"):
+            t.add_row(f"extend {e['tokens']} tokens ({which} {e[which]['ops']} of {e['extends']})", _num(e[which]["p50_ms"]),
+                      _num(e[which]["p99_ms"]), f"{e['batch']} samples, {len(e['fields'])} token fields, to {e['length']} tokens")
     if c.get("wake"):
         t.add_row("wake-up after the put", _num(c["wake"]["p50_ms"]), _num(c["wake"]["p99_ms"]),
                   f"{c['wake']['ops']} wake-ups, {c['wake_missed']} missed")

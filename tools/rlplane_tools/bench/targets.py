@@ -31,6 +31,9 @@ SLAB_TRIP_VS_TQ, SLAB_GET_VS_TQ, SLAB_TRIP_VS_DATAPROTO = 0.4, 0.3, 0.6
 SWEEP_HOLDS = 0.9
 #: claim section: p50 of a claim whose batch is ready, of a blocked claim's wake-up, and N claimers' rate.
 CLAIM_P50_MS, WAKE_P50_MS, CLAIMERS_MIN_RATE = 2.0, 20.0, 1000.0
+#: extend: p50 of appending EXTEND_TOKENS to a batch's partial rollouts (ms), and the last extends'
+#: p50 as a multiple of the first ones' (the cost must not grow with the extends before).
+EXTEND_P50_MS, EXTEND_FLAT = 2.0, 1.5
 #: vlm-step: what the row checksums add (once on put, once on read) as a share of the native round trip.
 CHECKSUM_SHARE = 0.05
 #: The transfer engine: small put/get p50 at most this (ms); text-scale at most this multiple of shm's µs/sample.
@@ -126,6 +129,14 @@ def evaluate(results: dict) -> list[dict]:
             v = tok["p50_ms"]
             out.append(_target(f"claim: max_tokens p50 <= {CLAIM_P50_MS:g} ms with the batch ready (groups of "
                                f"{tok['group']})", v, CLAIM_P50_MS, v <= CLAIM_P50_MS, "ms, p50 of claim"))
+        ext = claim.get("extend")
+        if ext:
+            v = ext["first"]["p50_ms"]
+            out.append(_target(f"extend: {ext['tokens']} tokens to {ext['batch']} samples p50 <= {EXTEND_P50_MS:g} ms", v,
+                               EXTEND_P50_MS, v <= EXTEND_P50_MS, "ms, p50 of the first tenth of the extends"))
+            v = ext["last"]["p50_ms"] / ext["first"]["p50_ms"]
+            out.append(_target(f"extend: p50 after {ext['extends']} extends <= {EXTEND_FLAT}x the first ones'", v,
+                               EXTEND_FLAT, v <= EXTEND_FLAT, "p50 ratio, last tenth / first tenth"))
         v = (claim.get("wake") or {}).get("p50_ms")
         out.append(_target(f"claim: wake-up p50 <= {WAKE_P50_MS:g} ms after the commit", v, WAKE_P50_MS,
                            v is not None and v <= WAKE_P50_MS and not claim["wake_missed"], "ms from put's return"))

@@ -1,0 +1,40 @@
+"""RowTags: each sample's tags built only when asked for, with user tags kept apart (what
+put_samples and extend send without building a tag map per sample)."""
+
+import pytest
+
+from rlplane.tags import FINISHED_TAG, SUM_TAG, WIRE_TAG, RowTags, merge_tags, unfinished
+
+
+def rows() -> RowTags:
+    return RowTags(None, {"input_ids": [[3], [5]]}, {"input_ids": [7, 9]})
+
+
+def test_with_user_adds_user_tags_without_building_and_equals_merging_each():
+    tags = rows()
+    user = [{"group": "a", FINISHED_TAG: False}, None]
+    mine = tags.with_user(user)
+    assert list(mine) == [merge_tags(u or {}, t) for u, t in zip(user, rows())]
+    assert mine.user_tags() == user and mine.has_user_tags()
+    assert unfinished(mine[0]) and not unfinished(mine[1])
+    with pytest.raises(ValueError):
+        tags.with_user([None])
+
+
+def test_a_built_and_edited_tag_map_keeps_its_geometry_through_take_and_with_user():
+    tags = rows()
+    tags[0]["x"] = 1  # built, then edited
+    taken = tags.take([0, 1])
+    assert taken[0] == {"x": 1, WIRE_TAG: {"input_ids": [3]}, SUM_TAG: {"input_ids": 7}}
+    mine = tags.with_user([{"y": 2}, None])
+    assert mine[0][WIRE_TAG] == {"input_ids": [3]} and mine[0]["x"] == 1 and mine[0]["y"] == 2
+    assert mine.user_tags() == [{"x": 1, "y": 2}, None]
+
+
+def test_merged_keeps_old_user_tags_and_lets_the_new_ones_win():
+    old = rows().with_user([{"a": 1, FINISHED_TAG: False}, {"a": 2}])
+    new = RowTags(None, {"input_ids": [[4], [6]]}, {"input_ids": [1, 2]}).with_user([{FINISHED_TAG: True}] * 2)
+    got = old.merged(new)
+    assert isinstance(got, RowTags)
+    assert list(got) == [merge_tags(a, b) for a, b in zip(old, new)]
+    assert got[0][FINISHED_TAG] is True and got[0]["a"] == 1 and got[1][WIRE_TAG] == {"input_ids": [6]}

@@ -1,6 +1,7 @@
 """The rlplane command line, run as a user runs it (a separate process)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -147,6 +148,11 @@ def test_async_demo_consumes_every_sample_exactly_once_per_task(service):
     (train,) = [line for line in res.stdout.splitlines() if line.startswith("│ train ")]
     samples, acked, expired, claimed, pending, redelivered = (int(c) for c in train.split("│")[2:8])
     assert samples == 96 and acked + expired == 96 and claimed == pending == 0 and redelivered >= 1
+    # each batch a partial rollout first, finished by an extend; the groups' images stored once
+    assert res.stdout.count(" extend ") == 6 and "tokens so far" in res.stdout
+    written, kept = (float(x) for x in re.search(r"hold ([\d.]+) MB as written; the store keeps ([\d.]+) MB",
+                                                 res.stdout).groups())
+    assert kept < written / 2
 
 
 #: Lines other programs print: Ray/Serve logging, the raylet, glog (Mooncake), Python warnings.

@@ -70,10 +70,11 @@ def demo(
         show_default=False,
     ),
     async_: bool = typer.Option(
-        False, "--async", help="Asynchronous GRPO instead: a rollout process keeps producing groups while a logprob "
-        "worker and two train workers claim them as they become ready (the trainers by token budget, whole groups; "
-        "one is killed mid-lease); checks "
-        "every sample was consumed exactly once per task. --batch/--seqlen set its batch count and length.",
+        False, "--async", help="Asynchronous GRPO instead: a rollout process keeps producing VLM groups (a group's "
+        "members share its images, stored once; each batch is written partway, then extended and finished) while a "
+        "logprob worker and two train workers claim them as they become ready (the trainers by token budget, whole "
+        "groups; one is killed mid-lease); checks every sample was consumed exactly once per task and prints the "
+        "bytes written against those stored. --batch/--seqlen set its batch count and length.",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show Ray's, Serve's, Mooncake's and torch's own "
                                  "output live instead of in the log file."),

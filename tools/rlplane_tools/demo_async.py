@@ -2,8 +2,12 @@
 
 Four plain Python processes that know only the service URL (and token):
 
-- **rollout** keeps producing GRPO groups (tags ``group_id``, ``group_size``,
+- **rollout** keeps producing VLM GRPO groups (tags ``group_id``, ``group_size``,
   ``policy_version``, bumped every ``version_every`` batches) with their advantages;
+  every member of a group carries a copy of its group's images (which the native engine
+  stores once). Each batch is a partial rollout first: the first half of every
+  sample's tokens (``put_samples(..., finished=False)``), then the rest
+  (``extend(..., finished=True)``); nobody may claim it in between;
 - **logprob** claims ``stage="logprob"`` samples as they arrive, checks what it read,
   writes ``prev_logprobs`` and ``reference_policy_logprobs``, acks;
 - **train-a** and **train-b** claim ``stage="train"`` whole groups by tokens
@@ -17,7 +21,8 @@ Four plain Python processes that know only the service URL (and token):
 The driver then checks, from the workers' reports and from the store's own
 ``consumption()``: per task, every sample acked exactly once or (train) expired as
 too stale and counted, nothing claimed or pending left, the killed worker's samples
-redelivered; and it prints a per-task timeline. Any violation is a problem (exit 1).
+redelivered; and it prints a per-task timeline and the bytes the samples hold as written
+against what the store keeps. Any violation is a problem (exit 1).
 
 Example::
 
@@ -39,11 +44,15 @@ from rich.console import Console
 from rich.table import Table
 
 from rlplane import errors as E
-from rlplane.testing.workloads import text_step
+from rlplane.packed import PackedTensor
+from rlplane.testing.workloads import vlm_grpo
 from rlplane_tools.demo import stage_output
 
-#: What the rollout writes (the text fields of a GRPO step, advantages included).
-ROLLOUT = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs", "advantages")
+#: What the rollout writes (a VLM GRPO step's fields, advantages included).
+ROLLOUT = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs", "advantages",
+           "mm_token_type_ids", "pixel_values", "image_grid_thw")
+#: Patches along an image's side (the reference workload's images, made small enough for a demo).
+SIDES = (4, 12)
 LOGPROB_OUT = ("prev_logprobs", "reference_policy_logprobs")
 
 
@@ -69,7 +78,7 @@ class AsyncDemoConfig:
 def _batch(cfg: AsyncDemoConfig, b: int) -> tuple[list[str], dict[str, torch.Tensor], list[dict[str, Any]]]:
     """Rollout batch ``b``: ids, fields and tags (every process regenerates the same bits)."""
     n = cfg.groups * cfg.group_size
-    work = text_step(batch=n, seqlen=cfg.seqlen, seed=1000 + b)
+    work = vlm_grpo(batch=n, seqlen=cfg.seqlen, seed=1000 + b, group=cfg.group_size, sides=SIDES)
     ids = [f"b{b}-{i}" for i in range(n)]
     tags = [{"group_id": f"b{b}-g{i // cfg.group_size}", "group_size": cfg.group_size,
              "policy_version": b // cfg.version_every} for i in range(n)]
@@ -77,14 +86,34 @@ def _batch(cfg: AsyncDemoConfig, b: int) -> tuple[list[str], dict[str, torch.Ten
 
 
 def _expected(cfg: AsyncDemoConfig, ids: list[str], cache: dict[int, Any]) -> dict[str, torch.Tensor]:
-    rows: dict[str, list[torch.Tensor]] = {}
+    rows: dict[str, list[Any]] = {}
     for sid in ids:
         b, i = (int(x) for x in sid[1:].split("-"))
         if b not in cache:
             cache[b] = _batch(cfg, b)[1]
         for k, v in cache[b].items():
-            rows.setdefault(k, []).append(v[i])
-    return {k: torch.stack(v) for k, v in rows.items()}
+            rows.setdefault(k, []).append(v.rows[i] if isinstance(v, PackedTensor) else v[i])
+    return {k: PackedTensor(v) if k in PACKED else torch.stack(v) for k, v in rows.items()}
+
+
+PACKED = ("pixel_values", "image_grid_thw")
+
+
+def _halves(registry: Any, fields: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A rollout batch as a partial rollout: every field with the first half of each
+    sample's tokens, then the rest of the tokens (gathered for every sample at once)."""
+    lengths = fields["input_lengths"]
+    head_n = lengths // 2
+    rest_n = lengths - head_n
+    width = int(lengths.max())
+    at = (head_n[:, None] + torch.arange(width)[None, :]).clamp(max=width - 1)
+    head, rest = dict(fields), {"input_lengths": rest_n}
+    head["input_lengths"] = head_n
+    for k, v in fields.items():
+        if k != "input_lengths" and registry.get(k).alignment == "token":
+            head[k] = v[:, : max(int(head_n.max()), 1)]
+            rest[k] = torch.gather(v[:, :width], 1, at)
+    return head, rest
 
 
 def _worker(role: str, cfg_dict: dict, events: Any, stop: Any, version: Any) -> None:
@@ -108,9 +137,13 @@ def _worker(role: str, cfg_dict: dict, events: Any, stop: Any, version: Any) -> 
                 for b in range(cfg.batches):
                     ids, fields, tags = _batch(cfg, b)
                     version.value = b // cfg.version_every
-                    c.put_samples(cfg.partition, fields, sample_ids=ids, tags=tags)
-                    say("put", ids, f"v{b // cfg.version_every}")
-                    time.sleep(0.15)
+                    head, rest = _halves(c.registry, fields)
+                    meta = c.put_samples(cfg.partition, head, sample_ids=ids, tags=tags, finished=False)
+                    say("put", ids, f"v{b // cfg.version_every}, {int(head['input_lengths'].sum())} tokens so far")
+                    time.sleep(0.1)  # generating the rest: no claim may hand these samples out yet
+                    c.extend(meta, rest, finished=True)
+                    say("extend", ids, f"+{int(rest['input_lengths'].sum())} tokens, finished")
+                    time.sleep(0.05)
                 say("done")
                 return
             task = "logprob" if role == "logprob" else "train"
@@ -170,8 +203,10 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
     console.print(f"[bold]async GRPO[/]: {cfg.batches} rollout batches of {cfg.groups} groups x {cfg.group_size}, "
                   f"policy version +1 every {cfg.version_every} batches, train max_staleness={cfg.max_staleness}, "
                   f"partition {cfg.partition}")
+    before = _held(cfg, None)
     for p in procs.values():
         p.start()
+    held: str | None = None
     log: list[list[Any]] = []
     ledger: dict[str, dict[str, int]] = {}
     problems: list[str] = []
@@ -216,6 +251,7 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
         with rlplane.connect(cfg.url, token=cfg.token, transport="http") as c:
             ledger = {task: c.consumption(cfg.partition, task) for task in ("logprob", "train")}
             problems += _check(cfg, log, ledger, killed, total)
+            held = _held(cfg, before) if before is not None else None
             c.clear(cfg.partition)
     finally:
         stop.set()
@@ -231,7 +267,27 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
     for task, c in ledger.items():
         summary.add_row(task, *(str(c[k]) for k in ("samples", "acked", "expired", "claimed", "pending", "redelivered")))
     console.print(summary)
+    if held:
+        console.print(held)
     return problems
+
+
+def _held(cfg: AsyncDemoConfig, before: dict[str, int] | None) -> Any:
+    """The native engine's written and stored byte counts (``before``: None), or a line
+    with what this run added to them; None on a backend that does not count them."""
+    import rlplane
+
+    try:
+        with rlplane.connect(cfg.url, token=cfg.token, transport="native") as c:
+            st = c.transport.stats()
+    except E.RlplaneError:
+        return None
+    now = {"written": int(st["written_bytes"]), "stored": int(st["live_bytes"])}
+    if before is None:
+        return now
+    w, k = now["written"] - before["written"], now["stored"] - before["stored"]
+    return (f"[bold]bytes[/]: the samples hold {w / 1e6:.1f} MB as written; the store keeps {k / 1e6:.1f} MB "
+            f"({w / k:.1f}x less: each group's images are stored once)" if k > 0 else None)
 
 
 def _check(cfg: AsyncDemoConfig, log: list[list[Any]], ledger: dict[str, dict[str, int]], killed: list[str],
@@ -272,7 +328,7 @@ def _timeline(log: list[list[Any]]) -> Table:
     for col in ("t", "worker", "event", "samples", "detail"):
         table.add_column(col, justify="right" if col in ("t", "samples") else "left")
     for role, kind, t, ids, detail in sorted(log, key=lambda e: e[2]):
-        if kind in ("put", "claim", "ack", "error", "mismatch"):
+        if kind in ("put", "extend", "claim", "ack", "error", "mismatch"):
             groups = sorted({s.rsplit("-", 1)[0] for s in ids})
             table.add_row(f"{t:.2f}", role, kind, str(len(ids)), detail or (f"batches {groups}" if groups else ""))
     return table

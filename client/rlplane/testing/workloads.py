@@ -85,8 +85,10 @@ def text_step(batch: int = 256, seqlen: int = 4096, seed: int = 0) -> Workload:
     return Workload("text-step", fields, lengths)
 
 
-def vlm_step(batch: int = 64, seqlen: int = 2048, seed: int = 0, max_images: int = 2) -> Workload:
-    """The reference "vlm-step" batch (about 190 MB stored at B=64, S=2048)."""
+def vlm_step(batch: int = 64, seqlen: int = 2048, seed: int = 0, max_images: int = 2,
+             sides: tuple[int, int] = (16, 52)) -> Workload:
+    """The reference "vlm-step" batch (about 190 MB stored at B=64, S=2048). ``sides``: the
+    least and most patches along an image's height and width (smaller for a demo)."""
     w = text_step(batch, seqlen, seed)
     g = torch.Generator().manual_seed(seed + 1)
     n_images = torch.randint(0, max_images + 1, (batch,), generator=g).tolist()
@@ -98,7 +100,7 @@ def vlm_step(batch: int = 64, seqlen: int = 2048, seed: int = 0, max_images: int
             pixel_rows.append(None)
             grid_rows.append(None)
             continue
-        hw = torch.randint(16, 53, (n, 2), generator=g)
+        hw = torch.randint(sides[0], sides[1] + 1, (n, 2), generator=g)
         pixel_rows.append([torch.randn(int(h * ww), PATCH_DIM, generator=g) for h, ww in hw.tolist()])
         grid_rows.append(torch.cat([torch.ones(n, 1, dtype=torch.int64), hw], dim=1))
         image_tokens = min(int(w.lengths[i]) // 2, 64 * n)
@@ -110,12 +112,13 @@ def vlm_step(batch: int = 64, seqlen: int = 2048, seed: int = 0, max_images: int
     return w
 
 
-def vlm_grpo(batch: int = 64, seqlen: int = 2048, seed: int = 0, group: int = 8) -> Workload:
+def vlm_grpo(batch: int = 64, seqlen: int = 2048, seed: int = 0, group: int = 8,
+             sides: tuple[int, int] = (16, 52)) -> Workload:
     """"vlm-grpo": the vlm-step batch as groups of ``group`` samples (B/group prompts with G
     answers each) sharing each group's images: every member's ``pixel_values`` and
     ``image_grid_thw`` rows are equal copies (separate tensors, same bytes) of its group's
     first member's, as a rollout that processed each sample's prompt on its own would hand over."""
-    w = vlm_step(batch, seqlen, seed)
+    w = vlm_step(batch, seqlen, seed, sides=sides)
     for name in ("pixel_values", "image_grid_thw"):
         rows = w.fields[name].rows
         w.fields[name] = PackedTensor([None if rows[i - i % group] is None else [t.clone() for t in rows[i - i % group]]

@@ -41,11 +41,16 @@ def _valid(meta_blocks: list[int]) -> list[dict]:
     b = meta_blocks[0]
     return [
         {"op": "claim", "p": "fz", "task": "t", "n": 2, "fields": ["input_ids"], "wait": 0.0, "min": 1},
+        {"op": "claim", "p": "fz", "task": "u", "n": 2, "fields": ["input_ids"], "wait": 0.0, "min": 1, "unf": True,
+         "tok": 8, "mintok": 1, "tokf": "input_ids", "group": "g"},
         {"op": "reserve", "p": "fz", "ids": ["a", "b"], "create": True, "fields": ["input_ids"],
          "blocks": [[777, [0], 0, 2]]},
         {"op": "commit", "res": "00" * 12, "g": {"input_ids": [[[2]], [[2]]]}, "nb": {"input_ids": ints([16, 16])},
          "user": [{}, {}]},
+        {"op": "commit", "res": "00" * 12, "g": {"pixel_values": [[[2, 4]], [[2, 4]]]},  # a row stored once
+         "nb": {"pixel_values": ints([16, 0])}, "s": {"pixel_values": ints([-1, 0])}, "user": [{"finished": False}, {}]},
         {"op": "locate", "p": "fz", "ids": ["a"], "fields": ["input_ids"], "shm": [0]},
+        {"op": "locate", "p": "fz", "ids": ["a", "b"], "fields": ["pixel_values"], "shm": [0], "share": True},
         {"op": "ack", "p": "fz", "task": "t", "lease": 5, "ids": ["a"]},
         {"op": "clear", "p": "fz", "ids": ["a"]},
         {"op": "describe", "p": "fz"},
@@ -62,8 +67,8 @@ def _valid(meta_blocks: list[int]) -> list[dict]:
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=40), st.binary(max_size=40))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=6),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=8), inner,
+                                                                                           max_size=4),
                       max_leaves=20)
 edit = st.one_of(
     st.tuples(st.just("set"), st.integers(0, 10), values),

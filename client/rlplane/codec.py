@@ -346,15 +346,36 @@ def decode(
         check_sums(partition if partition is not None else "?",
                    ids if ids is not None else [f"#{i}" for i in range(batch)], columns, tags)
     out: dict[str, Any] = {}
+    leads: dict[str, np.ndarray | None] = {}
     for name, col in columns.items():
         spec = registry.get(name)
         if col.num_rows != batch:
             raise WireFormatError(f"column has {col.num_rows} rows for {batch} samples", field=name)
         geoms = _geometries(spec, tags, ids, col.geom)
+        if spec.alignment == "token":
+            leads[name] = geoms.lead
         if col.same is not None and spec.container != "packed":  # only packed rows come back as shared views
             col = col.expanded()
         out[name] = _DECODERS[(spec.alignment, spec.container)](spec, col, geoms, layout, pad_to_seqlen, ids)
+    if leads and LENGTHS_FIELD in out:
+        _check_lengths(leads, out[LENGTHS_FIELD], ids)
     return out
+
+
+def _check_lengths(leads: Mapping[str, np.ndarray | None], lengths: Any, ids: list[Any] | None) -> None:
+    """Every token row read holds its sample's ``input_lengths`` tokens, or ShapeError naming
+    the field and the sample (rows stored apart, e.g. a partial rollout extended without one
+    of its token fields, are never handed out as if they lined up)."""
+    want = np.asarray(lengths.numpy() if isinstance(lengths, torch.Tensor) else lengths, dtype=np.int64).reshape(-1)
+    for name, got in leads.items():
+        if got is None or got.shape != want.shape:
+            continue
+        bad = np.flatnonzero(got != want)
+        if bad.size:
+            i = int(bad[0])
+            raise ShapeError(f"row holds {int(got[i])} tokens but {LENGTHS_FIELD} says {int(want[i])} ({bad.size} "
+                             "samples differ): its token fields were not written to the same length", field=name,
+                             sample=_name(ids, i))
 
 
 def check_columns(

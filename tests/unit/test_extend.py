@@ -84,3 +84,16 @@ def test_a_claim_by_tokens_counts_the_lengths_an_extend_grew():
         assert got.sample_ids == meta.sample_ids[:1] and got.over_budget  # alone, larger than the budget
         got = c.claim("p", "train", max_tokens=50, min_tokens=1, fields=["input_ids"], timeout=0)
         assert got.sample_ids == meta.sample_ids[1:] and got.lengths == [10]
+
+
+def test_a_token_field_an_extend_did_not_know_of_fails_loudly_when_read_with_the_lengths():
+    """A stage wrote prev_logprobs with its own meta; the rollout extends with the put's meta,
+    which does not list it: a read of it with input_lengths names the field and the sample."""
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        meta = c.put_samples("p", tokens([2, 3], 0), finished=False)
+        c.write_columns(meta, {"prev_logprobs": torch.zeros(2, 3)})
+        grown = c.extend(meta, tokens([1, 1], 100), finished=True)
+        with pytest.raises(E.ShapeError) as err:
+            c.read_columns(grown, ["prev_logprobs", "input_lengths"])
+        assert err.value.field == "prev_logprobs" and err.value.sample == meta.sample_ids[0]
+        assert c.read_columns(grown, ["input_ids", "input_lengths"])["input_lengths"].tolist() == [3, 4]

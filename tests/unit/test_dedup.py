@@ -216,3 +216,29 @@ def test_a_batch_without_repeats_is_stored_as_before():
         assert stored_pixels(c)[1] == 0
         cols, _ = c.transport.get("p", meta.sample_ids, MEDIA, shared=True)
         assert all(col.same is None for col in cols.values())
+
+
+def test_clearing_the_sample_that_holds_a_groups_bytes_hands_them_to_the_next_and_stats_stay_exact():
+    """Live bytes count what is still read: once the holder of a group's images goes, the
+    next member holds them; the stats equal those of the remaining samples stored afresh,
+    and go back to zero with the last of them."""
+    w = vlm_grpo(batch=16, seqlen=64, seed=6)
+    rest = [i for i in range(16) if i not in (0, 8)]
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        meta = c.put_samples("p", w.fields)
+        c.clear("p", [meta.sample_ids[0], meta.sample_ids[8]])  # the holders of both groups' images
+        after = c.transport.stats()
+        keep = meta.subset(rest)
+        assert diff_fields(c.registry, w.select(rest).fields, read_all(c, keep), w.lengths[rest]) == []
+        fresh = c.put_samples("q", w.select(rest).fields)
+        both = c.transport.stats()
+        assert both["live_bytes"] - after["live_bytes"] == after["live_bytes"]
+        assert both["written_bytes"] - after["written_bytes"] == after["written_bytes"]
+        assert both["shared_bytes"] - after["shared_bytes"] == after["shared_bytes"] > 0
+        c.clear("q", fresh.sample_ids)
+        c.clear("p", keep.sample_ids[:3])  # the next holder goes too: the one after it takes over
+        assert diff_fields(c.registry, w.select(rest[3:]).fields, read_all(c, keep.subset(list(range(3, 14)))),
+                           w.lengths[rest[3:]]) == []
+        c.clear("p")
+        st = c.transport.stats()
+        assert (st["blocks"], st["shared_bytes"], st["written_bytes"], st["live_bytes"]) == (0, 0, 0, 0)

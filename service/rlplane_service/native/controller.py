@@ -351,7 +351,9 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
 
     def _release_rows(self, fi: FieldIndex, slots: np.ndarray) -> None:
         """The rows of ``fi`` at ``slots`` go (cleared or overwritten): their blocks lose a
-        reference each; a row sharing another's bytes gives back no stored bytes of its own."""
+        reference each; a row sharing another's bytes gives back no stored bytes of its own,
+        and a row whose bytes others still share hands them on (the first of those others
+        holds them from now on), so live bytes count what is still read."""
         dup = fi.dup[slots]
         nbytes = fi.nbytes[slots]
         if bool(dup.any()):
@@ -359,6 +361,13 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
             self._shared_bytes -= int(nbytes[held].sum())
             nbytes = np.where(dup, 0, nbytes)
             fi.dup[slots] = False
+        heirs = _heirs(fi, slots)
+        if heirs.size:  # their bytes stay live; they no longer count as shared
+            fi.dup[heirs] = False
+            handed = int(fi.nbytes[heirs].sum())
+            self._shared_bytes -= handed
+            for b, nb in zip(*_per_block(fi.block[heirs], fi.nbytes[heirs])):
+                self._block_bytes[b][1] += nb
         self._release(fi.block[slots], nbytes)
 
     def _release(self, blocks: np.ndarray, nbytes: np.ndarray) -> None:
@@ -532,3 +541,32 @@ def controller_actor_class() -> Any:
 
 
 __all__ = ["ControllerCore", "controller_actor_class"]
+
+
+def _heirs(fi: FieldIndex, slots: np.ndarray) -> np.ndarray:
+    """Of the rows that share bytes (``fi.dup``) and are not among ``slots``, the first one
+    (lowest slot) per stored row of ``slots`` that holds its own bytes: who holds those
+    bytes once ``slots`` go. Vectorized: a sort of the candidates by where they point."""
+    own = slots[~fi.dup[slots] & (fi.block[slots] >= 0) & (fi.nbytes[slots] > 0)]  # an empty row shares nothing
+    if not own.size or not bool(fi.dup.any()):
+        return own[:0]
+    others = np.setdiff1d(np.flatnonzero(fi.dup), slots)
+    if not others.size:
+        return others
+    block = np.concatenate([fi.block[own], fi.block[others]])
+    off = np.concatenate([fi.off[own], fi.off[others]])
+    kind = np.concatenate([np.zeros(own.size, np.int8), np.ones(others.size, np.int8)])  # 0: goes, 1: stays
+    slot = np.concatenate([own, others])
+    order = np.lexsort((slot, kind, off, block))  # per (block, off): the going row first, then the others by slot
+    block, off, kind, slot = block[order], off[order], kind[order], slot[order]
+    first = np.ones(block.size, bool)
+    first[1:] = (block[1:] != block[:-1]) | (off[1:] != off[:-1])
+    after = np.zeros(block.size, bool)
+    after[1:] = first[:-1] & (kind[:-1] == 0) & ~first[1:]  # right after a going row, in its group
+    return slot[after & (kind == 1)]
+
+
+def _per_block(blocks: np.ndarray, nbytes: np.ndarray) -> tuple[list[int], list[int]]:
+    uniq, inv = np.unique(blocks, return_inverse=True)
+    sums = np.bincount(inv.reshape(-1), weights=nbytes, minlength=uniq.size)
+    return uniq.tolist(), [int(x) for x in sums.tolist()]

@@ -165,7 +165,7 @@ class Client:
                             partition=meta.partition)
             out: dict[str, Any] = {}
             for name in names:
-                out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], fields[name], given.lengths)
+                out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], fields[name], given.lengths, field=name)
             out[LENGTHS_FIELD] = lengths
             prep = prepare(self.registry, out, lengths, sample_ids=meta.sample_ids)
             user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it

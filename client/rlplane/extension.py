@@ -56,7 +56,7 @@ def token_fields(registry: Registry, held: Iterable[str], given: Mapping[str, An
 
 
 def appended(stored: torch.Tensor, stored_lengths: torch.Tensor, new: torch.Tensor,
-             new_lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+             new_lengths: torch.Tensor, *, field: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``[B, L, ...]`` holding each sample's stored tokens then its new ones, and the
     lengths (past a sample's length a row holds padding, which is not stored); ``new`` is
     cast to the stored dtype, as a put of the whole sequence would have cast it.
@@ -69,8 +69,12 @@ def appended(stored: torch.Tensor, stored_lengths: torch.Tensor, new: torch.Tens
     """
     if stored.shape[2:] != new.shape[2:]:
         raise ShapeError(f"appended tokens of shape [.., {list(new.shape[2:])}] after stored ones of "
-                         f"[.., {list(stored.shape[2:])}]")
+                         f"[.., {list(stored.shape[2:])}]", field=field)
     b, t = new.shape[0], new.shape[1]
+    if b and int(new_lengths.max()) > t:
+        i = int(torch.argmax(new_lengths))
+        raise ShapeError(f"{int(new_lengths[i])} tokens to append to sample #{i} but the tensor's sequence dim is {t}",
+                         field=field)
     lengths = stored_lengths + new_lengths
     width = int(lengths.max()) if b else 0
     out = torch.zeros((b, width, *stored.shape[2:]), dtype=stored.dtype)

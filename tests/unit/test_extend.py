@@ -34,6 +34,9 @@ def test_appended_puts_each_samples_new_tokens_after_its_own_and_casts_to_the_st
     assert [rows[i, :n].tolist() for i, n in enumerate(lengths.tolist())] == [[1, 2, 9, 9], [3], [7, 6]]
     with pytest.raises(E.ShapeError):  # trailing dims must agree
         appended(torch.zeros(1, 2, 3), torch.tensor([1]), torch.zeros(1, 1, 4), torch.tensor([1]))
+    with pytest.raises(E.ShapeError) as err:  # more tokens to append than the tensor holds
+        appended(stored, torch.tensor([2, 1, 0]), torch.tensor([[9], [8], [7]]), torch.tensor([1, 2, 0]), field="x")
+    assert err.value.field == "x" and "sample #1" in str(err.value)
 
 
 def test_token_fields_names_what_an_extension_must_carry():

@@ -165,7 +165,10 @@ class Client:
                             partition=meta.partition)
             out: dict[str, Any] = {}
             for name in names:
-                out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], fields[name], given.lengths, field=name)
+                new = fields[name]
+                if new.is_nested:  # jagged rows: as padded ones (input_lengths says how many count)
+                    new = new.to_padded_tensor(0)
+                out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], new, given.lengths, field=name)
             out[LENGTHS_FIELD] = lengths
             prep = prepare(self.registry, out, lengths, sample_ids=meta.sample_ids)
             user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it

@@ -138,10 +138,10 @@ class RowTags(Sequence[dict[str, Any]]):
     def user_tags(self) -> list[Any]:
         """Each sample's own tags (a map or None, rlplane's reserved keys left out), without
         building the whole tag maps unless some were built (and so may have been edited)."""
-        if not self._built:
-            return list(self.user) if self.user is not None else [None] * self._n
-        return [{k: v for k, v in self[i].items() if not k.startswith(RESERVED_TAG_PREFIX)} or None
-                for i in range(self._n)]
+        maps = self.user if not self._built and self.user is not None else \
+            [None] * self._n if not self._built else [self[i] for i in range(self._n)]
+        return [{k: v for k, v in t.items() if not k.startswith(RESERVED_TAG_PREFIX)} or None
+                if isinstance(t, Mapping) else None for t in maps]
 
     def has_user_tags(self) -> bool:
         """Whether any sample carries a tag of its own (not rlplane's)."""

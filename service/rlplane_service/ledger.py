@@ -38,8 +38,8 @@ from rlplane.tags import WIRE_TAG, merge_tags, unfinished
 UNSEEN, LEASED, ACKED, EXPIRED = 0, 1, 2, 3
 #: Tags the ledger reads (besides the claim's ``group_key``).
 VERSION_TAG, GROUP_SIZE_TAG = "policy_version", "group_size"
-#: The cache key of the ``finished`` tag (rlplane.tags.FINISHED_TAG).
-FINISHED_KEY = "finished"
+#: The tag caches' keys (a group key's cache is "group:" + its tag: no tag can collide with these).
+FINISHED_KEY, VERSION_KEY = "@finished", "@policy_version"
 #: ``policy_version`` of a sample without one: never stale.
 NO_VERSION = np.iinfo(np.int64).max
 #: Upper bounds (seconds) of the claim-wait histogram's buckets.
@@ -127,7 +127,7 @@ class PartState:
         """``policy_version`` per slot (NO_VERSION when absent), computed once per sample."""
         n = self.index.used
         self.version = self._fit(self.version, n, NO_VERSION)
-        todo = self._todo(VERSION_TAG)
+        todo = self._todo(VERSION_KEY)
         if todo.size:
             self.version[todo] = [_version(t) for t in self.index.tags_of(todo)]
         return self.version[:n]
@@ -153,7 +153,7 @@ class PartState:
         code, size = self.groups.get(key, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
         code, size = self._fit(code, n, -1), self._fit(size, n, 1)
         self.groups[key] = (code, size)
-        todo = self._todo(key)
+        todo = self._todo("group:" + key)
         if todo.size:
             ids = self.codes.setdefault(key, {})
             tags = self.index.tags_of(todo)
@@ -589,6 +589,10 @@ class SimpleIndex:
                 if i < len(tags) and tags[i]:
                     self.tags[got[i]] = merge_tags(self.tags[got[i]] or {}, tags[i])
                     self.retagged[got[i]] += 1
+            for f in fields:  # rows written again (an extend): their lengths are read again
+                lead = self._leads.get(f)
+                if lead is not None and slots.size:
+                    lead[slots] = _UNREAD
         for f in fields:
             if f not in self.present:
                 self.present[f] = np.zeros(self.alive.size, bool)

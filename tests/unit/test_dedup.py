@@ -242,3 +242,23 @@ def test_clearing_the_sample_that_holds_a_groups_bytes_hands_them_to_the_next_an
         c.clear("p")
         st = c.transport.stats()
         assert (st["blocks"], st["shared_bytes"], st["written_bytes"], st["live_bytes"]) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("gone", [[1], [0, 1], [0, 0, 3]], ids=["a-sharer", "the-holder-and-a-sharer", "an-id-twice"])
+def test_stats_stay_exact_whichever_members_of_a_group_go(gone):
+    w = vlm_grpo(batch=8, seqlen=64, seed=4)  # one group of 8, two images each
+    rest = [i for i in range(8) if i not in gone]
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        meta = c.put_samples("p", w.fields)
+        assert c.transport.stats()["shared_bytes"] > 0
+        assert c.clear("p", [meta.sample_ids[i] for i in gone]) == len(set(gone))
+        after = c.transport.stats()
+        assert diff_fields(c.registry, w.select(rest).fields, read_all(c, meta.subset(rest)), w.lengths[rest]) == []
+        c.put_samples("q", w.select(rest).fields)
+        both = c.transport.stats()
+        for k in ("live_bytes", "written_bytes", "shared_bytes"):
+            assert both[k] - after[k] == after[k], k
+        c.clear("p")
+        c.clear("q")
+        st = c.transport.stats()
+        assert (st["blocks"], st["shared_bytes"], st["written_bytes"], st["live_bytes"]) == (0, 0, 0, 0)

@@ -100,3 +100,14 @@ def test_a_token_field_an_extend_did_not_know_of_fails_loudly_when_read_with_the
             c.read_columns(grown, ["prev_logprobs", "input_lengths"])
         assert err.value.field == "prev_logprobs" and err.value.sample == meta.sample_ids[0]
         assert c.read_columns(grown, ["input_ids", "input_lengths"])["input_lengths"].tolist() == [3, 4]
+
+
+def test_an_extend_takes_jagged_rows_as_a_put_does():
+    from rlplane.transports.memory import MemoryTransport
+
+    c = Client(default_registry(), MemoryTransport())
+    meta = c.put_samples("p", tokens([2, 1], 0), finished=False)
+    more = torch.nested.nested_tensor([torch.tensor([7, 8]), torch.tensor([9])], layout=torch.jagged)
+    meta = c.extend(meta, {"input_ids": more, "input_lengths": torch.tensor([2, 1])}, finished=True)
+    got = c.read_columns(meta, ["input_ids"], layout="jagged")["input_ids"]
+    assert [r.tolist() for r in got] == [[0, 1, 7, 8], [2, 9]] and meta.lengths == [4, 2]

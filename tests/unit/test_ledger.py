@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -319,3 +320,25 @@ def test_grouped_claims_over_a_small_window_hand_out_what_a_look_at_every_candid
         assert got == want
 
     run()
+
+
+def test_a_finished_tag_a_grown_length_and_a_group_key_named_like_a_tag_the_ledger_reads():
+    """Tags and lengths written after a sample's commit are read again (a partial rollout
+    finished, its rows extended); a group key named ``policy_version`` or ``finished`` has
+    its own cache beside the ledger's."""
+    from rlplane.tags import WIRE_TAG
+
+    led, idx = _ledger()
+    tags = [{"finished": False, "policy_version": 3, "group_size": 2, WIRE_TAG: {"input_ids": [10]}} for _ in range(2)]
+    _put(idx, "p", ["a", "b"], tags=tags)
+    assert led.claim(_req(n=2, min_batch=1), final=False) is None  # unfinished
+    tok = ClaimRequest("p", "peek", 2, ("input_ids",), 0.0, 1, max_tokens=150, min_tokens=1, tokens_field="input_ids",
+                       unfinished=True)
+    assert led.claim(tok, final=True)["tokens"] == 20  # asked for: handed out, lengths read
+    idx.record("p", ["a", "b"], ["input_ids"], [{"finished": True, WIRE_TAG: {"input_ids": [100]}}] * 2,
+               create=False)
+    got = led.claim(replace(tok, task="tok", unfinished=False), final=True)
+    assert got["ids"] == ["a"] and got["tokens"] == 100  # the grown length counts: both would be 200
+    for key in ("policy_version", "finished"):
+        got = led.claim(_req(task=f"g-{key}", n=2, group_key=key, current_version=3, max_staleness=0), final=True)
+        assert sorted(got["ids"]) == ["a", "b"]

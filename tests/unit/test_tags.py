@@ -38,3 +38,11 @@ def test_merged_keeps_old_user_tags_and_lets_the_new_ones_win():
     assert isinstance(got, RowTags)
     assert list(got) == [merge_tags(a, b) for a, b in zip(old, new)]
     assert got[0][FINISHED_TAG] is True and got[0]["a"] == 1 and got[1][WIRE_TAG] == {"input_ids": [6]}
+
+
+def test_user_tags_never_carry_rlplanes_reserved_keys():
+    tags = rows()
+    tags[0]["x"] = 1
+    for t in (tags, tags.take([1, 0]), tags.with_user([{"y": 2}, None]), rows().with_user([{"y": 2}, None])):
+        assert all(not k.startswith("_rlplane") for u in t.user_tags() if u for k in u)
+    assert tags.take([1, 0]).user_tags() == [None, {"x": 1}]

@@ -194,7 +194,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 slots = part.committed()
             else:
                 got = [part.ids.get(s, -1) for s in ids]
-                slots = np.asarray([s for s in got if s >= 0], np.int64)
+                slots = np.unique(np.asarray([s for s in got if s >= 0], np.int64))  # an id named twice goes once
                 slots = slots[part.state[slots] == COMMITTED] if slots.size else slots
             whole = ids is None or (slots.size == len(part.ids) and not part.lost)
             self._log_clear(p, None if whole else part.names[slots].tolist())  # before it is answered
@@ -356,12 +356,12 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         holds them from now on), so live bytes count what is still read."""
         dup = fi.dup[slots]
         nbytes = fi.nbytes[slots]
+        heirs = _heirs(fi, slots)  # before the going rows stop counting as sharers
         if bool(dup.any()):
             held = dup & (fi.block[slots] >= 0)
             self._shared_bytes -= int(nbytes[held].sum())
             nbytes = np.where(dup, 0, nbytes)
             fi.dup[slots] = False
-        heirs = _heirs(fi, slots)
         if heirs.size:  # their bytes stay live; they no longer count as shared
             fi.dup[heirs] = False
             handed = int(fi.nbytes[heirs].sum())

@@ -367,7 +367,7 @@ class RecoveryOps:
         if e.kind == CLEAR:
             if part is None:
                 return False
-            slots = np.asarray([part.ids.get(s, -1) for s in rec["ids"]], np.int64)
+            slots = np.unique(np.asarray([part.ids.get(s, -1) for s in rec["ids"]], np.int64))
             slots = slots[slots >= 0]
             self._forget(p, part, slots[part.state[slots] == COMMITTED])
             return True

@@ -157,23 +157,24 @@ def _extends(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any
     work = text_step(batch=cfg.batch, seqlen=EXTEND_TOKENS, seed=8)
     step = {k: work.fields[k] for k in FIELDS if work.fields[k].dim() == 2}  # the token fields
     step["input_lengths"] = torch.full((cfg.batch,), EXTEND_TOKENS)
-    task = progress.add_task(f"extend: {cfg.ops} x {EXTEND_TOKENS} tokens", total=cfg.ops + 1)
+    ops = max(1, cfg.ops)  # the last extend finishes the rollouts
+    task = progress.add_task(f"extend: {ops} x {EXTEND_TOKENS} tokens", total=ops + 1)
     meta = c.put_samples(p, step, finished=False)
     seconds = []
-    for i in range(cfg.ops):
+    for i in range(ops):
         t0 = time.perf_counter()
-        meta = c.extend(meta, step, finished=i == cfg.ops - 1)
+        meta = c.extend(meta, step, finished=i == ops - 1)
         seconds.append(time.perf_counter() - t0)
         progress.advance(task)
     got = c.claim(p, "bench", batch_size=cfg.batch, fields=list(step), timeout=10)
-    want = EXTEND_TOKENS * (cfg.ops + 1)
+    want = EXTEND_TOKENS * (ops + 1)
     if len(got) != cfg.batch or set(got.lengths) != {want}:
-        raise RuntimeError(f"after {cfg.ops} extends the claim got {len(got)} samples of lengths {sorted(set(got.lengths))}, "
+        raise RuntimeError(f"after {ops} extends the claim got {len(got)} samples of lengths {sorted(set(got.lengths))}, "
                            f"not {cfg.batch} of {want}")
     c.clear(p)
     progress.remove_task(task)
-    tenth = max(1, cfg.ops // 10)
-    return {"batch": cfg.batch, "tokens": EXTEND_TOKENS, "extends": cfg.ops, "fields": sorted(set(step) - {"input_lengths"}),
+    tenth = max(1, ops // 10)
+    return {"batch": cfg.batch, "tokens": EXTEND_TOKENS, "extends": ops, "fields": sorted(set(step) - {"input_lengths"}),
             "first": percentiles(seconds[:tenth]), "last": percentiles(seconds[-tenth:]), "length": want}
 
 

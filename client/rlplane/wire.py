@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import msgpack
 import numpy as np
@@ -31,7 +31,18 @@ from rlplane.errors import WireFormatError
 if TYPE_CHECKING:  # the engine's servers speak this wire without torch (see rlplane.dtypes)
     import torch
 
-    from rlplane.column import Column
+
+class Rows(Protocol):
+    """What a message carries of a column (``rlplane.column.Column`` or :class:`RawColumn`):
+    flat values, int64 offsets, a dtype, a row count. Named here so this module, which the
+    column module uses, does not depend on it."""
+
+    values: Any
+    offsets: Any
+    dtype: Any
+
+    @property
+    def num_rows(self) -> int: ...
 
 VERSION = 1
 #: Largest header frame a peer accepts: the ids, geometry and tags of a put of ~500,000
@@ -76,7 +87,7 @@ def int_array(b: Any, what: str = "array") -> np.ndarray:
     return np.frombuffer(b, dtype="<i8")
 
 
-def pack_message(header: Mapping[str, Any], columns: Mapping[str, Column | RawColumn] | None = None,
+def pack_message(header: Mapping[str, Any], columns: Mapping[str, Rows] | None = None,
                  buffers: Sequence[Any] = ()) -> list[Any]:
     """Frames of one message: the header, then per column its values and offsets, then
     any extra ``buffers`` (their count is in the header as ``nbuf``)."""
@@ -146,19 +157,6 @@ class RawColumn:
     @property
     def nbytes(self) -> int:
         return self.values.nbytes
-
-    def to_column(self, copy: bool = True) -> Column:
-        """A torch Column (copied into writable memory unless ``copy=False`` and it already is)."""
-        import torch
-
-        from rlplane.column import Column
-
-        values, offsets = self.values, self.offsets
-        if copy or not values.flags.writeable:
-            values = values.copy()
-        if copy or not offsets.flags.writeable:
-            offsets = offsets.copy()
-        return Column(torch.from_numpy(values).view(dtype_from_name(self.dtype)), torch.from_numpy(offsets))
 
 
 def unpack_message(frames: Sequence[Any], header: dict[str, Any] | None = None,

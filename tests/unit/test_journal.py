@@ -273,3 +273,35 @@ def test_an_older_snapshots_truncation_arriving_late_does_not_lower_the_base(tmp
         assert again.base == 4 and again.truncate(3, "s2") == 0
     finally:
         again.close()
+
+
+def test_a_snapshot_prunes_the_journals_of_units_the_store_no_longer_has(tmp_path):
+    """A store restored with fewer units leaves the old units' directories behind: the next
+    snapshot's truncation deletes what of them it holds, keeps a segment with a later
+    change, and never touches the live units' own."""
+    from rlplane_service.native.journal import JournalWriter
+
+    jdir = tmp_path / "journal"
+    with engine(jdir, units=3) as eng, connect(eng) as a:
+        a.put_samples("a", text_step(8, 16, seed=1).fields, durable=True)
+    assert (jdir / "u2").is_dir() and list((jdir / "u2").glob("seg-*"))
+    with engine(jdir, units=2) as eng, connect(eng) as b:
+        snapshot.restore(b.transport, None, journal=jdir)
+        b.put_samples("b", text_step(4, 16, seed=2).fields, durable=True)
+        later = JournalWriter(jdir, "u7", flush_ms=10)  # a stale directory holding a change after the cut
+        later.append(1 << 40, "clear", "nowhere", b"\x80")
+        later.close()
+        b.snapshot(str(tmp_path / "s"))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and (jdir / "u2").exists():
+            time.sleep(0.05)
+        assert not (jdir / "u2").exists()  # every change in it is in the snapshot
+        assert len(list((jdir / "u7").glob("seg-*"))) == 1  # a later change: kept
+        assert all(list((jdir / u).glob("seg-*")) for u in ("u0", "u1"))  # the live units' own journals
+        b.put_samples("c", text_step(2, 16, seed=3).fields, durable=True)
+    for f in (jdir / "u7").iterdir():
+        f.unlink()
+    (jdir / "u7").rmdir()
+    with engine(None) as new, connect(new) as c:
+        snapshot.restore(c.transport, tmp_path / "s", journal=jdir)
+        assert sorted(c.partitions()) == ["a", "b", "c"]

@@ -114,10 +114,12 @@ class CutOps:
         """The snapshot ``path`` holds every change before ``below``: each unit drops its
         journal's older segments (a unit that does not answer keeps them: harmless)."""
         deleted = 0
-        for u, (name, _) in enumerate(self.units):  # type: ignore[attr-defined]
+        names = [name for name, _ in self.units]  # type: ignore[attr-defined]
+        for u, name in enumerate(names):
             try:
                 ch = self._pool.get(self._control[u], name)  # type: ignore[attr-defined]
-                deleted += int(ch.call({"op": "jtrunc", "below": below, "snapshot": path}, timeout=30.0)[0]["deleted"])
+                ask = {"op": "jtrunc", "below": below, "snapshot": path, "units": names}
+                deleted += int(ch.call(ask, timeout=30.0)[0]["deleted"])
             except E.RlplaneError as err:
                 log.warning("journal of %s not truncated after snapshot %s: %s", name, path, err)
         log.info("journals truncated below change %d (snapshot %s): %d segment(s) deleted", below, path, deleted)

@@ -33,7 +33,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from rlplane import errors as E
 from rlplane.durable import fsync_dir, replace_durably
@@ -126,6 +126,43 @@ class JournalWriter:
                     self.sync()
                 except OSError as err:  # the next pass tries again; lag_s shows it falling behind
                     log.error("journal %s: fsync failed: %s", self.dir, err)
+
+    def prune_others(self, below: int, live: Collection[str]) -> int:
+        """Delete the segments of journal directories beside this one that no unit of the
+        store (``live``: their names) writes any more, where every change in them is
+        before ``below`` (a snapshot holds them); a directory left without segments goes.
+        What a store with fewer units, or units of other names, leaves behind. A damaged
+        segment is kept (a restore names it). Returns segments deleted.
+
+        Never a directory of a unit in ``live``: a live one may be appending to its newest
+        segment (its own truncation handles it)."""
+        n = 0
+        try:
+            dirs = sorted(d for d in self.dir.parent.iterdir() if d.is_dir() and d.name not in live and d != self.dir)
+        except OSError:
+            return 0
+        for d in dirs:
+            for seg in sorted(d.glob(SEGMENT_GLOB)):
+                try:
+                    top = max((r.seq for r in read_segment(seg, heads_only=True).records), default=0)
+                except E.RlplaneError as err:
+                    log.warning("journal: kept %s: %s", seg, err)
+                    continue
+                if top < below:
+                    try:
+                        seg.unlink()
+                        n += 1
+                    except FileNotFoundError:  # another unit pruned it first
+                        pass
+            if not any(d.glob(SEGMENT_GLOB)):
+                try:
+                    (d / BASE).unlink(missing_ok=True)
+                    d.rmdir()
+                except OSError:  # another unit's prune, or files of its own: left
+                    pass
+        if n:
+            fsync_dir(self.dir.parent)
+        return n
 
     def truncate(self, below: int, snapshot: str = "") -> int:
         """A snapshot holds every change before ``below``: roll over, delete the segments

@@ -377,13 +377,19 @@ class UnitCore:
 
     def op_jtrunc(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """A snapshot holds every change before ``below``: drop the journal's older segments."""
-        below, snap = header.get("below"), header.get("snapshot") or ""
+        below, snap, units = header.get("below"), header.get("snapshot") or "", header.get("units")
         if not isinstance(below, int) or isinstance(below, bool) or not 0 < below < 1 << 63 or not isinstance(snap, str):
             raise E.WireFormatError("jtrunc needs 'below': a sequence number")
+        if units is not None and not (isinstance(units, list) and len(units) <= 4096
+                                      and all(isinstance(u, str) and u for u in units)):
+            raise E.WireFormatError("jtrunc's 'units' must be the store's unit names")
         if self.journal is None:
             return {"deleted": 0}, {}, []
         try:
-            return {"deleted": self.journal.truncate(below, snap[:4096])}, {}, []
+            deleted = self.journal.truncate(below, snap[:4096])
+            if units:  # directories of units the store no longer has
+                deleted += self.journal.prune_others(below, {*units, self.name})
+            return {"deleted": deleted}, {}, []
         except OSError as err:
             raise E.UnavailableError(f"storage unit {self.name} could not truncate its journal ({err})",
                                      component=self.name) from None

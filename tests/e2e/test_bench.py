@@ -36,7 +36,10 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     assert not data["embedded"] and data["config"]["quick"]
-    assert [w["workload"] for w in data["workloads"]] == ["vlm-step", "text-step", "vlm-grpo"]
+    assert [w["workload"] for w in data["workloads"]] == ["vlm-step", "text-step", "vlm-grpo", "vlm-grpo-same"]
+    same = data["workloads"].pop()  # the group's very tensors: stored once too, no bytes compared
+    assert {r["path"] for r in same["paths"]} == {"rlplane-native", "raw-tq"}
+    assert same["unique_bytes"] <= same["held_bytes"]["rlplane-native"] < same["bytes_stored"]
     grpo = data["workloads"][2]  # one group of 2 sharing its images: the native engine stores them once
     assert {r["path"] for r in grpo["paths"]} == {"rlplane-native", "raw-tq", "mooncake-dataproto", "ray-object-store"}
     assert set(grpo["held_bytes"]) == {"rlplane-native"} and grpo["unique_bytes"] < grpo["bytes_stored"]

@@ -35,6 +35,7 @@ class Layout(str, Enum):
 class WorkloadName(str, Enum):
     vlm_step = "vlm-step"
     vlm_grpo = "vlm-grpo"
+    vlm_grpo_same = "vlm-grpo-same"
     text_step = "text-step"
     small = "small"
     text_scale = "text-scale"
@@ -132,7 +133,7 @@ def _async_demo(url: str, token: str | None, transport: str, embedded: bool, bac
 def bench(
     workloads: Optional[list[WorkloadName]] = typer.Option(
         None, "--workload", "-w", help="Workload(s) to run (repeat the flag); default: all, and the sweeps "
-        "(vlm-grpo: the vlm-step batch as 8 groups of 8 sharing each group's images, native against raw TransferQueue, DataProto and the Ray object store, which store every copy, and the bytes native stored; text-scale is the sweep over B at S=1024; dp-shard: a DP rank reads every other vlm-step sample's input_ids + pixel_values, through every path that can select rows; claim is the streaming section: claim latency, wake-up, 4 claimers; controller: B=1 puts, claim+ack and one-sample reads per second from 8 processes)."
+        "(vlm-grpo: the vlm-step batch as 8 groups of 8 sharing each group's images, native against raw TransferQueue, DataProto and the Ray object store, which store every copy, and the bytes native stored; vlm-grpo-same: the same with each group's very image tensors, native against raw TransferQueue; text-scale is the sweep over B at S=1024; dp-shard: a DP rank reads every other vlm-step sample's input_ids + pixel_values, through every path that can select rows; claim is the streaming section: claim latency, wake-up, 4 claimers; controller: B=1 puts, claim+ack and one-sample reads per second from 8 processes)."
     ),
     paths: Optional[list[str]] = typer.Option(
         None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native (shm), rlplane-native-te (the transfer engine), "

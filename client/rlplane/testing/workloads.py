@@ -113,18 +113,25 @@ def vlm_step(batch: int = 64, seqlen: int = 2048, seed: int = 0, max_images: int
 
 
 def vlm_grpo(batch: int = 64, seqlen: int = 2048, seed: int = 0, group: int = 8,
-             sides: tuple[int, int] = (16, 52)) -> Workload:
+             sides: tuple[int, int] = (16, 52), copies: bool = True) -> Workload:
     """"vlm-grpo": the vlm-step batch as groups of ``group`` samples (B/group prompts with G
     answers each) sharing each group's images: every member's ``pixel_values`` and
     ``image_grid_thw`` rows are equal copies (separate tensors, same bytes) of its group's
-    first member's, as a rollout that processed each sample's prompt on its own would hand over."""
+    first member's, as a rollout that processed each sample's prompt on its own would hand over.
+    ``copies=False``: the very same tensors instead, as a rollout that repeats each prompt's
+    processed images for its answers hands over (workload "vlm-grpo-same")."""
     w = vlm_step(batch, seqlen, seed, sides=sides)
     for name in ("pixel_values", "image_grid_thw"):
         rows = w.fields[name].rows
-        w.fields[name] = PackedTensor([None if rows[i - i % group] is None else [t.clone() for t in rows[i - i % group]]
-                                       for i in range(batch)])
-    w.name = "vlm-grpo"
+        w.fields[name] = PackedTensor([None if rows[i - i % group] is None else
+                                       [t.clone() if copies else t for t in rows[i - i % group]] for i in range(batch)])
+    w.name = "vlm-grpo" if copies else "vlm-grpo-same"
     return w
+
+
+def vlm_grpo_same(batch: int = 64, seqlen: int = 2048, seed: int = 0, group: int = 8) -> Workload:
+    """"vlm-grpo-same": :func:`vlm_grpo` whose members hold their group's very image tensors."""
+    return vlm_grpo(batch, seqlen, seed, group, copies=False)
 
 
 def small_step(batch: int = 8, seqlen: int = 512, seed: int = 0) -> Workload:
@@ -140,4 +147,4 @@ def text_scale(batch: int = 4096, seqlen: int = 1024, seed: int = 0) -> Workload
     return text_step(batch, seqlen, seed)
 
 
-WORKLOADS = {"vlm-step": vlm_step, "vlm-grpo": vlm_grpo, "text-step": text_step, "small": small_step, "text-scale": text_scale}
+WORKLOADS = {"vlm-step": vlm_step, "vlm-grpo": vlm_grpo, "vlm-grpo-same": vlm_grpo_same, "text-step": text_step, "small": small_step, "text-scale": text_scale}

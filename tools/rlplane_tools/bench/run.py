@@ -39,6 +39,10 @@ THROUGHPUT_WORKLOADS = ("vlm-step", "text-step")
 #: section does not show.
 GRPO_WORKLOAD = "vlm-grpo"
 GRPO_PATHS = ("rlplane-native", "raw-tq", "mooncake-dataproto", "ray-object-store")
+#: vlm-grpo-same: the same batch whose members hold their group's very image tensors (what a
+#: rollout that repeats a prompt's processed images hands over): no bytes to compare.
+GRPO_SAME_WORKLOAD = "vlm-grpo-same"
+GRPO_SAME_PATHS = ("rlplane-native", "raw-tq")
 LATENCY_WORKLOAD = "small"
 SWEEP_WORKLOAD = "vlm-step"
 #: The HTTP proxy moves ~0.1-0.2 GB/s (DESIGN.md): at B=256 it alone would take minutes. Mooncake
@@ -81,7 +85,7 @@ class BenchConfig:
     """What one ``rlplane bench`` run measures. ``quick`` shrinks batches, reps and ops
     (every path, workload and sweep still runs); explicit values win over it."""
 
-    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, GRPO_WORKLOAD, LATENCY_WORKLOAD, SCALE_WORKLOAD, DP_SHARD_SECTION,
+    workloads: tuple[str, ...] = (*THROUGHPUT_WORKLOADS, GRPO_WORKLOAD, GRPO_SAME_WORKLOAD, LATENCY_WORKLOAD, SCALE_WORKLOAD, DP_SHARD_SECTION,
                                   CLAIM_SECTION, CONTROLLER_SECTION)
     paths: tuple[str, ...] = tuple(PATHS)
     batch: int | None = None
@@ -271,10 +275,11 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
                 if name in THROUGHPUT_WORKLOADS:
                     share = _share(cfg, name, cfg.batch)
                     out["workloads"].append(_throughput(cfg, pool, share, cfg.paths, progress))
-            if GRPO_WORKLOAD in cfg.workloads:
-                paths = tuple(p for p in cfg.paths if p in GRPO_PATHS)
-                out["workloads"].append(_throughput(cfg, pool, _share(cfg, GRPO_WORKLOAD, cfg.batch), paths, progress,
-                                                    stored=True))
+            for name, allowed in ((GRPO_WORKLOAD, GRPO_PATHS), (GRPO_SAME_WORKLOAD, GRPO_SAME_PATHS)):
+                if name in cfg.workloads:
+                    paths = tuple(p for p in cfg.paths if p in allowed)
+                    out["workloads"].append(_throughput(cfg, pool, _share(cfg, name, cfg.batch), paths, progress,
+                                                        stored=True))
             if LATENCY_WORKLOAD in cfg.workloads:
                 out["latency"] = _latency(cfg, pool, progress)
             if DP_SHARD_SECTION in cfg.workloads:

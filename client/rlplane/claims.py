@@ -99,7 +99,8 @@ class ClaimRequest:
             min_batch = 1 if max_tokens is not None else batch_size
         req = cls(partition, task, batch_size, tuple(names), float(timeout or 0.0), int(min_batch), group_key,
                   current_version, max_staleness, lease_s, max_tokens,
-                  max_tokens if min_tokens is None else min_tokens, tokens_field, _unfinished(unfinished))
+                  max_tokens if min_tokens is None else min_tokens, tokens_field,
+                  _flag(unfinished, "unfinished", E.InvalidArgumentError))
         req.check()
         return req
 
@@ -164,16 +165,11 @@ def _num(x: Any, kind: type, what: str) -> Any:
     return kind(x)
 
 
-def _unfinished(x: Any) -> bool:
-    if isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")):  # numpy's too
+def _flag(x: Any, what: str, error: type[E.RlplaneError] = E.WireFormatError) -> bool:
+    """``x`` as a bool (None: False; numpy's bools too), else ``error`` naming ``what``."""
+    if x is None or isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")):
         return bool(x)
-    raise E.InvalidArgumentError(f"unfinished must be True or False, got {x!r}")
-
-
-def _flag(x: Any, what: str) -> bool:
-    if x is None or isinstance(x, bool):
-        return bool(x)
-    raise E.WireFormatError(f"claim field {what!r} must be true or false, got {str(x)[:40]!r}")
+    raise error(f"claim field {what!r} must be true or false, got {str(x)[:40]!r}")
 
 
 def _opt(x: Any, kind: type, what: str) -> Any:

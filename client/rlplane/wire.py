@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 import msgpack
 import numpy as np
 
-from rlplane.dtypes import dtype_from_name, dtype_name, numpy_of
+from rlplane.dtypes import dtype_name, numpy_of
 from rlplane.errors import WireFormatError
 
 if TYPE_CHECKING:  # the engine's servers speak this wire without torch (see rlplane.dtypes)

@@ -93,7 +93,6 @@ def serve(
     RLPLANE_MOONCAKE_PROTOCOL=rdma, RLPLANE_MOONCAKE_SEGMENT_BYTES.
     """
     import signal
-    import time
 
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
@@ -139,7 +138,6 @@ def _serve(service: Any, settings: Any) -> None:
 def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: bool = typer.Option(False, "--json", help="Print the raw JSON.")) -> None:
     """Show a running service: registry version, storage units, partitions and bytes, and
     each streaming task's consumption (pending, claimed, acked, expired per partition)."""
-    import json
 
     st = _call(url, token, "GET", "/v1/status", timeout=30)
     if as_json:
@@ -180,7 +178,6 @@ def snapshot(
     """Snapshot a running native store: every partition and every task's consumption, one
     consistent cut, while writes and claims go on. Restore with `rlplane serve --restore PATH`
     (or RLPLANE_RESTORE_FROM) into a new store of any size."""
-    import json
 
     from rlplane.client import SNAPSHOT_TIMEOUT_S
 

@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 

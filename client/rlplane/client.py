@@ -25,10 +25,11 @@ from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import msgpack
+import numpy as np
 import torch
 
-from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, decode, encode, prepare
-from rlplane.errors import (InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
+from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, Encoded, Prepared, decode, encode, prepare
+from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
                             TransportError)
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.gcpause import gc_paused
@@ -103,20 +104,37 @@ class Client:
             user = _user_tags(tags, batch, ids)
             if not finished:
                 user = [{**u, FINISHED_TAG: False} for u in user]
-            with self._buffers() as mine, self.transport.put_buffers(batch, mine) as alloc:
-                enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep, share_rows=self._shares)
-                merged = enc.tags.with_user(user) if tags is not None or not finished else enc.tags
-                if durable:
-                    if not self.transport.durable_puts:
-                        raise InvalidArgumentError(f"put_samples(..., durable=True) needs the native backend with a "
-                                                   f"journal (RLPLANE_JOURNAL_DIR); this client's transport is "
-                                                   f"{getattr(self.transport, 'name', type(self.transport).__name__)!r}")
-                    self.transport.put(partition, ids, enc.columns, merged, create=True, durable=True)
-                else:
-                    self.transport.put(partition, ids, enc.columns, merged, create=True)
-                op.nbytes = enc.nbytes
+            if durable and not self.transport.durable_puts:
+                raise InvalidArgumentError(f"put_samples(..., durable=True) needs the native backend with a "
+                                           f"journal (RLPLANE_JOURNAL_DIR); this client's transport is "
+                                           f"{getattr(self.transport, 'name', type(self.transport).__name__)!r}")
+            # Rows the partition holds from earlier puts are not written again (rlplane.dedup);
+            # if a clear takes them before the commit, the put writes them itself.
+            lookup = getattr(self.transport, "held_rows", None) if self._shares and not durable else None
+            try:
+                enc, merged = self._put_once(partition, ids, fields, prep, user, tags is not None or not finished,
+                                             durable, lookup)
+            except LeaseError as err:
+                if lookup is None or getattr(err, "component", "") != HELD_GONE:
+                    raise
+                enc, merged = self._put_once(partition, ids, fields, prep, user, tags is not None or not finished,
+                                             durable, _none_held)
+            op.nbytes = enc.nbytes
         stored_lengths = lengths.tolist() if lengths is not None else [0] * batch
         return SampleMeta(partition, ids, stored_lengths, frozenset(enc.columns), merged)
+
+    def _put_once(self, partition: str, ids: list[str], fields: Mapping[str, Any], prep: Prepared,
+                  user: list[dict[str, Any]], tagged: bool, durable: bool, lookup: Any) -> tuple[Encoded, Any]:
+        held = (lambda name, keys: lookup(partition, name, keys)) if lookup is not None else None
+        with self._buffers() as mine, self.transport.put_buffers(len(ids), mine) as alloc:
+            enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep, share_rows=self._shares,
+                         held=held)
+            merged = enc.tags.with_user(user) if tagged else enc.tags
+            if durable:
+                self.transport.put(partition, ids, enc.columns, merged, create=True, durable=True)
+            else:
+                self.transport.put(partition, ids, enc.columns, merged, create=True)
+        return enc, merged
 
     def write_columns(self, meta: SampleMeta, fields: Mapping[str, Any]) -> SampleMeta:
         """Add (or replace) fields of stored samples, e.g. a stage's outputs.
@@ -501,6 +519,11 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _none_held(partition: str, field: str, keys: Any) -> Any:
+    """A lookup that finds nothing: the put stores every row itself (and keys them for later puts)."""
+    return np.full((len(keys), 5), -1, np.int64)
 
 
 def _release(transport: Transport, service: Any) -> None:

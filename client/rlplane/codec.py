@@ -22,14 +22,14 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
 import torch
 
-from rlplane.column import Column, offsets_from_numels
-from rlplane.dedup import twins
+from rlplane.column import Column, HeldRows, offsets_from_numels
+from rlplane.dedup import row_keys, same_bytes, twins
 from rlplane.errors import (
     ContainerError,
     DtypeError,
@@ -43,6 +43,10 @@ from rlplane.integrity import check_sums, row_sums
 from rlplane.packed import PackedTensor
 from rlplane.scratch import Alloc
 from rlplane.tags import RESERVED_TAG_PREFIX, WIRE_TAG, RowTags, merge_tags
+
+#: ``held(field, keys) -> refs``: where the store keeps rows it holds already under
+#: ``keys`` (see :class:`~rlplane.column.HeldRows`; block -1 for the rest).
+HeldLookup = Callable[[str, np.ndarray], np.ndarray]
 
 LAYOUTS = ("padded", "jagged")
 
@@ -103,6 +107,7 @@ def encode(
     alloc: Alloc | None = None,
     prepared: Prepared | None = None,
     share_rows: bool = False,
+    held: HeldLookup | None = None,
 ) -> Encoded:
     """Validate ``fields`` against ``registry`` and encode them for the wire.
 
@@ -113,7 +118,10 @@ def encode(
     ``prepared``: what :func:`prepare` already found for these fields (not checked again).
     ``share_rows``: identical rows of a field that shares rows (:attr:`FieldSpec.shares_rows`,
     media by default) are stored once: its column says which rows repeat which
-    (:mod:`rlplane.dedup`); only for a transport that stores such columns.
+    (:mod:`rlplane.dedup`); only for a transport that stores such columns. ``held`` (with
+    ``share_rows``): asked, per such field, which of its rows the store holds from earlier
+    puts (``held(field, keys) -> refs``, see :class:`~rlplane.column.HeldRows`); those rows
+    are not encoded at all.
 
     Example::
 
@@ -130,7 +138,7 @@ def encode(
             continue
         spec = registry.get(name)
         if share_rows and spec.shares_rows and spec.container == "packed":
-            out = _encode_media_packed(spec, value, tokens, batch, ids, alloc, share=True)
+            out = _encode_media_packed(spec, value, tokens, batch, ids, alloc, share=True, held=held)
         else:
             out = _ENCODERS[(spec.alignment, spec.container)](spec, value, tokens, batch, ids, alloc)
         if out is None:
@@ -259,20 +267,41 @@ def _encode_token_dense(
 
 
 def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids, alloc, *,
-                         share: bool = False) -> tuple[Column, Geometry] | None:
+                         share: bool = False, held: HeldLookup | None = None) -> tuple[Column, Geometry] | None:
     into = (lambda numel, dtype: alloc(spec.name, numel, dtype)) if alloc is not None else None
     d, p = value.dim_to_pack, value.pad_to_max_shape
     same = twins(value._rows) if share else None
-    if same is not None and bool((same >= 0).any()):  # each repeated row is stored once, by its first sample
+    kept = None  # rows the store holds from earlier puts (rlplane.dedup.row_keys)
+    if same is not None and held is not None:
+        keys = row_keys(value._rows, same, spec.wire_dtype)
+        if bool(keys.any()):
+            refs = np.array(held(spec.name, keys), np.int64).reshape(len(keys), 5)
+            refs[same >= 0] = -1  # a twin follows its first row
+            sums = refs[:, 4].view(np.uint64)
+            for i in np.flatnonzero(refs[:, 0] >= 0).tolist():  # found by key: confirmed on every byte's digest
+                row = PackedTensor._from_rows([value._rows[i]], d, p).flatten(spec.wire_dtype)[0]
+                if not sums[i] or row is None or not same_bytes(row, int(sums[i])):
+                    refs[i] = -1
+            kept = HeldRows(keys, refs)  # the keys go with the commit: later puts find these rows
+    skip = same >= 0 if same is not None else None
+    if kept is not None:
+        skip = skip | (kept.refs[:, 0] >= 0)
+    if skip is not None and bool(skip.any()):  # each repeated row is stored once, by its first sample
         shapes = value.shapes()
-        stored = PackedTensor._from_rows([() if k >= 0 else row for row, k in zip(value._rows, same.tolist())], d, p)
+        stored = PackedTensor._from_rows([() if k else row for row, k in zip(value._rows, skip.tolist())], d, p)
         values, row_numels, _ = stored.flatten(spec.wire_dtype, alloc=into)
+        if values is None:  # every row held already: an empty column of the dtype they are stored as
+            seg = value._rows[int(kept.rows[0])][0]  # type: ignore[union-attr]
+            wire = spec.wire_dtype if spec.wire_dtype is not None and seg.is_floating_point() else seg.dtype
+            values, row_numels = torch.empty(0, dtype=wire), [0] * len(value._rows)
     else:
         same = None
         values, row_numels, shapes = value.flatten(spec.wire_dtype, alloc=into)
     if values is None:
         return None  # every row empty: nothing to write
-    col = Column(values, offsets_from_numels(row_numels), same=same)
+    if same is not None and not bool((same >= 0).any()):
+        same = None
+    col = Column(values, offsets_from_numels(row_numels), same=same, held=kept)
     return col, Geometry.of_rows([{"d": d, "p": p, "s": s} for s in shapes])
 
 

@@ -17,6 +17,10 @@ a GRPO group): ``same[i] = j`` (``j < i``) says row ``i``'s bytes are row ``j``'
 row ``i`` itself is stored empty; ``same[i] = -1`` for a row that holds its own bytes.
 Only the codec, the native engine and the decoders make or take such columns; anything
 else gets :meth:`Column.expanded` (every row its own bytes).
+
+**Rows held from earlier puts.** A column a writer hands the native engine may also name
+rows whose bytes the store already holds (:class:`HeldRows`, ``Column.held``): those are
+stored empty too, and the commit points them at the stored bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +47,33 @@ def offsets_from_numels(numels: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, eq=False)
+class HeldRows:
+    """Which rows of a column being written the store holds already (:mod:`rlplane.dedup`):
+    ``keys`` ``(n, 2)`` uint64, each row's key (zero: none); ``refs`` ``(n, 5)`` int64, for
+    a held row where its bytes are stored (block, row in the block, byte offset in the
+    block's extent, byte count, the row's digest as int64), block -1 for the others.
+
+    Example::
+
+        HeldRows(np.zeros((2, 2), np.uint64), np.full((2, 5), -1, np.int64)).rows   # array([], dtype=int64)
+    """
+
+    keys: np.ndarray
+    refs: np.ndarray
+
+    def __post_init__(self) -> None:
+        n = self.keys.shape[0]
+        if self.keys.shape != (n, 2) or self.keys.dtype != np.uint64 or self.refs.shape != (n, 5) \
+                or self.refs.dtype != np.int64:
+            raise WireFormatError("held rows need (n, 2) uint64 keys and (n, 5) int64 refs")
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The rows the store holds already."""
+        return np.flatnonzero(self.refs[:, 0] >= 0)
+
+
+@dataclass(frozen=True, eq=False)
 class Column:
     """One field's rows: ``values`` (1-D, contiguous) split by ``offsets`` (int64, B+1).
 
@@ -56,6 +87,7 @@ class Column:
     sums: np.ndarray | None = None
     geom: Geometry | None = None
     same: np.ndarray | None = None  # int64, one per row: -1, or the earlier row whose bytes this one shares
+    held: HeldRows | None = None  # rows whose bytes the store holds from earlier puts (written only)
 
     def __post_init__(self) -> None:
         if self.geom is not None and not isinstance(self.geom, Geometry):
@@ -80,6 +112,12 @@ class Column:
             )
         if self.same is not None and bool((np.diff(a)[self.same >= 0] != 0).any()):
             raise WireFormatError("a row that shares another row's bytes must be stored empty")
+        if self.held is not None:
+            rows = self.held.rows
+            if self.held.keys.shape[0] != n or bool((np.diff(a)[rows] != 0).any()):
+                raise WireFormatError("a row the store holds already must be stored empty, one key per row")
+            if self.same is not None and bool((self.same[rows] >= 0).any()):
+                raise WireFormatError("a row the store holds already cannot also repeat a row of its put")
 
     def with_meta(self, sums: np.ndarray | None, geom: Geometry | Sequence[Any] | None) -> Column:
         """The same rows with their digests and geometries (values and offsets are not
@@ -93,7 +131,7 @@ class Column:
             raise WireFormatError(f"{len(geom)} row geometries for {n} rows")
         out = object.__new__(Column)
         for name, value in (("values", self.values), ("offsets", self.offsets), ("sums", sums), ("geom", geom),
-                            ("same", self.same)):
+                            ("same", self.same), ("held", self.held)):
             object.__setattr__(out, name, value)
         return out
 
@@ -139,6 +177,8 @@ class Column:
             Column(torch.arange(3), torch.tensor([0, 3, 3]), same=np.array([-1, 0])).expanded().values
             # tensor([0, 1, 2, 0, 1, 2])
         """
+        if self.held is not None and self.held.rows.size:
+            raise WireFormatError("a column naming rows the store holds already has not their bytes to expand")
         if self.same is None:
             return self
         plain = Column(self.values, self.offsets)
@@ -211,6 +251,10 @@ class Column:
     def logical_numels(self) -> torch.Tensor:
         """Element count of every row's bytes, shared or not (int64, length B)."""
         numels = torch.diff(self.offsets)
+        if self.held is not None:  # a held row's bytes are where the store keeps them
+            rows = self.held.rows
+            numels = numels.clone()
+            numels[torch.from_numpy(rows)] = torch.from_numpy(self.held.refs[rows, 3] // self.values.element_size())
         if self.same is None:
             return numels
         return numels[torch.from_numpy(np.where(self.same >= 0, self.same, np.arange(self.same.size)))]

@@ -20,6 +20,20 @@ shapes, the same dtype and the same bytes:
 
 Rows on an accelerator are matched by (1) only (their bytes are not pulled to the host).
 
+**Across puts** (the native engine): :func:`row_keys` names each distinct row by an
+xxh3-128 digest of the dtype it is stored as, its segments' dtypes and shapes, and a
+sample of their bytes (both ends and windows between: microseconds a row, where hashing
+every byte of vlm-step's pixels took 28 ms). The writer asks the store which keys of a
+field the partition holds, and for each row found it casts the row as it would store it
+and compares that with the stored row's xxh3-64 digest of every byte (:func:`same_bytes`:
+the integrity digest the store records and checks on every read); only then is the row
+not stored. So a match needs equal shapes and dtypes, an equal 128-bit digest of the
+sampled bytes and an equal 64-bit digest of all of them: that protects against accidental
+collisions (two rows alike at every sampled byte and different elsewhere would still need
+a 64-bit collision), not against a writer of the same partition that crafts xxh3
+collisions (turn sharing off for the field, ``FieldSpec(dedup=False)``, where writers of
+one partition do not trust each other).
+
 Example::
 
     img = torch.rand(4, 8)
@@ -122,6 +136,68 @@ def digest(row: Row) -> tuple[int, int]:
     return value >> 64, value & ((1 << 64) - 1)
 
 
+def row_keys(rows: Sequence[Row], same: np.ndarray, stored_as: torch.dtype | None) -> np.ndarray:
+    """The key the store finds each row under across puts (see the module docstring):
+    ``(n, 2)`` uint64, an xxh3-128 digest of the dtype it is stored as, each segment's dtype
+    and shape, and a sample of each segment's bytes (:func:`_probe`: both ends and
+    :data:`_WINDOWS` windows between, all of a small segment), so a key costs microseconds
+    however large the row. A row found under its key is confirmed by :func:`same_bytes`.
+    Zero for an empty row, one not on the host or one under :data:`MIN_KEYED_BYTES`; a
+    twin (``same >= 0``) gets its first row's.
+
+    Example::
+
+        img = torch.rand(64, 64)
+        keys = row_keys([(img,), (img.clone(),)], np.array([-1, -1]), torch.bfloat16)
+        bool((keys[0] == keys[1]).all())   # True: the same bytes, shapes and dtypes
+    """
+    keys = np.zeros((len(rows), 2), np.uint64)
+    for i, row in enumerate(rows):
+        if not row or same[i] >= 0 or not all(s.device.type == "cpu" for s in row):
+            continue
+        if sum(s.numel() * s.element_size() for s in row) < MIN_KEYED_BYTES:
+            continue
+        h = xxhash.xxh3_128()
+        h.update(repr((str(stored_as), [(str(s.dtype), tuple(s.shape)) for s in row])).encode())
+        for seg in row:
+            h.update(_probe(seg))
+        value = h.intdigest() or 1  # zero names no key
+        keys[i] = (value >> 64, value & ((1 << 64) - 1))
+    dup = np.flatnonzero(same >= 0)
+    if dup.size:
+        keys[dup] = keys[same[dup]]
+    return keys
+
+
+def same_bytes(stored: torch.Tensor, digest: int) -> bool:
+    """Whether ``stored`` (a row as it would be stored: cast, flat) has every byte of the
+    row a store holds under that row's key, as far as the store's xxh3-64 ``digest`` of
+    those bytes tells (the integrity digest it checks on every read).
+
+    Example: ``same_bytes(torch.zeros(4), xxhash.xxh3_64_intdigest(bytes(16)))`` -> True.
+    """
+    flat = stored.reshape(-1)
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    return xxhash.xxh3_64_intdigest(memoryview(flat.contiguous().numpy().view(np.uint8))) == digest
+
+
+#: Rows smaller than this are not looked for across puts (a lookup's message costs more
+#: than storing them again: a row of image_grid_thw is 24 bytes).
+MIN_KEYED_BYTES = 4096
+#: Windows of a segment's bytes between its ends that its key covers, and their size.
+_WINDOWS, _WINDOW = 14, 256
+
+
+def _probe(seg: torch.Tensor) -> memoryview | bytes:
+    b = _bytes(seg)
+    if len(b) <= 2 * _EDGE + _WINDOWS * _WINDOW:
+        return b
+    step = (len(b) - 2 * _EDGE) // (_WINDOWS + 1)
+    parts = [b[:_EDGE]] + [b[_EDGE + k * step:_EDGE + k * step + _WINDOW] for k in range(1, _WINDOWS + 1)]
+    return b"".join([*parts, b[-_EDGE:]])
+
+
 def _edges(row: Row) -> tuple:
     key = []
     for seg in row:
@@ -150,4 +226,4 @@ def _words(seg: torch.Tensor) -> np.ndarray:
     return a.view(np.uint64) if a.size % 8 == 0 else a
 
 
-__all__ = ["twins", "digest"]
+__all__ = ["twins", "digest", "row_keys", "same_bytes"]

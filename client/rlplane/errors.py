@@ -159,6 +159,16 @@ class NotReadyError(RlplaneError, TimeoutError):
 class LeaseError(RlplaneError, ValueError):
     """An ack/nack/commit for a lease or reservation that expired or was never granted."""
 
+    def __init__(self, message: str = "", *, component: str = "") -> None:
+        super().__init__(message)
+        if component:
+            self.component = component
+
+
+#: The ``component`` of the LeaseError of a put that found rows stored in its partition
+#: (rlplane.dedup) which a clear took before it committed: ``put_samples`` writes them itself then.
+HELD_GONE = "held rows"
+
 
 class IntegrityError(RlplaneError, ValueError):
     """Bytes read back differ from what the writer stored (checksum mismatch)."""
@@ -256,6 +266,7 @@ __all__ = [
     "StorageFullError",
     "NotReadyError",
     "LeaseError",
+    "HELD_GONE",
     "IntegrityError",
     "SnapshotError",
     "AuthenticationError",

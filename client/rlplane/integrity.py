@@ -34,7 +34,8 @@ from rlplane.tags import SUM_TAG
 
 def row_sums(col: Column) -> np.ndarray:
     """The xxh3-64 digest of each row's bytes (uint64; an empty row's is xxh3 of nothing; a
-    row sharing another's bytes gets that row's)."""
+    row sharing another's bytes gets that row's, one the store holds already the digest it
+    was stored with)."""
     values = col.values
     if values.device.type != "cpu":
         values = values.cpu()
@@ -46,6 +47,9 @@ def row_sums(col: Column) -> np.ndarray:
     digest = xxhash.xxh3_64_intdigest
     sums = np.fromiter(map(digest, map(buf.__getitem__, map(slice, bounds[:-1], bounds[1:]))), np.uint64,
                        len(bounds) - 1)
+    if col.held is not None:  # a row the store holds from an earlier put: the digest recorded with it
+        held = col.held.rows
+        sums[held] = col.held.refs[held, 4].view(np.uint64)
     if col.same is not None:  # a shared row's digest is that of the row whose bytes it shares
         dup = np.flatnonzero(col.same >= 0)
         sums[dup] = sums[col.same[dup]]

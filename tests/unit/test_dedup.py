@@ -13,6 +13,7 @@ from rlplane import Client, default_registry, dedup, snapshot
 from rlplane import errors as E
 from rlplane.column import Column
 from rlplane.fields import FieldSpec, Registry
+from rlplane.meta import SampleMeta
 from rlplane.packed import PackedTensor
 from rlplane.testing.verify import diff_fields
 from rlplane.testing.workloads import vlm_grpo, vlm_step
@@ -262,3 +263,173 @@ def test_stats_stay_exact_whichever_members_of_a_group_go(gone):
         c.clear("q")
         st = c.transport.stats()
         assert (st["blocks"], st["shared_bytes"], st["written_bytes"], st["live_bytes"]) == (0, 0, 0, 0)
+
+
+# -- across puts ---------------------------------------------------------------------------
+def put_apart(c: Client, p: str, w, members) -> list:
+    """One put per sample (a rollout worker writing each group member when it is done)."""
+    return [c.put_samples(p, w.select([i]).fields) for i in members]
+
+
+def read_each(c: Client, w, metas, members) -> None:
+    for i, m in zip(members, metas):
+        assert diff_fields(c.registry, w.select([i]).fields, read_all(c, m), w.lengths[[i]]) == [], i
+
+
+@pytest.mark.parametrize("path", ["shm", "zmq"])
+def test_a_groups_images_put_one_member_at_a_time_are_stored_once_and_read_back_exact(path):
+    w = vlm_grpo(batch=16, seqlen=64, seed=11)
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng, connect(eng, path) as c:
+        c.put_samples("one-put", w.fields)  # the same batch in one put: what sharing within a put stores
+        once = stored_pixels(c)
+        c.clear("one-put")
+        metas = put_apart(c, "p", w, range(16))
+        live, shared = stored_pixels(c)
+        # sixteen puts store what one put of them stores, but for rows too small to look for
+        # (image_grid_thw's 24 bytes a row, dedup.MIN_KEYED_BYTES)
+        assert 0 <= live - once[0] == once[1] - shared <= 16 * 24
+        read_each(c, w, metas, range(16))
+        pv = c.read_columns(SampleMeta.concat(metas[8:]), fields=["pixel_values"])["pixel_values"]
+        assert all([t.data_ptr() for t in pv[i]] == [t.data_ptr() for t in pv[0]] for i in range(8))  # one buffer
+        c.clear("p", metas[8].sample_ids)  # the sample that stored group 1's images
+        rest = [i for i in range(16) if i != 8]
+        read_each(c, w, [metas[i] for i in rest], rest)
+        again = put_apart(c, "p", w, [8])  # found under the next member, which holds them now
+        assert stored_pixels(c) == (live, shared)
+        read_each(c, w, again + [metas[i] for i in rest], [8, *rest])
+        c.clear("p")
+        st = c.transport.stats()
+        assert (st["blocks"], st["shared_bytes"], st["written_bytes"], st["live_bytes"]) == (0, 0, 0, 0)
+
+
+def test_rows_are_found_only_in_their_own_partition_and_field():
+    w = vlm_grpo(batch=8, seqlen=32, seed=12)
+    assert w.fields["pixel_values"]._rows[0]
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        put_apart(c, "a", w, [0])
+        alone = stored_pixels(c)
+        metas = put_apart(c, "b", w, [1])  # the same images in another partition: stored again
+        assert stored_pixels(c)[0] > alone[0] and stored_pixels(c)[1] == 0
+        read_each(c, w, metas, [1])
+
+
+def test_a_holder_cleared_between_the_lookup_and_the_commit_leaves_the_put_whole():
+    """The put found group 0's images stored; before it commits they are cleared: it
+    writes them itself (no error), or, when another member still holds them, shares them."""
+    w = vlm_grpo(batch=8, seqlen=32, seed=17)  # one group with images
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        first = put_apart(c, "p", w, [0])
+        found = c.transport.held_rows
+        calls = []
+
+        def then_clear(p, field, keys, ids):
+            refs = found(p, field, keys)
+            if field == "pixel_values" and not calls:
+                calls.append(int((refs[:, 0] >= 0).sum()))
+                c.clear(p, ids)
+            return refs
+
+        c.transport.held_rows = lambda p, f, k: then_clear(p, f, k, first[0].sample_ids)
+        late = put_apart(c, "p", w, [1])
+        assert calls == [1]  # it was found, then cleared
+        read_each(c, w, late, [1])
+        assert stored_pixels(c)[1] == 0  # stored by the put itself
+        calls.clear()
+        more = put_apart(c, "p", w, [2])  # shares member 1's rows...
+        assert stored_pixels(c)[1] > 0
+        c.transport.held_rows = lambda p, f, k: then_clear(p, f, k, late[0].sample_ids)
+        last = put_apart(c, "p", w, [3])  # ...and member 1 goes meanwhile: member 2 holds them
+        assert calls == [1]
+        read_each(c, w, more + last, [2, 3])
+        assert stored_pixels(c)[1] > 0
+
+
+def test_a_commit_cannot_point_a_row_at_bytes_no_row_of_its_partition_holds():
+    """Refs a lookup did not give (another length, another partition's bytes) point at
+    nothing: the put stores its own rows and every read stays exact."""
+    w = vlm_grpo(batch=8, seqlen=32, seed=18)  # one group with images
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        other = put_apart(c, "other", w, [0])
+        mine = put_apart(c, "p", w, [1])
+        before = c.transport.stats()["shared_bytes"]
+        found = c.transport.held_rows
+        c.transport.held_rows = lambda p, f, k: _forged(found(p, f, k), nbytes=-8)
+        late = put_apart(c, "p", w, [2])
+        c.transport.held_rows = lambda p, f, k: found("other", f, k)
+        late += put_apart(c, "p", w, [3])
+        read_each(c, w, late + mine + other, [2, 3, 1, 0])
+        assert c.transport.stats()["shared_bytes"] == before == 0
+
+
+def test_held_refs_refuse_another_length_digest_or_a_row_that_also_repeats_one():
+    from rlplane_service.native.held import held_refs
+    from rlplane_service.native.index import Partition
+
+    part = Partition()
+    keys = np.array([[1, 2], [1, 2]], np.uint64)
+    refs = np.array([[-1] * 5, [77, 0, 0, 16, 5]], np.int64)
+    for nb, sums, same, why in (([16, 8], None, None, "another length"),
+                                ([16, 16], np.array([5, 6], np.uint64), None, "another digest"),
+                                ([16, 16], None, np.array([-1, 0]), "cannot also repeat")):
+        with pytest.raises(E.WireFormatError, match=why):
+            held_refs(part, "f", refs, keys, np.array(nb), sums, same)
+    with pytest.raises(E.LeaseError) as err:  # nothing in the partition holds those bytes
+        held_refs(part, "f", refs, keys, np.array([16, 16]), None, None)
+    assert err.value.component == E.HELD_GONE
+
+
+def _forged(refs: np.ndarray, *, nbytes: int) -> np.ndarray:
+    refs = refs.copy()
+    hit = refs[:, 0] >= 0
+    refs[hit, 3] += nbytes
+    return refs
+
+
+def test_rows_shared_across_puts_survive_a_controller_restart_and_are_found_after_it():
+    w = vlm_grpo(batch=16, seqlen=64, seed=15)
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        metas = put_apart(c, "p", w, range(0, 16, 2))
+        want = stored_pixels(c)
+        eng.kill_controller()
+        eng.restart_controller()  # rebuilt from the units' commit logs, keys included
+        assert stored_pixels(c) == want
+        read_each(c, w, metas, range(0, 16, 2))
+        more = put_apart(c, "p", w, range(1, 16, 2))
+        live, shared = stored_pixels(c)
+        assert live - want[0] < 0.1 * (shared - want[1])  # the odd members' images were found, not stored
+        read_each(c, w, metas + more, [*range(0, 16, 2), *range(1, 16, 2)])
+
+
+def test_a_store_with_a_journal_shares_rows_only_within_a_put(tmp_path):
+    w = vlm_grpo(batch=8, seqlen=32, seed=19)  # one group with images
+    with LocalEngine(1, secret=SECRET, lease_s=30, journal_dir=tmp_path / "j") as eng, connect(eng) as c:
+        metas = put_apart(c, "p", w, range(4))
+        assert stored_pixels(c)[1] == 0  # each journal record replays on its own
+        keys = dedup.row_keys(w.fields["pixel_values"]._rows[:1], np.array([-1]), torch.bfloat16)
+        assert (c.transport.held_rows("p", "pixel_values", keys)[:, 0] == -1).all()
+        read_each(c, w, metas, range(4))
+
+
+def test_a_row_alike_at_every_sampled_byte_is_confirmed_on_all_of_them_and_stored_apart():
+    """Keys sample a row's bytes; a row found under its key is stored once only if its
+    every byte's digest is the stored row's too."""
+    a = torch.rand(64, 1176)
+    b = a.clone()
+    nbytes = a.numel() * 4
+    step = (nbytes - 2 * dedup._EDGE) // (dedup._WINDOWS + 1)
+    at = (dedup._EDGE + step + 2 * dedup._WINDOW) // 4  # between two sampled windows
+    b.view(-1)[at] += 1.0
+    same = np.array([-1, -1])
+    keys = dedup.row_keys([(a,), (b,)], same, torch.bfloat16)
+    assert (keys[0] == keys[1]).all() and keys[0].any()  # the key cannot tell them apart
+    ids = torch.randint(0, 100, (1, 8))
+    one = {"input_ids": ids, "input_lengths": torch.tensor([8]), "image_grid_thw": PackedTensor([[torch.tensor([1, 8, 8])]])}
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        m1 = c.put_samples("p", {**one, "pixel_values": PackedTensor([[a]])})
+        m2 = c.put_samples("p", {**one, "pixel_values": PackedTensor([[b]])})
+        m3 = c.put_samples("p", {**one, "pixel_values": PackedTensor([[a.clone()]])})  # truly the same: shared
+        got = [c.read_columns(m, ["pixel_values"])["pixel_values"][0][0] for m in (m1, m2, m3)]
+        assert torch.equal(got[0], a.to(torch.bfloat16)) and torch.equal(got[1], b.to(torch.bfloat16))
+        assert torch.equal(got[2], a.to(torch.bfloat16)) and not torch.equal(got[0], got[1])
+        pv_bytes = a.numel() * 2
+        assert c.transport.stats()["shared_bytes"] == pv_bytes  # m3's pixels (rows of 24 bytes are not looked for)

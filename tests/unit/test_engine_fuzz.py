@@ -49,6 +49,10 @@ def _valid(meta_blocks: list[int]) -> list[dict]:
          "user": [{}, {}]},
         {"op": "commit", "res": "00" * 12, "g": {"pixel_values": [[[2, 4]], [[2, 4]]]},  # a row stored once
          "nb": {"pixel_values": ints([16, 0])}, "s": {"pixel_values": ints([-1, 0])}, "user": [{"finished": False}, {}]},
+        {"op": "commit", "res": "00" * 12, "g": {"pixel_values": [[[2, 4]], [[2, 4]]]},  # a row held from a put
+         "nb": {"pixel_values": ints([16, 16])}, "k": {"pixel_values": b"\x01" * 32},
+         "hx": {"pixel_values": ints([-1] * 5 + [777, 0, 0, 16, 9])}},
+        {"op": "held", "p": "known", "f": "pixel_values", "k": b"\x02" * 16 + b"\x00" * 16},
         {"op": "locate", "p": "fz", "ids": ["a"], "fields": ["input_ids"], "shm": [0]},
         {"op": "locate", "p": "fz", "ids": ["a", "b"], "fields": ["pixel_values"], "shm": [0], "share": True},
         {"op": "ack", "p": "fz", "task": "t", "lease": 5, "ids": ["a"]},

@@ -136,7 +136,8 @@ def bench(
         "(vlm-grpo: the vlm-step batch as 8 groups of 8 sharing each group's images, native against raw TransferQueue, DataProto and the Ray object store, which store every copy, and the bytes native stored; vlm-grpo-same: the same with each group's very image tensors, native against raw TransferQueue; text-scale is the sweep over B at S=1024; dp-shard: a DP rank reads every other vlm-step sample's input_ids + pixel_values, through every path that can select rows; claim is the streaming section: claim latency, wake-up, 4 claimers; controller: B=1 puts, claim+ack and one-sample reads per second from 8 processes)."
     ),
     paths: Optional[list[str]] = typer.Option(
-        None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native (shm), rlplane-native-te (the transfer engine), "
+        None, "--path", "-p", help="Path(s) to run (repeat): rlplane-native (shm), rlplane-native-apart (shm, the vlm-grpo "
+        "batch written one put per sample: rows shared across puts; vlm-grpo only), rlplane-native-te (the transfer engine), "
         "rlplane-native-zmq, rlplane-tq, rlplane-http, rlplane-mooncake, raw-tq, "
         "mooncake-dataproto (Mooncake's structured DataProto store; the bench starts its mooncake_master), ray-object-store, legacy-pickle."
     ),

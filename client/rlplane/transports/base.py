@@ -133,3 +133,6 @@ def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Se
         if col.same is not None and not shares_rows:
             raise WireFormatError("this column stores repeated rows once (Column.same) and this transport stores "
                                   "every row as its own: pass column.expanded()", field=name)
+        if col.held is not None and col.held.rows.size and not shares_rows:
+            raise WireFormatError("this column names rows another store holds (Column.held): encode it for this "
+                                  "transport", field=name)

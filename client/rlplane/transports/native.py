@@ -344,6 +344,10 @@ class NativeTransport(Transport):
             shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}
             if shared:  # rows stored empty whose bytes are an earlier row's (rlplane.dedup)
                 commit["s"] = shared
+            held = {f: c.held for f, c in columns.items() if c.held is not None}
+            if held:  # the rows' keys, and the rows stored empty whose bytes an earlier put stored
+                commit["k"] = {f: h.keys.astype("<u8").tobytes() for f, h in held.items()}
+                commit["hx"] = {f: h.refs.astype("<i8").tobytes() for f, h in held.items() if h.rows.size}
             if durable:
                 commit["durable"] = True
             self._ask(commit, self._left(deadline))  # sent again after a restart: answered as done if it was
@@ -378,6 +382,25 @@ class NativeTransport(Transport):
             # A block vanished between locate and read (a clear or an overwrite raced this
             # read): locate again, which names what is gone or finds the rows' new home.
             return self._get(*args)
+
+    def held_rows(self, partition: str, field: str, keys: np.ndarray) -> np.ndarray:
+        """Where the store keeps rows of ``field`` in ``partition`` under ``keys`` (``(n, 2)``
+        uint64, from :func:`rlplane.dedup.row_keys`): ``(n, 5)`` int64 refs, block -1 for a
+        key it has no row under (see :class:`~rlplane.column.HeldRows`). One message.
+
+        Example: ``refs = transport.held_rows("step-0", "pixel_values", keys)``.
+        """
+        refs = np.full((keys.shape[0], 5), -1, np.int64)
+        want = np.flatnonzero(keys.any(axis=1))
+        if not want.size:
+            return refs
+        uniq, which = np.unique(keys[want], axis=0, return_inverse=True)
+        reply = self._ask({"op": "held", "p": partition, "f": field, "k": uniq.astype("<u8").tobytes()})
+        got = reply.get("x")
+        if not isinstance(got, bytes) or len(got) != uniq.shape[0] * 40:
+            raise WireFormatError("the controller answered a malformed 'held'", field=field)
+        refs[want] = np.frombuffer(got, "<i8").reshape(-1, 5)[which.reshape(-1)]
+        return refs
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         header: dict[str, Any] = {"op": "clear", "p": partition, "ids": None if sample_ids is None else list(sample_ids)}

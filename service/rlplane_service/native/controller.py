@@ -46,6 +46,7 @@ from rlplane.wire import ints
 from rlplane_service.native.health import (CHECK_TIMEOUT_S, REPORT_TIMEOUT_S, SWEEP_EVERY_S, UNIT_GRACE_S,
                                            WATCH_EVERY_S, UnitHealth)
 from rlplane_service.native.cut import CutOps
+from rlplane_service.native.held import inherit
 from rlplane_service.native.index import COMMITTED, FREE, FieldIndex, Partition, Reservation, rows_in
 from rlplane_service.native.pins import PIN_LEASE_S, Pins
 from rlplane_service.native.requests import (partition_of,
@@ -364,6 +365,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
             fi.dup[slots] = False
         if heirs.size:  # their bytes stay live; they no longer count as shared
             fi.dup[heirs] = False
+            inherit(fi, heirs)
             handed = int(fi.nbytes[heirs].sum())
             self._shared_bytes -= handed
             for b, nb in zip(*_per_block(fi.block[heirs], fi.nbytes[heirs])):

@@ -60,17 +60,22 @@ class FieldIndex:
     lead: np.ndarray
     kind: np.ndarray
     dup: np.ndarray  # bool: the row's bytes are another slot's row (stored once, rlplane.dedup)
+    k0: np.ndarray  # uint64 halves of the row's key (rlplane.dedup.row_keys; 0, 0: none)
+    k1: np.ndarray
     shapes: list[tuple[int, ...]] = field(default_factory=list)
+    # Row key (16 bytes) -> a slot whose row holds those bytes (rlplane_service.native.held;
+    # checked against the slot's row when found: a stale entry names nothing).
+    keyed: dict[bytes, int] = field(default_factory=dict)
     _shape_kind: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     _COLUMNS = (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0), ("off", 0), ("lead", -1),
-                ("kind", -1), ("dup", False))
+                ("kind", -1), ("dup", False), ("k0", 0), ("k1", 0))
 
     @classmethod
     def empty(cls, cap: int) -> FieldIndex:
         return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object),
                    np.zeros(cap, np.uint64), np.zeros(cap, np.int64), np.full(cap, -1, np.int64),
-                   np.full(cap, -1, np.int32), np.zeros(cap, bool))
+                   np.full(cap, -1, np.int32), np.zeros(cap, bool), np.zeros(cap, np.uint64), np.zeros(cap, np.uint64))
 
     def grow(self, cap: int) -> None:
         for name, fill in self._COLUMNS:
@@ -113,9 +118,11 @@ class FieldIndex:
         return Geometry.of_rows(rows)
 
     def forget(self, slots: np.ndarray) -> None:
-        """The rows at ``slots`` are gone: drop their geometry."""
+        """The rows at ``slots`` are gone: drop their geometry and keys."""
         self.geom[slots] = None
         self.kind[slots] = -1
+        self.k0[slots] = 0
+        self.k1[slots] = 0
 
 
 @dataclass

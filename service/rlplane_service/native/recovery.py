@@ -121,7 +121,7 @@ class RecoveryOps:
                             "fields": list(res.fields), "blocks": [[b, list(u), a, z] for b, u, a, z in res.blocks],
                             "g": header["g"], "nb": header["nb"], "h": header.get("h") or {},
                             "user": header.get("user"), "x": header.get("x"),
-                            **({"s": header["s"]} if header.get("s") else {})})
+                            **{k: header[k] for k in ("s", "k", "hx") if header.get(k)}})
         holders = sorted({u for _, units, _, _ in res.blocks for u in units})
         bytes_on = tuple(holders)
         if len(holders) < 2:  # a record on one unit only would go with that unit
@@ -390,8 +390,8 @@ class RecoveryOps:
             self._block_units[b] = units
             self._block_refs.setdefault(b, 0)
         res = Reservation(str(rec["rid"]), p, part, slots, create, fields, blocks, float("inf"))
-        self._apply_commit(res, self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s")),
-                           rec.get("user"))
+        self._apply_commit(res, self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s"),
+                                                   rec.get("k"), rec.get("hx")), rec.get("user"))
         return True
 
     def _locate_copies(self, holders: dict[int, dict[int, list[Any]]]) -> int:

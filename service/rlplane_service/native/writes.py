@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import hmac
 import logging
 import secrets
@@ -36,7 +37,9 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.geometry import Geometry
+from rlplane.names import MAX_NAME_LEN
 from rlplane.wire import int_array
+from rlplane_service.native.held import held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, objects
 from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
                                              sample_ids, shared_rows)
@@ -59,6 +62,8 @@ class Parsed:
     first_row: np.ndarray
     ext: dict[int, Any]
     same: dict[str, np.ndarray]  # fields with rows stored once: per row -1, or the earlier row it repeats
+    keys: dict[str, np.ndarray]  # fields whose rows have keys (rlplane_service.native.held): (n, 2) uint64
+    held: dict[str, tuple[np.ndarray, np.ndarray]]  # fields with rows an earlier put stored: (rows, their refs)
 
     @property
     def spans(self) -> dict[str, np.ndarray]:
@@ -120,6 +125,26 @@ class WriteOps:
             self._res[res.rid] = res
         return {"res": res.rid, "lease_s": self.lease_s}, {}, []
 
+    def op_held(self, header: dict, columns: dict, extra: list) -> Any:
+        """Which rows of field ``f`` partition ``p`` holds under keys ``k`` (16 bytes each):
+        ``x``, 5 int64 per key (:func:`rlplane_service.native.held.lookup`). None while the
+        store journals (a journal record must replay on its own)."""
+        p, name = partition_of(header), header.get("f")
+        self._access(header, p, write=True)
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
+            raise E.WireFormatError("'f' must be a field name")
+        raw = header.get("k")
+        if not isinstance(raw, bytes) or len(raw) % 16:
+            raise E.WireFormatError("'k' must be 16 bytes per key", field=name)
+        keys = parse_keys(raw, len(raw) // 16, name)
+        with self._lock:
+            part = self._parts.get(p)
+            if part is None or getattr(self, "journaling", False):
+                refs = np.full((keys.shape[0], 5), -1, np.int64)
+            else:
+                refs = lookup(part, name, keys)
+        return {"x": refs.astype("<i8").tobytes()}, {}, []
+
     def op_commit(self, header: dict, columns: dict, extra: list) -> Any:
         geoms, user, sizes, sums = header.get("g"), header.get("user"), header.get("nb"), header.get("h") or {}
         if not isinstance(geoms, dict) or not isinstance(sizes, dict) or not isinstance(sums, dict):
@@ -167,7 +192,8 @@ class WriteOps:
                 self._abort(res)
                 gone = part.names[res.slots[part.state[res.slots] != COMMITTED]].tolist()
                 raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
-            parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"), header.get("s"))
+            parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"), header.get("s"), header.get("k"),
+                                        header.get("hx"))
             if self.seal_key is not None:
                 self._check_seals(header.get("xs"), res, parsed.ext, parsed.spans)
             self._log_put(res, header, durable)  # on the units before the answer: it outlives this process
@@ -183,11 +209,13 @@ class WriteOps:
 
         return {"committed": n}, {}, [], apply  # answered once checked; indexed right after
 
-    def _parse_commit(self, res: Reservation, geoms: dict, sizes: dict, sums: dict, x: Any, same: Any = None
-                      ) -> Parsed:
+    def _parse_commit(self, res: Reservation, geoms: dict, sizes: dict, sums: dict, x: Any, same: Any = None,
+                      keys: Any = None, held: Any = None) -> Parsed:
         """A commit's rows checked against its reservation (a commit, or a record replayed).
         ``same``: per field whose rows repeat one another, each row's earlier twin (-1: none),
-        as int64 bytes; such a row is stored empty and holds its twin's bytes."""
+        as int64 bytes; such a row is stored empty and holds its twin's bytes. ``keys`` and
+        ``held``: per field, its rows' keys and the rows whose bytes an earlier put of the
+        partition stored (:mod:`rlplane_service.native.held`), stored empty too."""
         n = res.slots.size
         bid_of_row = np.empty(n, np.int64)
         first_row = np.empty(n, np.int64)  # the first row of each row's block
@@ -206,33 +234,73 @@ class WriteOps:
                 raise E.WireFormatError("row byte counts must not be negative", field=name)
             shapes[name], row_bytes[name], row_sums[name] = g, nb, h
         twins = shared_rows(same, res.fields, n, row_bytes, row_sums)
+        row_keys, kept = self._parse_held(res, keys, held, row_bytes, row_sums, twins)
         # Each field's running byte count as stored: a row's offset in its block's extent, a
-        # block's bytes (a row that repeats another is stored empty).
+        # block's bytes (a row that repeats another, or that an earlier put stored, is stored empty).
         run = np.zeros((len(res.fields), n + 1), np.int64)
         if n and res.fields:
-            np.cumsum(np.stack([np.where(twins[f] >= 0, 0, row_bytes[f]) if f in twins else row_bytes[f]
-                                for f in res.fields]), axis=1, out=run[:, 1:])
-        return Parsed(shapes, row_bytes, row_sums, run, bid_of_row, first_row, extents(x, res), twins)
+            stored = []
+            for f in res.fields:
+                nb = np.where(twins[f] >= 0, 0, row_bytes[f]) if f in twins else row_bytes[f]
+                if f in kept:
+                    nb = nb.copy() if nb is row_bytes[f] else nb
+                    nb[kept[f][0]] = 0
+                stored.append(nb)
+            np.cumsum(np.stack(stored), axis=1, out=run[:, 1:])
+        return Parsed(shapes, row_bytes, row_sums, run, bid_of_row, first_row, extents(x, res), twins, row_keys, kept)
+
+    def _parse_held(self, res: Reservation, keys: Any, held: Any, row_bytes: dict[str, np.ndarray],
+                    row_sums: dict[str, np.ndarray | None], twins: dict[str, np.ndarray]
+                    ) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]]]:
+        n = res.slots.size
+        if keys is None and held is None:
+            return {}, {}
+        if not isinstance(keys, dict) or not set(keys) <= set(res.fields) or \
+                not (held is None or isinstance(held, dict) and set(held) <= set(keys)):
+            raise E.WireFormatError("commit 'k' must map reserved fields to their rows' keys, and 'hx' fields of 'k' "
+                                    "to the rows held already")
+        out = {f: parse_keys(raw, n, f) for f, raw in keys.items()}
+        kept = {}
+        if held and getattr(self, "journaling", False):
+            raise E.WireFormatError("this store journals its commits: every put stores its own rows (a journal "
+                                    "record must replay on its own)")
+        for f, raw in (held or {}).items():
+            refs = parse_refs(raw, n, f)
+            rows = held_refs(res.part, f, refs, out[f], row_bytes[f], row_sums[f], twins.get(f))
+            if rows.size:
+                kept[f] = (rows, refs[rows])
+        return out, kept
 
     def _apply_commit(self, res: Reservation, c: Parsed, user: Any) -> None:
         """Put a checked commit into the index (under the lock)."""
         part, n = res.part, res.slots.size
         row_in_block = np.arange(n, dtype=np.int64) - c.first_row
-        refs: dict[int, int] = {b: (z - a) * len(res.fields) for b, _, a, z in res.blocks}
+        refs: collections.Counter[int] = collections.Counter({b: (z - a) * len(res.fields) for b, _, a, z in res.blocks})
         for k, name in enumerate(res.fields):
             fi = part.field_index(name)
             self._release_rows(fi, res.slots)  # rows this write replaces
             block, row, off = c.bid_of_row, row_in_block, c.run[k, :n] - c.run[k, c.first_row]
-            same = c.same.get(name)
+            same, kept = c.same.get(name), c.held.get(name)
+            own = np.ones(n, bool)
+            if kept is not None or same is not None:
+                block, row, off = block.copy(), row.copy(), off.copy()
+            if kept is not None:  # a row an earlier put stored points at those bytes
+                rows, where = kept
+                refs.subtract(block[rows].tolist())
+                refs.update(where[:, 0].tolist())
+                block[rows], row[rows], off[rows] = where[:, 0], where[:, 1], where[:, 2]
+                fi.dup[res.slots[rows]] = True
+                own[rows] = False
+                self._shared_bytes += int(c.row_bytes[name][rows].sum())
             if same is not None:  # a repeated row points at its twin's bytes, wherever they are stored
                 dup = np.flatnonzero(same >= 0)
-                block, row, off = block.copy(), row.copy(), off.copy()
                 moved, counts = np.unique(np.stack([block[dup], block[same[dup]]]), axis=1, return_counts=True)
                 for (was, now), cnt in zip(moved.T.tolist(), counts.tolist()):
                     refs[was] -= cnt
                     refs[now] += cnt
                 block[dup], row[dup], off[dup] = block[same[dup]], row[same[dup]], off[same[dup]]
                 fi.dup[res.slots[dup]] = True
+                own[dup] = False
                 self._shared_bytes += int(c.row_bytes[name][dup].sum())
             fi.block[res.slots] = block
             fi.row[res.slots] = row
@@ -240,6 +308,13 @@ class WriteOps:
             fi.nbytes[res.slots] = c.row_bytes[name]
             fi.set_geometry(res.slots, c.shapes[name])
             fi.sums[res.slots] = c.row_sums[name] if c.row_sums[name] is not None else 0
+            if kept is not None:  # the digests the rows were stored with
+                fi.sums[res.slots[kept[0]]] = kept[1][:, 4].view(np.uint64)
+            register(part, name, res.slots, c.keys.get(name), own)
+        mine = {b for b, _, _, _ in res.blocks}
+        for b, cnt in refs.items():  # rows now pointing at blocks of earlier puts (checked live)
+            if b not in mine and cnt:
+                self._block_refs[b] += cnt
         for b, _, a, z in res.blocks:
             self._block_refs[b] = self._block_refs.get(b, 0) + refs[b]
             live = int((c.run[:, z] - c.run[:, a]).sum())

@@ -92,6 +92,51 @@ class RlplaneNative(RlplanePath):
         return int(self.client.transport.stats()["live_bytes"])
 
 
+class RlplaneNativeApart(RlplaneNative):
+    """The native engine with the batch written one put per sample (each rollout writing its
+    group member when it is done): a group's images are found across puts and stored once.
+    Read as one batch. Runs in the vlm-grpo section only."""
+
+    name = "rlplane-native-apart"
+    label = "rlplane (native, shm, a put per sample)"
+    selects_rows = False
+
+    def __init__(self, env: WorkerEnv) -> None:
+        super().__init__(env)
+        self._apart: tuple[Any, list[Any]] | None = None  # (the workload, its samples one by one)
+
+    def write(self, batch: Batch, key: str, peer: Any) -> Sent:
+        if self._apart is None or self._apart[0] is not batch.work:  # cut before the clock starts
+            self._apart = (batch.work, [batch.work.select([i]) for i in range(len(batch.ids))])
+        parts = self._apart[1]
+        t0 = time.monotonic()
+        metas = [self.client.put_samples(key, w.fields, sample_ids=[sid]) for w, sid in zip(parts, batch.ids)]
+        t1 = time.monotonic()
+        every = SampleMeta.concat(metas)  # the fields every sample holds (a text-only one holds no image field)
+        extra = sorted(frozenset().union(*(m.fields for m in metas)) - every.fields)
+        rich = [i for i, m in enumerate(metas) if m.fields >= set(extra)]
+        handle = {"meta": every.to_dict(), "extra": extra, "rich": rich}
+        return Sent(msgpack.packb(handle, use_bin_type=True), t0, t1)
+
+    def read(self, batch: Batch, handle: Any) -> tuple[Any, float, float]:
+        """The batch as written: the fields every sample holds in one read, the image
+        fields of the samples that have them in another (their rows None for the rest)."""
+        from rlplane.packed import PackedTensor
+
+        h = msgpack.unpackb(handle, raw=False)
+        meta, extra, rich = SampleMeta.from_dict(h["meta"]), h["extra"], h["rich"]
+        t0 = time.monotonic()
+        got = self.client.read_columns(meta, sorted(meta.fields))
+        if extra:
+            more = self.client.read_columns(meta.subset(rich), extra)
+            for name in extra:
+                rows: list[Any] = [None] * len(meta)
+                for i, row in zip(rich, more[name].rows):
+                    rows[i] = row
+                got[name] = PackedTensor(rows, more[name].dim_to_pack, pad_to_max_shape=more[name].pad_to_max_shape)
+        return got, t0, time.monotonic()
+
+
 class RlplaneNativeZmq(RlplaneNative):
     """The native engine with every byte over ZMQ frames (what a client on another host uses)."""
 
@@ -310,7 +355,7 @@ def _as_column(value: Any) -> Column:
 
 #: Every path, in table order. Raw TransferQueue is the reference every ratio divides by.
 PATHS: dict[str, type[BenchPath]] = {
-    p.name: p for p in (RlplaneNative, RlplaneNativeZmq, RlplaneNativeTe, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, MooncakeDataProto, RayObjectStore,
+    p.name: p for p in (RlplaneNative, RlplaneNativeApart, RlplaneNativeZmq, RlplaneNativeTe, RlplaneTQ, RlplaneHTTP, RlplaneMooncake, RawTQ, MooncakeDataProto, RayObjectStore,
               LegacyObjectArray)
 }
 REFERENCE = RawTQ.name

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 #: Short names of the rows a title names (the tables' rows carry their own labels).
-PATH_LABELS = {"rlplane-native": "native"}
+PATH_LABELS = {"rlplane-native": "native", "rlplane-native-apart": "native, a put per sample,"}
 
 
 def machine_facts() -> dict:

@@ -38,7 +38,9 @@ THROUGHPUT_WORKLOADS = ("vlm-step", "text-step")
 #: every copy. Only these rows: the others store every copy too and add nothing the vlm-step
 #: section does not show.
 GRPO_WORKLOAD = "vlm-grpo"
-GRPO_PATHS = ("rlplane-native", "raw-tq", "mooncake-dataproto", "ray-object-store")
+GRPO_PATHS = ("rlplane-native", "rlplane-native-apart", "raw-tq", "mooncake-dataproto", "ray-object-store")
+#: Paths only the vlm-grpo section runs (the batch written one put per sample).
+GRPO_ONLY = ("rlplane-native-apart",)
 #: vlm-grpo-same: the same batch whose members hold their group's very image tensors (what a
 #: rollout that repeats a prompt's processed images hands over): no bytes to compare.
 GRPO_SAME_WORKLOAD = "vlm-grpo-same"
@@ -274,7 +276,7 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
             for name in cfg.workloads:
                 if name in THROUGHPUT_WORKLOADS:
                     share = _share(cfg, name, cfg.batch)
-                    out["workloads"].append(_throughput(cfg, pool, share, cfg.paths, progress))
+                    out["workloads"].append(_throughput(cfg, pool, share, _batch_paths(cfg), progress))
             for name, allowed in ((GRPO_WORKLOAD, GRPO_PATHS), (GRPO_SAME_WORKLOAD, GRPO_SAME_PATHS)):
                 if name in cfg.workloads:
                     paths = tuple(p for p in cfg.paths if p in allowed)
@@ -401,23 +403,29 @@ def _ratios(rows: list[dict]) -> None:
         )
 
 
+def _batch_paths(cfg: BenchConfig) -> tuple[str, ...]:
+    """The paths that move a batch as one put (every section's but vlm-grpo's own rows)."""
+    return tuple(p for p in cfg.paths if p not in GRPO_ONLY)
+
+
 def _latency(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     """``ops`` moves of the small batch per path: p50 / p99 of put and of get."""
     share = _share(cfg, LATENCY_WORKLOAD, None)
     nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
-    task = progress.add_task(f"{share.workload} latency", total=len(cfg.paths) * (cfg.ops + 1))
-    put: dict[str, list[float]] = {path: [] for path in cfg.paths}
-    get: dict[str, list[float]] = {path: [] for path in cfg.paths}
+    paths = _batch_paths(cfg)
+    task = progress.add_task(f"{share.workload} latency", total=len(paths) * (cfg.ops + 1))
+    put: dict[str, list[float]] = {path: [] for path in paths}
+    get: dict[str, list[float]] = {path: [] for path in paths}
     wrong: dict[str, str] = {}
     for op in range(cfg.ops + 1):  # in rounds, like _throughput
-        for path in [p for p in cfg.paths if p not in wrong]:
+        for path in [p for p in paths if p not in wrong]:
             moved = _checked_move(pool, path, _key(path, op), op == 0, wrong)
             if moved and op:
                 put[path].append(moved[0])
                 get[path].append(moved[1])
             progress.advance(task)
     rows = [{"path": path, "label": PATHS[path].label, "put": percentiles(put[path]), "get": percentiles(get[path])}
-            for path in cfg.paths if path not in wrong]
+            for path in paths if path not in wrong]
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
             "ops": cfg.ops, "paths": rows, "wrong": wrong}

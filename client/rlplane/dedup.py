@@ -30,9 +30,12 @@ the integrity digest the store records and checks on every read); only then is t
 not stored. So a match needs equal shapes and dtypes, an equal 128-bit digest of the
 sampled bytes and an equal 64-bit digest of all of them: that protects against accidental
 collisions (two rows alike at every sampled byte and different elsewhere would still need
-a 64-bit collision), not against a writer of the same partition that crafts xxh3
-collisions (turn sharing off for the field, ``FieldSpec(dedup=False)``, where writers of
-one partition do not trust each other).
+a 64-bit collision). It trusts the partition's writers, as a partition already does (any
+of them may replace any sample's fields with ``write_columns``): the store keeps the
+digest a writer records, so a writer that records another image's digest for its bytes
+has later puts of that image point at them, and their reads fail with IntegrityError
+(never silently wrong). Where writers of one partition do not trust each other, turn
+sharing off for the field (``FieldSpec(dedup=False)``).
 
 Example::
 

@@ -91,6 +91,8 @@ _ENVELOPE_KEYS = {"ok", "rid", "v", "c", "nbuf"}
 CHUNK_BYTES = 8 << 20
 #: How long an abort of a failed put may take before the reservation is left to lapse.
 _ABORT_TIMEOUT_S = 5.0
+#: Most row keys one ``held`` lookup asks the controller about (its MAX_HELD_KEYS).
+_HELD_KEYS = 1 << 16
 #: How often a client that places around down or suspect units asks which they are now.
 _DOWN_REFRESH_S = 5.0
 #: The data paths a client may ask for (see the module docstring).
@@ -395,11 +397,14 @@ class NativeTransport(Transport):
         if not want.size:
             return refs
         uniq, which = np.unique(keys[want], axis=0, return_inverse=True)
-        reply = self._ask({"op": "held", "p": partition, "f": field, "k": uniq.astype("<u8").tobytes()})
-        got = reply.get("x")
-        if not isinstance(got, bytes) or len(got) != uniq.shape[0] * 40:
-            raise WireFormatError("the controller answered a malformed 'held'", field=field)
-        refs[want] = np.frombuffer(got, "<i8").reshape(-1, 5)[which.reshape(-1)]
+        found = []
+        for a in range(0, uniq.shape[0], _HELD_KEYS):  # the controller answers at most _HELD_KEYS at a time
+            part = uniq[a:a + _HELD_KEYS]
+            got = self._ask({"op": "held", "p": partition, "f": field, "k": part.astype("<u8").tobytes()}).get("x")
+            if not isinstance(got, bytes) or len(got) != part.shape[0] * 40:
+                raise WireFormatError("the controller answered a malformed 'held'", field=field)
+            found.append(np.frombuffer(got, "<i8").reshape(-1, 5))
+        refs[want] = np.concatenate(found)[which.reshape(-1)]
         return refs
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:

@@ -31,6 +31,9 @@ from rlplane import errors as E
 from rlplane.errors import HELD_GONE
 from rlplane_service.native.index import COMMITTED, FieldIndex, Partition
 
+#: Most keys one ``held`` request may ask about (a client splits a larger put's).
+MAX_HELD_KEYS = 1 << 16
+
 
 def parse_keys(raw: object, n: int, name: str) -> np.ndarray:
     """A commit's or request's keys of ``n`` rows: ``(n, 2)`` uint64 (WireFormatError otherwise)."""
@@ -75,13 +78,15 @@ def held_refs(part: Partition, name: str, refs: np.ndarray, keys: np.ndarray, ro
     want = refs[rows]
     if bool((want[:, 3] != row_bytes[rows]).any()):
         raise E.WireFormatError("a row said to be held already is of another length", field=name)
+    if bool((want[:, 3] <= 0).any()):
+        raise E.WireFormatError("an empty row is never held from another put", field=name)
     if row_sums is not None and bool(((want[:, 4].view(np.uint64) != row_sums[rows]) & (row_sums[rows] != 0)).any()):
         raise E.WireFormatError("a row said to be held already has another digest", field=name)
     now = lookup(part, name, keys[rows])
     stale = np.flatnonzero((now != want).any(axis=1))
-    fi = part.fields.get(name)
-    for i in stale.tolist():  # its first holder went; another live row may hold the bytes now
-        if fi is None or not _anyone_holds(part, fi, want[i]):
+    if stale.size:  # not where their keys say (the row that stored them went): any live row may hold them
+        fi = part.fields.get(name)
+        if fi is None or not bool(_held_by_some_row(part, fi, want[stale]).all()):
             raise E.LeaseError("rows this put found stored in the partition were cleared before it committed; "
                                "nothing of the put was stored: write them again", component=HELD_GONE)
     return rows
@@ -122,11 +127,15 @@ def _holds(part: Partition, fi: FieldIndex, slots: np.ndarray, keys: np.ndarray)
     return ok & (part.state[s] == COMMITTED) & (fi.block[s] >= 0) & (fi.k0[s] == keys[:, 0]) & (fi.k1[s] == keys[:, 1])
 
 
-def _anyone_holds(part: Partition, fi: FieldIndex, ref: np.ndarray) -> bool:
+def _held_by_some_row(part: Partition, fi: FieldIndex, refs: np.ndarray) -> np.ndarray:
+    """Per ref, whether a live row of ``fi`` holds exactly those bytes: one sort of the
+    live rows' (block, row, offset, length, digest), whatever the number of refs."""
     u = part.used
-    b, r, o, nb, h = ref.tolist()
-    return bool(((fi.block[:u] == b) & (fi.row[:u] == r) & (fi.off[:u] == o) & (fi.nbytes[:u] == nb)
-                 & (fi.sums[:u] == np.uint64(h & ((1 << 64) - 1))) & (part.state[:u] == COMMITTED)).any())
+    live = np.flatnonzero((part.state[:u] == COMMITTED) & (fi.block[:u] >= 0) & (fi.nbytes[:u] > 0))
+    have = np.stack([fi.block[live], fi.row[live], fi.off[live], fi.nbytes[live], fi.sums[live].view(np.int64)], axis=1)
+    row = np.dtype((np.void, 40))
+    return np.isin(np.ascontiguousarray(refs, np.int64).view(row).reshape(-1),
+                   np.ascontiguousarray(have).view(row).reshape(-1))
 
 
-__all__ = ["parse_keys", "parse_refs", "lookup", "held_refs", "register", "inherit"]
+__all__ = ["MAX_HELD_KEYS", "parse_keys", "parse_refs", "lookup", "held_refs", "register", "inherit"]

@@ -390,8 +390,13 @@ class RecoveryOps:
             self._block_units[b] = units
             self._block_refs.setdefault(b, 0)
         res = Reservation(str(rec["rid"]), p, part, slots, create, fields, blocks, float("inf"))
-        self._apply_commit(res, self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s"),
-                                                   rec.get("k"), rec.get("hx")), rec.get("user"))
+        try:
+            parsed = self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s"), rec.get("k"),
+                                        rec.get("hx"))
+        except BaseException:  # e.g. rows it shared from a put whose record no unit kept: it did not happen
+            self._abort(res)
+            raise
+        self._apply_commit(res, parsed, rec.get("user"))
         return True
 
     def _locate_copies(self, holders: dict[int, dict[int, list[Any]]]) -> int:

@@ -39,7 +39,7 @@ from rlplane import errors as E
 from rlplane.geometry import Geometry
 from rlplane.names import MAX_NAME_LEN
 from rlplane.wire import int_array
-from rlplane_service.native.held import held_refs, lookup, parse_keys, parse_refs, register
+from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, objects
 from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
                                              sample_ids, shared_rows)
@@ -134,8 +134,8 @@ class WriteOps:
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN:
             raise E.WireFormatError("'f' must be a field name")
         raw = header.get("k")
-        if not isinstance(raw, bytes) or len(raw) % 16:
-            raise E.WireFormatError("'k' must be 16 bytes per key", field=name)
+        if not isinstance(raw, bytes) or len(raw) % 16 or len(raw) > 16 * MAX_HELD_KEYS:
+            raise E.WireFormatError(f"'k' must be 16 bytes per key, at most {MAX_HELD_KEYS} keys", field=name)
         keys = parse_keys(raw, len(raw) // 16, name)
         with self._lock:
             part = self._parts.get(p)
@@ -255,6 +255,8 @@ class WriteOps:
         n = res.slots.size
         if keys is None and held is None:
             return {}, {}
+        if not res.create:  # keys and held rows come with new samples only (a write over rows would drop what they point at)
+            raise E.WireFormatError("commit 'k' and 'hx' are for a put of new samples (create)")
         if not isinstance(keys, dict) or not set(keys) <= set(res.fields) or \
                 not (held is None or isinstance(held, dict) and set(held) <= set(keys)):
             raise E.WireFormatError("commit 'k' must map reserved fields to their rows' keys, and 'hx' fields of 'k' "

@@ -241,6 +241,16 @@ class Registry:
         """Registered specs, in registration order."""
         return list(self._specs.values())
 
+    def without_sharing(self) -> Registry:
+        """This registry with every field storing each of its rows (``dedup=False``): for a
+        store that must hold every copy, e.g. a benchmark that fills it with one batch again
+        and again.
+
+        Example: ``Client(default_registry().without_sharing(), transport)``.
+        """
+        return Registry([FieldSpec.from_dict({**s.to_dict(), "dedup": False}) if s.shares_rows else s
+                         for s in self.specs()])
+
     def stages(self) -> set[str]:
         """Every stage some field declares."""
         return {s for spec in self._specs.values() for s in spec.stages}

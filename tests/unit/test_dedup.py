@@ -157,6 +157,9 @@ def test_a_field_can_turn_sharing_off_and_only_media_fields_may_turn_it_on():
     with pytest.raises(E.RegistryError, match="only media fields"):
         Registry([FieldSpec("ids2", "token", "dense", dedup=True)])
     assert FieldSpec.from_dict({**spec.to_dict(), "dedup": False}).dedup is False
+    plain = reg.without_sharing()  # what a bench that refills a store with one batch uses
+    assert not any(s.shares_rows for s in plain.specs()) and plain.names() == reg.names()
+    assert plain.get("input_ids").to_dict() == reg.get("input_ids").to_dict()
 
 
 def test_a_snapshot_a_journal_replay_and_a_controller_restart_keep_rows_shared_and_exact(tmp_path):

@@ -283,3 +283,49 @@ def test_a_unit_that_died_before_its_stage_makes_the_put_go_around_it():
                 assert torch.equal(mine[0], want[0].to(torch.bfloat16))
             assert 1 in client.transport.down
             wait_for(lambda: not eng.cores[0]._staged and not eng.cores[2]._staged, "a staged extent was left behind")
+
+
+def test_a_mapping_maps_each_granule_once_before_a_big_copy_and_skips_small_ones():
+    """SlabView.prefault: the pages a copy is about to touch are mapped in one madvise per
+    run of granules not touched yet; a granule is never mapped twice; small copies skip it;
+    and what is copied after lands where the unit sees it."""
+    import mmap
+    import os
+
+    from rlplane.shm import GRANULE_SHIFT, PREFAULT_MIN, SlabView
+
+    n = 8 << GRANULE_SHIFT
+    fd = os.memfd_create("rlplane-test-prefault")
+    try:
+        os.ftruncate(fd, n)
+        mm = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        ro = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ)
+        owner = mmap.mmap(fd, n, mmap.MAP_SHARED, mmap.PROT_READ)  # the unit's own mapping
+    finally:
+        os.close(fd)
+    view = SlabView("u0", n, mm, np.frombuffer(mm, np.uint8), ro)
+    g = 1 << GRANULE_SHIFT
+    calls = []
+    import rlplane.shm as shm
+
+    real = shm.populate
+    shm.populate = lambda u8, write: calls.append(u8.size) or real(u8, write=write)
+    try:
+        view.prefault(10, 10 + PREFAULT_MIN - 1)  # small: skipped
+        assert calls == [] and not view._mapped.any()
+        view.prefault(g + 5, 3 * g + 1)  # granules 1, 2, 3: one run
+        assert calls == [3 * g] and view._mapped[1:4].all() and not view._mapped[0]
+        view.prefault(0, 5 * g)  # granules 0 and 4 only: two runs
+        assert calls == [3 * g, g, g] and view._mapped[:5].all()
+        view.prefault(g, 4 * g)  # nothing new
+        assert len(calls) == 3
+        view.prefault(7 * g + 1, n)  # the last granule, clipped at the slab's end
+        assert calls[-1] == g and view._mapped[7]
+    finally:
+        shm.populate = real
+    data = np.arange(4 * g, dtype=np.uint64).view(np.uint8)[: 3 * g]
+    view.u8[g : 4 * g] = data
+    assert np.array_equal(np.frombuffer(owner, np.uint8)[g : 4 * g], data)
+    del data
+    view.close()
+    owner.close()

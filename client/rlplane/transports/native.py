@@ -259,6 +259,7 @@ class NativeTransport(Transport):
                 return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
             if at < 0 or at + nbytes > view.nbytes:
                 raise WireFormatError(f"storage unit {view.unit} staged an extent outside its slab", field=field)
+            view.prefault(at, at + nbytes)  # the encode writes there next
             out = torch.from_numpy(view.u8[at : at + nbytes]).view(dtype)
             stage.fields[field] = (at, nbytes, out.data_ptr())
             return out
@@ -559,6 +560,7 @@ class NativeTransport(Transport):
             start = where[f]
             if start < 0 or start + n > view.nbytes:
                 raise WireFormatError(f"storage unit {view.unit} allocated an extent outside its slab", field=f)
+            view.prefault(start, start + n)
             _copy(view.u8[start : start + n], np.frombuffer(raw(c.values), np.uint8))
 
     def _drop_blocks(self, blocks: list[list[Any]]) -> None:
@@ -779,6 +781,10 @@ class NativeTransport(Transport):
         lens = row_bytes[pos]
         if at.size and (int(at.min()) < 0 or int((at + lens).max()) > view.nbytes):
             raise WireFormatError("the controller located rows outside a storage unit's slab", field=entry[0])
+        if at.size:
+            lo, hi = int(at.min()), int((at + lens).max())
+            if hi - lo <= 2 * int(lens.sum()):  # rows close together (one put's): their span mapped at once
+                view.prefault(lo, hi)
         copy_ranges(out, starts[pos], view.u8, at, lens)
 
 def _u64(values: list[Any], field: str) -> bytes:

@@ -68,7 +68,7 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
     root = Path(tempfile.mkdtemp(prefix="rlplane-durability-", dir=cfg.dir))
     try:
         with LocalEngine(2, slab_bytes=slab, processes=True, lease_s=600) as src:
-            client = Client(default_registry(), NativeTransport(src.info, timeout=600, data_path="shm"))
+            client = Client(default_registry().without_sharing(), NativeTransport(src.info, timeout=600, data_path="shm"))
             try:
                 _populated(client.transport)
                 stored = 0
@@ -99,7 +99,7 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
                 client.close()
         _drop_cache(root / "snap")
         with LocalEngine(3, slab_bytes=slab, processes=True, lease_s=600) as dst:
-            with Client(default_registry(), NativeTransport(dst.info, timeout=600, data_path="shm")) as c2:
+            with Client(default_registry().without_sharing(), NativeTransport(dst.info, timeout=600, data_path="shm")) as c2:
                 with console.status("restore into 3 storage units (their slabs pre-fault first)"):
                     _populated(c2.transport)
                     restorer = _Child()
@@ -178,11 +178,11 @@ def _journal_bench(jdir: Path, gib: float, n_small: int = 300) -> dict:
 
     out: dict[str, float] = {}
     with LocalEngine(2, slab_bytes=slab, processes=True, lease_s=600) as plain:
-        with Client(default_registry(), NativeTransport(plain.info, timeout=600, data_path="shm")) as c:
+        with Client(default_registry().without_sharing(), NativeTransport(plain.info, timeout=600, data_path="shm")) as c:
             timed(c, False, 20)
             out["plain_ms"] = timed(c, False, n_small)
     with LocalEngine(2, slab_bytes=slab, processes=True, lease_s=600, journal_dir=jdir) as journalled:
-        with Client(default_registry(), NativeTransport(journalled.info, timeout=600, data_path="shm")) as c:
+        with Client(default_registry().without_sharing(), NativeTransport(journalled.info, timeout=600, data_path="shm")) as c:
             timed(c, False, 20)
             out["journalled_ms"] = timed(c, False, n_small)
             out["durable_ms"] = timed(c, True, n_small)
@@ -307,7 +307,7 @@ def _putter(info: dict, seconds: float, stop: Any, going: Any, out: Any) -> None
 
     batch = text_step(8, 128, seed=1)
     lat = []
-    with Client(default_registry(), NativeTransport(info, timeout=60, data_path="shm")) as c:
+    with Client(default_registry().without_sharing(), NativeTransport(info, timeout=60, data_path="shm")) as c:
         end = time.monotonic() + seconds
         k = 0
         while time.monotonic() < end and not stop.is_set() and k < 100_000:

@@ -60,7 +60,7 @@ def _case(console: Console, workload: str, puts: int, batch: int, seqlen: int, t
     w = (text_step if workload == "text-step" else vlm_step)(batch, seqlen, seed=3)
     slab = max(256 << 20, int(puts * fields_nbytes(w.fields) * 1.1) + (64 << 20))  # a unit may get every put
     with LocalEngine(2, slab_bytes=slab, processes=True, lease_s=600) as eng:
-        client = Client(default_registry(), NativeTransport(eng.info, timeout=600, data_path="shm"))
+        client = Client(default_registry().without_sharing(), NativeTransport(eng.info, timeout=600, data_path="shm"))
         try:
             t0 = time.monotonic()
             with console.status(f"{workload}: {puts} puts of {batch}") as status:

@@ -406,10 +406,14 @@ def test_rows_shared_across_puts_survive_a_controller_restart_and_are_found_afte
 def test_a_store_with_a_journal_shares_rows_only_within_a_put(tmp_path):
     w = vlm_grpo(batch=8, seqlen=32, seed=19)  # one group with images
     with LocalEngine(1, secret=SECRET, lease_s=30, journal_dir=tmp_path / "j") as eng, connect(eng) as c:
+        asked, ask = [], c.transport._ask
+        c.transport._ask = lambda header, timeout=None: asked.append(header["op"]) or ask(header, timeout)
         metas = put_apart(c, "p", w, range(4))
         assert stored_pixels(c)[1] == 0  # each journal record replays on its own
+        assert "held" not in asked and "commit" in asked  # the client knows from hello: it does not ask
         keys = dedup.row_keys(w.fields["pixel_values"]._rows[:1], np.array([-1]), torch.bfloat16)
-        assert (c.transport.held_rows("p", "pixel_values", keys)[:, 0] == -1).all()
+        reply = ask({"op": "held", "p": "p", "f": "pixel_values", "k": keys.astype("<u8").tobytes()})
+        assert (np.frombuffer(reply["x"], "<i8").reshape(-1, 5)[:, 0] == -1).all()  # and the controller finds none
         read_each(c, w, metas, range(4))
 
 

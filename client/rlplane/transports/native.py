@@ -141,6 +141,7 @@ class NativeTransport(Transport):
         hello = self._ask({"op": "hello"}, min(timeout, 10.0))
         self.units: list[tuple[str, str]] = [(str(n), str(e)) for n, e in hello["units"]]
         self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
+        self._finds_held = hello.get("held") is not False  # a journalling store finds none: no lookups
         # Units the controller declared lost, or suspects (it does not answer): puts go around them.
         self.down: set[int] = {int(u) for u in hello.get("down", [])} | {int(u) for u in hello.get("suspect", [])}
         self._down_at = time.monotonic()
@@ -395,7 +396,7 @@ class NativeTransport(Transport):
         """
         refs = np.full((keys.shape[0], 5), -1, np.int64)
         want = np.flatnonzero(keys.any(axis=1))
-        if not want.size:
+        if not want.size or not self._finds_held:
             return refs
         uniq, which = np.unique(keys[want], axis=0, return_inverse=True)
         found = []

@@ -150,9 +150,11 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
     # -- puts ----------------------------------------------------------------------------
     def op_hello(self, header: dict, columns: dict, extra: list) -> Any:
         """The topology a client needs to place its blocks: the storage units, how many
-        copies of a block to write, and the reservation lease."""
+        copies of a block to write, the reservation lease, and whether a put may find rows
+        earlier puts stored (not while the store journals: rlplane_service.native.held)."""
         return {"units": [list(u) for u in self.units], "lease_s": self.lease_s, "replicas": self.replicas,
-                "down": sorted(self._lost_units), "suspect": sorted(self._suspect)}, {}, []
+                "down": sorted(self._lost_units), "suspect": sorted(self._suspect),
+                "held": not self.journaling}, {}, []
 
     def op_unit_down(self, header: dict, columns: dict, extra: list) -> Any:
         """A client could not reach unit ``u``: ping it now (REPORT_TIMEOUT_S); if it does

@@ -271,18 +271,7 @@ def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int,
     into = (lambda numel, dtype: alloc(spec.name, numel, dtype)) if alloc is not None else None
     d, p = value.dim_to_pack, value.pad_to_max_shape
     same = twins(value._rows) if share else None
-    kept = None  # rows the store holds from earlier puts (rlplane.dedup.row_keys)
-    if same is not None and held is not None:
-        keys = row_keys(value._rows, same, spec.wire_dtype)
-        if bool(keys.any()):
-            refs = np.array(held(spec.name, keys), np.int64).reshape(len(keys), 5)
-            refs[same >= 0] = -1  # a twin follows its first row
-            sums = refs[:, 4].view(np.uint64)
-            for i in np.flatnonzero(refs[:, 0] >= 0).tolist():  # found by key: confirmed on every byte's digest
-                row = PackedTensor._from_rows([value._rows[i]], d, p).flatten(spec.wire_dtype)[0]
-                if not sums[i] or row is None or not same_bytes(row, int(sums[i])):
-                    refs[i] = -1
-            kept = HeldRows(keys, refs)  # the keys go with the commit: later puts find these rows
+    kept = _held_rows(spec, value, same, held) if same is not None and held is not None else None
     skip = same >= 0 if same is not None else None
     if kept is not None:
         skip = skip | (kept.refs[:, 0] >= 0)
@@ -303,6 +292,24 @@ def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int,
         same = None
     col = Column(values, offsets_from_numels(row_numels), same=same, held=kept)
     return col, Geometry.of_rows([{"d": d, "p": p, "s": s} for s in shapes])
+
+
+def _held_rows(spec: FieldSpec, value: PackedTensor, same: np.ndarray, held: HeldLookup) -> HeldRows | None:
+    """Which rows of ``value`` the store holds from earlier puts (rlplane.dedup.row_keys):
+    found by key, each confirmed on its every byte's digest; None when no row has a key.
+    The keys go with the commit either way: later puts find these rows."""
+    keys = row_keys(value._rows, same, spec.wire_dtype)
+    if not bool(keys.any()):
+        return None
+    refs = np.array(held(spec.name, keys), np.int64).reshape(len(keys), 5)
+    refs[same >= 0] = -1  # a twin follows its first row
+    sums = refs[:, 4].view(np.uint64)
+    for i in np.flatnonzero(refs[:, 0] >= 0).tolist():  # one cast per row found (rows stored anew pay none)
+        row = PackedTensor._from_rows([value._rows[i]], value.dim_to_pack, value.pad_to_max_shape
+                                      ).flatten(spec.wire_dtype)[0]
+        if not sums[i] or row is None or not same_bytes(row, int(sums[i])):
+            refs[i] = -1
+    return HeldRows(keys, refs)
 
 
 def _encode_sample_object(spec: FieldSpec, value: list[Any], lens, batch: int, ids, alloc) -> tuple[Column, Geometry]:

@@ -57,8 +57,7 @@ def lookup(part: Partition, name: str, keys: np.ndarray) -> np.ndarray:
     table = fi.keyed if fi is not None else None
     if not table or not keys.shape[0]:
         return out
-    raw = keys.astype("<u8").tobytes()
-    slots = np.fromiter((table.get(raw[i:i + 16], -1) for i in range(0, len(raw), 16)), np.int64, keys.shape[0])
+    slots = np.fromiter((table.get(k, -1) for k in _names(keys)), np.int64, keys.shape[0])
     hit = _holds(part, fi, slots, keys)
     s = slots[hit]
     out[hit] = np.stack([fi.block[s], fi.row[s], fi.off[s], fi.nbytes[s], fi.sums[s].view(np.int64)], axis=1)
@@ -104,8 +103,7 @@ def register(part: Partition, name: str, slots: np.ndarray, keys: np.ndarray | N
         return
     mine = np.flatnonzero(own & keys.any(axis=1))
     if mine.size:
-        raw = keys[mine].astype("<u8").tobytes()
-        names = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+        names = _names(keys[mine])
         there = np.fromiter((fi.keyed.get(k, -1) for k in names), np.int64, len(names))
         free = ~_holds(part, fi, there, keys[mine])
         fi.keyed.update((names[i], int(slots[mine[i]])) for i in np.flatnonzero(free).tolist())
@@ -117,8 +115,13 @@ def inherit(fi: FieldIndex, heirs: np.ndarray) -> None:
     """Rows ``heirs`` hold their bytes from now on (their holder went): found under their keys."""
     keyed = heirs[(fi.k0[heirs] != 0) | (fi.k1[heirs] != 0)]
     if keyed.size:
-        raw = np.stack([fi.k0[keyed], fi.k1[keyed]], axis=1).astype("<u8").tobytes()
-        fi.keyed.update(zip((raw[i:i + 16] for i in range(0, len(raw), 16)), keyed.tolist()))
+        fi.keyed.update(zip(_names(np.stack([fi.k0[keyed], fi.k1[keyed]], axis=1)), keyed.tolist()))
+
+
+def _names(keys: np.ndarray) -> list[bytes]:
+    """The table's name of each ``(n, 2)`` uint64 key: its 16 bytes."""
+    raw = keys.astype("<u8").tobytes()
+    return [raw[i:i + 16] for i in range(0, len(raw), 16)]
 
 
 def _holds(part: Partition, fi: FieldIndex, slots: np.ndarray, keys: np.ndarray) -> np.ndarray:

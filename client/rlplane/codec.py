@@ -39,6 +39,7 @@ from rlplane.errors import (
 )
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry
 from rlplane.geometry import Geometry
+from rlplane import parallel
 from rlplane.integrity import check_sums, row_sums
 from rlplane.packed import PackedTensor
 from rlplane.scratch import Alloc
@@ -645,7 +646,7 @@ def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: s
     out = torch.full((batch, width, *rest), spec.pad_value, dtype=col.dtype, device=col.values.device)
     if rows.numel():
         mask = torch.arange(width, device=rows.device) < lens_t.to(rows.device)[:, None]
-        _masked_assign(out, mask, rows)
+        _masked_assign(out, mask, rows, lens_t)
     return out
 
 
@@ -662,12 +663,25 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(_as_numpy(value)[mask.numpy()]).view(value.dtype)
 
 
-def _masked_assign(out: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> None:
-    """``out[mask] = rows`` (numpy on CPU, ~5x faster than torch's)."""
+def _masked_assign(out: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor) -> None:
+    """``out[mask] = rows`` where the [B, S] ``mask`` holds each sample's first ``lens``
+    tokens (numpy on CPU, ~5x faster than torch's; big ones split by samples over a few
+    threads, :mod:`rlplane.parallel`)."""
     if out.device.type != "cpu" or out.dtype not in _NUMPY_OK:
         out[mask] = rows
         return
-    _as_numpy(out)[mask.numpy()] = _as_numpy(rows)
+    dst, src, where = _as_numpy(out), _as_numpy(rows), mask.numpy()
+    per_sample = out[0].numel() * out.element_size() if out.shape[0] else 0
+    parts = parallel.spans(np.arange(out.shape[0] + 1, dtype=np.int64) * per_sample, parallel.workers())
+    if len(parts) == 1:
+        dst[where] = src
+        return
+    starts = np.concatenate([[0], np.cumsum(lens.numpy())])
+
+    def piece(a: int, z: int) -> None:
+        dst[a:z][where[a:z]] = src[starts[a]:starts[z]]
+
+    parallel.run(piece, parts)
 
 
 _NUMPY_OK = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,

@@ -3,7 +3,7 @@
 What a read does to move rows out of a mapped slab or a staging buffer into the memory
 it hands back, and a put to move values in: rows that follow one another in source and
 destination move as one run; many small runs go through one index gather; big copies
-run on torch's threads. No Python loop per row unless rows are big.
+run on a few threads (:mod:`rlplane.parallel`). No Python loop per row unless rows are big.
 
 Example::
 
@@ -13,12 +13,9 @@ Example::
 from __future__ import annotations
 
 import numpy as np
-import torch
 
+from rlplane import parallel
 from rlplane.gather import BIG_RUN, MAX_RUNS
-
-#: Copies of at least this many bytes go through torch (several threads); smaller through numpy.
-BIG_COPY = 1 << 20
 
 
 def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.ndarray, lens: np.ndarray) -> None:
@@ -50,11 +47,15 @@ def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` for uint8 arrays; big copies on torch's threads."""
-    if dst.size >= BIG_COPY and src.flags.writeable and dst.flags.writeable:
-        torch.from_numpy(dst).copy_(torch.from_numpy(src))
-    else:
-        dst[:] = src
+    """``dst[:] = src`` for uint8 arrays of one size; a big copy split over a few threads
+    (:mod:`rlplane.parallel`)."""
+    if dst.size != src.size:
+        raise ValueError(f"copy of {src.size} bytes into {dst.size}")
+
+    def piece(a: int, z: int) -> None:
+        dst[a:z] = src[a:z]
+
+    parallel.run(piece, parallel.chunks(int(dst.size), parallel.workers()))
 
 
 __all__ = ["copy", "copy_ranges"]

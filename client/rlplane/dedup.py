@@ -51,6 +51,8 @@ import numpy as np
 import torch
 import xxhash
 
+from rlplane import parallel
+
 Row = tuple[torch.Tensor, ...]
 
 #: Bytes of each end of a segment that pick candidates before any row is compared whole.
@@ -117,13 +119,23 @@ def _against_first(rows: Sequence[Row], members: list[int], same: np.ndarray) ->
     become its twins; returns the others, in order."""
     first, words = members[0], {i: [_words(seg) for seg in rows[i]] for i in members}
     alive = [i for i in members[1:] if all(x.size == y.size for x, y in zip(words[i], words[first]))]
+    row_bytes = sum(x.nbytes for x in words[first])
     step = _CHUNK // 8
-    for s, lead in enumerate(words[first]):
-        for lo in range(0, lead.size, step):
-            if not alive:
-                break
-            part = lead[lo:lo + step]
-            alive = [i for i in alive if np.array_equal(part, words[i][s][lo:lo + step])]
+
+    def equal(a: int, z: int) -> list[int]:  # the candidates alive[a:z] equal to the first row
+        left = alive[a:z]
+        for s, lead in enumerate(words[first]):
+            for lo in range(0, lead.size, step):
+                if not left:
+                    return left
+                part = lead[lo:lo + step]
+                left = [i for i in left if np.array_equal(part, words[i][s][lo:lo + step])]
+        return left
+
+    # Candidates split over threads (each reads its own rows; the first row's chunk is
+    # shared in cache): bandwidth, not the GIL, bounds a compare.
+    parts = parallel.spans(np.arange(len(alive) + 1, dtype=np.int64) * row_bytes, parallel.workers())
+    alive = [i for found in parallel.run(equal, parts) for i in found]
     same[alive] = first
     kept = set(alive)
     return [i for i in members[1:] if i not in kept]

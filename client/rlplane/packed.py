@@ -19,8 +19,10 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
+from rlplane import parallel
 from rlplane.errors import ContainerError, ShapeError, WireFormatError
 
 Row = tuple[torch.Tensor, ...]
@@ -214,12 +216,22 @@ class PackedTensor:
             values = alloc(sum(row_numels), out_dtype)
         else:
             values = torch.empty(sum(row_numels), dtype=out_dtype, device=segs[0].device)
-        # One copy_ per segment (each vectorised and threaded): measured 1.5x faster than
-        # torch.cat(out=) when the copy also casts (24 vs 36 ms on vlm-step pixel_values).
-        offset = 0
+        # One copy_ per segment (each vectorised): measured 1.5x faster than torch.cat(out=)
+        # when the copy also casts (24 vs 36 ms on vlm-step pixel_values). On the CPU the
+        # segments are split over rlplane's threads (torch's may be one, as in a Ray actor:
+        # 54 -> 30 ms there; the same 30 ms with torch's two).
+        starts = [0]
         for seg in segs:
-            values[offset : offset + seg.numel()].copy_(seg)
-            offset += seg.numel()
+            starts.append(starts[-1] + seg.numel())
+
+        def piece(a: int, z: int) -> None:
+            for k in range(a, z):
+                values[starts[k] : starts[k + 1]].copy_(segs[k])
+
+        if values.device.type == "cpu" and all(seg.device.type == "cpu" for seg in segs):
+            parallel.run(piece, parallel.spans(np.asarray(starts, np.int64) * segs[0].element_size(), parallel.workers()))
+        else:
+            piece(0, len(segs))
         return values, row_numels, shapes
 
     def to_wire(self, *, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, Shapes]:

@@ -1,0 +1,146 @@
+"""Memory-bound work split over threads (rlplane.parallel): the split covers every row once
+and in order, an error in any piece is raised, a forked child gets a pool of its own, and
+the digests and compares that use it give what one thread gives, wherever the split falls."""
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+
+from rlplane import dedup, parallel
+from rlplane.column import Column
+from rlplane.integrity import row_sums
+
+MB = 1 << 20
+
+
+@pytest.mark.parametrize("sizes", [[1] * 10, [4 * MB] * 3, [MB] * 40, [30 * MB, 1, 1, 1], [0, 0, 9 * MB, 0],
+                                   [3 * MB, 3 * MB, 3 * MB, 3 * MB, 7]])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_spans_cover_every_row_once_in_order_and_split_only_big_work(sizes, parts):
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    got = parallel.spans(bounds, parts)
+    assert got[0][0] == 0 and got[-1][1] == len(sizes)
+    assert all(a < z for a, z in got) and all(z == a2 for (_, z), (a2, _) in zip(got, got[1:]))
+    assert len(got) <= parts
+    if bounds[-1] < parallel.PARALLEL_MIN_BYTES:
+        assert len(got) == 1
+    if sizes == [4 * MB] * 3:
+        assert len(got) == min(parts, 3)  # 12 MiB: a row a thread
+    assert parallel.spans(np.array([0]), 4) == [(0, 0)]
+
+
+def test_run_keeps_the_order_and_raises_an_error_of_any_part_after_all_are_done():
+    parts = [(0, 2), (2, 5), (5, 6), (6, 9)]
+    assert parallel.run(lambda a, z: list(range(a, z)), parts) == [[0, 1], [2, 3, 4], [5], [6, 7, 8]]
+    done = []
+
+    def fail_in_third(a, z):
+        if a == 5:
+            raise ValueError("third")
+        done.append(a)
+        return a
+
+    with pytest.raises(ValueError, match="third"):
+        parallel.run(fail_in_third, parts)
+    assert sorted(done) == [0, 2, 6]
+
+
+def _child(q):
+    q.put(parallel.run(lambda a, z: z - a, [(0, 1), (1, 3), (3, 6)]))
+
+
+def test_a_forked_child_gets_a_pool_of_its_own():
+    parallel.run(lambda a, z: 0, [(0, 1), (1, 2)])  # the parent's pool exists
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q,))
+    p.start()
+    try:
+        assert q.get(timeout=30) == [1, 2, 3]
+    finally:
+        p.join(30)
+    assert p.exitcode == 0
+
+
+@pytest.fixture
+def split(monkeypatch):
+    """Three threads whatever this host has; records how many pieces each run had."""
+    pieces, run = [], parallel.run
+    monkeypatch.setattr(parallel, "workers", lambda: 3)
+    monkeypatch.setattr(parallel, "run", lambda fn, parts: pieces.append(len(parts)) or run(fn, parts))
+    return pieces
+
+
+def test_digests_of_a_big_column_are_each_rows_wherever_the_split_falls(split):
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(0, 3 * MB // 4, (40,), generator=g)
+    lens[5] = 0
+    values = torch.randint(-2**31, 2**31 - 1, (int(lens.sum()),), generator=g, dtype=torch.int32)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lens, 0)])
+    col = Column(values, offsets)
+    assert values.numel() * 4 > 2 * parallel.PARALLEL_MIN_BYTES  # split over threads
+    raw = values.numpy().view(np.uint8)
+    want = [xxhash.xxh3_64_intdigest(raw[4 * int(a):4 * int(z)].tobytes()) for a, z in zip(offsets[:-1], offsets[1:])]
+    assert row_sums(col).tolist() == want
+    assert split == [3]
+
+
+def test_a_copy_that_differs_in_one_byte_is_told_apart_in_whichever_thread_compares_it(split):
+    base = torch.randn(MB // 2, dtype=torch.float32)  # 2 MiB a row; 15 copies: compared over threads
+    for odd in (1, 8, 15):
+        rows = [(base,)] + [(base.clone(),) for _ in range(15)]
+        other = base.clone()
+        other.view(torch.uint8)[MB + 3] ^= 1
+        rows[odd] = (other,)
+        want = [-1] + [0] * 15
+        want[odd] = -1
+        assert dedup.twins(rows).tolist() == want
+    assert split and max(split) == 3
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, parallel.PARALLEL_MIN_BYTES - 1, 5 * parallel.PARALLEL_MIN_BYTES + 12345])
+def test_chunks_cover_a_buffer_once_in_order(nbytes):
+    got = parallel.chunks(nbytes, 3)
+    assert got[0][0] == 0 and got[-1][1] == nbytes and all(z == a2 for (_, z), (a2, _) in zip(got, got[1:]))
+    assert len(got) == (3 if nbytes > 2 * parallel.PARALLEL_MIN_BYTES else 1)
+
+
+def test_a_big_copy_over_threads_moves_every_byte(split):
+    from rlplane.copies import copy
+
+    src = np.random.default_rng(1).integers(0, 256, 5 * parallel.PARALLEL_MIN_BYTES + 4097, dtype=np.uint8)
+    src.flags.writeable = False  # a read-only slab view copies too
+    dst = np.zeros_like(src)
+    copy(dst, src)
+    assert np.array_equal(dst, src) and split == [3]
+    with pytest.raises(ValueError):
+        copy(dst[:-1], src)
+
+
+def test_packed_rows_cast_over_threads_are_what_one_cat_gives(split):
+    from rlplane.packed import PackedTensor
+
+    g = torch.Generator().manual_seed(2)
+    rows = [[torch.randn(int(n), 1176, generator=g) for n in torch.randint(1, 600, (k,), generator=g)] if k else None
+            for k in [2, 0, 1, 3, 1, 2, 0, 2]]
+    values, numels, _ = PackedTensor(rows).flatten(torch.bfloat16)
+    want = torch.cat([s.reshape(-1) for r in rows if r for s in r]).to(torch.bfloat16)
+    assert torch.equal(values.view(torch.int16), want.view(torch.int16)) and split == [3]
+
+
+def test_token_rows_padded_over_threads_land_where_one_masked_assign_puts_them(split):
+    from rlplane.codec import _masked_assign
+
+    g = torch.Generator().manual_seed(4)
+    lens = torch.randint(0, 4097, (512,), generator=g)
+    lens[7] = 4096
+    rows = torch.randint(-10**9, 10**9, (int(lens.sum()), 2), generator=g)
+    mask = torch.arange(4096) < lens[:, None]
+    want = torch.full((512, 4096, 2), -1, dtype=torch.int64)
+    want[mask] = rows
+    got = torch.full((512, 4096, 2), -1, dtype=torch.int64)
+    _masked_assign(got, mask, rows, lens)
+    assert torch.equal(got, want) and split == [3]

@@ -35,11 +35,21 @@ MAX_WORKERS = 4
 
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
+_local = threading.local()
+
+
+def background() -> None:
+    """Keep the calling thread's memory work on it from now on (:func:`workers` is 1
+    there): a background thread at low CPU priority (a snapshot's) must not hand its
+    work to the shared threads, which run at normal priority."""
+    _local.background = True
 
 
 def workers() -> int:
     """Threads a piece of work is split over: the CPUs this process may run on, at most
-    :data:`MAX_WORKERS`."""
+    :data:`MAX_WORKERS` (1 on a :func:`background` thread)."""
+    if getattr(_local, "background", False):
+        return 1
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -110,4 +120,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-__all__ = ["PARALLEL_MIN_BYTES", "MAX_WORKERS", "workers", "spans", "chunks", "run"]
+__all__ = ["PARALLEL_MIN_BYTES", "MAX_WORKERS", "background", "workers", "spans", "chunks", "run"]

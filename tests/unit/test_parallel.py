@@ -144,3 +144,28 @@ def test_token_rows_padded_over_threads_land_where_one_masked_assign_puts_them(s
     got = torch.full((512, 4096, 2), -1, dtype=torch.int64)
     _masked_assign(got, mask, rows, lens)
     assert torch.equal(got, want) and split == [3]
+
+
+def test_a_snapshots_thread_yields_the_cpu_and_keeps_its_memory_work_on_itself():
+    """The snapshot's threads run only when a CPU is idle (or niced where that is refused)
+    and split nothing over the shared threads, which run at normal priority."""
+    import os
+    import threading
+
+    from rlplane import snapshot
+
+    seen = {}
+
+    def body():
+        snapshot._yield_cpu()
+        tid = threading.get_native_id()
+        seen["workers"] = parallel.workers()
+        seen["policy"] = os.sched_getscheduler(tid) if hasattr(os, "sched_getscheduler") else None
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join(30)
+    assert seen["workers"] == 1
+    assert seen["policy"] == getattr(os, "SCHED_IDLE", None) or seen["nice"] >= snapshot.NICE
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < snapshot.NICE  # this thread is untouched

@@ -1,0 +1,87 @@
+"""A snapshot's files are written around the page cache where the filesystem allows it
+(rlplane.durable.StreamedFile): whatever the pieces' sizes, the file holds exactly the bytes
+written, on a disk and on tmpfs, and a filesystem that refuses direct I/O at open or at
+the first write gets the same bytes through the cache."""
+
+import errno
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlplane import durable
+from rlplane.durable import DIRECT_ALIGN, StreamedFile
+
+SIZES = [[], [0], [1], [DIRECT_ALIGN], [DIRECT_ALIGN + 1, 7], [3 << 20, 5, 1 << 20], [10 << 20], [64] * 1000]
+
+
+def pieces(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+
+
+def places(tmp_path):
+    out = [tmp_path]
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        out.append(shm)
+    return out
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_the_file_holds_exactly_the_bytes_written_on_disk_and_on_tmpfs(tmp_path, sizes):
+    data = pieces(sizes)
+    for where in places(tmp_path):
+        path = where / f"rlplane-test-{os.getpid()}-{len(sizes)}.bin"
+        try:
+            with StreamedFile(path, chunk=2 << 20) as f:
+                for d in data:
+                    f.write(memoryview(d))
+                size = f.close()
+            assert size == sum(sizes) == path.stat().st_size
+            assert path.read_bytes() == b"".join(d.tobytes() for d in data)
+        finally:
+            path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("refuse", ["open", "write"])
+def test_direct_io_refused_at_open_or_at_the_first_write_falls_back_with_the_same_bytes(tmp_path, monkeypatch, refuse):
+    real_open, real_write = os.open, os.write
+    direct_fds = set()
+
+    def fake_open(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            if refuse == "open":
+                raise OSError(errno.EINVAL, "no direct I/O here")
+            fd = real_open(path, flags & ~os.O_DIRECT, *a)
+            direct_fds.add(fd)
+            return fd
+        fd = real_open(path, flags, *a)
+        direct_fds.discard(fd)  # a number a closed direct descriptor had
+        return fd
+
+    def fake_write(fd, data):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "unaligned for this device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(durable.os, "open", fake_open)
+    monkeypatch.setattr(durable.os, "write", fake_write)
+    data = pieces([5 << 20, 123])
+    path = tmp_path / "f.bin"
+    with StreamedFile(path, chunk=1 << 20) as f:
+        for d in data:
+            f.write(d)
+    assert not f.direct
+    assert path.read_bytes() == b"".join(d.tobytes() for d in data)
+
+
+def test_an_error_inside_the_block_leaves_no_open_descriptor(tmp_path):
+    before = len(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").is_dir() else None
+    with pytest.raises(RuntimeError):
+        with StreamedFile(tmp_path / "f.bin") as f:
+            f.write(b"x" * 100)
+            raise RuntimeError("writer failed")
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) == before

@@ -33,12 +33,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mmap
 import os
-import secrets
-import shutil
 import struct
 import threading
 import time
@@ -56,7 +55,7 @@ import xxhash
 from rlplane import errors as E
 from rlplane import parallel
 from rlplane.column import Column
-from rlplane.durable import StreamedFile, fsync_dir, write_durably
+from rlplane.snapplace import Local, Remote, place
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.geometry import Geometry
 from rlplane.wire import raw
@@ -109,7 +108,8 @@ NICE = 10
 def take(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[str], None] | None = None
          ) -> SnapshotInfo:
     """Snapshot the store ``transport`` reaches (a native one) into directory ``path``
-    (which must not exist; its parent must). Returns what was written. The work runs on
+    (which must not exist; its parent must), or into an fsspec URL (``s3://...``, with
+    that scheme's driver installed; :mod:`rlplane.snapplace`). Returns what was written. The work runs on
     threads of its own that run only when the CPU is otherwise idle (``SCHED_IDLE``;
     else nice ``NICE``), so puts and reads served on the same host keep their latency
     while it copies.
@@ -142,20 +142,17 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
     if not hasattr(transport, "cut"):
         raise E.InvalidArgumentError(f"snapshots need the native backend (this store's transport is "
                                      f"{getattr(transport, 'name', type(transport).__name__)!r})")
-    dest = Path(path)
-    if dest.exists():
-        raise E.InvalidArgumentError(f"{dest} exists already: a snapshot goes to a new directory")
-    if not dest.parent.is_dir():
-        raise E.InvalidArgumentError(f"{dest.parent} is not a directory (make it first)")
+    dest = place(path)
+    dest.check_new()
     say = progress or (lambda msg: None)
     t0 = time.monotonic()
     cut = transport.cut()
     cut_ms = float(cut.get("held_ms") or 0.0)  # what the controller's lock was held for (the pause writers see)
     pin = cut.get("pin")
-    tmp = dest.parent / f".{dest.name}.tmp-{secrets.token_hex(4)}"
+    tmp: Local | Remote | None = None
     renewer = _Renewer(transport, pin, float(cut.get("pin_lease_s") or 60.0))
     try:
-        tmp.mkdir()
+        tmp = dest.temporary()
         files, parts, samples, nbytes = {}, [], 0, 0
         # One thread writes (and fsyncs) a partition's file while the next one's bytes are
         # copied out of the units: at most two partitions' bytes are held at once.
@@ -167,7 +164,7 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
                 header, blobs = _collect(transport, entry)
                 if pending is not None:
                     pending.result()
-                pending = disk.submit(_write_file, tmp / name, header, blobs, files, name)
+                pending = disk.submit(_write_file, tmp, header, blobs, files, name)
                 size = sum(b.nbytes for b in blobs)
                 parts.append({"name": entry["p"], "file": name, "samples": len(entry["ids"]), "nbytes": size,
                               "fields": sorted(entry["fields"]), "tasks": sorted(entry["tasks"])})
@@ -181,12 +178,11 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
         manifest = {"format": FORMAT, "version": VERSION, "created": created, "cut_ms": round(cut_ms, 3),
                     "seq": int(cut.get("seq") or 0), "partitions": parts, "files": files, "samples": samples,
                     "nbytes": nbytes}
-        write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-        fsync_dir(tmp)
-        os.rename(tmp, dest)
-        fsync_dir(dest.parent)
+        tmp.put(MANIFEST, json.dumps(manifest, indent=1).encode())
+        tmp.move_to(dest, last=MANIFEST)  # complete or absent: the manifest goes in last
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            tmp.discard()
         raise
     finally:
         renewer.stop()
@@ -231,11 +227,12 @@ def _collect(transport: Any, entry: dict[str, Any]) -> tuple[bytes, list[memoryv
 _PIECE = 1 << 20
 
 
-def _write_file(path: Path, header: bytes, blobs: list[memoryview], files: dict[str, Any], name: str) -> None:
+def _write_file(where: Local | Remote, header: bytes, blobs: list[memoryview], files: dict[str, Any], name: str
+                ) -> None:
     """Write a partition's file (magic, header, values, each 64-byte aligned) and fsync it;
     its size and xxh3-128 go into ``files[name]``."""
     h = xxhash.xxh3_128()
-    with StreamedFile(path) as f:  # around the page cache where it can: puts elsewhere keep their latency
+    with where.open(name) as f:  # around the page cache where it can: puts elsewhere keep their latency
         head = MAGIC + struct.pack("<Q", len(header)) + header
         head += b"\0" * (-len(head) % _ALIGN)
         for chunk in [head] + [b for blob in blobs for b in (blob, b"\0" * (-blob.nbytes % _ALIGN))]:
@@ -326,8 +323,9 @@ class Snapshot:
     parses its header (SnapshotError naming the file). Close it (or use ``with``) to unmap
     its files."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, shown: str | None = None) -> None:
         self.path = Path(path)
+        self.shown = shown or str(self.path)  # what errors name (a URL the files were fetched from)
         self._maps: list[Any] = []
         self._files: list[BinaryIO] = []
         try:
@@ -341,7 +339,7 @@ class Snapshot:
         return len(self._maps)
 
     def _bad(self, name: str, why: str) -> E.SnapshotError:
-        where = self.path / name
+        where = f"{self.shown.rstrip('/')}/{name}"
         return E.SnapshotError(f"{where} {why}; nothing of the snapshot was loaded", component=str(where))
 
     def _open(self, entry: Any) -> Any:
@@ -381,11 +379,11 @@ class Snapshot:
         return [self.part(k) for k in range(len(self))]
 
     def _manifest(self) -> dict[str, Any]:
-        where = self.path / MANIFEST
+        where = f"{self.shown.rstrip('/')}/{MANIFEST}"
         try:
-            m = json.loads(where.read_bytes())
+            m = json.loads((self.path / MANIFEST).read_bytes())
         except FileNotFoundError:
-            raise E.SnapshotError(f"{where} does not exist: {self.path} is not a complete snapshot",
+            raise E.SnapshotError(f"{where} does not exist: {self.shown} is not a complete snapshot",
                                   component=str(where)) from None
         except (OSError, ValueError) as err:
             raise E.SnapshotError(f"{where} does not parse ({err})", component=str(where)) from None
@@ -467,8 +465,8 @@ class Snapshot:
 
 def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Callable[[str], None] | None = None,
             declared: Collection[str] | None = None, journal: str | os.PathLike[str] | None = None) -> SnapshotInfo:
-    """Load snapshot ``path`` into the (empty of its partitions) store ``transport``
-    reaches: every sample with its id, rows and tags, then each task's consumption; then,
+    """Load snapshot ``path`` (a directory, or an fsspec URL whose files are fetched into
+    ``TMPDIR`` first) into the (empty of its partitions) store ``transport`` reaches: every sample with its id, rows and tags, then each task's consumption; then,
     with ``journal`` (a journal directory, RLPLANE_JOURNAL_DIR), every change the journal
     holds after the snapshot's cut (``path=None``: the journal alone, on an empty store).
     SnapshotError (naming the file) when any of it is missing, truncated or damaged, or
@@ -487,7 +485,7 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
         raise E.InvalidArgumentError("restore needs a snapshot, a journal, or both")
     say = progress or (lambda msg: None)
     t0 = time.monotonic()
-    with Snapshot(path) if path is not None else _NoSnapshot() as snap:
+    with _opened(path) as snap:
         # Every file is there at its size (checked on open), the journal read and checked
         # whole. Each partition's file is checked against its digest just before it is
         # loaded, while the kernel reads the next one ahead; a damaged one takes back every
@@ -518,7 +516,7 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
                 snap.prefetch(k + 1)
                 part = head if k == 0 else snap.part(k)
                 head = None
-                _check_declared(part, declared, snap.path / snap.manifest["partitions"][k]["file"])
+                _check_declared(part, declared, f"{snap.shown}/{snap.manifest['partitions'][k]['file']}")
                 say(f"restore: partition {part.name!r} ({len(part.ids)} samples)")
                 loaded.append(part.name)
                 for ids, columns, tags, create in _puts(part):
@@ -558,11 +556,24 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
     return info
 
 
+@contextlib.contextmanager
+def _opened(path: str | os.PathLike[str] | None) -> Iterator[Snapshot | _NoSnapshot]:
+    """Snapshot ``path`` opened (a URL's files fetched into a local directory first), or
+    nothing (the journal alone)."""
+    if path is None:
+        yield _NoSnapshot()
+        return
+    where = place(path)
+    with where.fetched() as local, Snapshot(local, shown=str(where)) as snap:
+        yield snap
+
+
 class _NoSnapshot:
     """What :func:`restore` reads when there is no snapshot (the journal alone)."""
 
     manifest: dict[str, Any] = {"partitions": [], "files": {}}
     path = Path(".")
+    shown = "."
 
     def __len__(self) -> int:
         return 0
@@ -580,7 +591,7 @@ class _NoSnapshot:
         pass
 
 
-def _check_declared(part: _Part, declared: Collection[str] | None, where: Path) -> None:
+def _check_declared(part: _Part, declared: Collection[str] | None, where: str) -> None:
     odd = sorted(set(part.fields) - set(declared)) if declared is not None else []
     if odd:
         raise E.UnregisteredFieldError(f"the snapshot holds field(s) {odd} this service does not declare ({where}): "

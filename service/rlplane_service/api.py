@@ -576,9 +576,17 @@ async def _refuse(send: Any, code: int, err: E.RlplaneError, headers: dict[str, 
     await send({"type": "http.response.body", "body": body})
 
 
-def snapshot_path(root: Optional[Path], given: str) -> Path:
+def snapshot_path(root: Optional[Path], given: str) -> Path | str:
     """Where a snapshot asked for over HTTP goes: inside ``root`` (RLPLANE_SNAPSHOT_DIR)
-    when the service has one (InvalidArgumentError for a path outside it), else ``given``."""
+    when the service has one (InvalidArgumentError for a path outside it, or a URL), else
+    ``given`` (a path, or an fsspec URL the service's credentials may write)."""
+    from rlplane.snapplace import is_url
+
+    if is_url(given):
+        if root is not None:
+            raise E.InvalidArgumentError(f"{given!r} is a URL and this service writes snapshots only inside its "
+                                         f"snapshot directory {root} (RLPLANE_SNAPSHOT_DIR): name a directory inside it")
+        return given
     path = Path(given)
     if root is None:
         return path

@@ -75,10 +75,10 @@ def serve(
         "receive, so anyone who reaches a unit's port runs code as the service; keep those ports on a private network. "
         "Default: native.", show_default=False,
     ),
-    restore: Optional[Path] = typer.Option(
-        None, "--restore", exists=True, file_okay=False, help="native: load this snapshot (rlplane snapshot --to) "
-        "into the new store before it reports ready (RLPLANE_RESTORE_FROM). A damaged one stops the start.",
-        show_default=False),
+    restore: Optional[str] = typer.Option(
+        None, "--restore", help="native: load this snapshot (a directory rlplane snapshot --to wrote, or an fsspec URL "
+        "of one, e.g. s3://bucket/snaps/run7 with s3fs installed) into the new store before it reports ready "
+        "(RLPLANE_RESTORE_FROM). A damaged one stops the start.", show_default=False),
     journal: Optional[Path] = typer.Option(
         None, "--journal", file_okay=False, help="native: keep a write-ahead journal here (RLPLANE_JOURNAL_DIR); "
         "one a dead store left is replayed (after --restore's snapshot) before the store reports ready.",
@@ -94,9 +94,13 @@ def serve(
     """
     import signal
 
+    from rlplane.snapplace import is_url
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
+    if restore is not None and not is_url(restore) and not Path(restore).is_dir():
+        raise typer.BadParameter(f"{restore} is not a directory (a snapshot rlplane snapshot --to wrote)",
+                                 param_hint="--restore")
     given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity, "unit_bytes": unit_bytes,
              "registry_file": registry_file, "api_token": token, "backend": backend.value if backend else None,
              "restore_from": restore, "journal_dir": journal}
@@ -170,8 +174,10 @@ def status(url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION, as_json: 
 
 @app.command()
 def snapshot(
-    to: Path = typer.Option(..., "--to", help="A new directory on the service's host (a shared filesystem, for "
-                            "another host to restore from): the snapshot is complete there, or not there at all."),
+    to: str = typer.Option(..., "--to", help="A new directory on the service's host (a shared filesystem, for "
+                           "another host to restore from), or an fsspec URL (s3://bucket/snaps/run7, with that "
+                           "scheme's driver installed where the service runs; not with RLPLANE_SNAPSHOT_DIR set): the "
+                           "snapshot is complete there, or not there at all."),
     url: str = URL_OPTION, token: Optional[str] = TOKEN_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print the raw JSON."),
 ) -> None:

@@ -59,8 +59,9 @@ class ServiceSettings(BaseSettings):
         None, description="Backend native: where POST /v1/snapshot (rlplane snapshot --to) may write; a relative path "
         "is taken inside it, one outside it is refused. Unset: any new directory the service's user may create.",
     )
-    restore_from: Optional[Path] = Field(
-        None, description="Backend native: a snapshot directory (rlplane snapshot --to) a new store loads before it "
+    restore_from: Optional[str] = Field(
+        None, description="Backend native: a snapshot directory (rlplane snapshot --to), or an fsspec URL of one "
+        "(s3://..., with that scheme's driver installed; fetched into TMPDIR first), a new store loads before it "
         "reports ready: every sample bit-exact and every task's consumption as snapshotted. A damaged snapshot stops "
         "the start with SnapshotError naming the file (nothing of it loaded).",
     )

@@ -293,6 +293,9 @@ def test_the_http_api_confines_snapshots_to_the_snapshot_dir(tmp_path):
         with pytest.raises(E.InvalidArgumentError, match="outside this service's snapshot directory"):
             snapshot_path(tmp_path, outside)
     assert snapshot_path(None, "/mnt/snaps/x") == Path("/mnt/snaps/x")
+    assert snapshot_path(None, "s3://bucket/snaps/x") == "s3://bucket/snaps/x"  # a URL, kept whole
+    with pytest.raises(E.InvalidArgumentError, match="is a URL"):
+        snapshot_path(tmp_path, "s3://bucket/snaps/x")
 
 
 def test_a_restore_refuses_fields_the_service_does_not_declare(snap, target):
@@ -322,3 +325,63 @@ def test_a_snapshot_whose_pin_lapsed_is_not_written(source, tmp_path, monkeypatc
         with pytest.raises(E.IntegrityError, match="dropped the snapshot's pin"):
             a.snapshot(str(tmp_path / "s"))
         assert os.listdir(tmp_path) == []
+
+
+# -- at an fsspec URL (memory://: fsspec's in-process filesystem, the same calls a remote one gets) -----------
+@pytest.fixture
+def memfs():
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    root = f"/rlplane-test-{os.getpid()}-{time.monotonic_ns()}"
+    fs.makedirs(root, exist_ok=True)
+    yield fs, f"memory://{root}"
+    fs.rm(root, recursive=True)
+
+
+def test_a_snapshot_at_a_url_restores_bit_exact_and_names_the_url_when_damaged(source, target, memfs):
+    fs, root = memfs
+    with connect(source) as a, connect(target) as b:
+        got = filled(a)
+        mv, vlm = got["vlm"]
+        before = wire(a, "vlm", mv.sample_ids, sorted(vlm.fields))
+        info = snapshot.take(a.transport, f"{root}/s1")
+        assert info.path == f"{root}/s1" and info.samples == 12 + 60
+        listed = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/s1", detail=False))
+        assert listed[-1] == "part-00001.rlsnap" and "manifest.json" in listed
+        assert [p for p in fs.ls(root, detail=False) if ".tmp-" in p] == []  # no temporary left behind
+        with pytest.raises(E.InvalidArgumentError, match="exists already"):
+            snapshot.take(a.transport, f"{root}/s1")
+        back = snapshot.restore(b.transport, f"{root}/s1")
+        assert back.samples == info.samples and same(wire(b, "vlm", mv.sample_ids, sorted(vlm.fields)), before)
+    # A damaged file at the URL: refused, the error names the URL's file, nothing loaded.
+    path = f"{root}/s1/part-00000.rlsnap"
+    data = bytearray(fs.cat_file(path))
+    data[-100] ^= 0x10
+    fs.pipe_file(path, bytes(data))
+    with LocalEngine(2, secret=SECRET, lease_s=30, slab_bytes=64 << 20) as eng, connect(eng) as c:
+        with pytest.raises(E.SnapshotError) as err:
+            snapshot.restore(c.transport, f"{root}/s1")
+        assert f"{root}/s1/part-00000.rlsnap" in str(err.value) and c.partitions() == []
+        with pytest.raises(E.SnapshotError, match="not a snapshot"):
+            snapshot.restore(c.transport, f"{root}/nothing-here")
+
+
+def test_a_snapshot_at_a_url_that_fails_leaves_nothing_there(source, memfs, monkeypatch):
+    fs, root = memfs
+    with connect(source) as a:
+        a.put_samples("p", text_step(8, 16, seed=2).fields)
+
+        def broken(*args, **kw):
+            raise E.UnavailableError("storage unit u0 does not answer", component="u0")
+
+        monkeypatch.setattr(a.transport, "fetch", broken)
+        with pytest.raises(E.UnavailableError):
+            snapshot.take(a.transport, f"{root}/half")
+        assert fs.ls(root, detail=False) == []
+
+
+def test_an_unknown_url_scheme_is_a_clear_error(source):
+    with connect(source) as a:
+        a.put_samples("p", text_step(4, 16, seed=2).fields)
+        with pytest.raises(E.InvalidArgumentError, match="no filesystem for this URL"):
+            snapshot.take(a.transport, "nosuchscheme://x/y")

@@ -1,0 +1,194 @@
+"""Where a snapshot is written and read: a local directory, or any fsspec URL.
+
+A snapshot is a directory of a few big files and a manifest written last. :func:`place`
+answers the directory the caller named as a :class:`Local` one (a path, or ``file://``)
+or a :class:`Remote` one (``s3://``, ``gs://``, ``memory://``, ... through the ``fsspec``
+package and that scheme's driver). Both write under a hidden temporary name and then
+move it into place; locally that is a rename with every file and the directory fsynced,
+remotely the filesystem's move (a copy on object stores), the manifest going in last, so
+an interrupted snapshot is never taken for a complete one. A restore reads a remote
+snapshot by copying its files into a local temporary directory first
+(:meth:`Remote.fetched`): it needs that much room under ``TMPDIR``.
+
+Example::
+
+    where = place("memory://snaps/run-7")
+    tmp = where.temporary()
+    with tmp.open("part-00000.rlsnap") as f:
+        f.write(b"...")
+    tmp.put("manifest.json", b"{}")
+    tmp.move_to(where, last="manifest.json")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import tempfile
+from pathlib import Path, PurePosixPath
+from typing import Any, Iterator
+
+from rlplane import errors as E
+from rlplane.durable import StreamedFile, fsync_dir, write_durably
+
+
+def is_url(path: Any) -> bool:
+    """Whether ``path`` names a remote place (``scheme://...`` other than ``file://``)."""
+    return isinstance(path, str) and "://" in path and not path.startswith("file://")
+
+
+def place(path: str | os.PathLike[str]) -> Local | Remote:
+    """The place ``path`` names (see the module docstring)."""
+    if is_url(path):
+        return Remote.of(str(path))
+    text = str(path)
+    return Local(Path(text[len("file://"):] if text.startswith("file://") else text))
+
+
+class Local:
+    """A directory on this host's filesystem (local disk or a shared mount)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def check_new(self) -> None:
+        """InvalidArgumentError unless a snapshot may be written here: it does not exist, its parent does."""
+        if self.path.exists():
+            raise E.InvalidArgumentError(f"{self.path} exists already: a snapshot goes to a new directory")
+        if not self.path.parent.is_dir():
+            raise E.InvalidArgumentError(f"{self.path.parent} is not a directory (make it first)")
+
+    def temporary(self) -> Local:
+        """A new hidden sibling to write into."""
+        tmp = Local(self.path.parent / f".{self.path.name}.tmp-{secrets.token_hex(4)}")
+        tmp.path.mkdir()
+        return tmp
+
+    def open(self, name: str) -> StreamedFile:
+        """A new file ``name`` here, written around the page cache where it can be."""
+        return StreamedFile(self.path / name)
+
+    def put(self, name: str, data: bytes) -> None:
+        """A small file ``name`` here, fsynced, and the directory fsynced."""
+        write_durably(self.path / name, data)
+        fsync_dir(self.path)
+
+    def move_to(self, dest: Local, last: str | None = None) -> None:
+        """Rename this directory to ``dest`` (durably; one rename, so ``last`` needs no order)."""
+        os.rename(self.path, dest.path)
+        fsync_dir(dest.path.parent)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def fetched(self) -> Iterator[Path]:
+        """The directory to read the snapshot from (this one)."""
+        yield self.path
+
+
+class _RemoteFile:
+    """A file being written through fsspec, with :class:`StreamedFile`'s ``write`` and ``close``."""
+
+    def __init__(self, f: Any) -> None:
+        self._f, self._size, self._closed = f, 0, False
+
+    def write(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        self._f.write(view)
+        self._size += view.nbytes
+
+    def close(self) -> int:
+        if not self._closed:
+            self._closed = True
+            self._f.close()
+        return self._size
+
+    def __enter__(self) -> _RemoteFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self._f.close()
+
+
+class Remote:
+    """A directory on an fsspec filesystem."""
+
+    def __init__(self, fs: Any, path: str, url: str) -> None:
+        self.fs, self.path, self.url = fs, path.rstrip("/"), url
+
+    @classmethod
+    def of(cls, url: str) -> Remote:
+        try:
+            import fsspec
+        except ImportError:  # pragma: no cover - fsspec comes with torch
+            raise E.InvalidArgumentError(f"{url}: snapshots at URLs need the fsspec package (pip install fsspec)") \
+                from None
+        try:
+            fs, path = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as err:
+            raise E.InvalidArgumentError(f"{url}: no filesystem for this URL ({err}); install its fsspec driver "
+                                         "(e.g. s3fs, gcsfs, adlfs)") from None
+        return cls(fs, path, url)
+
+    def __str__(self) -> str:
+        return self.url
+
+    def _child(self, name: str) -> str:
+        return str(PurePosixPath(self.path) / name)
+
+    def check_new(self) -> None:
+        if self.fs.exists(self.path):
+            raise E.InvalidArgumentError(f"{self.url} exists already: a snapshot goes to a new directory")
+
+    def temporary(self) -> Remote:
+        parent, name = str(PurePosixPath(self.path).parent), PurePosixPath(self.path).name
+        tmp = Remote(self.fs, str(PurePosixPath(parent) / f".{name}.tmp-{secrets.token_hex(4)}"), self.url)
+        tmp.fs.makedirs(tmp.path, exist_ok=True)
+        return tmp
+
+    def open(self, name: str) -> _RemoteFile:
+        return _RemoteFile(self.fs.open(self._child(name), "wb"))
+
+    def put(self, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self._child(name), data)
+
+    def move_to(self, dest: Remote, last: str | None = None) -> None:
+        """Move every file into ``dest``, ``last`` after all the others (a copy and a delete
+        on object stores: a reader that finds ``last`` finds the rest)."""
+        names = sorted(PurePosixPath(p).name for p in self.fs.ls(self.path, detail=False))
+        self.fs.makedirs(dest.path, exist_ok=True)
+        for name in sorted(names, key=lambda n: n == last):
+            self.fs.mv(self._child(name), dest._child(name))
+        with contextlib.suppress(Exception):
+            self.fs.rm(self.path, recursive=True)
+
+    def discard(self) -> None:
+        with contextlib.suppress(Exception):
+            self.fs.rm(self.path, recursive=True)
+
+    @contextlib.contextmanager
+    def fetched(self) -> Iterator[Path]:
+        """The snapshot's files copied into a local temporary directory (removed after)."""
+        if not self.fs.isdir(self.path):
+            raise E.SnapshotError(f"{self.url} is not a snapshot directory (nothing is there)", component=self.url)
+        local = Path(tempfile.mkdtemp(prefix="rlplane-restore-"))
+        try:
+            for remote in self.fs.ls(self.path, detail=False):
+                name = PurePosixPath(remote).name
+                if self.fs.isfile(remote):
+                    self.fs.get_file(remote, str(local / name))
+            yield local
+        finally:
+            shutil.rmtree(local, ignore_errors=True)
+
+
+__all__ = ["is_url", "place", "Local", "Remote"]

@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -82,14 +83,24 @@ class StreamedFile:
                 raise
             self.direct = False
             self._fd = os.open(self.path, flags, 0o600)
-        self._bufs = [mmap.mmap(-1, self._chunk), mmap.mmap(-1, self._chunk)]  # page aligned, as direct I/O needs
+        self._bufs: list[mmap.mmap] = []
+        try:
+            self._bufs = [mmap.mmap(-1, self._chunk), mmap.mmap(-1, self._chunk)]  # page aligned, as direct I/O needs
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="rlplane-file-write")
+        except BaseException:
+            os.close(self._fd)
+            for buf in self._bufs:
+                buf.close()
+            raise
         self._cur, self._fill, self._size = 0, 0, 0
         self._pending: Future | None = None
-        self._io = ThreadPoolExecutor(1, thread_name_prefix="rlplane-file-write")
+        self._failed: BaseException | None = None  # a write that failed: every later call raises it
         self._closed = False
 
     def write(self, data: Any) -> None:
         """Append ``data`` (bytes-like)."""
+        if self._failed is not None:
+            raise self._failed
         view = memoryview(data).cast("B")
         while view.nbytes:
             buf = self._bufs[self._cur]
@@ -106,6 +117,8 @@ class StreamedFile:
             return self._size
         try:
             self._wait()
+            if self._failed is not None:
+                raise self._failed
             tail = self._fill
             if tail:
                 padded = tail + (-tail % DIRECT_ALIGN) if self.direct else tail
@@ -146,34 +159,40 @@ class StreamedFile:
     def _wait(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            except BaseException as err:
+                self._failed = self._failed or err
+                raise
 
     def _write(self, buf: mmap.mmap, n: int, at: int) -> None:
         view = memoryview(buf)[:n]
         try:
-            self._write_all(view)
+            self._write_all(view, at)
         except OSError as err:
             if not (self.direct and at == 0 and err.errno == errno.EINVAL):
                 raise
             # Direct I/O opened but refused at the first write: the same file through the cache.
+            fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0))
             os.close(self._fd)
-            self.direct = False
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0))
-            self._write_all(view)
+            self._fd, self.direct = fd, False
+            self._write_all(view, at)
         finally:
             view.release()
 
-    def _write_all(self, view: memoryview) -> None:
+    def _write_all(self, view: memoryview, at: int) -> None:
         done = 0
-        while done < view.nbytes:
-            done += os.write(self._fd, view[done:])
+        while done < view.nbytes:  # at its offset, whatever an earlier failed write left the position at
+            with view[done:] as part:  # released even when the write fails (an error's frames keep theirs)
+                done += os.pwrite(self._fd, part, at + done)
 
     def _release(self) -> None:
         self._closed = True
         self._io.shutdown(wait=True)
         os.close(self._fd)
         for buf in self._bufs:
-            buf.close()
+            with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes
+                buf.close()
 
 
 __all__ = ["fsync_dir", "write_durably", "replace_durably", "StreamedFile", "DIRECT_ALIGN"]

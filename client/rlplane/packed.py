@@ -224,9 +224,12 @@ class PackedTensor:
         for seg in segs:
             starts.append(starts[-1] + seg.numel())
 
+        inference = torch.is_inference_mode_enabled()  # torch's modes are per thread: the pool's get the caller's
+
         def piece(a: int, z: int) -> None:
-            for k in range(a, z):
-                values[starts[k] : starts[k + 1]].copy_(segs[k])
+            with torch.inference_mode(inference), torch.no_grad():
+                for k in range(a, z):
+                    values[starts[k] : starts[k + 1]].copy_(segs[k].detach())
 
         if values.device.type == "cpu" and all(seg.device.type == "cpu" for seg in segs):
             parallel.run(piece, parallel.spans(np.asarray(starts, np.int64) * segs[0].element_size(), parallel.workers()))

@@ -36,6 +36,7 @@ MAX_WORKERS = 4
 _pool: ThreadPoolExecutor | None = None
 _lock = threading.Lock()
 _local = threading.local()
+_cpus: int | None = None  # what this process may use (affinity and cgroup quota), found once
 
 
 def background() -> None:
@@ -46,15 +47,29 @@ def background() -> None:
 
 
 def workers() -> int:
-    """Threads a piece of work is split over: the CPUs this process may run on, at most
-    :data:`MAX_WORKERS` (1 on a :func:`background` thread)."""
+    """Threads a piece of work is split over: the CPUs this process may run on (its
+    affinity, and its cgroup's CPU quota: a pod limited to one CPU on a big host gets
+    one), at most :data:`MAX_WORKERS`; 1 on a :func:`background` thread."""
+    global _cpus
     if getattr(_local, "background", False):
         return 1
+    if _cpus is None:
+        _cpus = _usable_cpus()
+    return max(1, min(MAX_WORKERS, _cpus))
+
+
+def _usable_cpus() -> int:
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 1
-    return max(1, min(MAX_WORKERS, cpus))
+    try:  # cgroup v2: "max 100000" (no limit) or "<quota> <period>"
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max" and int(period) > 0:
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus
 
 
 def spans(bounds: np.ndarray, parts: int) -> list[tuple[int, int]]:
@@ -92,7 +107,10 @@ def run(fn: Callable[[int, int], T], parts: Sequence[tuple[int, int]]) -> list[T
     others on the pool; the first exception raised is raised here, once all are done."""
     if len(parts) <= 1:
         return [fn(a, z) for a, z in parts]
-    futures = [_executor().submit(fn, a, z) for a, z in parts[1:]]
+    try:
+        futures = [_executor().submit(fn, a, z) for a, z in parts[1:]]
+    except RuntimeError:  # the interpreter is shutting down (its pools take nothing new): here, in turn
+        return [fn(a, z) for a, z in parts]
     try:
         first = fn(*parts[0])
     finally:
@@ -107,13 +125,15 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, workers() - 1), thread_name_prefix="rlplane-memory")
+            # Its threads keep what they run to themselves (a nested run would wait on its own pool).
+            _pool = ThreadPoolExecutor(max(1, workers() - 1), thread_name_prefix="rlplane-memory",
+                                       initializer=background)
         return _pool
 
 
 def _forget_pool() -> None:  # in a forked child: the parent's threads are not there
-    global _pool, _lock
-    _pool, _lock = None, threading.Lock()
+    global _pool, _lock, _cpus
+    _pool, _lock, _cpus = None, threading.Lock(), None
 
 
 if hasattr(os, "register_at_fork"):

@@ -3,17 +3,18 @@
 A snapshot is a directory of a few big files and a manifest written last. :func:`place`
 answers the directory the caller named as a :class:`Local` one (a path, or ``file://``)
 or a :class:`Remote` one (``s3://``, ``gs://``, ``memory://``, ... through the ``fsspec``
-package and that scheme's driver). Both write under a hidden temporary name and then
-move it into place; locally that is a rename with every file and the directory fsynced,
-remotely the filesystem's move (a copy on object stores), the manifest going in last, so
-an interrupted snapshot is never taken for a complete one. A restore reads a remote
-snapshot by copying its files into a local temporary directory first
-(:meth:`Remote.fetched`): it needs that much room under ``TMPDIR``.
+package and that scheme's driver). Locally a snapshot is written under a hidden temporary
+name, every file and the directory fsynced, then renamed into place. Remotely it is
+written into place (a move on an object store is a copy of every byte), the manifest
+last: a reader that finds the manifest finds every file it lists, and one that does not
+finds no snapshot; a failed one is removed. A restore reads a remote snapshot by copying
+its files into a local temporary directory first (:meth:`Remote.fetched`): it needs that
+much room under ``TMPDIR``.
 
 Example::
 
     where = place("memory://snaps/run-7")
-    tmp = where.temporary()
+    tmp = where.temporary()                 # remote: the place itself
     with tmp.open("part-00000.rlsnap") as f:
         f.write(b"...")
     tmp.put("manifest.json", b"{}")
@@ -23,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import shutil
@@ -32,6 +34,8 @@ from typing import Any, Iterator
 
 from rlplane import errors as E
 from rlplane.durable import StreamedFile, fsync_dir, write_durably
+
+log = logging.getLogger(__name__)
 
 
 def is_url(path: Any) -> bool:
@@ -146,14 +150,22 @@ class Remote:
         return str(PurePosixPath(self.path) / name)
 
     def check_new(self) -> None:
-        if self.fs.exists(self.path):
+        """InvalidArgumentError unless a snapshot may be written here: a directory below the
+        filesystem's root that does not exist (or the filesystem cannot be reached)."""
+        if PurePosixPath(self.path).name in ("", ".") or str(PurePosixPath(self.path).parent) in ("", "."):
+            raise E.InvalidArgumentError(f"{self.url}: name a new directory inside the filesystem or bucket, not "
+                                         "its root")
+        try:
+            there = self.fs.exists(self.path)
+        except Exception as err:  # noqa: BLE001 - a driver's own errors (credentials, network), named
+            raise E.InvalidArgumentError(f"{self.url} cannot be reached ({type(err).__name__}: {err})") from None
+        if there:
             raise E.InvalidArgumentError(f"{self.url} exists already: a snapshot goes to a new directory")
 
     def temporary(self) -> Remote:
-        parent, name = str(PurePosixPath(self.path).parent), PurePosixPath(self.path).name
-        tmp = Remote(self.fs, str(PurePosixPath(parent) / f".{name}.tmp-{secrets.token_hex(4)}"), self.url)
-        tmp.fs.makedirs(tmp.path, exist_ok=True)
-        return tmp
+        """The place itself (see the module docstring), made."""
+        self.fs.makedirs(self.path, exist_ok=True)
+        return self
 
     def open(self, name: str) -> _RemoteFile:
         return _RemoteFile(self.fs.open(self._child(name), "wb"))
@@ -162,18 +174,18 @@ class Remote:
         self.fs.pipe_file(self._child(name), data)
 
     def move_to(self, dest: Remote, last: str | None = None) -> None:
-        """Move every file into ``dest``, ``last`` after all the others (a copy and a delete
-        on object stores: a reader that finds ``last`` finds the rest)."""
-        names = sorted(PurePosixPath(p).name for p in self.fs.ls(self.path, detail=False))
-        self.fs.makedirs(dest.path, exist_ok=True)
-        for name in sorted(names, key=lambda n: n == last):
-            self.fs.mv(self._child(name), dest._child(name))
-        with contextlib.suppress(Exception):
-            self.fs.rm(self.path, recursive=True)
+        """Nothing to move: written in place, ``last`` (the manifest) after the rest."""
+        if dest.path != self.path:
+            raise ValueError(f"a remote snapshot is written in place, not moved to {dest}")
 
     def discard(self) -> None:
-        with contextlib.suppress(Exception):
+        """Remove what a failed snapshot wrote (it had no manifest: no reader took it)."""
+        try:
             self.fs.rm(self.path, recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as err:  # noqa: BLE001 - the failure being raised is the one to report
+            log.warning("could not remove the failed snapshot %s: %s", self.url, err)
 
     @contextlib.contextmanager
     def fetched(self) -> Iterator[Path]:

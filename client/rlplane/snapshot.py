@@ -99,46 +99,46 @@ class SnapshotInfo:
 
 
 # -- taking -------------------------------------------------------------------------------
-#: The nice value of a snapshot's threads where the idle scheduling class is refused: its
-#: copying and writing yield the CPU to the store's serving threads in the same process or
-#: host (Linux; a no-op elsewhere).
-NICE = 10
+#: The nice value of a snapshot's copying and writing threads: they yield the CPU to the
+#: store's serving threads in the same process or host (Linux; a no-op elsewhere). Not the
+#: idle class: a thread that never runs while the cores are busy can hold the interpreter
+#: lock, and stall the process's serving threads, for as long.
+NICE = 19
 
 
 def take(transport: Any, path: str | os.PathLike[str], *, progress: Callable[[str], None] | None = None
          ) -> SnapshotInfo:
     """Snapshot the store ``transport`` reaches (a native one) into directory ``path``
     (which must not exist; its parent must), or into an fsspec URL (``s3://...``, with
-    that scheme's driver installed; :mod:`rlplane.snapplace`). Returns what was written. The work runs on
-    threads of its own that run only when the CPU is otherwise idle (``SCHED_IDLE``;
-    else nice ``NICE``), so puts and reads served on the same host keep their latency
-    while it copies.
+    that scheme's driver installed; :mod:`rlplane.snapplace`). Returns what was written.
+    The copying and writing run on threads of their own at nice ``NICE`` (their files
+    written around the page cache), so puts and reads served on the same host keep their
+    latency while it copies; the thread that keeps the cut's pin alive runs at this
+    thread's priority, so a busy host cannot starve it.
 
     Example: ``take(client.transport, "/mnt/snap/run-7-step-1200").samples``
     """
-    with ThreadPoolExecutor(1, thread_name_prefix="rlplane-snapshot", initializer=_yield_cpu) as worker:
-        return worker.submit(_take, transport, path, progress).result()
+    renewer = _Renewer(transport)  # started here: threads inherit their maker's priority
+    try:
+        with ThreadPoolExecutor(1, thread_name_prefix="rlplane-snapshot", initializer=_yield_cpu) as worker:
+            return worker.submit(_take, transport, path, progress, renewer).result()
+    finally:
+        renewer.stop()
 
 
 def _yield_cpu() -> None:
-    """Run this thread only when the CPU has nothing else to do (Linux's SCHED_IDLE; else
-    nice ``NICE``), and keep its memory work on it (:func:`rlplane.parallel.background`,
-    not on the shared threads at normal priority). A thread of its own: it ends with the
-    snapshot."""
+    """Lower this thread's CPU priority to nice ``NICE`` and keep its memory work on it
+    (:func:`rlplane.parallel.background`, not on the shared threads at normal priority).
+    A thread of its own: it ends with the snapshot."""
     parallel.background()
-    tid = threading.get_native_id()
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        return
-    except (AttributeError, OSError):  # not Linux, or not allowed
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, NICE)
-    except (AttributeError, OSError):  # the snapshot runs at normal priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the snapshot runs at normal priority
         pass
 
 
-def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str], None] | None) -> SnapshotInfo:
+def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str], None] | None,
+          renewer: _Renewer) -> SnapshotInfo:
     if not hasattr(transport, "cut"):
         raise E.InvalidArgumentError(f"snapshots need the native backend (this store's transport is "
                                      f"{getattr(transport, 'name', type(transport).__name__)!r})")
@@ -150,7 +150,7 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
     cut_ms = float(cut.get("held_ms") or 0.0)  # what the controller's lock was held for (the pause writers see)
     pin = cut.get("pin")
     tmp: Local | Remote | None = None
-    renewer = _Renewer(transport, pin, float(cut.get("pin_lease_s") or 60.0))
+    renewer.arm(pin, float(cut.get("pin_lease_s") or 60.0))
     try:
         tmp = dest.temporary()
         files, parts, samples, nbytes = {}, [], 0, 0
@@ -246,17 +246,25 @@ def _write_file(where: Local | Remote, header: bytes, blobs: list[memoryview], f
 
 
 class _Renewer:
-    """Renews the cut's pin every third of its lease while the bytes are copied."""
+    """Renews the cut's pin every third of its lease while the bytes are copied. Its thread
+    starts with the object (at its maker's priority) and waits for :meth:`arm`."""
 
-    def __init__(self, transport: Any, pin: Any, lease_s: float) -> None:
-        self._transport, self._pin, self._every = transport, pin, max(0.5, lease_s / 3)
-        self._stop = threading.Event()
+    def __init__(self, transport: Any) -> None:
+        self._transport, self._pin, self._every = transport, None, 1.0
+        self._armed, self._stop = threading.Event(), threading.Event()
         self.gone: str | None = None
         self._thread = threading.Thread(target=self._loop, name="rlplane-snapshot-pin", daemon=True)
-        if isinstance(pin, str):
-            self._thread.start()
+        self._thread.start()
+
+    def arm(self, pin: Any, lease_s: float) -> None:
+        """Keep ``pin`` alive from now on (nothing to do for a cut without one)."""
+        self._pin, self._every = pin, max(0.5, lease_s / 3)
+        self._armed.set()
 
     def _loop(self) -> None:
+        self._armed.wait()  # set by arm, or by stop
+        if not isinstance(self._pin, str):
+            return
         while not self._stop.wait(self._every):
             try:
                 if self._transport.renew([self._pin]):
@@ -279,6 +287,7 @@ class _Renewer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._armed.set()
 
 
 #: Reads a restore keeps in flight on a partition's file: a disk (a VM's most of all) reads
@@ -516,7 +525,7 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
                 snap.prefetch(k + 1)
                 part = head if k == 0 else snap.part(k)
                 head = None
-                _check_declared(part, declared, f"{snap.shown}/{snap.manifest['partitions'][k]['file']}")
+                _check_declared(part, declared, f"{snap.shown.rstrip('/')}/{snap.manifest['partitions'][k]['file']}")
                 say(f"restore: partition {part.name!r} ({len(part.ids)} samples)")
                 loaded.append(part.name)
                 for ids, columns, tags, create in _puts(part):

@@ -587,7 +587,7 @@ def snapshot_path(root: Optional[Path], given: str) -> Path | str:
             raise E.InvalidArgumentError(f"{given!r} is a URL and this service writes snapshots only inside its "
                                          f"snapshot directory {root} (RLPLANE_SNAPSHOT_DIR): name a directory inside it")
         return given
-    path = Path(given)
+    path = Path(given[len("file://"):] if given.startswith("file://") else given)
     if root is None:
         return path
     root = root.resolve()

@@ -94,11 +94,12 @@ def serve(
     """
     import signal
 
-    from rlplane.snapplace import is_url
+    from rlplane.snapplace import Local, place
     from rlplane_service.embedded import EmbeddedService
     from rlplane_service.settings import ServiceSettings
 
-    if restore is not None and not is_url(restore) and not Path(restore).is_dir():
+    where = place(restore) if restore is not None else None
+    if isinstance(where, Local) and not where.path.is_dir():
         raise typer.BadParameter(f"{restore} is not a directory (a snapshot rlplane snapshot --to wrote)",
                                  param_hint="--restore")
     given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity, "unit_bytes": unit_bytes,

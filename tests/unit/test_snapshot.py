@@ -294,6 +294,7 @@ def test_the_http_api_confines_snapshots_to_the_snapshot_dir(tmp_path):
             snapshot_path(tmp_path, outside)
     assert snapshot_path(None, "/mnt/snaps/x") == Path("/mnt/snaps/x")
     assert snapshot_path(None, "s3://bucket/snaps/x") == "s3://bucket/snaps/x"  # a URL, kept whole
+    assert snapshot_path(None, "file:///mnt/snaps/x") == Path("/mnt/snaps/x")
     with pytest.raises(E.InvalidArgumentError, match="is a URL"):
         snapshot_path(tmp_path, "s3://bucket/snaps/x")
 
@@ -380,8 +381,29 @@ def test_a_snapshot_at_a_url_that_fails_leaves_nothing_there(source, memfs, monk
         assert fs.ls(root, detail=False) == []
 
 
-def test_an_unknown_url_scheme_is_a_clear_error(source):
+def test_an_unknown_url_scheme_or_a_filesystems_root_is_a_clear_error(source):
     with connect(source) as a:
         a.put_samples("p", text_step(4, 16, seed=2).fields)
         with pytest.raises(E.InvalidArgumentError, match="no filesystem for this URL"):
             snapshot.take(a.transport, "nosuchscheme://x/y")
+        for root in ("memory://", "memory:///"):
+            with pytest.raises(E.InvalidArgumentError, match="not its root"):
+                snapshot.take(a.transport, root)
+
+
+def test_the_thread_that_keeps_the_cuts_pin_alive_runs_at_the_callers_priority(source, tmp_path, monkeypatch):
+    """The copying threads are niced; the pin's renewer is not (started by the caller), so a
+    busy host cannot starve it into letting the pin lapse."""
+    seen = []
+    loop = snapshot._Renewer._loop
+
+    def spy(self):
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return loop(self)
+
+    monkeypatch.setattr(snapshot._Renewer, "_loop", spy)
+    with connect(source) as a:
+        a.put_samples("p", text_step(8, 16, seed=2).fields)
+        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        snapshot.take(a.transport, tmp_path / "s")
+    assert seen == [mine] and mine < snapshot.NICE

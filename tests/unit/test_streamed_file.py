@@ -47,7 +47,7 @@ def test_the_file_holds_exactly_the_bytes_written_on_disk_and_on_tmpfs(tmp_path,
 
 @pytest.mark.parametrize("refuse", ["open", "write"])
 def test_direct_io_refused_at_open_or_at_the_first_write_falls_back_with_the_same_bytes(tmp_path, monkeypatch, refuse):
-    real_open, real_write = os.open, os.write
+    real_open = os.open
     direct_fds = set()
 
     def fake_open(path, flags, *a):
@@ -61,13 +61,14 @@ def test_direct_io_refused_at_open_or_at_the_first_write_falls_back_with_the_sam
         direct_fds.discard(fd)  # a number a closed direct descriptor had
         return fd
 
-    def fake_write(fd, data):
+    def fake_pwrite(fd, data, at):
         if fd in direct_fds:
             raise OSError(errno.EINVAL, "unaligned for this device")
-        return real_write(fd, data)
+        return real_pwrite(fd, data, at)
 
+    real_pwrite = os.pwrite
     monkeypatch.setattr(durable.os, "open", fake_open)
-    monkeypatch.setattr(durable.os, "write", fake_write)
+    monkeypatch.setattr(durable.os, "pwrite", fake_pwrite)
     data = pieces([5 << 20, 123])
     path = tmp_path / "f.bin"
     with StreamedFile(path, chunk=1 << 20) as f:
@@ -85,3 +86,54 @@ def test_an_error_inside_the_block_leaves_no_open_descriptor(tmp_path):
             raise RuntimeError("writer failed")
     if before is not None:
         assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_write_that_fails_midway_fails_every_later_call_and_the_close(tmp_path, monkeypatch):
+    """The second of four chunks fails (EIO): the failure is raised by a later write or by
+    close, never swallowed into a file with a hole and a size that looks right."""
+    real_pwrite, calls = os.pwrite, []
+
+    def flaky(fd, data, at):
+        calls.append(at)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "disk error")
+        return real_pwrite(fd, data, at)
+
+    monkeypatch.setattr(durable.os, "pwrite", flaky)
+    chunk = 1 << 20
+    f = StreamedFile(tmp_path / "f.bin", chunk=chunk)
+    with pytest.raises(OSError, match="disk error"):
+        for _ in range(4):
+            f.write(bytes(chunk))
+    with pytest.raises(OSError, match="disk error"):
+        f.write(b"more")
+    with pytest.raises(OSError, match="disk error"):
+        f.close()
+    assert calls[:2] == [0, chunk]  # each chunk at its own offset
+
+
+@pytest.mark.parametrize("tail", [1, DIRECT_ALIGN - 1, DIRECT_ALIGN + 5])
+def test_a_file_smaller_than_a_chunk_falls_back_at_its_close_with_the_same_bytes(tmp_path, monkeypatch, tail):
+    real_open, direct_fds = os.open, set()
+
+    def fake_open(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            fd = real_open(path, flags & ~os.O_DIRECT, *a)
+            direct_fds.add(fd)
+            return fd
+        fd = real_open(path, flags, *a)
+        direct_fds.discard(fd)
+        return fd
+
+    def fake_pwrite(fd, data, at):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "unaligned for this device")
+        return real_pwrite(fd, data, at)
+
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(durable.os, "open", fake_open)
+    monkeypatch.setattr(durable.os, "pwrite", fake_pwrite)
+    data = np.random.default_rng(tail).integers(0, 256, tail, dtype=np.uint8).tobytes()
+    with StreamedFile(tmp_path / "f.bin") as f:
+        f.write(data)
+    assert not f.direct and (tmp_path / "f.bin").read_bytes() == data

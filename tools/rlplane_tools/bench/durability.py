@@ -267,6 +267,8 @@ def _disk(path: Path, nbytes: int) -> dict[str, tuple[float, float]]:
                 f.flush()
                 os.fsync(f.fileno())
         write = nbytes / (time.monotonic() - t0) / 1e9
+        if how == "direct" and not f.direct:
+            how = "direct (refused here: buffered)"
         _drop_cache(path)
         t0 = time.monotonic()
         with open(path, "rb", buffering=0) as f:

@@ -77,12 +77,12 @@ class StreamedFile:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         self.direct = hasattr(os, "O_DIRECT")
         try:
-            self._fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+            self._fd = os.open(self.path, flags | (os.O_DIRECT if self.direct else 0), 0o666)  # the umask decides
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
             self.direct = False
-            self._fd = os.open(self.path, flags, 0o600)
+            self._fd = os.open(self.path, flags, 0o666)
         self._bufs: list[mmap.mmap] = []
         try:
             self._bufs = [mmap.mmap(-1, self._chunk), mmap.mmap(-1, self._chunk)]  # page aligned, as direct I/O needs

@@ -137,3 +137,14 @@ def test_a_file_smaller_than_a_chunk_falls_back_at_its_close_with_the_same_bytes
     with StreamedFile(tmp_path / "f.bin") as f:
         f.write(data)
     assert not f.direct and (tmp_path / "f.bin").read_bytes() == data
+
+
+def test_the_files_mode_is_the_umasks_like_every_other_snapshot_file(tmp_path):
+    """The README's Security section: a snapshot's files are created with the service's umask."""
+    old = os.umask(0o027)
+    try:
+        with StreamedFile(tmp_path / "f.bin") as f:
+            f.write(b"x")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f.bin").stat().st_mode & 0o777 == 0o640

@@ -45,14 +45,14 @@ def test_the_file_holds_exactly_the_bytes_written_on_disk_and_on_tmpfs(tmp_path,
             path.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("refuse", ["open", "write"])
-def test_direct_io_refused_at_open_or_at_the_first_write_falls_back_with_the_same_bytes(tmp_path, monkeypatch, refuse):
-    real_open = os.open
-    direct_fds = set()
+def refuse_direct_io(monkeypatch, at: str) -> None:
+    """Make this filesystem refuse direct I/O at ``open`` (EINVAL) or at the first ``write``
+    of a descriptor opened with it (EINVAL), as some filesystems do."""
+    real_open, real_pwrite, direct_fds = os.open, os.pwrite, set()
 
     def fake_open(path, flags, *a):
         if flags & getattr(os, "O_DIRECT", 0):
-            if refuse == "open":
+            if at == "open":
                 raise OSError(errno.EINVAL, "no direct I/O here")
             fd = real_open(path, flags & ~os.O_DIRECT, *a)
             direct_fds.add(fd)
@@ -61,14 +61,18 @@ def test_direct_io_refused_at_open_or_at_the_first_write_falls_back_with_the_sam
         direct_fds.discard(fd)  # a number a closed direct descriptor had
         return fd
 
-    def fake_pwrite(fd, data, at):
+    def fake_pwrite(fd, data, offset):
         if fd in direct_fds:
             raise OSError(errno.EINVAL, "unaligned for this device")
-        return real_pwrite(fd, data, at)
+        return real_pwrite(fd, data, offset)
 
-    real_pwrite = os.pwrite
     monkeypatch.setattr(durable.os, "open", fake_open)
     monkeypatch.setattr(durable.os, "pwrite", fake_pwrite)
+
+
+@pytest.mark.parametrize("refuse", ["open", "write"])
+def test_direct_io_refused_at_open_or_at_the_first_write_falls_back_with_the_same_bytes(tmp_path, monkeypatch, refuse):
+    refuse_direct_io(monkeypatch, refuse)
     data = pieces([5 << 20, 123])
     path = tmp_path / "f.bin"
     with StreamedFile(path, chunk=1 << 20) as f:
@@ -114,25 +118,7 @@ def test_a_write_that_fails_midway_fails_every_later_call_and_the_close(tmp_path
 
 @pytest.mark.parametrize("tail", [1, DIRECT_ALIGN - 1, DIRECT_ALIGN + 5])
 def test_a_file_smaller_than_a_chunk_falls_back_at_its_close_with_the_same_bytes(tmp_path, monkeypatch, tail):
-    real_open, direct_fds = os.open, set()
-
-    def fake_open(path, flags, *a):
-        if flags & getattr(os, "O_DIRECT", 0):
-            fd = real_open(path, flags & ~os.O_DIRECT, *a)
-            direct_fds.add(fd)
-            return fd
-        fd = real_open(path, flags, *a)
-        direct_fds.discard(fd)
-        return fd
-
-    def fake_pwrite(fd, data, at):
-        if fd in direct_fds:
-            raise OSError(errno.EINVAL, "unaligned for this device")
-        return real_pwrite(fd, data, at)
-
-    real_pwrite = os.pwrite
-    monkeypatch.setattr(durable.os, "open", fake_open)
-    monkeypatch.setattr(durable.os, "pwrite", fake_pwrite)
+    refuse_direct_io(monkeypatch, "write")
     data = np.random.default_rng(tail).integers(0, 256, tail, dtype=np.uint8).tobytes()
     with StreamedFile(tmp_path / "f.bin") as f:
         f.write(data)

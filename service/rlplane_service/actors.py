@@ -17,18 +17,26 @@ from rlplane_service.settings import ServiceSettings
 
 
 def actor_options(settings: ServiceSettings) -> dict[str, Any]:
+    """No runtime environment of their own: Ray hands such actors a worker it started
+    already (an actor with environment variables of its own waits for a new process)."""
     return {
         "namespace": settings.namespace,
         "lifetime": "detached",
         "get_if_exists": True,
         "num_cpus": 0,
-        "runtime_env": {"env_vars": {"TQ_NUM_THREADS": str(settings.tq_num_threads)}},
     }
 
 
 def unit_options(settings: ServiceSettings, common: dict[str, Any]) -> dict[str, Any]:
     """Pinning: with a storage resource each unit takes one, so a node offering N of it hosts at most N units."""
     return dict(common, resources={settings.storage_resource: 1}) if settings.storage_resource else common
+
+
+def tq_unit_options(settings: ServiceSettings, common: dict[str, Any]) -> dict[str, Any]:
+    """A TransferQueue storage unit's (backend simple): :func:`unit_options` with its TQ_NUM_THREADS (which
+    TransferQueue reads when it is imported, so it must be in the process's environment)."""
+    return dict(unit_options(settings, common),
+                runtime_env={"env_vars": {"TQ_NUM_THREADS": str(settings.tq_num_threads)}})
 
 
 def data_secret(settings: ServiceSettings, random: Callable[[], str] | None = None) -> str | None:
@@ -41,4 +49,4 @@ def data_secret(settings: ServiceSettings, random: Callable[[], str] | None = No
     return hmac.new(token.encode(), f"rlplane-data:{settings.store_name}".encode(), hashlib.sha256).hexdigest()
 
 
-__all__ = ["actor_options", "unit_options", "data_secret"]
+__all__ = ["actor_options", "unit_options", "tq_unit_options", "data_secret"]

@@ -91,8 +91,10 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
 
 
 #: The rows the embedded run must bring up itself (the transfer engine over TCP, the Mooncake-
-#: and TransferQueue-backed apps it deploys); the live-service run above covers every other row.
-EMBEDDED = ("rlplane-native-te", "rlplane-mooncake", "raw-tq", "rlplane-tq")
+#: backed app it deploys and whose master it must stop); the live-service run above covers every
+#: other row (the TransferQueue-backed app the embedded run deploys for raw-tq and rlplane-tq goes
+#: up the same way as the Mooncake one: left out, one app start less for the suite's time).
+EMBEDDED = ("rlplane-native-te", "rlplane-mooncake")
 
 
 def test_bench_in_one_invocation_starts_and_stops_its_own_service(tmp_path):

@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,8 +18,18 @@ def live_args(service):
     return ["--url", service.url, "--token", service.settings.token()]
 
 
-@pytest.mark.parametrize("extra", [[], ["--layout", "jagged", "--dp", "3", "--transport", "http"]])
-def test_demo_runs_a_verified_vlm_step_through_the_live_service(live, extra):
+def test_demo_runs_a_verified_vlm_step_through_the_live_service(live):
+    demo_runs(live, [])
+
+
+def test_demo_with_jagged_rows_and_three_ranks_over_http(service):
+    """The demo's other options, on the native backend (the TransferQueue backends' DP ranks
+    run in tests/service/test_mooncake.py, and every backend's HTTP path in tests/service)."""
+    demo_runs(SimpleNamespace(url=service.url, token=service.settings.token(), direct="native"),
+              ["--layout", "jagged", "--dp", "3", "--transport", "http"])
+
+
+def demo_runs(live, extra: list[str]) -> None:
     res = rlplane("demo", "--url", live.url, "--token", live.token, "--batch", "12", "--seqlen", "256", "--no-embedded", *extra)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "OK: every rank read exactly what was written" in res.stdout

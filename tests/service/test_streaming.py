@@ -171,7 +171,8 @@ def test_exactly_once_per_task_under_concurrent_claimer_processes(live):
     while the producer writes: every sample once per task, no group split, no budget
     exceeded but by a group alone."""
     p = part()
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # a clean process (no Ray, no sockets) forked from one that imported these once
+    ctx.set_forkserver_preload(["torch", "rlplane", "rlplane.client", "httpx"])
     results: mp.Queue = ctx.Queue()
     until = time.monotonic() + 90
     procs = [ctx.Process(target=_claimer, args=(live.url, live.token, live.direct, p, results, until))

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import ray
 
 from rlplane.transports.tq import server_info_to_dict
-from rlplane_service.actors import unit_options
+from rlplane_service.actors import tq_unit_options
 from rlplane_service.backends.tq import PING_TIMEOUT_S, TQStore
 from rlplane_service.settings import ServiceSettings
 
@@ -35,7 +35,7 @@ class SimpleStore(TQStore):
         prefix = settings.store_name
         units = {
             f"{prefix}-tq-unit-{i}": SimpleStorageUnit.options(name=f"{prefix}-tq-unit-{i}",
-                                                               **unit_options(settings, common)).remote(config=config)
+                                                               **tq_unit_options(settings, common)).remote(config=config)
             for i in range(settings.storage_units)
         }
         infos = {name: ray.get(h.get_zmq_server_info.remote(), timeout=PING_TIMEOUT_S) for name, h in units.items()}

@@ -120,6 +120,9 @@ class LocalEngine:
             self.cores[i].stop()
 
     def stop(self) -> None:
+        for i, u in enumerate(self.units):  # every loop told first: they wind down together
+            if i not in self._killed:
+                u.stop(join=False)
         if hasattr(self, "server"):
             self.server.stop()
             self.core.stop()
@@ -128,10 +131,11 @@ class LocalEngine:
                 u.stop()
                 c.stop()
             c.slab.close()  # its memory now: a test session makes many engines
-        for p in self.procs:
+        for p in self.procs:  # all told first, then each waited for
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)  # a test may have left it stopped
                 p.terminate()
+        for p in self.procs:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -318,8 +318,13 @@ class Server:
         except (zmq.ZMQError, AttributeError):
             return None
 
-    def stop(self) -> None:
+    def stop(self, *, join: bool = True) -> None:
+        """Stop serving and close the sockets; ``join=False`` only tells the loop to stop
+        (it notices within its 200 ms poll), so that several servers stopping together
+        wait for their loops once, not one after the other."""
         self._stop.set()
+        if not join:
+            return
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._sock.close(linger=0)

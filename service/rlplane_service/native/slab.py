@@ -141,6 +141,10 @@ class SlabShare:
 
     def stop(self) -> None:
         self._stop.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept at once (else up to its 0.5 s timeout)
+        except OSError:
+            pass
         self._sock.close()
         if self._thread.is_alive():
             self._thread.join(timeout=2)

@@ -13,13 +13,15 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlplane.errors import RegistryError
-from rlplane.fields import FieldSpec, Registry, default_registry
+
+if TYPE_CHECKING:  # the registry needs torch; settings alone (the CLI's --help, a unit) do not
+    from rlplane.fields import Registry
 
 
 class ServiceSettings(BaseSettings):
@@ -215,6 +217,8 @@ def load_registry(settings: ServiceSettings) -> Registry:
 
         registry = load_registry(ServiceSettings(registry_file="fields.yaml"))
     """
+    from rlplane.fields import FieldSpec, default_registry
+
     registry = default_registry()
     path = settings.registry_file
     if path is None:

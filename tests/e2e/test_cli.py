@@ -92,6 +92,20 @@ def test_help_lists_every_command_and_each_has_help_of_its_own():
         assert says[command] in own.stdout, (command, says[command])
 
 
+def test_help_answers_without_loading_torch():
+    """--help is what a user runs first: it needs typer and the settings, not the ~1.5 s of torch."""
+    code = ("import sys; from rlplane_tools.cli import main\n"
+            "for argv in (['rlplane', '--help'], ['rlplane', 'serve', '--help'], ['rlplane', 'bench', '--help']):\n"
+            "    sys.argv = argv\n"
+            "    try:\n"
+            "        main()\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "assert 'torch' not in sys.modules, 'torch'")
+    res = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True)
+    assert res.returncode == 0 and "Usage:" in res.stdout, res.stderr[-2000:]
+
+
 def test_bad_option_is_a_clear_usage_error():
     res = rlplane("demo", "--batch", "0")
     assert res.returncode == 2 and "batch" in (res.stdout + res.stderr)

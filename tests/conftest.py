@@ -2,6 +2,7 @@
 started only when a test asks for it and shut down at the session's end."""
 
 import os
+import re
 import socket
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -65,8 +66,6 @@ def own_app(service):
     from ray import serve
 
     from rlplane_service.app import build_app
-    from rlplane_service.backends import store_class
-    from rlplane_service.settings import ServiceSettings
 
     @contextmanager
     def deploy(args: dict, prefix: str):
@@ -76,9 +75,41 @@ def own_app(service):
             yield f"{service.url}{prefix}"
         finally:
             serve.delete(name)
-            store_class(args.get("backend", "native")).attach_or_create(ServiceSettings(**args)).destroy()
+            end_store(args)
 
     return deploy
+
+
+#: The names of a store's actors after its own name, on every backend (rlplane_service.backends).
+_STORE_ACTOR = re.compile(r"-(native-controller|tq-controller|metrics|streams|mooncake-master|(native|tq|mooncake)-unit-\d+)")
+
+
+@pytest.fixture(scope="session")
+def ending_store():
+    """``ending_store(args)``: :func:`end_store` (for a module's own app)."""
+    return end_store
+
+
+def end_store(args: dict) -> None:
+    """Kill the actors of the store ``args`` names that still run, starting none (attaching
+    to a store whose unit or master a test killed would start a new one just to kill it); its
+    mooncake_master, if its actor runs, is stopped by pid first."""
+    import ray
+
+    from rlplane_service.mooncake import stop_master
+    from rlplane_service.settings import ServiceSettings
+
+    settings = ServiceSettings(**args)
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == settings.namespace and a["name"].startswith(settings.store_name)
+             and _STORE_ACTOR.fullmatch(a["name"][len(settings.store_name):])]
+    if f"{settings.store_name}-mooncake-master" in names:
+        stop_master(settings)
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=settings.namespace), no_restart=True)
+        except ValueError:  # gone meanwhile
+            pass
 
 
 SIMPLE_ARGS = {"store_name": "tq", "backend": "simple", "storage_units": 2, "api_token": TOKEN}

@@ -95,13 +95,11 @@ def test_an_unreachable_master_is_a_typed_error_within_seconds(mooncake_service)
 
 
 @pytest.fixture(scope="module")
-def tiny_mooncake(service, pid_alive):
+def tiny_mooncake(service, pid_alive, ending_store):
     """A third app with a 32 MiB pool and one storage unit, to fill up and to break."""
     from ray import serve
 
     from rlplane_service.app import build_app
-    from rlplane_service.settings import ServiceSettings
-    from rlplane_service.backends import open_store
 
     args = {"store_name": "mc-tiny", "backend": "mooncake", "storage_units": 1, "mooncake_segment_bytes": 32 << 20}
     serve.run(build_app(args), name="rlplane-mc-tiny", route_prefix="/mc-tiny")
@@ -111,7 +109,7 @@ def tiny_mooncake(service, pid_alive):
     finally:
         status = httpx.get(f"{url}/v1/status", timeout=30).json()
         serve.delete("rlplane-mc-tiny")
-        open_store(ServiceSettings(**args)).destroy()
+        ending_store(args)  # a test killed its master: attaching would start another
         pid = status["store"].get("mooncake_master", {}).get("pid")
         assert pid is None or not pid_alive(pid)
 

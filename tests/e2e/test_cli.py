@@ -19,6 +19,8 @@ def live_args(service):
 
 
 def test_demo_runs_a_verified_vlm_step_through_the_live_service(live):
+    """Its two DP ranks per stage are plain processes of their own, each its own client of the
+    backend's engine (on mooncake, a Mooncake client each)."""
     demo_runs(live, [])
 
 

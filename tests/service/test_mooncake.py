@@ -67,20 +67,6 @@ def test_empty_rows_round_trip(mooncake_service):
         client.clear(p)
 
 
-def test_dp_ranks_in_separate_processes_each_get_their_own_engine(mooncake_service):
-    """The demo: rollout and 3 DP ranks are separate plain processes, each a Mooncake client."""
-    import subprocess
-    import sys
-
-    res = subprocess.run(
-        [sys.executable, "-m", "rlplane_tools", "demo", "--url", mooncake_service.url, "--token", mooncake_service.token,
-         "--batch", "9", "--seqlen", "128", "--dp", "3", "--transport", "tq", "--no-embedded"],
-        capture_output=True, text=True, timeout=240,
-    )
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "OK: every rank read exactly what was written" in res.stdout
-
-
 def test_an_unreachable_master_is_a_typed_error_within_seconds(mooncake_service):
     info = transport_info(mooncake_service)
     host = info["mooncake"]["master_address"].rsplit(":", 1)[0]

@@ -384,6 +384,7 @@ def decode(
                    ids if ids is not None else [f"#{i}" for i in range(batch)], columns, tags)
     out: dict[str, Any] = {}
     leads: dict[str, np.ndarray | None] = {}
+    masks = _Masks()  # the token fields of one read share their samples' lengths: one mask for all
     for name, col in columns.items():
         spec = registry.get(name)
         if col.num_rows != batch:
@@ -393,7 +394,11 @@ def decode(
             leads[name] = geoms.lead
         if col.same is not None and spec.container != "packed":  # only packed rows come back as shared views
             col = col.expanded()
-        out[name] = _DECODERS[(spec.alignment, spec.container)](spec, col, geoms, layout, pad_to_seqlen, ids)
+        kind = (spec.alignment, spec.container)
+        if kind == ("token", "dense"):
+            out[name] = _decode_token_dense(spec, col, geoms, layout, pad_to_seqlen, ids, masks)
+        else:
+            out[name] = _DECODERS[kind](spec, col, geoms, layout, pad_to_seqlen, ids)
     if leads and LENGTHS_FIELD in out:
         _check_lengths(leads, out[LENGTHS_FIELD], ids)
     return out
@@ -624,10 +629,35 @@ def _decode_sample_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout, 
     return col.values.view(len(geoms), *shape)
 
 
-def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: str, pad: int | None, ids) -> torch.Tensor:
+class _Masks:
+    """Per read: each distinct (lengths, width, device)'s ``[B, width]`` mask of real tokens,
+    made once for the token fields that share it (~0.5 ms a field at B=256, S=4096)."""
+
+    def __init__(self) -> None:
+        self._made: list[tuple[np.ndarray, int, torch.device, torch.Tensor, torch.Tensor]] = []
+
+    def lengths(self, lead: np.ndarray) -> torch.Tensor:
+        for have, _, _, lens_t, _ in self._made:
+            if np.array_equal(have, lead):
+                return lens_t
+        return torch.from_numpy(np.array(lead, np.int64))
+
+    def mask(self, lens_t: torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
+        lead = lens_t.numpy()
+        for have, w, d, _, mask in self._made:
+            if w == width and d == device and np.array_equal(have, lead):
+                return mask
+        mask = torch.arange(width, device=device) < lens_t.to(device)[:, None]
+        self._made.append((lead, width, device, lens_t, mask))
+        return mask
+
+
+def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: str, pad: int | None, ids,
+                        masks: _Masks | None = None) -> torch.Tensor:
     batch = len(geoms)
+    masks = masks if masks is not None else _Masks()
     rest = _trailing(spec, geoms, ids, "per-token shape") if batch else []
-    lens_t = torch.from_numpy(np.array(geoms.lead, np.int64)) if batch else torch.zeros(0, dtype=torch.int64)
+    lens_t = masks.lengths(geoms.lead) if batch else torch.zeros(0, dtype=torch.int64)
     inner = math.prod(rest)
     _check_numels(spec, col, lens_t * inner, ids)
     rows = col.values.view(-1, *rest)
@@ -645,8 +675,7 @@ def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: s
         )
     out = torch.full((batch, width, *rest), spec.pad_value, dtype=col.dtype, device=col.values.device)
     if rows.numel():
-        mask = torch.arange(width, device=rows.device) < lens_t.to(rows.device)[:, None]
-        _masked_assign(out, mask, rows, lens_t)
+        _masked_assign(out, masks.mask(lens_t, width, rows.device), rows, lens_t)
     return out
 
 

@@ -69,6 +69,23 @@ def test_token_fields_are_cut_to_length_on_the_wire(vlm):
     assert enc.tags[2][WIRE_TAG]["input_ids"] == [int(vlm.lengths[2])]
 
 
+def test_token_fields_of_one_read_with_different_lengths_each_pad_to_their_own():
+    """A read's token fields share one mask of real tokens when their lengths agree; rows of
+    other lengths (as two puts wrote them) get their own, never another field's."""
+    reg = default_registry()
+    short, long = torch.tensor([1, 3, 2]), torch.tensor([4, 1, 3])
+    a = encode(reg, {"input_ids": torch.arange(12).reshape(3, 4) + 1}, short)
+    b = encode(reg, {"advantages": torch.arange(12, dtype=torch.float32).reshape(3, 4) + 1}, long)
+    c = encode(reg, {"token_mask": torch.ones(3, 4)}, short)
+    cols = {**a.columns, **b.columns, **c.columns}
+    out = decode(reg, cols, a.tags)
+    for name, lens, width in (("input_ids", short, 3), ("advantages", long, 4), ("token_mask", short, 3)):
+        got = out[name]
+        assert got.shape == (3, width), name
+        real = torch.arange(width)[None, :] < lens[:, None]
+        assert bool((got[~real] == 0).all()) and bool((got[real] != 0).all()), name
+
+
 def test_media_fields_are_never_cut_to_seqlen():
     reg = default_registry()
     pv = PackedTensor([torch.randn(500, 8)])  # far more rows than tokens

@@ -6,8 +6,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import pytest
-
 
 def rlplane(*args, timeout=240):
     return subprocess.run([sys.executable, "-m", "rlplane_tools", *args], capture_output=True, text=True,
@@ -26,7 +24,7 @@ def test_demo_runs_a_verified_vlm_step_through_the_live_service(live):
 
 def test_demo_with_jagged_rows_and_three_ranks_over_http(service):
     """The demo's other options, on the native backend (the TransferQueue backends' DP ranks
-    run in tests/service/test_mooncake.py, and every backend's HTTP path in tests/service)."""
+    run in the test above, and every backend's HTTP path in tests/service)."""
     demo_runs(SimpleNamespace(url=service.url, token=service.settings.token(), direct="native"),
               ["--layout", "jagged", "--dp", "3", "--transport", "http"])
 

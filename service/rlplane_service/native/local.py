@@ -120,12 +120,12 @@ class LocalEngine:
             self.cores[i].stop()
 
     def stop(self) -> None:
-        for i, u in enumerate(self.units):  # every loop told first: they wind down together
-            if i not in self._killed:
-                u.stop(join=False)
-        if hasattr(self, "server"):
+        if hasattr(self, "server"):  # the controller first: none of its work then waits on a stopped unit
             self.server.stop()
             self.core.stop()
+        for i, u in enumerate(self.units):  # every unit's loop told, then each waited for: they wind down together
+            if i not in self._killed:
+                u.stop(join=False)
         for i, (u, c) in enumerate(zip(self.units, self.cores)):
             if i not in self._killed:
                 u.stop()

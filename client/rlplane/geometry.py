@@ -31,6 +31,9 @@ Shape = tuple[int, ...]
 
 #: At most this many distinct trailing shapes in one geometry (more: the rows are not dense).
 MAX_SHAPES = 1024
+#: A row's leading dim (its tokens) is below this: sums of a batch's lengths stay far from
+#: int64's end (a token-budget claim adds them up).
+MAX_LEAD = 1 << 40
 
 
 class Geometry(Sequence[Any]):
@@ -128,21 +131,30 @@ class Geometry(Sequence[Any]):
                 "t": [list(s) for s in self.shapes]}
 
     @classmethod
-    def from_wire(cls, value: Any, field: str | None = None) -> Geometry:
-        """The geometry a header carried (WireFormatError naming ``field`` if malformed)."""
+    def from_wire(cls, value: Any, field: str | None = None, rows: int | None = None) -> Geometry:
+        """The geometry a header carried (WireFormatError naming ``field`` if malformed);
+        ``rows``: how many rows it must describe, checked before anything is allocated.
+        A row kept as an object must be a list of dims (ints >= 0) or of shapes, or a map."""
         if isinstance(value, list):
+            if rows is not None and len(value) != rows:
+                raise WireFormatError(f"row geometry describes {len(value)} rows of {rows}", field=field)
+            if not all(isinstance(r, dict) or _is_row(r) for r in value):
+                raise WireFormatError("a row's geometry must be a shape (ints >= 0, or shapes) or a packed row's map",
+                                      field=field)
             return cls.of_rows(value)
         if not isinstance(value, dict) or set(value) != {"n", "l", "k", "t"}:
             raise WireFormatError("row geometry must be a list of rows or a dense {n, l, k, t} map", field=field)
         n, raw_lead, raw_kind, table = value["n"], value["l"], value["k"], value["t"]
-        if not isinstance(n, int) or n < 0:
+        if type(n) is not int or n < 0:
             raise WireFormatError("dense row geometry needs a row count", field=field)
+        if rows is not None and n != rows:
+            raise WireFormatError(f"row geometry describes {n} rows of {rows}", field=field)
         if not isinstance(table, list) or not 1 <= len(table) <= MAX_SHAPES or not all(_is_shape(s) for s in table):
             raise WireFormatError(f"dense row geometry needs 1..{MAX_SHAPES} shapes of ints >= 0", field=field)
         lead = _array(raw_lead, "<i8", n, "leading dims", field)
         kind = _array(raw_kind, "<i4", n, "shape indices", field)
-        if lead is not None and lead.size and int(lead.min()) < 0:
-            raise WireFormatError("a row's leading dim is negative", field=field)
+        if lead is not None and lead.size and (int(lead.min()) < 0 or int(lead.max()) >= MAX_LEAD):
+            raise WireFormatError(f"a row's leading dim is negative or not below {MAX_LEAD}", field=field)
         if kind is not None and kind.size and (int(kind.min()) < 0 or int(kind.max()) >= len(table)):
             raise WireFormatError("a row's shape index is outside the geometry's shapes", field=field)
         if kind is None and len(table) != 1:
@@ -154,6 +166,11 @@ def _is_shape(x: Any) -> bool:
     return isinstance(x, list) and all(type(v) is int and v >= 0 for v in x)
 
 
+def _is_row(x: Any) -> bool:
+    """A row's geometry object as a list: dims (ints >= 0) or shapes (lists), e.g. a segment list."""
+    return isinstance(x, list) and all((type(v) is int and v >= 0) or isinstance(v, list) for v in x)
+
+
 def _array(raw: Any, dtype: str, n: int, what: str, field: str | None) -> np.ndarray | None:
     if raw is None:
         return None
@@ -163,4 +180,4 @@ def _array(raw: Any, dtype: str, n: int, what: str, field: str | None) -> np.nda
     return np.frombuffer(raw, dtype).astype(np.int64 if size == 8 else np.int32, copy=False)
 
 
-__all__ = ["Geometry", "MAX_SHAPES"]
+__all__ = ["Geometry", "MAX_SHAPES", "MAX_LEAD"]

@@ -172,12 +172,16 @@ def _members(cand: np.ndarray, code: np.ndarray, groups: np.ndarray) -> np.ndarr
 
 
 def _version(tags: Mapping[str, Any] | None) -> int:
+    """A sample's ``policy_version`` (NO_VERSION without one, or with one outside int64,
+    which the version arrays hold: such a tag counts as absent, it cannot stop a claim)."""
     v = (tags or {}).get(VERSION_TAG)
-    return int(v) if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else int(NO_VERSION)
+    ok = isinstance(v, (int, np.integer)) and not isinstance(v, bool) and -NO_VERSION <= v < NO_VERSION
+    return int(v) if ok else int(NO_VERSION)
 
 
 def _int(x: Any, default: int) -> int:
-    return int(x) if isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x > 0 else default
+    """A positive int tag (``group_size``) that fits int64, else ``default``."""
+    return int(x) if isinstance(x, (int, np.integer)) and not isinstance(x, bool) and 0 < x < NO_VERSION else default
 
 
 def _hashable(x: Any) -> Any:
@@ -417,11 +421,15 @@ class Ledger:
         if le is None or le.partition != partition or le.task != task:
             raise E.LeaseError(f"cannot {verb}: lease {lid} of task {task!r} on partition {partition!r} expired or was "
                                "never granted (its samples went back to the task; they will be claimed again)")
+        ps = self._part(partition)
+        if ps is None or ps.tasks.get(task) is not le.state:  # its slots would name the new partition's samples
+            del self._leases[lid]
+            raise E.LeaseError(f"cannot {verb}: lease {lid} of task {task!r} was on samples of partition {partition!r} "
+                               "that were cleared since (the partition was dropped, and made again if it exists)")
         slots = le.slots[le.state.lease[le.slots] == lid]
         slots = slots[le.state.state[slots] == LEASED]
         if ids is not None:
-            ps = self._part(partition)
-            mine = dict(zip(ps.index.ids_of(slots), slots.tolist())) if ps is not None and ps.index is not None else {}
+            mine = dict(zip(ps.index.ids_of(slots), slots.tolist())) if ps.index is not None else {}
             unknown = [s for s in ids if s not in mine]
             if unknown:
                 raise E.LeaseError(f"cannot {verb}: samples {unknown[:5]} are not held by lease {lid}")

@@ -87,7 +87,7 @@ def mac(key: bytes | None, seq: int, kind: str, partition: str, body: bytes | me
 
 
 def valid(key: bytes | None, e: Entry) -> bool:
-    return hmac.compare_digest(e.mac, mac(key, e.seq, e.kind, e.partition, e.body))
+    return e.mac.isascii() and hmac.compare_digest(e.mac, mac(key, e.seq, e.kind, e.partition, e.body))
 
 
 def record(fields: dict[str, Any]) -> bytes:
@@ -134,10 +134,11 @@ class UnitLog:
         for e in entries:
             self.append(e)
 
-    def entries(self) -> list[Entry]:
-        """Every entry, in sequence order."""
+    def entries(self, after: int = 0, limit: int | None = None) -> list[Entry]:
+        """The entries above sequence number ``after`` (at most ``limit``), in sequence order."""
         with self._lock:
-            return [self._entries[s] for s in sorted(self._entries)]
+            seqs = sorted(s for s in self._entries if s > after)
+            return [self._entries[s] for s in seqs[:limit]]
 
     def __len__(self) -> int:
         return len(self._entries)

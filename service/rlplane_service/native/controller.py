@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import secrets
@@ -114,10 +115,12 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         self._stop = threading.Event()
         self._lost_units: dict[int, str] = {}  # unit index -> why it was declared lost
         self._suspect: dict[int, tuple[float, str]] = {}  # unit index -> (suspect since, why)
+        self._reported: dict[int, float] = {}  # unit index -> when a client's report of it was last checked
         self._lost_samples = 0
         self.loop_errors: dict[str, int] = {}  # background loop -> iterations that failed (and were survived)
         self.orphans_freed = 0  # blocks freed on units because nothing referred to them
         self._init_log()
+        self._init_cuts()
         self._threads = [threading.Thread(target=self._run, args=(name, every, body), name=f"rlplane-{name}", daemon=True)
                          for name, every, body in (("reaper", 0.5, self._reap), ("free", 0.0, self._free_some),
                                                    ("watch", WATCH_EVERY_S, self._watch),
@@ -159,29 +162,23 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
     def op_unit_down(self, header: dict, columns: dict, extra: list) -> Any:
         """A client could not reach unit ``u``: ping it now (REPORT_TIMEOUT_S); if it does
         not answer it is suspect (never lost on a client's word, see the module docstring).
-        Answers the lost units (``down``) and the suspect ones."""
+        Answers the lost units (``down``) and the suspect ones. A unit already suspect, or
+        pinged for a report less than REPORT_TIMEOUT_S ago, is not pinged again (the watch
+        loop follows it): reports of a hung unit from many clients at once cost the
+        serving loop one ping a second, not one each."""
         u = header.get("u")
         if not isinstance(u, int) or isinstance(u, bool) or not 0 <= u < len(self.units):
             raise E.WireFormatError(f"unit_down needs a unit index 'u' below {len(self.units)}")
-        if u not in self._lost_units:
+        now = time.monotonic()
+        recent = now - self._reported.get(u, -math.inf) < REPORT_TIMEOUT_S
+        if u not in self._lost_units and u not in self._suspect and not recent:
+            self._reported[u] = now
             try:
                 self._ping(u, timeout=REPORT_TIMEOUT_S)
                 self._answers(u)
             except E.RlplaneError as err:
                 self._suspected(u, f"a client could not reach it, nor could the controller: {err}")
         return {"down": sorted(self._lost_units), "suspect": sorted(self._suspect)}, {}, []
-
-
-
-
-
-
-
-
-
-
-
-
 
     def op_clear(self, header: dict, columns: dict, extra: list) -> Any:
         p = partition_of(header)
@@ -404,7 +401,6 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
             if u not in self._lost_units:
                 self._frees.put((u, [b]))
 
-
     def _describe(self, name: str, part: Partition, *, with_ids: bool) -> dict[str, Any]:
         live = part.state[: part.used] == COMMITTED
         fields, nbytes = {}, 0
@@ -418,7 +414,6 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         if with_ids:
             out["sample_ids"] = part.names[: part.used][live].tolist()
         return out
-
 
     def _free_some(self) -> None:
         """Send the frees queued so far (waits up to half a second for one)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,11 @@ from rlplane_service.native.requests import partition_of, sample_ids
 log = logging.getLogger(__name__)
 
 
+#: Cuts a controller remembers: a snapshot reports the cut it was written from, and only
+#: a cut handed out here (once each) truncates the journals.
+CUTS_REMEMBERED = 16
+
+
 class CutOps:
     """``cut`` and ``consumed`` over the controller's index and ledger (a mixin)."""
 
@@ -39,6 +45,10 @@ class CutOps:
     _parts: dict[str, Partition]
     ledger: Ledger
     units: list[tuple[str, str]]
+
+    def _init_cuts(self) -> None:
+        self._cut_seqs: OrderedDict[int, None] = OrderedDict()  # the sequence numbers of recent cuts
+        self._truncation = threading.Lock()  # held while the units truncate their journals
 
     def op_cut(self, header: dict, columns: dict, extra: list) -> Any:
         """A consistent cut of every partition (see the module docstring). ``shm``: the
@@ -71,6 +81,9 @@ class CutOps:
             pin = self.pins.pin(sorted(pinned)) if pinned else None  # type: ignore[attr-defined]
             held_ms = (time.perf_counter() - t0) * 1e3
             seq = self._seq  # type: ignore[attr-defined]  # every change before it is in the cut, none after
+            self._cut_seqs[seq] = None
+            while len(self._cut_seqs) > CUTS_REMEMBERED:
+                self._cut_seqs.popitem(last=False)
         return {"partitions": out, "pin": pin, "pin_lease_s": self.pin_lease_s,  # type: ignore[attr-defined]
                 "held_ms": held_ms, "seq": seq}, {}, []
 
@@ -103,8 +116,11 @@ class CutOps:
         with self._lock:
             self.last_snapshot = {"time": time.time(), **{k: float(v) for k, v in got.items()}}
         seq, path = header.get("seq"), header.get("path")
-        truncating = getattr(self, "journaling", False) and isinstance(seq, int) and not isinstance(seq, bool) \
-            and 0 < seq <= self._seq  # type: ignore[attr-defined]
+        with self._lock:  # a cut handed out here, reported once: nothing else truncates the journals
+            known = type(seq) is int and seq in self._cut_seqs
+            if known:
+                del self._cut_seqs[seq]
+        truncating = getattr(self, "journaling", False) and known and self._truncation.acquire(blocking=False)
         if truncating:  # off the serving thread: the units fsync and delete files
             threading.Thread(target=self._truncate_journals, args=(seq, str(path or "")[:4096]),
                              name="rlplane-journal-truncate", daemon=True).start()
@@ -112,16 +128,20 @@ class CutOps:
 
     def _truncate_journals(self, below: int, path: str) -> int:
         """The snapshot ``path`` holds every change before ``below``: each unit drops its
-        journal's older segments (a unit that does not answer keeps them: harmless)."""
+        journal's older segments (a unit that does not answer keeps them: harmless). Runs
+        holding ``_truncation`` (taken by its caller), and lets go of it at the end."""
         deleted = 0
         names = [name for name, _ in self.units]  # type: ignore[attr-defined]
-        for u, name in enumerate(names):
-            try:
-                ch = self._pool.get(self._control[u], name)  # type: ignore[attr-defined]
-                ask = {"op": "jtrunc", "below": below, "snapshot": path, "units": names}
-                deleted += int(ch.call(ask, timeout=30.0)[0]["deleted"])
-            except E.RlplaneError as err:
-                log.warning("journal of %s not truncated after snapshot %s: %s", name, path, err)
+        try:
+            for u, name in enumerate(names):
+                try:
+                    ch = self._pool.get(self._control[u], name)  # type: ignore[attr-defined]
+                    ask = {"op": "jtrunc", "below": below, "snapshot": path, "units": names}
+                    deleted += int(ch.call(ask, timeout=30.0)[0]["deleted"])
+                except E.RlplaneError as err:
+                    log.warning("journal of %s not truncated after snapshot %s: %s", name, path, err)
+        finally:
+            self._truncation.release()
         log.info("journals truncated below change %d (snapshot %s): %d segment(s) deleted", below, path, deleted)
         return deleted
 

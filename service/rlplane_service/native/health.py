@@ -33,7 +33,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
 from rlplane.placement import spread
-from rlplane.wire import int_array
+from rlplane.wire import int_array, ints
 from rlplane_service.native.index import Partition, rows_in
 from rlplane_service.native.pins import Pins
 
@@ -180,8 +180,9 @@ class UnitHealth:
                 break  # a unit failed mid-way: plan again next round, from what is true then
 
     def _sweep(self) -> None:
-        """Free the blocks units hold that the index does not know and that are older than
-        any put still in flight could be (twice the put lease, plus a margin)."""
+        """Free the blocks units hold that the index does not know, or does not place on that
+        unit (a copy written under a known id by a client: never a replica), and that are older
+        than any put still in flight could be (twice the put lease, plus a margin)."""
         age = max(0.0, 2 * self.lease_s + ORPHAN_MARGIN_S)
         for u, (name, _) in enumerate(self.units):
             if u in self._lost_units or u in self._suspect or self._stop.is_set():
@@ -193,7 +194,7 @@ class UnitHealth:
                 log.warning("could not list old blocks on %s: %s", name, err)
                 continue
             with self._lock:
-                orphans = [b for b in old.tolist() if b not in self._block_units and not self.pins.waiting(b)]
+                orphans = [b for b in old.tolist() if u not in self._block_units.get(b, ()) and not self.pins.waiting(b)]
             if orphans:
                 log.warning("freeing %d blocks on %s that no sample or put refers to (a writer died mid-put?)",
                             len(orphans), name)
@@ -233,12 +234,17 @@ class UnitHealth:
         where = None
         try:
             _, columns, _ = self._pool.get(src_at, src).call({"op": "block", "b": b}, timeout=REPAIR_TIMEOUT_S)
+            target_ch = self._pool.get(dst_at, dst)
             try:
-                reply = self._pool.get(dst_at, dst).call({"op": "write", "b": b}, columns, timeout=REPAIR_TIMEOUT_S)[0]
-                where = reply.get("x")
+                reply = target_ch.call({"op": "write", "b": b}, columns, timeout=REPAIR_TIMEOUT_S)[0]
             except E.WireFormatError as err:
-                if "already stored" not in str(err):  # else an earlier copy's reply was lost: the block is there
+                if "already stored" not in str(err):
                     raise
+                # An earlier copy whose reply was lost, or bytes a client wrote under the id: not
+                # trusted either way. That copy goes, and the source's is written in its place.
+                target_ch.call({"op": "free", "b": ints([b])}, timeout=REPAIR_TIMEOUT_S)
+                reply = target_ch.call({"op": "write", "b": b}, columns, timeout=REPAIR_TIMEOUT_S)[0]
+            where = reply.get("x")
         except E.MissingDataError:
             return True  # freed while this ran
         except E.RlplaneError as err:

@@ -194,7 +194,8 @@ class Partition:
         lead = np.where(has, fi.lead[slots], -1)
         odd = np.flatnonzero(has & (fi.kind[slots] < 0))  # rows kept as geometry objects
         if odd.size:
-            lead[odd] = [int(g[0]) if isinstance(g, list) and g else -1 for g in fi.geom[slots[odd]].tolist()]
+            lead[odd] = [g[0] if isinstance(g, list) and g and type(g[0]) is int and g[0] >= 0 else -1
+                         for g in fi.geom[slots[odd]].tolist()]
         return lead
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:

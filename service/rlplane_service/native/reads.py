@@ -132,6 +132,12 @@ class ReadOps:
             self.pins.unpin(header.get("pin"))
         return {}, {}, []
 
+    def unsent(self, answer: dict[str, Any]) -> None:
+        """An answer the server could not send (too big): the pin it carried is released."""
+        if isinstance(answer.get("pin"), str):
+            with self._lock:
+                self.pins.unpin(answer["pin"])
+
     def op_renew(self, header: dict, columns: dict, extra: list) -> Any:
         """Extend pins (a zero-copy read whose views are still alive); answers the ones that are gone."""
         pins = header.get("pins")

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 #: How long a unit may take to keep a commit-log entry, to keep entries and fsync its
 #: journal (a durable put), and to list its blocks and log.
 LOG_TIMEOUT_S, SYNC_TIMEOUT_S, INVENTORY_TIMEOUT_S = 5.0, 60.0, 60.0
+_LISTED = (1 << 63) - 1  # an inventory cursor past every block id and sequence number
 #: Reservation ids of recent commits remembered (a commit sent again is answered as done).
 DONE_REMEMBERED = 1 << 16
 
@@ -278,29 +279,38 @@ class RecoveryOps:
         unreachable, ignored = [], []
         high = 0  # the highest sequence number a unit saw (acks are journalled only)
         asked: dict[int, tuple[Any, int] | E.RlplaneError] = {}
-        for u, (name, _) in enumerate(self.units):  # every unit lists at once
-            try:
-                ch = self._pool.get(self._control[u], name)
-                asked[u] = (ch, ch.send({"op": "inventory"}))
-            except E.RlplaneError as err:
-                asked[u] = err
+        cursor = {u: {} for u in range(len(self.units))}  # unit -> where its next inventory page starts
         deadline = time.monotonic() + INVENTORY_TIMEOUT_S
-        for u, (name, _) in enumerate(self.units):
-            try:
-                got = asked[u]
-                if isinstance(got, E.RlplaneError):
-                    raise got
-                reply, _, bodies = got[0].receive(got[1], deadline)
-                for b, fields in reply.get("blocks", []):
-                    holders.setdefault(int(b), {})[u] = fields
-                for head, body in zip(reply.get("e", []), bodies):
-                    e = Entry.from_wire(head, body, copy=False)
-                    copies.setdefault(e.seq, []).append((name, e))
-                high = max(high, int(reply.get("high") or 0))
-            except E.RlplaneError as err:
-                unreachable.append(f"{name}: {err}")
-                self._suspected(u, f"it did not answer the controller's rebuild: {err}")
-            step(units_done=u + 1)
+        while cursor:  # every unit lists a page at once, until none has more
+            for u in cursor:
+                name = self.units[u][0]
+                try:
+                    ch = self._pool.get(self._control[u], name)
+                    asked[u] = (ch, ch.send({"op": "inventory", **cursor[u]}))
+                except E.RlplaneError as err:
+                    asked[u] = err
+            for u in list(cursor):
+                name = self.units[u][0]
+                try:
+                    got = asked[u]
+                    if isinstance(got, E.RlplaneError):
+                        raise got
+                    reply, _, bodies = got[0].receive(got[1], deadline)
+                    for b, fields in reply.get("blocks", []):
+                        holders.setdefault(int(b), {})[u] = fields
+                    for head, body in zip(reply.get("e", []), bodies):
+                        e = Entry.from_wire(head, body, copy=False)
+                        copies.setdefault(e.seq, []).append((name, e))
+                    high = max(high, int(reply.get("high") or 0))
+                    more = {k: reply.get(f"more_{k}") for k in ("b", "s")}
+                    if any(isinstance(v, int) for v in more.values()):  # a kind listed whole is asked past its end
+                        cursor[u] = {k: v if isinstance(v, int) else _LISTED for k, v in more.items()}
+                        continue
+                except E.RlplaneError as err:
+                    unreachable.append(f"{name}: {err}")
+                    self._suspected(u, f"it did not answer the controller's rebuild: {err}")
+                del cursor[u]
+                step(units_done=len(self.units) - len(cursor))
         entries: dict[int, Entry] = {}
         for seq, held in copies.items():  # the first copy whose MAC holds (most are checked once)
             for name, e in held:

@@ -56,6 +56,12 @@ def block_id_ok(b: Any) -> bool:
     return isinstance(b, int) and not isinstance(b, bool) and 0 < b < 1 << 63
 
 
+def plain_int(x: Any) -> bool:
+    """An int from the wire that is not a bool (``True == 1``, ``0.0 == 0``: neither is a
+    row number, and a list is not a key to look up)."""
+    return type(x) is int
+
+
 def blocks_of(given: Any, n: int, units: int) -> list[tuple[int, tuple[int, ...], int, int]]:
     """The blocks a put announces: ``[[block id, [units], first row, end row], ...]``
     covering rows ``0..n`` in order, on distinct existing units, with fresh ids."""
@@ -65,8 +71,8 @@ def blocks_of(given: Any, n: int, units: int) -> list[tuple[int, tuple[int, ...]
     for entry in given:
         ok = (isinstance(entry, list) and len(entry) == 4 and block_id_ok(entry[0])
               and isinstance(entry[1], list) and entry[1] and len(set(entry[1])) == len(entry[1])
-              and all(isinstance(u, int) and 0 <= u < units for u in entry[1])
-              and entry[2] == at and isinstance(entry[3], int) and entry[3] > at)
+              and all(plain_int(u) and 0 <= u < units for u in entry[1])
+              and plain_int(entry[2]) and entry[2] == at and plain_int(entry[3]) and entry[3] > at)
         if not ok:
             raise E.WireFormatError(f"bad block entry {entry!r} (rows must follow on from {at})")
         out.append((entry[0], tuple(entry[1]), entry[2], entry[3]))
@@ -95,8 +101,8 @@ def extents(given: Any, res: Reservation) -> dict[int, tuple[dict[str, str], dic
         raise E.WireFormatError("commit 'x' must list the extents of the reserved blocks")
     out = {}
     for entry in given:
-        ok = (isinstance(entry, list) and len(entry) == 3 and entry[0] in placed and isinstance(entry[1], dict)
-              and isinstance(entry[2], list))
+        ok = (isinstance(entry, list) and len(entry) == 3 and plain_int(entry[0]) and entry[0] in placed
+              and isinstance(entry[1], dict) and isinstance(entry[2], list))
         if not ok:
             raise E.WireFormatError(f"bad extent entry {str(entry)[:80]}")
         b, dtypes, copies = entry
@@ -104,9 +110,9 @@ def extents(given: Any, res: Reservation) -> dict[int, tuple[dict[str, str], dic
             raise E.WireFormatError("extent dtypes must name reserved fields")
         where: dict[int, dict[str, int]] = {}
         for copy in copies:
-            if not (isinstance(copy, list) and len(copy) == 2 and copy[0] in placed[b] and isinstance(copy[1], dict)
-                    and set(copy[1]) == set(dtypes)
-                    and all(isinstance(v, int) and v >= 0 for v in copy[1].values())):
+            if not (isinstance(copy, list) and len(copy) == 2 and plain_int(copy[0]) and copy[0] in placed[b]
+                    and isinstance(copy[1], dict) and set(copy[1]) == set(dtypes)
+                    and all(plain_int(v) and v >= 0 for v in copy[1].values())):
                 raise E.WireFormatError(f"bad extent copy {str(copy)[:80]} of block {b}")
             where[copy[0]] = dict(copy[1])
         out[b] = (dict(dtypes), where)
@@ -139,4 +145,4 @@ def shared_rows(given: Any, fields: list[str], n: int, row_bytes: dict[str, np.n
     return out
 
 
-__all__ = ["partition_of", "sample_ids", "field_names", "block_id_ok", "blocks_of", "digests", "extents", "shared_rows"]
+__all__ = ["partition_of", "sample_ids", "field_names", "block_id_ok", "plain_int", "blocks_of", "digests", "extents", "shared_rows"]

@@ -13,6 +13,9 @@ answers True: all), and once more, marked final (``header["_final"]``), when its
 deadline passes. A handler may also return a fourth item, a callable the loop runs
 right after the answer is sent (before it reads the next request): a commit answers
 once it has checked everything and then updates its index, off the writer's clock.
+An answer too big to send (over the header limit) is answered as PayloadTooLargeError,
+and the handler's ``unsent(answer)``, if it has one, takes back what the answer would
+have handed out (a locate's pin).
 A handler with ``open_batch()`` and ``flush()`` (the controller: its commit-log entries)
 is served in batches: the requests waiting on a socket (up to MAX_BATCH) are handled one
 after the other, each one's after-answer work run at once, then ``flush()`` does what
@@ -301,6 +304,14 @@ class Server:
         after = then[0] if then else None
         try:
             return (None if one_way else pack_message({**out, "ok": True, "rid": rid}, cols, bufs)), after
+        except E.WireFormatError as err:  # an answer over the header limit: the request asked for too much at once
+            unsent = getattr(self.handler, "unsent", None)
+            if unsent is not None:  # what the answer would have handed out (a locate's pin) is taken back
+                unsent(out)
+            if after is not None:
+                self._then(after)
+            too_big = E.PayloadTooLargeError(f"{self.name}: the answer to {str(op)[:64]!r} is too big ({err})")
+            return pack_message({"ok": False, "rid": rid, "error": _payload(too_big)}), None
         except Exception:
             if after is not None:  # it must still run (it holds the handler's state); the answer says what failed
                 self._then(after)

@@ -81,6 +81,9 @@ MAX_STAGED = 4096
 #: Most bytes one ``read`` answers (rows asked for twice count twice): a small request
 #: cannot make a unit build an answer of any size.
 MAX_READ_BYTES = 4 << 30
+#: About how many header bytes one page of a unit's ``inventory`` holds, of blocks and of
+#: commit-log entries each (well under the 16 MiB header limit).
+INVENTORY_PAGE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,15 +398,38 @@ class UnitCore:
                                      component=self.name) from None
 
     def op_inventory(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
-        """What a restarting controller rebuilds from: ``blocks`` = ``[[block, [field, dtype,
-        slab offset], ...], ...]`` of every block stored here, and the commit log (``e``, the
-        bodies in the extra buffers)."""
+        """What a restarting controller rebuilds from, a page at a time: ``blocks`` =
+        ``[[block, [field, dtype, slab offset], ...], ...]`` of the blocks stored here with ids
+        above ``b`` and the commit-log entries above sequence number ``s`` (``e``, the bodies
+        in the extra buffers), in order, about INVENTORY_PAGE_BYTES of header each; ``more_b``
+        / ``more_s``: where the next page starts (None: nothing left). One answer for all
+        passed the header limit at about 300,000 live puts."""
+        after_b, after_s = header.get("b", 0), header.get("s", 0)
+        if not (type(after_b) is int and 0 <= after_b < 1 << 63 and type(after_s) is int and 0 <= after_s < 1 << 63):
+            raise E.WireFormatError("inventory's 'b' and 's' are the last block id and sequence number already listed")
+        blocks: list[list[Any]] = []
+        more_b = more_s = None
+        size = 0
         with self._lock:
-            blocks = [[b, [list(f) for f in zip(block.names, block.dtypes, block.where[0].tolist())]]
-                      for b, block in self._blocks.items()]
-        entries = self.log.entries()
-        return ({"unit": self.name, "blocks": blocks, "e": [e.wire() for e in entries], "high": self.log.high}, {},
-                [e.body for e in entries])
+            ids = np.fromiter(self._blocks, np.int64, len(self._blocks))
+            for b in np.sort(ids[ids > after_b]).tolist():
+                if size >= INVENTORY_PAGE_BYTES:
+                    more_b = blocks[-1][0]
+                    break
+                block = self._blocks[b]
+                fields = [list(f) for f in zip(block.names, block.dtypes, block.where[0].tolist())]
+                blocks.append([b, fields])
+                size += 16 + sum(len(name) + len(dtype) + 12 for name, dtype, _ in fields)
+        entries: list[Entry] = []
+        size = 0
+        for e in self.log.entries(after=after_s):
+            if size >= INVENTORY_PAGE_BYTES:
+                more_s = entries[-1].seq
+                break
+            entries.append(e)
+            size += 64 + len(e.partition) + len(e.mac)
+        return ({"unit": self.name, "blocks": blocks, "e": [e.wire() for e in entries], "high": self.log.high,
+                 "more_b": more_b, "more_s": more_s}, {}, [e.body for e in entries])
 
     def op_slab(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """How to map this unit's slab from the same host: its socket and a fresh ticket.
@@ -537,7 +563,8 @@ class UnitCore:
         wanted = np.unique(np.concatenate([blocks for _, blocks, _ in asks])) if asks else np.empty(0, np.int64)
         for b in wanted.tolist():
             token = caps.get(b)
-            if not isinstance(token, str) or not hmac.compare_digest(token, read_cap(self.seal_key, b, self.name)):
+            if not (isinstance(token, str) and token.isascii()  # compare_digest takes ASCII strings only
+                    and hmac.compare_digest(token, read_cap(self.seal_key, b, self.name))):
                 raise E.ForbiddenError(f"{self.name}: a read of block {b} without the controller's capability for it "
                                        "(locate the samples first)")
 

@@ -42,7 +42,7 @@ from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, objects
 from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
-                                             sample_ids, shared_rows)
+                                             plain_int, sample_ids, shared_rows)
 from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class WriteOps:
             first_row[a:z] = a
         shapes, row_bytes, row_sums = {}, {}, {}
         for name in res.fields:
-            g, nb = Geometry.from_wire(geoms[name], name), int_array(sizes[name], "row bytes")
+            g, nb = Geometry.from_wire(geoms[name], name, rows=n), int_array(sizes[name], "row bytes")
             h = digests(sums[name], name) if name in sums else None
             if len(g) != n or nb.size != n:
                 raise E.WireFormatError(f"commit describes {len(g)} rows of {n}", field=name)
@@ -350,8 +350,8 @@ class WriteOps:
         span = {b: (a, z) for b, _, a, z in res.blocks}
         seen = set()
         for entry in given:
-            ok = (isinstance(entry, list) and len(entry) == 3 and (entry[0], entry[1]) in want
-                  and isinstance(entry[2], dict) and set(entry[2]) == set(res.fields))
+            ok = (isinstance(entry, list) and len(entry) == 3 and plain_int(entry[0]) and plain_int(entry[1])
+                  and (entry[0], entry[1]) in want and isinstance(entry[2], dict) and set(entry[2]) == set(res.fields))
             if not ok:
                 raise E.WireFormatError(f"bad sealed extent {str(entry)[:80]}")
             b, u, fields = entry
@@ -361,8 +361,8 @@ class WriteOps:
             for f, sealed in fields.items():
                 start = where.get(u, {}).get(f)
                 if not (isinstance(sealed, list) and len(sealed) == 4 and start is not None
-                        and sealed[0] == dtypes.get(f) and isinstance(sealed[1], int) and isinstance(sealed[2], int)
-                        and isinstance(sealed[3], str)):
+                        and sealed[0] == dtypes.get(f) and plain_int(sealed[1]) and plain_int(sealed[2])
+                        and isinstance(sealed[3], str) and sealed[3].isascii()):  # compare_digest takes ASCII only
                     raise E.WireFormatError(f"the extent of block {b} on {self.units[u][0]} is not as sealed", field=f)
                 dtype, nbytes, rows, tag = sealed
                 expect = unit_seal(self.seal_key, b, self.units[u][0], f, dtype, start, nbytes, rows)

@@ -136,8 +136,10 @@ class ClaimRequest:
             raise E.InvalidArgumentError("a claim needs the fields that make a sample ready (fields=[...] or stage=...)")
         if (self.current_version is None) != (self.max_staleness is None):
             raise E.InvalidArgumentError("current_version and max_staleness go together")
-        if self.max_staleness is not None and self.max_staleness < 0:
-            raise E.InvalidArgumentError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.max_staleness is not None and not 0 <= self.max_staleness < 1 << 62:
+            raise E.InvalidArgumentError(f"max_staleness must be in [0, 2**62), got {self.max_staleness}")
+        if self.current_version is not None and not -(1 << 62) <= self.current_version < 1 << 62:
+            raise E.InvalidArgumentError(f"current_version must be within +-2**62, got {self.current_version}")
         if self.lease_s is not None and not 0 < self.lease_s <= 86400:
             raise E.InvalidArgumentError(f"lease_s must be in (0, 86400], got {self.lease_s}")
         if (self.max_tokens is None) != (self.tokens_field is None) or (self.max_tokens is None) != (self.min_tokens is None):

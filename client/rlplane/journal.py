@@ -59,6 +59,8 @@ PUT, CLEAR, DROP, ACK = "put", "clear", "drop", "ack"
 _KINDS = frozenset({PUT, CLEAR, DROP, ACK})
 _ACKED = 2  # the ledger's state of an acked sample
 _MAX_HEAD = 1 << 30
+#: Most candidate record starts looked at after a record that seems torn (is a whole one after it?).
+_MAX_SCAN = 4096
 
 
 def frame(seq: int, kind: str, partition: str, record: bytes | memoryview,
@@ -117,6 +119,26 @@ def read_segment(path: Path, *, heads_only: bool = False) -> Segment:
         return E.SnapshotError(f"journal file {path} {why} at byte {at}; nothing of the journal was replayed",
                                component=str(path))
 
+    def whole_after(start: int) -> bool:
+        """Whether a record that passes its checksum starts after ``start``: then what looks
+        torn at ``start`` is damage (a torn record is only ever the last one)."""
+        if heads_only:
+            return False
+        find = buf.find if isinstance(buf, mmap.mmap) else bytes(buf).find
+        c = find(MAGIC, start + 1)
+        for _ in range(_MAX_SCAN):
+            if c < 0 or size - c < FRAME.size:
+                return False
+            _, hl, bl = FRAME.unpack_from(view, c)
+            e = c + FRAME.size + hl + bl + TRAILER.size
+            if hl <= _MAX_HEAD and e <= size:
+                h = xxhash.xxh3_64()
+                h.update(view[c + 4 : e - TRAILER.size])
+                if h.intdigest() == TRAILER.unpack_from(view, e - TRAILER.size)[0]:
+                    return True
+            c = find(MAGIC, c + 1)
+        return False
+
     while at < size:
         if size - at < FRAME.size:
             torn = f"{size - at} bytes of a record's frame at the end"
@@ -124,11 +146,13 @@ def read_segment(path: Path, *, heads_only: bool = False) -> Segment:
         magic, hlen, blen = FRAME.unpack_from(view, at)
         end = at + FRAME.size + hlen + blen + TRAILER.size
         if magic != MAGIC or hlen > _MAX_HEAD:
-            if end >= size or magic == b"\0\0\0\0":
+            if (end >= size or magic == b"\0\0\0\0") and not whole_after(at):
                 torn = "a record's frame was not written whole"
                 break
-            raise bad("holds no record frame")
+            raise bad("holds no record frame where one should start (damaged)")
         if end > size:
+            if whole_after(at):
+                raise bad("has a record whose frame is damaged (it claims more bytes than follow)")
             torn = f"a record of {end - at} bytes of which {size - at} were written"
             break
         hstart = at + FRAME.size
@@ -166,14 +190,19 @@ def read_segment(path: Path, *, heads_only: bool = False) -> Segment:
 
 
 def read_base(unit_dir: Path) -> dict[str, Any]:
-    """A unit directory's last truncation (``seq``: records below it were dropped; ``snapshot``)."""
+    """A unit directory's last truncation (``seq``: records below it were dropped, an int;
+    ``snapshot``); SnapshotError naming the file if it is not that."""
     try:
         got = json.loads((unit_dir / BASE).read_text())
-        return got if isinstance(got, dict) else {}
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as err:
         raise E.SnapshotError(f"{unit_dir / BASE} does not parse ({err})", component=str(unit_dir / BASE)) from None
+    seq = got.get("seq", 0) if isinstance(got, dict) else None
+    if type(seq) is not int or seq < 0:
+        raise E.SnapshotError(f"{unit_dir / BASE} is damaged: it needs 'seq', the change number it was truncated at",
+                              component=str(unit_dir / BASE))
+    return got
 
 
 class Journal:
@@ -266,7 +295,11 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
         if touched is not None and r.partition not in touched and r.kind == PUT:
             touched.append(r.partition)
         if r.kind == PUT:
-            got = _put_of(r)
+            try:
+                got = _put_of(r)
+            except (KeyError, TypeError, ValueError, IndexError, AttributeError, E.RlplaneError) as err:
+                raise E.SnapshotError(f"journal file {r.where}: change {r.seq} does not describe a put ({err!r}); "
+                                      "nothing of the journal stays loaded", component=r.where) from None
             if isinstance(got, str):
                 skipped.append(got)
                 continue
@@ -282,14 +315,11 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
         elif r.kind == CLEAR:
             cleared += transport.clear(r.partition, list(r.rec.get("ids") or ()))
         else:
-            ids = [str(s) for s in r.rec.get("ids") or ()]
-            if ids:
-                try:
-                    transport.set_consumption(r.partition, str(r.rec.get("task")), ids,
-                                              np.full(len(ids), _ACKED, np.int8).tobytes())
-                    acks += len(ids)
-                except (E.MissingDataError, E.InvalidArgumentError) as err:
-                    skipped.append(f"change {r.seq} (ack on {r.partition!r}): {err}")
+            ids = [str(s) for s in r.rec.get("ids") or () if s is not None]
+            try:
+                acks += _ack(transport, r.partition, str(r.rec.get("task")), ids)
+            except (E.MissingDataError, E.InvalidArgumentError) as err:
+                skipped.append(f"change {r.seq} (ack on {r.partition!r}): {err}")
         if k % 256 == 255:
             say(f"journal: {k + 1} of {len(todo)} changes replayed")
     if skipped:
@@ -298,6 +328,23 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
         log.warning("journal replay: skipped a torn last record: %s", t)
     return ReplayInfo(len(todo), samples, cleared, acks, todo[-1].seq if todo else since - 1, list(journal.torn),
                       skipped)
+
+
+def _ack(transport: Any, partition: str, task: str, ids: list[str]) -> int:
+    """Mark ``ids`` acked for ``task``; the ones the store no longer holds (cleared after the
+    ack) are left out, not the whole ack. Returns how many were marked."""
+    for _ in range(2):
+        if not ids:
+            return 0
+        try:
+            transport.set_consumption(partition, task, ids, np.full(len(ids), _ACKED, np.int8).tobytes())
+            return len(ids)
+        except E.MissingDataError as err:
+            gone = set(err.missing or ())
+            if not gone:
+                raise
+            ids = [i for i in ids if i not in gone]
+    return 0
 
 
 def _put_of(r: Record) -> tuple[list[str], dict[str, Any], list[dict[str, Any]], bool] | str:

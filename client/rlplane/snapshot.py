@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import mmap
 import os
 import struct
@@ -403,6 +404,18 @@ class Snapshot:
                                   f"reads version {VERSION}", component=str(where))
         if not isinstance(m.get("partitions"), list) or not isinstance(m.get("files"), dict):
             raise E.SnapshotError(f"{where} lists no partitions or files", component=str(where))
+        # Every value the restore uses, checked before anything is loaded (a damaged manifest
+        # must not fail once partitions are in, or name other partitions than its files hold).
+        names = [p.get("name") if isinstance(p, dict) else None for p in m["partitions"]]
+        odd = (not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names)
+               or not all(isinstance(p.get("file"), str) for p in m["partitions"])
+               or not all(isinstance(f, dict) and _count(f.get("bytes")) and isinstance(f.get("xxh3_128"), str)
+                          for f in m["files"].values())
+               or not (m.get("seq") is None or _count(m["seq"]))
+               or not (m.get("created") is None or (type(m["created"]) in (int, float) and math.isfinite(m["created"]))))
+        if odd:
+            raise E.SnapshotError(f"{where} is damaged: its partitions need distinct names and files, its files sizes "
+                                  "and digests, its seq and created numbers", component=str(where))
         return m
 
     def _part(self, entry: dict[str, Any], buf: Any) -> _Part:
@@ -421,11 +434,19 @@ class Snapshot:
         try:
             h = msgpack.unpackb(view[16 : 16 + hlen], raw=False, strict_map_key=False)
             base = -(-(16 + hlen) // _ALIGN) * _ALIGN
-            ids = list(h["ids"])
+            if not (isinstance(h, dict) and isinstance(h.get("ids"), list) and isinstance(h.get("tasks"), dict)
+                    and isinstance(h.get("fields"), dict)):
+                raise ValueError("it is not a map of ids, tasks and fields")
+            if h.get("p") != entry.get("name"):  # the partition the manifest names, which the restore checked
+                raise ValueError(f"it holds partition {h.get('p')!r} where the manifest says {entry.get('name')!r}")
+            ids = h["ids"]
             n = len(ids)
+            if not all(isinstance(i, str) for i in ids) or len(set(ids)) != n:
+                raise ValueError("its sample ids are not distinct strings")
             user = h.get("user")
-            if user is not None and len(user) != n:
-                raise ValueError("tags for other than its samples")
+            if user is not None and not (isinstance(user, list) and len(user) == n
+                                         and all(t is None or isinstance(t, dict) for t in user)):
+                raise ValueError("its tags are not one map (or none) per sample")
             tasks = {str(t): np.frombuffer(s, np.int8) for t, s in h["tasks"].items()}
             if any(s.size != n or not bool(np.isin(s, _STATES).all()) for s in tasks.values()):
                 raise ValueError("bad consumption states")
@@ -434,9 +455,13 @@ class Snapshot:
                 pos = np.frombuffer(fe["at"], "<i8")
                 offsets = np.frombuffer(fe["offsets"], "<i8")
                 dtype = dtype_from_name(fe["dtype"])
-                start, nb = base + int(fe["start"]), int(fe["nbytes"])
+                if not (_count(fe["start"]) and _count(fe["nbytes"])):
+                    raise ValueError(f"field {fname!r} has no start and size")
+                start, nb = base + fe["start"], fe["nbytes"]
                 if start + nb > size or offsets.size != pos.size + 1 or (pos.size and (pos.min() < 0 or pos.max() >= n)):
                     raise ValueError(f"field {fname!r} lies outside the file")
+                if np.unique(pos).size != pos.size:
+                    raise ValueError(f"field {fname!r} names a sample twice")
                 with warnings.catch_warnings():  # read-only: the restore only copies out of it
                     warnings.simplefilter("ignore", UserWarning)
                     values = torch.frombuffer(view[start : start + nb], dtype=torch.uint8) if nb else \
@@ -449,10 +474,10 @@ class Snapshot:
                 same = np.frombuffer(fe["s"], "<i8").astype(np.int64) if fe.get("s") is not None else None
                 col = Column(values, torch.from_numpy(offsets.copy()), same=same).with_meta(sums, g)
                 fields[str(fname)] = (pos, col)
-        except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
-                E.RlplaneError, RuntimeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError, msgpack.ExtraData, msgpack.FormatError,
+                msgpack.StackError, E.RlplaneError, RuntimeError) as err:
             raise bad(f"has a bad header ({err})") from None
-        return _Part(str(h["p"]), ids, user, tasks, fields)
+        return _Part(h["p"], ids, user, tasks, fields)
 
     def close(self) -> None:
         for m in self._maps:
@@ -563,6 +588,11 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
     say(f"restore: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s from {path or journal}"
         + (f" (+{replayed.changes} journal changes)" if replayed is not None else ""))
     return info
+
+
+def _count(x: Any) -> bool:
+    """A size or offset from a file: an int (not a bool) of 0 or more."""
+    return type(x) is int and x >= 0
 
 
 @contextlib.contextmanager

@@ -137,8 +137,8 @@ class ClaimBody(BaseModel):
                            "wait longer by asking again).")
     min_batch: Optional[int] = Field(None, ge=1, le=1_000_000)
     group_key: Optional[str] = Field(None, max_length=200)
-    current_version: Optional[int] = None
-    max_staleness: Optional[int] = Field(None, ge=0)
+    current_version: Optional[int] = Field(None, ge=-(1 << 62), lt=1 << 62)
+    max_staleness: Optional[int] = Field(None, ge=0, lt=1 << 62)
     lease_s: Optional[float] = Field(None, gt=0, le=86400)
     max_tokens: Optional[int] = Field(None, ge=1, le=1 << 40, description="Token budget: whole samples (or groups), "
                                       "oldest first, while their summed lengths fit.")
@@ -155,7 +155,7 @@ class LeaseBody(BaseModel):
     """``POST /v1/partitions/{id}/ack`` and ``/nack``."""
 
     task: str = Field(..., **_NAME)
-    lease: int
+    lease: int = Field(..., ge=0, lt=1 << 63)
     sample_ids: Optional[list[str]] = Field(None, description="The samples of the lease to settle (default: all).")
 
 

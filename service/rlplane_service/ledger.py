@@ -428,6 +428,8 @@ class Ledger:
                                "that were cleared since (the partition was dropped, and made again if it exists)")
         slots = le.slots[le.state.lease[le.slots] == lid]
         slots = slots[le.state.state[slots] == LEASED]
+        if ps.index is not None and slots.size:  # samples cleared since the claim: nothing to ack (or journal)
+            slots = slots[ps.index.live()[slots]]
         if ids is not None:
             mine = dict(zip(ps.index.ids_of(slots), slots.tolist())) if ps.index is not None else {}
             unknown = [s for s in ids if s not in mine]

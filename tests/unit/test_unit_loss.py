@@ -15,15 +15,21 @@ def call(core: LedgerCore, op: str, **header) -> dict:
     return getattr(core, f"op_{op}")(header, {}, [])[0]
 
 
+def put(core: LedgerCore, p: str, ids: list[str]) -> None:
+    """A put as a TransferQueue-based store makes it: the ids reserved, then recorded."""
+    res = call(core, "reserve", p=p, ids=ids)["res"]
+    call(core, "record", p=p, ids=ids, fields=["input_ids"], tags=[{} for _ in ids], create=True, res=res)
+
+
 def test_the_ledger_forgets_what_a_unit_took_and_says_which_unit():
     core = LedgerCore()
-    call(core, "record", p="p", ids=["a", "b", "c"], fields=["input_ids"], tags=[{}, {}, {}], create=True)
+    put(core, "p", ["a", "b", "c"])
     call(core, "lose", unit="unit-1", p="p", ids=["b"])
     assert call(core, "lost", p="p", ids=["a", "b", "z"]) == {"lost": {"b": "unit-1"}}
     claim = ClaimRequest("p", "train", 3, ("input_ids",), 0.0, 1)
     assert core.ledger.claim(claim, final=True)["ids"] == ["a", "c"]  # claims skip what was lost
     assert core.loss() == {"lost_samples": 1, "lost_units": ["unit-1"]}
-    call(core, "record", p="p", ids=["b"], fields=["input_ids"], tags=[{}], create=True)  # written again
+    put(core, "p", ["b"])  # written again
     assert call(core, "lost", p="p", ids=["b"]) == {"lost": {}}
     call(core, "lose", unit="unit-2")  # a unit that held nothing is still named
     assert core.loss() == {"lost_samples": 1, "lost_units": ["unit-1", "unit-2"]}  # counted since start
@@ -78,3 +84,16 @@ def test_only_a_unit_ray_reports_dead_is_swept_and_it_is_looked_at_again_later()
     transport.held["q"][1] = ["e"]  # a put under way when it died left a sample routed to it
     transport.forgotten.clear()
     assert watch.check() == ["u1"] and transport.forgotten == [("q", ["e"], "u1")]
+
+
+def test_a_put_whose_reservation_lapsed_is_not_recorded_twice():
+    """Writer A reserves and outlasts the put lease; writer B reserves the same ids and
+    records them; A's record used to add the ids a second time (one claim then handed each
+    out twice). Now A's record is a LeaseError and B's samples are claimed once."""
+    core = LedgerCore(put_lease_s=0.0)
+    late = call(core, "reserve", p="p", ids=["x0", "x1"])["res"]
+    put(core, "p", ["x0", "x1"])  # B: A's reservation lapsed at once
+    with pytest.raises(E.LeaseError, match="lapsed"):
+        call(core, "record", p="p", ids=["x0", "x1"], fields=["input_ids"], tags=[{}, {}], create=True, res=late)
+    claim = ClaimRequest("p", "train", 4, ("input_ids",), 0.0, 1)
+    assert core.ledger.claim(claim, final=True)["ids"] == ["x0", "x1"]

@@ -68,7 +68,11 @@ class JournalWriter:
             except E.RlplaneError as err:
                 log.error("journal: %s", err)
                 self._max[old] = 1 << 62  # kept: the restore will say what is wrong with it
-        self.base = int(read_base(self.dir).get("seq") or 0)  # the last truncation's change number
+        try:
+            self.base = int(read_base(self.dir).get("seq") or 0)  # the last truncation's change number
+        except E.RlplaneError as err:  # journalling goes on; a restore from here says what is wrong
+            log.error("journal: %s", err)
+            self.base = 0
         self._fd, self._path, self._size = -1, Path(), 0
         self._closing: list[int] = []  # fds rolled over, fsynced and closed by the next pass
         self._dirty_since: float | None = None

@@ -158,7 +158,16 @@ class LedgerCore(StreamOps):
                 and len(tags) in (0, len(ids)) and all(isinstance(t, dict) for t in tags)):
             raise E.WireFormatError("record needs 'p', 'ids', 'fields' and one tag map per id")
         with self._lock:
-            self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
+            held = self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
+            if header.get("create"):
+                if held is None or held[0] != p or held[1] != ids:  # lapsed: another put may hold the ids now
+                    raise E.LeaseError(f"this put's reservation of its ids lapsed before it was recorded (it took "
+                                       f"longer than {self.put_lease_s:.0f} s) or is another put's; the samples are "
+                                       "not claimable: put them again")
+                index = self.indexes.get(p)
+                stored = [s for s in ids if index is not None and s in index.slot]
+                if stored:
+                    raise E.DuplicateSampleError(p, stored)
             self.indexes.record(p, ids, fields, tags, create=bool(header.get("create")))
             if header.get("create") and p in self.lost:
                 for s in ids:  # written again: no longer lost

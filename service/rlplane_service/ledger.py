@@ -196,6 +196,7 @@ class Lease:
     state: TaskState
     slots: np.ndarray
     deadline: float
+    ids: list[str]  # the samples of ``slots`` when claimed (a cleared slot's id is gone from the index)
 
 
 class Ledger:
@@ -267,8 +268,9 @@ class Ledger:
         if not answer:
             return self._not_ready(req, int(take.size), final, tokens)
         lease_s = req.lease_s or self.lease_s
-        self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s)
-        out = {"lease": lid, "lease_s": lease_s, "ids": idx.ids_of(take), "tags": idx.tags_of(take),
+        ids = idx.ids_of(take)
+        self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s, ids)
+        out = {"lease": lid, "lease_s": lease_s, "ids": ids, "tags": idx.tags_of(take),
                "fields": [f for f in idx.field_names() if bool(idx.has(f)[take].all())]}
         if req.max_tokens is not None:
             out.update(tokens=tokens, over_budget=over)
@@ -431,11 +433,16 @@ class Ledger:
         if ps.index is not None and slots.size:  # samples cleared since the claim: nothing to ack (or journal)
             slots = slots[ps.index.live()[slots]]
         if ids is not None:
-            mine = dict(zip(ps.index.ids_of(slots), slots.tolist())) if ps.index is not None else {}
-            unknown = [s for s in ids if s not in mine]
+            held = dict(zip(le.ids, le.slots.tolist()))
+            unknown = [s for s in ids if s not in held]
             if unknown:
                 raise E.LeaseError(f"cannot {verb}: samples {unknown[:5]} are not held by lease {lid}")
-            slots = np.asarray([mine[s] for s in ids], np.int64)
+            mine = set(slots.tolist())
+            live = ps.index.live() if ps.index is not None else np.zeros(0, bool)
+            settled = [s for s in ids if held[s] not in mine and held[s] < live.size and live[held[s]]]
+            if settled:  # acked or given back already (a sample cleared since the claim is left out instead)
+                raise E.LeaseError(f"cannot {verb}: samples {settled[:5]} are not held by lease {lid} any more")
+            slots = np.asarray([held[s] for s in ids if held[s] in mine], np.int64)
         return le, slots
 
     def _settle(self, le: Lease, slots: np.ndarray) -> None:

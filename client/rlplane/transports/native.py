@@ -57,7 +57,7 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -151,7 +151,7 @@ class NativeTransport(Transport):
         self._slabs: dict[int, SlabView] = {}  # unit -> its slab, mapped (same host)
         self._remote: dict[int, RemoteSlab] = {}  # unit -> its slab over the transfer engine
         self._stage = threading.local()  # the put this thread is encoding into staged extents, if any
-        self._views = _ViewPins(self)
+        self._views = _ViewPins(self.controller, secret.encode() if secret else None, user.encode())
         if data_path in ("auto", "shm"):
             self._map_slabs(required=data_path == "shm")
         if data_path in ("auto", "te"):
@@ -219,6 +219,9 @@ class NativeTransport(Transport):
         except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
             if not self._lost(err):
                 raise
+            stage = getattr(self._stage, "put", None)
+            if stage is not None and stage.kept:  # the fields encoded into its freed extents, as copied before
+                columns = {f: replace(c, values=stage.kept[f]) if f in stage.kept else c for f, c in columns.items()}
             self._put(partition, list(sample_ids), columns, tags, create, durable)
 
     @contextmanager
@@ -272,6 +275,13 @@ class NativeTransport(Transport):
             self._stage.put = None
             if stage.fields and not stage.committed:
                 self._drop_blocks(stage.blocks)
+
+    @staticmethod
+    def _keep_staged(stage: _Stage | None, columns: Mapping[str, Column]) -> None:
+        """Before a failed put lets go of its blocks (the store frees, then reuses, their
+        extents): copy the fields encoded into staged extents, for a retry to write."""
+        if stage is not None and not stage.kept:
+            stage.kept = {f: columns[f].values.clone() for f in stage.fields if f in columns}
 
     def _staged(self, n: int, columns: Mapping[str, Column]) -> _Stage | None:
         """This thread's staged put, if ``columns`` are what was encoded into it (taken
@@ -331,6 +341,7 @@ class NativeTransport(Transport):
                     raise
                 res = self._ask(reserve, self._left(deadline))
         except BaseException:
+            self._keep_staged(stage, columns)
             self._drop_blocks(blocks)
             raise
         try:
@@ -358,6 +369,7 @@ class NativeTransport(Transport):
             if stage is not None:
                 stage.committed = True
         except BaseException:
+            self._keep_staged(stage, columns)
             try:
                 self._ctrl().call({"op": "abort", "res": res["res"]}, timeout=_ABORT_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - the reservation lapses on its own
@@ -434,8 +446,7 @@ class NativeTransport(Transport):
         return {name: (int(u["samples"]), int(u["live_bytes"])) for name, u in self.stats()["units"].items()}
 
     def close(self) -> None:
-        self._views.stop()
-        self._pool.close()
+        self._pool.close()  # zero-copy views still alive stay pinned (their pin thread has channels of its own)
         self.streams.close()
         self._slabs = {}  # the mappings go with the last client of this process that holds them
         self._remote = {}  # the transfer pool stays for the process (see rlplane.te.transfer_pool)
@@ -582,6 +593,8 @@ class NativeTransport(Transport):
                "shm": sorted(self._slabs.keys() | self._remote.keys())}  # the units read at addresses
         if shared:
             ask["share"] = True
+        if not copy:  # views may outlive this call: their pin is never dropped to make room for others
+            ask["keep"] = True
         loc = self._ask(ask, self._left(deadline))
         pin = loc.get("pin")
         kept = False
@@ -899,35 +912,38 @@ class _Stage:
     """A put being encoded into staged extents: its blocks (placed before the encode),
     per field the staged extent ``(start, bytes, address here)``, and how it ended."""
 
-    __slots__ = ("blocks", "n", "fields", "taken", "committed", "failed")
+    __slots__ = ("blocks", "n", "fields", "taken", "committed", "failed", "kept")
 
     def __init__(self, blocks: list[list[Any]], n: int) -> None:
         self.blocks, self.n = blocks, n
         self.fields: dict[str, tuple[int, int, int]] = {}
         self.taken = self.committed = self.failed = False
+        self.kept: dict[str, torch.Tensor] = {}  # the staged fields' values, copied when the put failed
 
 
 class _ViewPins:
     """The pins of zero-copy reads whose views are alive: renewed in the background while
     any view lives, unpinned when the last view of a read is garbage-collected. The
-    finalizers only queue the pin (they may run in any thread, even one of ZMQ's); this
-    transport's pin thread sends the unpins and renewals."""
+    finalizers only queue the pin (they may run in any thread, even one of ZMQ's); the pin
+    thread sends the unpins and renewals over a hold of its own on the process's channels,
+    so the views stay protected after their client is closed or dropped (their pins lapsed
+    then, and the store reused the memory under them). The thread ends, and lets go of
+    its channels, once no view is left."""
 
-    def __init__(self, transport: NativeTransport) -> None:
-        self._transport = weakref.ref(transport)
+    def __init__(self, controller: str, secret: bytes | None, user: bytes) -> None:
+        self._controller, self._secret, self._user = controller, secret, user
         self._live: dict[str, int] = {}  # pin -> views of it still alive
         self._gone: collections.deque[str] = collections.deque()  # one entry per view collected
         self._lease = 60.0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._stopped = False
 
     def hold(self, pin: str, views: list[np.ndarray], lease_s: float) -> None:
         with self._lock:
             self._live[pin] = len(views)
             self._lease = lease_s
-            if self._thread is None and not self._stopped:
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="rlplane-view-pins", daemon=True)
                 self._thread.start()
         for v in views:
@@ -938,37 +954,41 @@ class _ViewPins:
         self._wake.set()
 
     def _loop(self) -> None:
-        renew_at = time.monotonic() + self._lease / 3
-        while not self._stopped:
-            self._wake.wait(max(0.05, min(1.0, renew_at - time.monotonic())))
-            self._wake.clear()
-            transport = self._transport()
-            if transport is None or self._stopped:
-                return
-            done = []
-            with self._lock:
-                while self._gone:
-                    pin = self._gone.popleft()
-                    left = self._live.get(pin, 0) - 1
-                    if left > 0:
-                        self._live[pin] = left
-                    elif self._live.pop(pin, None) is not None:
-                        done.append(pin)
-                pins = list(self._live)
-            try:
-                for pin in done:
-                    transport._ctrl().post({"op": "unpin", "pin": pin})
-                if pins and time.monotonic() >= renew_at:
-                    transport._ctrl().call({"op": "renew", "pins": pins}, timeout=min(10.0, self._lease / 3))
-            except Exception as err:  # noqa: BLE001 - retried next round; a lapsed pin is logged by the controller
-                log.warning("could not unpin or renew zero-copy read pins: %s", err)
-            if time.monotonic() >= renew_at:
-                renew_at = time.monotonic() + self._lease / 3
-            del transport
-
-    def stop(self) -> None:
-        self._stopped = True
-        self._wake.set()
+        channels = SharedChannels(self._secret, self._user)
+        try:
+            renew_at = time.monotonic() + self._lease / 3
+            while True:
+                self._wake.wait(max(0.05, min(1.0, renew_at - time.monotonic())))
+                self._wake.clear()
+                done = []
+                with self._lock:
+                    while self._gone:
+                        pin = self._gone.popleft()
+                        left = self._live.get(pin, 0) - 1
+                        if left > 0:
+                            self._live[pin] = left
+                        elif self._live.pop(pin, None) is not None:
+                            done.append(pin)
+                    pins = list(self._live)
+                    if not pins and not done:
+                        self._thread = None  # the next view held starts a new one
+                        return
+                try:
+                    ctrl = channels.get(self._controller, "controller")
+                    for pin in done:
+                        ctrl.post({"op": "unpin", "pin": pin})
+                    if pins and time.monotonic() >= renew_at:
+                        gone = ctrl.call({"op": "renew", "pins": pins}, timeout=min(10.0, self._lease / 3))[0].get("gone")
+                        if gone:
+                            log.error("%d zero-copy read pin(s) lapsed while their views were alive (the controller "
+                                      "restarted, or was unreachable for a lease): those views may show reused memory",
+                                      len(gone))
+                except Exception as err:  # noqa: BLE001 - retried next round; a lapsed pin is logged by the controller
+                    log.warning("could not unpin or renew zero-copy read pins: %s", err)
+                if time.monotonic() >= renew_at:
+                    renew_at = time.monotonic() + self._lease / 3
+        finally:
+            channels.close()
 
 
 def _scatter(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray, src: np.ndarray, src_offsets: np.ndarray) -> None:

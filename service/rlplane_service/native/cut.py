@@ -78,7 +78,7 @@ class CutOps:
                 user = part.user[slots]
                 out.append({"p": p, "ids": ids, "fields": fields, "tasks": tasks,
                             "user": user.tolist() if bool(np.not_equal(user, None).any()) else None})
-            pin = self.pins.pin(sorted(pinned)) if pinned else None  # type: ignore[attr-defined]
+            pin = self.pins.pin(sorted(pinned), mine=True) if pinned else None  # type: ignore[attr-defined]
             held_ms = (time.perf_counter() - t0) * 1e3
             seq = self._seq  # type: ignore[attr-defined]  # every change before it is in the cut, none after
             self._cut_seqs[seq] = None

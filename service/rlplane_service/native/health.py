@@ -230,7 +230,7 @@ class UnitHealth:
         with self._lock:
             if b not in self._block_units:
                 return True  # freed meanwhile
-            pin = self.pins.pin([b])  # the source's extents stay put while they are copied
+            pin = self.pins.pin([b], mine=True)  # the source's extents stay put while they are copied
         where = None
         try:
             _, columns, _ = self._pool.get(src_at, src).call({"op": "block", "b": b}, timeout=REPAIR_TIMEOUT_S)

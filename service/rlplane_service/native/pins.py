@@ -22,6 +22,8 @@ import secrets
 import time
 from typing import Any, Callable, Sequence
 
+from rlplane import errors as E
+
 log = logging.getLogger(__name__)
 
 #: How long a read's pin holds its blocks without being renewed (longer than a read's
@@ -40,6 +42,7 @@ class Pins:
         self._pins: dict[str, tuple[list[int], float]] = {}  # pin id -> (blocks, lease deadline)
         self._count: dict[int, int] = {}  # block -> pins holding it
         self._deferred: dict[int, tuple[int, ...]] = {}  # unreferenced pinned block -> units to free it on
+        self._kept: set[str] = set()  # pins of zero-copy views (asked so, or renewed): never dropped for room
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -49,10 +52,22 @@ class Pins:
         """Blocks no sample points at any more, waiting for their pins to go."""
         return len(self._deferred)
 
-    def pin(self, blocks: Sequence[int]) -> str:
-        if len(self._pins) >= self.limit:
+    def pin(self, blocks: Sequence[int], *, keep: bool = False, mine: bool = False) -> str:
+        """A new pin of ``blocks``. At the limit the oldest pins no view holds make room (a
+        reader that never unpins); a pin of live views (``keep``, or renewed) is never taken
+        for room: with only those left, UnavailableError. ``mine``: the controller's own
+        (a snapshot's cut, a repair's copy), kept and never refused."""
+        if mine:
+            keep = True
+        elif len(self._pins) >= self.limit:
             self.expire(time.monotonic(), oldest=len(self._pins) - self.limit + 1)
+            if len(self._pins) >= self.limit:
+                raise E.UnavailableError(f"the controller holds {len(self._pins)} pins of zero-copy reads whose views "
+                                         "are alive (its limit): let some views go, or read with copy=True",
+                                         component="controller")
         pin = secrets.token_hex(12)
+        if keep:
+            self._kept.add(pin)
         self._pins[pin] = (list(blocks), time.monotonic() + self.lease_s)
         for b in blocks:
             self._count[b] = self._count.get(b, 0) + 1
@@ -62,6 +77,7 @@ class Pins:
         held = self._pins.pop(pin, None) if isinstance(pin, str) else None
         if held is None:
             return
+        self._kept.discard(pin)
         for b in held[0]:
             left = self._count.get(b, 0) - 1
             if left > 0:
@@ -80,13 +96,16 @@ class Pins:
                 gone.append(pin)
             else:
                 self._pins[pin] = (held[0], deadline)
+                self._kept.add(pin)
         return gone
 
     def expire(self, now: float, oldest: int = 0) -> None:
         """Drop pins whose lease passed (and, to make room, the ``oldest`` others)."""
         late = [pin for pin, (_, deadline) in self._pins.items() if deadline < now]
         if oldest:
-            late += sorted((p for p in self._pins if p not in late), key=lambda p: self._pins[p][1])[:oldest]
+            gone = set(late)
+            spare = (p for p in self._pins if p not in gone and p not in self._kept)
+            late += sorted(spare, key=lambda p: self._pins[p][1])[:oldest]
         for pin in late:
             log.warning("a read's pin lapsed without an unpin (the reader died or hangs); its blocks may be freed")
             self.unpin(pin)

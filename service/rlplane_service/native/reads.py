@@ -58,7 +58,7 @@ class ReadOps:
             slots = self._slots(p, part, ids)  # MissingDataError unless the partition holds them all
             pinned: set[int] = set()
             out = self._locate(p, self._parts[p], slots, ids, fields, local, pinned, share=header.get("share") is True)
-            out["pin"] = self.pins.pin(sorted(pinned)) if pinned else None
+            out["pin"] = self.pins.pin(sorted(pinned), keep=header.get("keep") is True) if pinned else None
         return out, {}, []
 
     def _locate(self, p: str, part: Partition, slots: np.ndarray, ids: list[str], fields: list[str], local: set[int],

@@ -215,6 +215,10 @@ def test_a_snapshot_report_truncates_the_journals_only_for_a_cut_the_controller_
             c.transport.unpin(cut["pin"])
             assert ctrl.call({**report, "seq": cut["seq"]}, timeout=5)[0]["truncating"] is True
             assert ctrl.call({**report, "seq": cut["seq"]}, timeout=5)[0]["truncating"] is False  # once
+            deadline = time.monotonic() + 30  # the truncation runs on a thread of its own: let it end
+            while time.monotonic() < deadline and eng.core._truncation.locked():
+                time.sleep(0.05)
+            assert not eng.core._truncation.locked()
         finally:
             ctrl.close()
             c.close()

@@ -134,11 +134,10 @@ class UnitLog:
         for e in entries:
             self.append(e)
 
-    def entries(self, after: int = 0, limit: int | None = None) -> list[Entry]:
-        """The entries above sequence number ``after`` (at most ``limit``), in sequence order."""
+    def entries(self, after: int = 0) -> list[Entry]:
+        """The entries above sequence number ``after``, in sequence order."""
         with self._lock:
-            seqs = sorted(s for s in self._entries if s > after)
-            return [self._entries[s] for s in seqs[:limit]]
+            return [self._entries[s] for s in sorted(s for s in self._entries if s > after)]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 APT_PKGS := libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200 libnuma1
 
-.PHONY: setup demo serve test soak-test bench clean
+.PHONY: setup demo serve test soak-test gpu-test bench clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ test: $(STAMP)
 
 soak-test: $(STAMP)
 	$(PY) -m pytest tests -q -m soak
+
+# On a host with a CUDA device (and a CUDA build of torch): CUDA tensors through put/read on every path.
+gpu-test: $(STAMP)
+	$(PY) -m pytest tests/gpu -q -s -m gpu
 
 bench: $(STAMP)
 	$(VENV)/bin/rlplane bench --json out/bench.json

@@ -98,6 +98,7 @@ class Client:
             check_partition(partition)
             prep = prepare(self.registry, fields, fields.get(LENGTHS_FIELD), sample_ids=sample_ids)
             batch, lengths = prep
+            _ready_for(self.transport, fields)
             ids = [str(s) for s in sample_ids] if sample_ids is not None else _new_ids(batch)
             if len(ids) != batch:
                 raise ShapeError(f"{len(ids)} sample ids for a batch of {batch} samples")
@@ -149,6 +150,7 @@ class Client:
             prep = prepare(self.registry, fields, given if given is not None else lengths, sample_ids=meta.sample_ids)
             if given is not None and not torch.equal(prep.lengths, lengths):
                 raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
+            _ready_for(self.transport, fields)
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
                 enc = encode(self.registry, fields, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
                              share_rows=self._shares)
@@ -221,6 +223,7 @@ class Client:
         layout: str = "padded",
         pad_to_seqlen: int | None = None,
         copy: bool = True,
+        device: torch.device | str | None = None,
     ) -> dict[str, Any]:
         """Every requested field of every sample in ``meta``, or MissingDataError.
 
@@ -230,14 +233,20 @@ class Client:
         what it gets; ``copy=False`` lets the native engine's shared-memory path hand out
         read-only views of the store's memory instead (zero copy: writing into one faults),
         whose blocks stay pinned, and so not reused, until the last view is gone.
+        ``device`` (e.g. ``"cuda"``): tensors land there, each field's bytes copied once
+        after their digests were checked on the host (default: host memory).
 
         Example::
 
-            batch = client.read_columns(shard, stage="train")
+            batch = client.read_columns(shard, stage="train", device="cuda")
         """
         with self._op("read_columns") as op:
             if fields is None and stage is None:
                 raise InvalidArgumentError("read_columns needs fields=[...] or stage=...")
+            if device is not None:
+                device = _device(device)
+                if device.type != "cpu" and self.transport.on_device(device):
+                    copy = False  # views of the store's page-locked memory: the copy onto the device is the copy
             names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
             for name in names:
                 self.registry.get(name)
@@ -248,7 +257,7 @@ class Client:
             op.nbytes = sum(col.nbytes for col in columns.values())
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
             return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
-                          partition=meta.partition)
+                          partition=meta.partition, device=device)
 
     # -- streaming -------------------------------------------------------------------
     def claim(
@@ -519,6 +528,26 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ready_for(transport: Transport, fields: Mapping[str, Any]) -> None:
+    """Before a put of tensors on a GPU: the transport's memory readied for copies from it."""
+    for value in fields.values():
+        device = getattr(value, "device", None)
+        if isinstance(device, torch.device) and device.type != "cpu":
+            transport.on_device(device, write=True)
+            return
+
+
+def _device(device: torch.device | str) -> torch.device:
+    """``device`` as a torch.device this process can allocate on, or InvalidArgumentError."""
+    try:
+        dev = torch.device(device)
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"read_columns(device={device!r}): this process cannot place tensors there "
+                                   f"({exc}); pass a device it has, e.g. 'cpu' or 'cuda:0'") from None
+    return dev
 
 
 def _none_held(partition: str, field: str, keys: Any) -> Any:

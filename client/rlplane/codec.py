@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import msgpack
@@ -144,10 +145,21 @@ def encode(
             out = _ENCODERS[(spec.alignment, spec.container)](spec, value, tokens, batch, ids, alloc)
         if out is None:
             continue
-        columns[name], geoms[name] = out
+        col, geoms[name] = out
+        columns[name] = col if col.values.device.type == "cpu" else _to_host(col, name, alloc)
     digests = {name: row_sums(col) for name, col in columns.items()}
     columns = {name: col.with_meta(digests[name], geoms[name]) for name, col in columns.items()}
     return Encoded(columns, RowTags(None, geoms, digests, batch))
+
+
+def _to_host(col: Column, name: str, alloc: Alloc | None) -> Column:
+    """A column encoded on a GPU, copied to the host once: into the buffer ``alloc`` gives
+    for it (the store's page-locked memory, when the transport stages the put there)."""
+    if alloc is None:
+        return col.to("cpu")
+    host = alloc(name, col.values.numel(), col.values.dtype)
+    host.copy_(col.values)
+    return replace(col, values=host)
 
 
 def _lengths(
@@ -356,12 +368,15 @@ def decode(
     sample_ids: Sequence[Any] | None = None,
     partition: str | None = None,
     verify: bool = True,
+    device: torch.device | str | None = None,
 ) -> dict[str, Any]:
     """Turn wire columns back into fields: the exact inverse of :func:`encode`.
 
     First (``verify``) every row's bytes are checked against the digest its writer
     recorded (the column's, else the sample's tags): IntegrityError naming
-    ``partition``, sample and field when they differ.
+    ``partition``, sample and field when they differ. ``device``: where tensors land
+    (default: where the columns are, the host): each field's checked bytes are copied
+    there once, and padding, masks and packing are done there.
 
     Token fields come back ``[B, pad_to_seqlen, ...]`` padded with the field's
     ``pad_value`` (``pad_to_seqlen`` defaults to the longest sample) or, with
@@ -394,6 +409,8 @@ def decode(
             leads[name] = geoms.lead
         if col.same is not None and spec.container != "packed":  # only packed rows come back as shared views
             col = col.expanded()
+        if device is not None and spec.container != "object":
+            col = col.to(device)
         kind = (spec.alignment, spec.container)
         if kind == ("token", "dense"):
             out[name] = _decode_token_dense(spec, col, geoms, layout, pad_to_seqlen, ids, masks)
@@ -408,7 +425,7 @@ def _check_lengths(leads: Mapping[str, np.ndarray | None], lengths: Any, ids: li
     """Every token row read holds its sample's ``input_lengths`` tokens, or ShapeError naming
     the field and the sample (rows stored apart, e.g. a partial rollout extended without one
     of its token fields, are never handed out as if they lined up)."""
-    want = np.asarray(lengths.numpy() if isinstance(lengths, torch.Tensor) else lengths, dtype=np.int64).reshape(-1)
+    want = np.asarray(lengths.cpu().numpy() if isinstance(lengths, torch.Tensor) else lengths, dtype=np.int64).reshape(-1)
     for name, got in leads.items():
         if got is None or got.shape != want.shape:
             continue

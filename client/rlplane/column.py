@@ -26,7 +26,7 @@ stored empty too, and the commit points them at the stored bytes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -134,6 +134,17 @@ class Column:
                             ("same", self.same), ("held", self.held)):
             object.__setattr__(out, name, value)
         return out
+
+    def to(self, device: torch.device | str) -> Column:
+        """The same rows with their values on ``device`` (one copy; offsets, digests and
+        geometry stay on the host, where the codec reads them).
+
+        Example::
+
+            Column.from_rows([torch.arange(3)]).to("cpu").values   # tensor([0, 1, 2])
+        """
+        values = self.values.to(device)
+        return self if values is self.values else replace(self, values=values)
 
     def sharing(self, same: np.ndarray | None) -> Column:
         """The same stored rows, with row ``i``'s bytes those of row ``same[i]`` where it is >= 0

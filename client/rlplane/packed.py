@@ -212,10 +212,18 @@ class PackedTensor:
         if not segs:
             return None, row_numels, shapes
         out_dtype = dtype if dtype is not None and segs[0].is_floating_point() else segs[0].dtype
-        if alloc is not None and segs[0].device.type == "cpu":
+        if segs[0].device.type != "cpu":  # on a GPU: joined and cast there, then one copy to the host
+            with torch.no_grad():
+                joined = torch.cat([s.detach() for s in segs]).to(out_dtype)
+            if alloc is None:
+                return joined, row_numels, shapes
+            values = alloc(sum(row_numels), out_dtype)
+            values.copy_(joined)
+            return values, row_numels, shapes
+        if alloc is not None:
             values = alloc(sum(row_numels), out_dtype)
         else:
-            values = torch.empty(sum(row_numels), dtype=out_dtype, device=segs[0].device)
+            values = torch.empty(sum(row_numels), dtype=out_dtype)
         # One copy_ per segment (each vectorised): measured 1.5x faster than torch.cat(out=)
         # when the copy also casts (24 vs 36 ms on vlm-step pixel_values). On the CPU the
         # segments are split over rlplane's threads (torch's may be one, as in a Ray actor:
@@ -231,10 +239,7 @@ class PackedTensor:
                 for k in range(a, z):
                     values[starts[k] : starts[k + 1]].copy_(segs[k].detach())
 
-        if values.device.type == "cpu" and all(seg.device.type == "cpu" for seg in segs):
-            parallel.run(piece, parallel.spans(np.asarray(starts, np.int64) * segs[0].element_size(), parallel.workers()))
-        else:
-            piece(0, len(segs))
+        parallel.run(piece, parallel.spans(np.asarray(starts, np.int64) * segs[0].element_size(), parallel.workers()))
         return values, row_numels, shapes
 
     def to_wire(self, *, dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, Shapes]:

@@ -69,6 +69,45 @@ class SlabView:
 
     def __post_init__(self) -> None:
         self._mapped = np.zeros((self.nbytes >> GRANULE_SHIFT) + 1, bool)  # granules this process mapped already
+        self._cuda: list[int] = []  # addresses of mappings registered with CUDA
+        self._cuda_tried: set[bool] = set()  # which mappings were tried (write: the read-write one)
+        self._cuda_ok: set[bool] = set()
+        self._cuda_lock = threading.Lock()
+
+    def register_cuda(self, *, write: bool) -> bool:
+        """Page-lock a mapping for CUDA (``cudaHostRegister``, once per process): the
+        read-write one that puts write into (``write``), else the read-only one that reads
+        take views of. Copies between it and a GPU then run by DMA at the bus's speed, not
+        through the driver's pageable staging (220 MB onto an H200: 4.0 ms pinned, 29 ms
+        pageable); the first call pins every page (about 0.4 s per GiB there). False when
+        CUDA refuses: the copies stay correct, only slower (logged).
+
+        Example: ``view.register_cuda(write=False)`` before reading this unit's rows onto a GPU.
+        """
+        with self._cuda_lock:
+            if write not in self._cuda_tried:
+                if not self._cuda_tried:
+                    # Unregistered before a mapping can go: CUDA keeps a registered range's pages pinned
+                    # by address, so memory mapped there later would be copied to and from the old pages.
+                    weakref.finalize(self, _cuda_unregister, self._cuda).atexit = False  # exit unmaps it all
+                self._cuda_tried.add(write)
+                mapping, flags = (self.mm, _CUDA_PORTABLE) if write else (self.ro, _CUDA_PORTABLE | _CUDA_READ_ONLY)
+                addr = _cuda_register(self.unit, mapping, self.nbytes, flags)
+                if addr is not None:
+                    self._cuda.append(addr)
+                    self._cuda_ok.add(write)
+            return write in self._cuda_ok
+
+    def close(self) -> None:
+        with self._cuda_lock:
+            _cuda_unregister(self._cuda)
+            self._cuda_tried, self._cuda_ok = {True, False}, set()  # a closed view is never registered again
+        self.u8 = np.empty(0, np.uint8)
+        for m in (self.mm, self.ro):
+            try:
+                m.close()
+            except BufferError:  # a view still uses it: the mapping goes with the last one
+                pass
 
     def prefault(self, start: int, end: int) -> None:
         """Map the pages of bytes ``[start, end)`` into this process now, one madvise per run
@@ -91,13 +130,46 @@ class SlabView:
             populate(self.u8[lo:hi], write=True)  # an old kernel without the advice: faulted on touch, as before
         self._mapped[g0 + todo] = True
 
-    def close(self) -> None:
-        self.u8 = np.empty(0, np.uint8)
-        for m in (self.mm, self.ro):
-            try:
-                m.close()
-            except BufferError:  # a view still uses it: the mapping goes with the last one
-                pass
+
+#: cudaHostRegister's flags: portable (every CUDA context of the process), read-only.
+_CUDA_PORTABLE, _CUDA_READ_ONLY = 1, 8
+
+
+def _cuda_register(unit: str, mapping: mmap.mmap, nbytes: int, flags: int) -> int | None:
+    """Register one of unit ``unit``'s slab mappings with CUDA; its address, or None."""
+    import torch
+
+    addr = np.frombuffer(mapping, np.uint8).ctypes.data
+    rc = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, flags))
+    if rc == 0:
+        return addr
+    _clear_cuda_error()
+    log.warning("CUDA did not page-lock storage unit %s's slab (cudaHostRegister error %d, flags %d): its copies "
+                "to and from the GPU go through pageable staging, correct but slower", unit, rc, flags)
+    return None
+
+
+def _cuda_unregister(addrs: list[int]) -> None:
+    """Unregister (and forget) every address in ``addrs``; a view's finalizer and close share it."""
+    import torch
+
+    while addrs:
+        rc = int(torch.cuda.cudart().cudaHostUnregister(addrs.pop()))
+        if rc != 0:
+            _clear_cuda_error()
+            log.warning("cudaHostUnregister of a slab mapping failed (error %d)", rc)
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error after a refused call, so the next unrelated op does not
+    report it: through the runtime library torch already loaded (found, never loaded)."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        lib.cudaGetLastError()
+        return
 
 
 _views: dict[str, weakref.ref] = {}  # slab socket name -> the process's mapping of it

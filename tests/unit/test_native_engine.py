@@ -202,3 +202,19 @@ def test_locates_grouping_of_blocks_is_np_unique_with_a_shortcut_for_one_block(v
     uniq, which = groups(a)
     want_u, want_w = np.unique(a, return_inverse=True)
     assert uniq.tolist() == want_u.tolist() and which.tolist() == want_w.reshape(-1).tolist()
+
+
+def test_read_onto_a_device_lands_there_and_a_device_this_process_lacks_is_refused(client):
+    """``read_columns(device=...)``: the host ("cpu") gives what a default read gives; a
+    device this process cannot allocate on is an InvalidArgumentError naming it, before
+    anything is read (the GPU itself: tests/gpu, ``make gpu-test``)."""
+    w = vlm_step(6, 128, seed=11)
+    meta = client.put_samples("onto-device", w.fields)
+    got = client.read_columns(meta, list(w.fields), device="cpu")
+    assert diff_fields(client.registry, w.fields, got, w.lengths) == []
+    assert all(v.device.type == "cpu" for v in got.values() if isinstance(v, torch.Tensor))
+    bad = ["no-such-device"] + ([] if torch.cuda.is_available() else ["cuda"])
+    for device in bad:
+        with pytest.raises(E.InvalidArgumentError, match=f"device={device!r}"):
+            client.read_columns(meta, ["input_ids"], device=device)
+    assert client.clear("onto-device") == 6

@@ -109,10 +109,12 @@ def read_tensordict(
     tokens: Literal["padded", "jagged"] = "padded",
     media: Literal["packed", "nested"] = "packed",
     pad_to_seqlen: int | None = None,
+    device: Any = None,
 ) -> TensorDict:
     """The samples of ``meta`` as a TensorDict of ``batch_size [len(meta)]``: the named
     ``fields`` or a ``stage``'s (see the module docstring for what each kind becomes).
-    Field names with ``"."`` become nested keys. Raises what ``read_columns`` raises.
+    Field names with ``"."`` become nested keys; ``device`` is ``read_columns``'s (e.g.
+    ``"cuda"``). Raises what ``read_columns`` raises.
 
     Example::
 
@@ -123,7 +125,7 @@ def read_tensordict(
     if media not in MEDIA:
         raise InvalidArgumentError(f"media must be one of {MEDIA}, got {media!r}")
     TensorDict, NonTensorStack, _ = _tensordict()
-    got = client.read_columns(meta, fields, stage=stage, layout=tokens, pad_to_seqlen=pad_to_seqlen)
+    got = client.read_columns(meta, fields, stage=stage, layout=tokens, pad_to_seqlen=pad_to_seqlen, device=device)
     out: dict[str, Any] = {}
     for name, value in got.items():
         spec = client.registry.get(name)

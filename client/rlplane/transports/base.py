@@ -90,6 +90,14 @@ class Transport(ABC):
         put lands in (the native engine's staged slab extents)."""
         yield fallback
 
+    def on_device(self, device: Any, *, write: bool = False) -> bool:
+        """Ready this transport's memory for copies from ``device`` (a torch.device other
+        than the host; ``write``: for a put) or onto it: True when reads onto it should take
+        views of the store's memory (``get(copy=False)``), which the copy onto the device then
+        replaces (the native engine's slabs, mapped here and page-locked for CUDA); False:
+        owned copies."""
+        return False
+
     def paths(self) -> dict[str, str]:
         """How bytes move to each storage unit (``{unit: path}``); ``{}`` where a transport
         has one way only (its ``name`` says which)."""

@@ -157,6 +157,15 @@ class NativeTransport(Transport):
         if data_path in ("auto", "te"):
             self._reach_engines(te or TeOptions(), required=data_path == "te")
 
+    def on_device(self, device: Any, *, write: bool = False) -> bool:
+        """On CUDA: every slab mapped here page-locked for reads (or, ``write``, for puts;
+        once per process, see :meth:`SlabView.register_cuda`); True when they all are, so
+        reads onto the GPU take views of the slabs and copy them by DMA.
+        Example: ``transport.on_device(torch.device("cuda"))``."""
+        if getattr(device, "type", None) != "cuda" or not self._slabs:
+            return False
+        return all([view.register_cuda(write=write) for view in list(self._slabs.values())])
+
     def paths(self) -> dict[str, str]:
         """The data path to each storage unit: ``shm`` (its slab is mapped here), ``te``
         (one-sided over the transfer engine) or ``zmq``.

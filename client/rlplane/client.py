@@ -188,6 +188,8 @@ class Client:
                 new = fields[name]
                 if new.is_nested:  # jagged rows: as padded ones (input_lengths says how many count)
                     new = new.to_padded_tensor(0)
+                if new.device.type != "cpu":  # appended on the host, to the stored rows read there
+                    new = new.cpu()
                 out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], new, given.lengths, field=name)
             out[LENGTHS_FIELD] = lengths
             prep = prepare(self.registry, out, lengths, sample_ids=meta.sample_ids)

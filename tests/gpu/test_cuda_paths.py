@@ -98,6 +98,39 @@ def test_a_logprob_stage_writes_back_from_the_gpu_and_a_trainer_claims_onto_it(c
     client.clear("gpu-claim")
 
 
+def test_a_partial_rollout_extended_from_the_gpu_reads_back_whole(client):
+    """A rollout on the GPU writes what it has, extends twice with CUDA tensors (two token
+    fields together), finishes; the trainer reads every token onto the GPU."""
+    lens = [[3, 5], [4, 0], [2, 6]]  # per step, per sample
+    ids = [torch.randint(0, 1000, (2, 8), device="cuda") for _ in lens]
+    lps = [-torch.rand(2, 8, device="cuda") for _ in lens]
+    step = lambda k: {"input_ids": ids[k], "generation_logprobs": lps[k],  # noqa: E731
+                      "input_lengths": torch.tensor(lens[k], device="cuda")}
+    meta = client.put_samples("gpu-extend", step(0), finished=False)
+    meta = client.extend(meta, step(1))
+    meta = client.extend(meta, step(2), finished=True)
+    got = client.read_columns(meta, ["input_ids", "generation_logprobs"], layout="jagged", device="cuda")
+    for name, parts in (("input_ids", ids), ("generation_logprobs", lps)):
+        rows = got[name].unbind()
+        for i in range(2):
+            want = torch.cat([parts[k][i, : lens[k][i]] for k in range(len(lens))])
+            assert rows[i].is_cuda and torch.equal(rows[i], want.to(rows[i].dtype)), (name, i)
+    client.clear("gpu-extend")
+
+
+def test_a_tensordict_on_the_gpu_round_trips_onto_the_gpu(client):
+    from rlplane.integrations.tensordict import put_tensordict, read_tensordict
+    from tensordict import TensorDict
+
+    w = text_step(8, 64, seed=12)
+    td = TensorDict({k: v for k, v in w.fields.items()}, batch_size=[8]).to("cuda")
+    meta = put_tensordict(client, "gpu-td", td)
+    back = read_tensordict(client, meta, list(w.fields), device="cuda")
+    assert devices_of(dict(back.items())) == {"cuda"}
+    assert diff_fields(client.registry, w.fields, moved(dict(back.items()), "cpu"), w.lengths) == []
+    client.clear("gpu-td")
+
+
 def test_page_locking_a_slab_for_cuda_takes_once(capsys):
     """A fresh 1 GiB unit: a read's first on_device page-locks the read-only mapping, a put's
     the read-write one; again, each is free."""

@@ -204,7 +204,8 @@ class PackedTensor:
         Returns ``(values, row_numels, shapes)``; ``values`` is None when every row is
         empty. Floating segments are cast to ``dtype`` (when given) in the same pass.
         ``alloc(numel, dtype)`` supplies the buffer (e.g. a reused one; see
-        :class:`rlplane.codec.Scratch`); default: a new tensor.
+        :class:`rlplane.codec.Scratch`); default: a new tensor. Segments on a GPU are joined
+        there, into a new tensor on that device (``alloc`` is not asked).
         """
         shapes = self.shapes()
         row_numels = [sum(s.numel() for s in row) for row in self._rows]
@@ -212,14 +213,9 @@ class PackedTensor:
         if not segs:
             return None, row_numels, shapes
         out_dtype = dtype if dtype is not None and segs[0].is_floating_point() else segs[0].dtype
-        if segs[0].device.type != "cpu":  # on a GPU: joined and cast there, then one copy to the host
+        if segs[0].device.type != "cpu":  # on a GPU: joined and cast there (the codec copies it to the host once)
             with torch.no_grad():
-                joined = torch.cat([s.detach() for s in segs]).to(out_dtype)
-            if alloc is None:
-                return joined, row_numels, shapes
-            values = alloc(sum(row_numels), out_dtype)
-            values.copy_(joined)
-            return values, row_numels, shapes
+                return torch.cat([s.detach() for s in segs]).to(out_dtype), row_numels, shapes
         if alloc is not None:
             values = alloc(sum(row_numels), out_dtype)
         else:

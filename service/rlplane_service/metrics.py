@@ -154,7 +154,8 @@ def store_view(
     controller = None
     if stats is not None and "controller_restarts" in stats:
         controller = {k: float(stats.get(k, 0.0))
-                      for k in ("controller_restarts", "rebuild_seconds", "started", *SNAPSHOT_STATS)}
+                      for k in ("controller_restarts", "rebuild_seconds", "commit_log_records", "started",
+                                *SNAPSHOT_STATS)}
     if stats is not None:
         counts = {k: int(stats.get(k, 0)) for k in ("lost_samples", "under_replicated_samples")}
         slabs = {u: d["slab"] for u, d in stats.get("units", {}).items() if isinstance(d.get("slab"), dict)}
@@ -294,6 +295,9 @@ class _Collector:
             yield restarts
             yield _gauge("rlplane_controller_rebuild_seconds", "How long the controller's last rebuild of its index "
                          "took (0: it never restarted).", v.controller.get("rebuild_seconds", 0.0))
+            yield _gauge("rlplane_commit_log_records", "Commit-log records the storage units keep for a rebuild of the "
+                         "index: it follows what the store holds, not how long it ran.",
+                         v.controller.get("commit_log_records", 0.0))
             for key, what in SNAPSHOT_STATS.items():
                 yield _gauge(f"rlplane_{key}", what, v.controller.get(key, 0.0))
             since = max(v.controller.get("last_snapshot_time", 0.0), v.controller.get("started", 0.0))

@@ -48,6 +48,7 @@ METRICS = frozenset({
     "rlplane_under_replicated_samples",
     "rlplane_controller_restarts_total",
     "rlplane_controller_rebuild_seconds",
+    "rlplane_commit_log_records",
     "rlplane_last_snapshot_time",
     "rlplane_last_snapshot_bytes",
     "rlplane_last_snapshot_seconds",

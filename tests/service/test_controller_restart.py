@@ -62,6 +62,8 @@ def test_a_sigkilled_controller_comes_back_with_every_sample(url, readyz):
     assert "rlplane_controller_restarts_total 1.0" in metrics
     seconds = [line for line in metrics.splitlines() if line.startswith("rlplane_controller_rebuild_seconds ")]
     assert seconds and 0 < float(seconds[0].split()[1]) < 30
+    records = [line for line in metrics.splitlines() if line.startswith("rlplane_commit_log_records ")]
+    assert records and float(records[0].split()[1]) >= 3  # at least the three puts whose samples it still holds
 
 
 def want_ids(meta, idx):

@@ -11,7 +11,9 @@ storage units *before* the change is answered:
   restart its blocks are orphans (the sweep frees them) and its samples do not exist.
 - ``clear``: cleared samples (``ids``) or a whole partition (``all``) go to every unit
   that answers, before the clear answers; a unit drops the records of a partition older
-  than a whole clear of it, so the log holds what the store holds, not its history.
+  than a whole clear of it, and ``forget`` drops the puts and clears the controller found a
+  rebuild no longer needs (:mod:`~rlplane_service.native.logbook`: a partition cleared
+  sample by sample), so the log holds what the store holds, not its history.
 
 Each entry carries a sequence number (the controller's, continued across restarts), so
 the rebuild replays the union of the units' logs in the order the controller applied
@@ -48,8 +50,9 @@ from rlplane import errors as E
 #: and acks, which only a journal keeps (a unit counts their sequence numbers, see ``high``).
 PUT, CLEAR, DROP, ACK = "put", "clear", "drop", "ack"
 KINDS = frozenset({PUT, CLEAR, DROP, ACK})
-#: Most entries one ``log`` request carries.
+#: Most entries one ``log`` request carries, and one ``forget`` request names.
 MAX_ENTRIES_PER_REQUEST = 4096
+MAX_FORGET = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,19 @@ class UnitLog:
         for e in entries:
             self.append(e)
 
+    def forget(self, seqs: Iterable[int]) -> int:
+        """Drop the put and clear entries ``seqs`` (a rebuild no longer needs them); a whole
+        clear's entry stays (it keeps late copies of the partition's older entries out).
+        Returns how many were held."""
+        n = 0
+        with self._lock:
+            for s in seqs:
+                e = self._entries.get(s)
+                if e is not None and e.kind != DROP:
+                    del self._entries[s]
+                    n += 1
+        return n
+
     def entries(self, after: int = 0) -> list[Entry]:
         """The entries above sequence number ``after``, in sequence order."""
         with self._lock:
@@ -159,4 +175,4 @@ class UnitLog:
 
 
 __all__ = ["Entry", "UnitLog", "mac", "valid", "record", "parse", "PUT", "CLEAR", "DROP", "ACK", "KINDS",
-           "MAX_ENTRIES_PER_REQUEST"]
+           "MAX_ENTRIES_PER_REQUEST", "MAX_FORGET"]

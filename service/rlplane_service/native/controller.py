@@ -53,7 +53,7 @@ from rlplane_service.native.pins import PIN_LEASE_S, Pins
 from rlplane_service.native.requests import (partition_of,
                                              sample_ids)
 from rlplane_service.native.reads import ReadOps
-from rlplane_service.native.recovery import RecoveryOps
+from rlplane_service.native.recovery import COMPACT_EVERY_S, RecoveryOps
 from rlplane_service.native.stream import StreamOps
 from rlplane_service.native.writes import WriteOps
 from rlplane_service.tenants import Access
@@ -125,7 +125,8 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                          for name, every, body in (("reaper", 0.5, self._reap), ("free", 0.0, self._free_some),
                                                    ("watch", WATCH_EVERY_S, self._watch),
                                                    ("repair", WATCH_EVERY_S, self._repair_round),
-                                                   ("sweep", SWEEP_EVERY_S, self._sweep))]
+                                                   ("sweep", SWEEP_EVERY_S, self._sweep),
+                                                   ("compact", COMPACT_EVERY_S, self._compact))]
         if start:
             self.start()
 
@@ -197,10 +198,11 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 slots = np.unique(np.asarray([s for s in got if s >= 0], np.int64))  # an id named twice goes once
                 slots = slots[part.state[slots] == COMMITTED] if slots.size else slots
             whole = ids is None or (slots.size == len(part.ids) and not part.lost)
-            self._log_clear(p, None if whole else part.names[slots].tolist())  # before it is answered
+            seq = self._log_clear(p, None if whole else part.names[slots].tolist())  # before it is answered
             if ids is None:
                 part.lost.clear()  # the partition is gone, and with it what it had lost
             self._forget(p, part, slots)
+            self.book.cleared(seq, part, slots, whole=whole)
         return {"cleared": int(slots.size)}, {}, []
 
     def op_list(self, header: dict, columns: dict, extra: list) -> Any:
@@ -262,6 +264,9 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 "under_replicated_samples": self._under_replicated(),
                 "controller_restarts": self.restarts,
                 "rebuild_seconds": float(self.rebuilt.get("seconds", 0.0)),
+                # Commit-log records on the units that a rebuild needs, and those they were told to forget.
+                "commit_log_records": len(self.book),
+                "commit_log_forgotten": self.book.forgot,
                 "started": self.started,
                 "journal": self.journaling,
                 **self.snapshot_stats(),
@@ -319,6 +324,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
             fi.sums[slots] = 0
         part.state[slots] = FREE
         part.user[slots] = None
+        part.forgets += 1
         for name in part.names[slots].tolist():
             del part.ids[name]
         part.names[slots] = None
@@ -388,6 +394,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
 
     def _drop_blocks(self, bids: list[int]) -> None:
         """Forget blocks; free them on their units now, or once the reads pinning them are done."""
+        self.book.blocks_gone(bids)
         for b in bids:
             units = self._block_units.pop(b, ())
             self._block_refs.pop(b, None)

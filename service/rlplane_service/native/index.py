@@ -134,9 +134,12 @@ class Partition:
     state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
     user: np.ndarray = field(default_factory=lambda: np.empty(0, object))
     retagged: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # user tag changes after the commit
+    # Put records still on the storage units that name the slot (rlplane_service.native.logbook).
+    logged: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     fields: dict[str, FieldIndex] = field(default_factory=dict)
     used: int = 0  # slots handed out so far
     lost: dict[str, str] = field(default_factory=dict)  # sample id -> the storage unit it was lost with
+    forgets: int = 0  # times samples were dropped from it (a cleared slot stays FREE: it is never reused)
 
     def reserve(self, cap: int) -> None:
         """Room for ``cap`` slots (a rebuild knows how many it will take)."""
@@ -145,6 +148,7 @@ class Partition:
             self.state = grown(self.state, cap)
             self.user = grown(self.user, cap)
             self.retagged = grown(self.retagged, cap)
+            self.logged = grown(self.logged, cap)
             for fi in self.fields.values():
                 fi.grow(cap)
 
@@ -214,6 +218,7 @@ class Reservation:
     fields: list[str]
     blocks: list[tuple[int, tuple[int, ...], int, int]]  # (block id, units, first row, end row)
     deadline: float
+    seq: int = 0  # its commit-log entry's sequence number, once logged (rlplane_service.native.logbook)
 
 
 

@@ -46,9 +46,11 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.channel import ChannelPool
 from rlplane.gcpause import gc_paused
+from rlplane.wire import ints
 from rlplane_service.native import commitlog as clog
 from rlplane_service.native.commitlog import ACK, CLEAR, DROP, MAX_ENTRIES_PER_REQUEST, PUT, Entry
 from rlplane_service.native.index import COMMITTED, Partition, Reservation, rows_in
+from rlplane_service.native.logbook import LogBook
 from rlplane_service.native.requests import blocks_of
 
 log = logging.getLogger(__name__)
@@ -56,6 +58,8 @@ log = logging.getLogger(__name__)
 #: How long a unit may take to keep a commit-log entry, to keep entries and fsync its
 #: journal (a durable put), and to list its blocks and log.
 LOG_TIMEOUT_S, SYNC_TIMEOUT_S, INVENTORY_TIMEOUT_S = 5.0, 60.0, 60.0
+#: How often the controller tells the units which entries a rebuild no longer needs.
+COMPACT_EVERY_S = 2.0
 _LISTED = (1 << 63) - 1  # an inventory cursor past every block id and sequence number
 #: Reservation ids of recent commits remembered (a commit sent again is answered as done).
 DONE_REMEMBERED = 1 << 16
@@ -106,6 +110,8 @@ class RecoveryOps:
         self.rebuilt: dict[str, Any] = {}  # the last rebuild's report
         self.recovering: dict[str, Any] | None = None  # progress while a rebuild runs
         self.journal_paused = False  # a restore replays an old journal: what it puts is not journalled again
+        self.book = LogBook()  # which entries on the units a rebuild still needs (the rest are forgotten)
+        self._unwritten: int | None = None  # the first entry a batch staged that may not be on the units yet
 
     # -- writing -------------------------------------------------------------------------
     def _committed(self, rid: str, n: int) -> None:
@@ -128,8 +134,8 @@ class RecoveryOps:
         if len(holders) < 2:  # a record on one unit only would go with that unit
             spare = [u for u in self._answering() if u not in holders]
             holders += spare[: 2 - len(holders)]
-        self._journal(PUT, res.partition, body, holders, "put", undo=self._unput(res) if res.create else None,
-                      durable=durable, holders=bytes_on)
+        res.seq = self._journal(PUT, res.partition, body, holders, "put",
+                                undo=self._unput(res) if res.create else None, durable=durable, holders=bytes_on)
 
     def _log_ack(self, p: str, task: str, ids: list[str]) -> None:
         """Acks of ``ids`` for ``task`` in the journals of two units, before they apply
@@ -151,14 +157,15 @@ class RecoveryOps:
             self._done.pop(res.rid, None)
         return undo
 
-    def _log_clear(self, p: str, ids: list[str] | None) -> None:
-        """Samples ``ids`` of ``p`` (None: all of it) cleared, on every unit that answers."""
+    def _log_clear(self, p: str, ids: list[str] | None) -> int:
+        """Samples ``ids`` of ``p`` (None: all of it) cleared, on every unit that answers;
+        returns the entry's sequence number."""
         if self._replaying:
-            return
+            return 0
         kind, body = (DROP, clog.record({})) if ids is None else (CLEAR, clog.record({"ids": ids}))
         group, self._group = self._group, None  # a clear is written before it is applied, even in a batch
         try:
-            self._journal(kind, p, body, self._answering(), "clear")
+            return self._journal(kind, p, body, self._answering(), "clear")
         finally:
             self._group = group
 
@@ -167,22 +174,25 @@ class RecoveryOps:
 
     def _journal(self, kind: str, p: str, body: bytes, targets: list[int], what: str,
                  undo: Callable[[], None] | None = None, *, durable: bool = False, holders: tuple[int, ...] = ()
-                 ) -> None:
-        """One entry for ``targets``. Within a batch (:meth:`open_batch`) it is staged and
-        written by :meth:`flush` before the batch's answers go out (``undo`` then reverts
-        the request's change if no unit kept it); otherwise written now: UnavailableError
-        when no unit kept it."""
+                 ) -> int:
+        """One entry for ``targets``; returns its sequence number. Within a batch
+        (:meth:`open_batch`) it is staged and written by :meth:`flush` before the batch's
+        answers go out (``undo`` then reverts the request's change if no unit kept it);
+        otherwise written now: UnavailableError when no unit kept it."""
         seq, self._seq = self._seq, self._seq + 1
         e = Entry(seq, kind, p, body, clog.mac(self.seal_key, seq, kind, p, body))
         staged = _Staged(e, targets, what, self.batch_slot, undo, durable, holders)
         if self._group is not None:
             self._group.append(staged)
-            return
+            if self._unwritten is None:
+                self._unwritten = seq
+            return seq
         errors = self._write_entries({u: [e] for u in targets}, {u for u in holders if durable})
         if not any(u not in errors for u in targets):
             raise self._not_kept(what, [errors[u] for u in targets])
         if (why := _not_durable(staged, errors)) is not None:
             raise why
+        return seq
 
     def open_batch(self) -> None:
         """The server starts a batch of requests: their entries are staged (see :meth:`flush`)."""
@@ -208,7 +218,10 @@ class RecoveryOps:
         for g in group:
             for u in g.targets:
                 per_unit.setdefault(u, []).append(g.entry)
-        errors = self._write_entries(per_unit, {u for g in group if g.durable for u in g.holders})
+        try:
+            errors = self._write_entries(per_unit, {u for g in group if g.durable for u in g.holders})
+        finally:
+            self._unwritten = None  # (the server stages the next batch only after this one is answered)
         failed: dict[int, E.RlplaneError] = {}
         for g in group:
             if not any(u not in errors for u in g.targets):
@@ -249,6 +262,36 @@ class RecoveryOps:
         if errors:
             log.warning("commit-log entries not kept by %s", "; ".join(errors.values()))
         return errors
+
+    def _compact(self) -> None:
+        """Tell every unit that is not lost to forget the commit-log entries a rebuild no
+        longer needs (:mod:`~rlplane_service.native.logbook`); they count as gone once all of
+        them did. A unit that does not answer is asked again next round."""
+        with self._lock:
+            below = self._unwritten if self._unwritten is not None else self._seq
+            seqs = self.book.forgettable(below)
+            targets = [u for u in range(len(self.units)) if u not in self._lost_units]
+        if not seqs:
+            return
+        sent, failed = [], []
+        for u in targets:
+            name = self.units[u][0]
+            try:
+                ch = self._pool.get(self._control[u], name)
+                sent.append((name, ch, ch.send({"op": "forget", "s": ints(seqs)})))
+            except E.RlplaneError as err:
+                failed.append(f"{name}: {err}")
+        deadline = time.monotonic() + LOG_TIMEOUT_S
+        for name, ch, rid in sent:
+            try:
+                ch.receive(rid, deadline)
+            except E.RlplaneError as err:
+                failed.append(f"{name}: {err}")
+        if failed:
+            log.warning("commit-log entries no longer needed stay on the units for now (%s)", "; ".join(failed))
+            return
+        with self._lock:
+            self.book.forgotten(seqs)
 
     @staticmethod
     def _not_kept(what: str, errors: list[str]) -> E.UnavailableError:
@@ -373,13 +416,16 @@ class RecoveryOps:
             if part is not None:
                 part.lost.clear()
                 self._forget(p, part, part.committed())
+                self.book.cleared(e.seq, part, np.zeros(0, np.int64), whole=True)
             return True
         if e.kind == CLEAR:
             if part is None:
                 return False
             slots = np.unique(np.asarray([part.ids.get(s, -1) for s in rec["ids"]], np.int64))
             slots = slots[slots >= 0]
-            self._forget(p, part, slots[part.state[slots] == COMMITTED])
+            slots = slots[part.state[slots] == COMMITTED]
+            self._forget(p, part, slots)
+            self.book.cleared(e.seq, part, slots, whole=False)
             return True
         ids, create, fields = list(rec["ids"]), rec["create"] is True, list(rec["fields"])
         blocks = blocks_of(rec["blocks"], len(ids), len(self.units))
@@ -399,7 +445,7 @@ class RecoveryOps:
         for b, units, _, _ in blocks:
             self._block_units[b] = units
             self._block_refs.setdefault(b, 0)
-        res = Reservation(str(rec["rid"]), p, part, slots, create, fields, blocks, float("inf"))
+        res = Reservation(str(rec["rid"]), p, part, slots, create, fields, blocks, float("inf"), seq=e.seq)
         try:
             parsed = self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s"), rec.get("k"),
                                         rec.get("hx"))
@@ -450,4 +496,4 @@ def _not_durable(g: _Staged, errors: dict[int, str]) -> E.UnavailableError | Non
                               "same ids replace it) once the journal's disk is back", component="journal")
 
 
-__all__ = ["RecoveryOps", "LOG_TIMEOUT_S", "INVENTORY_TIMEOUT_S"]
+__all__ = ["RecoveryOps", "LOG_TIMEOUT_S", "INVENTORY_TIMEOUT_S", "COMPACT_EVERY_S"]

@@ -64,7 +64,7 @@ from rlplane.gather import gather
 from rlplane.wire import RawColumn, check_offsets, int_array, ints
 from rlplane_service.native.allocator import ALIGN, Allocator
 from rlplane_service.native import commitlog as clog
-from rlplane_service.native.commitlog import MAX_ENTRIES_PER_REQUEST, Entry, UnitLog
+from rlplane_service.native.commitlog import MAX_ENTRIES_PER_REQUEST, MAX_FORGET, Entry, UnitLog
 from rlplane_service.native.heap import HeapTrim
 from rlplane_service.native.journal import JournalWriter
 from rlplane_service.native.slab import Slab, SlabShare
@@ -178,7 +178,7 @@ class UnitCore:
     #: Served only on the control socket (the controller's credential): dropping blocks,
     #: and copying a whole block out (re-replication).
     #: The commit log (``log``, ``inventory``) is the controller's too.
-    CONTROL_OPS = frozenset({"free", "block", "old", "log", "inventory", "jtrunc"})
+    CONTROL_OPS = frozenset({"free", "block", "old", "log", "forget", "inventory", "jtrunc"})
 
     def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True,
                  seal_key: bytes | None = None, te: TransferEngineConfig | None = None,
@@ -357,6 +357,15 @@ class UnitCore:
                 raise E.UnavailableError(f"storage unit {self.name} could not write its journal "
                                          f"({self.journal.dir}: {err.strerror or err})", component=self.name) from None
         return {"kept": len(heads)}, {}, []
+
+    def op_forget(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
+        """Drop the commit-log entries ``s`` (int64 sequence numbers): the controller found
+        that a rebuild no longer needs them (rlplane_service.native.logbook). The journal on
+        disk keeps them until a snapshot truncates it."""
+        seqs = int_array(header.get("s", b""), "sequence numbers")
+        if seqs.size > MAX_FORGET:
+            raise E.WireFormatError(f"forget names at most {MAX_FORGET} entries at once")
+        return {"forgot": self.log.forget(seqs.tolist())}, {}, []
 
     def _journal(self, e: Entry) -> None:
         """Append entry ``e`` to the journal; a put with the bytes of its blocks stored here."""

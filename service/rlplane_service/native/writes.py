@@ -41,6 +41,7 @@ from rlplane.names import MAX_NAME_LEN
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, objects
+from rlplane_service.native.logbook import LogBook
 from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
                                              plain_int, sample_ids, shared_rows)
 from rlplane_service.native.unit import seal as unit_seal
@@ -84,6 +85,7 @@ class WriteOps:
     seal_key: bytes | None
     lease_s: float
     capacity: int | None
+    book: LogBook
 
     def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
         p, ids = partition_of(header), sample_ids(header.get("ids"))
@@ -276,6 +278,9 @@ class WriteOps:
     def _apply_commit(self, res: Reservation, c: Parsed, user: Any) -> None:
         """Put a checked commit into the index (under the lock)."""
         part, n = res.part, res.slots.size
+        if res.seq:  # what its commit-log entry keeps alive (rlplane_service.native.logbook)
+            tagged = isinstance(user, list) and any(isinstance(t, dict) and t for t in user)
+            self.book.put(res.seq, part, res.slots, [b for b, _, _, _ in res.blocks], pins=res.create or tagged)
         row_in_block = np.arange(n, dtype=np.int64) - c.first_row
         refs: collections.Counter[int] = collections.Counter({b: (z - a) * len(res.fields) for b, _, a, z in res.blocks})
         for k, name in enumerate(res.fields):

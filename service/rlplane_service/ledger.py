@@ -405,6 +405,14 @@ class Ledger:
             self._release(le.state, held, le.partition)
         return len(gone)
 
+    def forget(self, partition: str) -> None:
+        """``partition`` left the index (its last sample was cleared): drop its consumption
+        state now. Kept until the next look at the partition, it held the old index's arrays
+        (every field's rows) and each task's states, for every partition a run cleared.
+
+        Example: ``ledger.forget("step-7")`` after the index dropped the partition."""
+        self._parts.pop(partition, None)
+
     def touch(self, partition: str) -> None:
         """Something a parked claim on ``partition`` may wait for happened (a commit, a loss)."""
         self._touched.add(partition)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from dataclasses import replace
 
 import numpy as np
@@ -342,3 +344,23 @@ def test_a_finished_tag_a_grown_length_and_a_group_key_named_like_a_tag_the_ledg
     for key in ("policy_version", "finished"):
         got = led.claim(_req(task=f"g-{key}", n=2, group_key=key, current_version=3, max_staleness=0), final=True)
         assert sorted(got["ids"]) == ["a", "b"]
+
+
+def test_a_partition_the_store_dropped_leaves_no_consumption_state_or_index_behind():
+    """A run that makes and clears a partition per step must not keep each step's index
+    (every field's rows) and task states alive in the ledger (the native controller and the
+    TQ backends' ledger both drop them when the partition goes)."""
+    from rlplane_service.native.stream import LedgerCore
+
+    core = LedgerCore()
+    core.indexes.record("p", ["a", "b"], ["input_ids"], [{}, {}], create=True)
+    lease = core.ledger.claim(_req(n=2), final=True)
+    core.ledger.ack("p", "train", lease["lease"])
+    gone = weakref.ref(core.indexes["p"])
+    core.op_drop({"p": "p", "ids": ["a"]}, {}, [])
+    assert gone() is not None and core.ledger.consumption("p", "train")["acked"] == 1
+    core.op_drop({"p": "p", "ids": ["b"]}, {}, [])
+    gc.collect()
+    assert gone() is None
+    core.indexes.record("p", ["a"], ["input_ids"], [{}], create=True)  # made again: it starts fresh
+    assert core.ledger.claim(_req(n=1), final=True)["ids"] == ["a"]

@@ -218,3 +218,29 @@ def test_read_onto_a_device_lands_there_and_a_device_this_process_lacks_is_refus
         with pytest.raises(E.InvalidArgumentError, match=f"device={device!r}"):
             client.read_columns(meta, ["input_ids"], device=device)
     assert client.clear("onto-device") == 6
+
+
+def test_a_cleared_partitions_index_is_freed_with_its_consumption_state():
+    """A partition per step, claimed, acked and cleared: nothing of it stays in the controller
+    (its index held every field's rows; the ledger kept it until the partition was looked at again)."""
+    import gc
+    import weakref
+
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng:
+        c = Client(default_registry(), NativeTransport({"controller": eng.server.endpoint, "secret": SECRET.decode()},
+                                                       timeout=30))
+        try:
+            refs = []
+            for step in range(3):
+                p = f"step-{step}"
+                c.put_samples(p, {"input_ids": torch.arange(8).reshape(2, 4), "input_lengths": torch.full((2,), 4)})
+                c.ack(c.claim(p, "train", batch_size=2, fields=["input_ids"], timeout=0), "train")
+                refs.append(weakref.ref(eng.core._parts[p]))
+                c.clear(p, ["x"] if step == 2 else None)  # (an unknown id clears nothing)
+                if step == 2:
+                    c.clear(p, c.transport.describe(p).sample_ids)  # the last samples, named: the partition goes too
+            gc.collect()
+            assert [r() for r in refs] == [None, None, None]
+            assert c.consumption("step-0", "train")["acked"] == 0
+        finally:
+            c.close()

@@ -330,6 +330,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         part.names[slots] = None
         if not part.ids and not part.lost:
             del self._parts[p]
+            self.ledger.forget(p)
 
     def _held(self, committed_only: bool = False) -> int:
         if committed_only:

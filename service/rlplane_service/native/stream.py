@@ -181,6 +181,8 @@ class LedgerCore(StreamOps):
             raise E.WireFormatError("drop needs 'p' and optionally 'ids'")
         with self._lock:
             self.indexes.drop(p, ids)
+            if p not in self.indexes:
+                self.ledger.forget(p)
             if ids is None:
                 self.lost.pop(p, None)
         return {}, {}, []
@@ -194,6 +196,8 @@ class LedgerCore(StreamOps):
             self.lost_units.add(unit)
             if ids:
                 self.indexes.drop(p, ids)
+                if p not in self.indexes:
+                    self.ledger.forget(p)
                 self.lost.setdefault(p, {}).update(dict.fromkeys(ids, unit))
                 self.lost_samples += len(ids)
                 self.ledger.touch(p)

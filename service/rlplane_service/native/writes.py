@@ -424,6 +424,7 @@ class WriteOps:
             part.names[res.slots] = None
             if not part.ids and not part.lost and self._parts.get(res.partition) is part:
                 del self._parts[res.partition]
+                self.ledger.forget(res.partition)
         self._drop_blocks([b for b, _, _, _ in res.blocks])
 
     def _reap(self) -> None:

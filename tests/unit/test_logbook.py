@@ -6,6 +6,7 @@ the cleared ones (rlplane_service.native.logbook). In one process plus storage u
 import os
 import random
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -95,13 +96,20 @@ def test_a_record_is_kept_while_a_block_it_wrote_is_referenced_and_entries_not_y
     assert book.forgettable(below=6) == [5]
 
 
-def test_a_whole_clear_drops_the_partitions_records_without_naming_them():
+def test_a_whole_clear_drops_the_partitions_records_and_goes_once_every_unit_took_it():
     book = LogBook()
     part, slots = part_of(3)
     book.put(1, part, slots, [31], pins=True)
     book.cleared(2, part, slots[:1], whole=False)
-    book.cleared(3, part, slots, whole=True)  # the units drop the partition's older entries themselves
-    assert len(book) == 0 and book.forgettable(below=10) == []
+    book.cleared(3, part, slots, whole=True)  # a unit missed it: it must stay, to undo that unit's older records
+    assert book.forgettable(below=10) == []
+    again, more = part_of(2)
+    book.put(4, again, more, [41], pins=True)
+    book.cleared(5, again, more, whole=True, everywhere=True)  # the units dropped the older records themselves
+    assert book.forgettable(below=5) == []  # a record staged before it may still reach a unit: its mark stays
+    assert book.forgettable(below=6) == [5]
+    book.forgotten([5])
+    assert len(book) == 0
 
 
 # -- the engine ---------------------------------------------------------------------------
@@ -191,9 +199,45 @@ def test_a_unit_that_does_not_answer_keeps_every_record_counted_as_held(monkeypa
         finally:
             os.kill(eng.unit_pid(1), signal.SIGCONT)
         compact(eng)
-        assert eng.core.book.stats() == {"puts": 1, "clears": 0, "forgot": 6}
+        assert eng.core.book.stats() == {"puts": 1, "clears": 0, "drops": 0, "forgot": 6}
         report = restart(eng)
         assert report["samples"] == 1 and report["entries"] == 1 and report["ignored"] == 0
+
+
+def test_a_partition_per_step_leaves_nothing_in_the_units_logs():
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        for step in range(20):
+            w = text_step(4, 32, seed=step)
+            c.put_samples(f"step-{step}", w.fields)
+            c.clear(f"step-{step}")
+        kept = c.put_samples("step-20", text_step(4, 32, seed=20).fields)
+        assert min(log_entries(eng)) >= 20  # each whole clear's record, before the controller's next round
+        compact(eng)
+        assert log_entries(eng) == [1, 1] and [len(core.log._dropped) for core in eng.cores] == [0, 0]
+        report = restart(eng)
+        assert report["samples"] == 4 and report["partitions"] == 1
+        same(c, text_step(4, 32, seed=20), kept)
+
+
+def test_a_whole_clear_a_unit_missed_stays_to_undo_that_units_records(monkeypatch):
+    monkeypatch.setattr(recovery, "LOG_TIMEOUT_S", 0.5)
+    with LocalEngine(2, secret=SECRET, lease_s=30, processes=True) as eng, connect(eng) as c:
+        c.put_samples("gone", text_step(4, 32, seed=1).fields)  # its record is on both units
+        os.kill(eng.unit_pid(1), signal.SIGSTOP)
+        try:
+            eng.core._suspected(1, "stopped by the test")  # (the watch loop would find it so within seconds)
+            c.clear("gone")  # written to the units that answer: unit 0
+        finally:
+            os.kill(eng.unit_pid(1), signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while 1 in eng.core._suspect and time.monotonic() < deadline:  # the watch loop finds it answering again
+            time.sleep(0.1)
+        assert 1 not in eng.core._suspect
+        compact(eng)
+        assert eng.core.book.stats()["drops"] == 0 and len(eng.core.book) == 0
+        report = restart(eng)  # unit 1 still lists the put: the whole clear on unit 0 undoes it
+        assert report["samples"] == 0 and report["partitions"] == 0 and report["lost_samples"] == 0
+        assert c.transport.partitions() == []
 
 
 def test_random_puts_writes_and_clears_rebuild_to_the_same_store_after_compaction():

@@ -138,16 +138,18 @@ class UnitLog:
             self.append(e)
 
     def forget(self, seqs: Iterable[int]) -> int:
-        """Drop the put and clear entries ``seqs`` (a rebuild no longer needs them); a whole
-        clear's entry stays (it keeps late copies of the partition's older entries out).
-        Returns how many were held."""
+        """Drop the entries ``seqs`` (a rebuild no longer needs them; a whole clear's entry
+        goes with the mark that kept older entries of its partition out: the controller names
+        one only once no such entry can still arrive). Returns how many were held."""
         n = 0
         with self._lock:
             for s in seqs:
-                e = self._entries.get(s)
-                if e is not None and e.kind != DROP:
-                    del self._entries[s]
-                    n += 1
+                e = self._entries.pop(s, None)
+                if e is None:
+                    continue
+                n += 1
+                if e.kind == DROP and self._dropped.get(e.partition) == s:
+                    del self._dropped[e.partition]
         return n
 
     def entries(self, after: int = 0) -> list[Entry]:

@@ -198,11 +198,11 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 slots = np.unique(np.asarray([s for s in got if s >= 0], np.int64))  # an id named twice goes once
                 slots = slots[part.state[slots] == COMMITTED] if slots.size else slots
             whole = ids is None or (slots.size == len(part.ids) and not part.lost)
-            seq = self._log_clear(p, None if whole else part.names[slots].tolist())  # before it is answered
+            seq, everywhere = self._log_clear(p, None if whole else part.names[slots].tolist())  # before the answer
             if ids is None:
                 part.lost.clear()  # the partition is gone, and with it what it had lost
             self._forget(p, part, slots)
-            self.book.cleared(seq, part, slots, whole=whole)
+            self.book.cleared(seq, part, slots, whole=whole, everywhere=everywhere)
         return {"cleared": int(slots.size)}, {}, []
 
     def op_list(self, header: dict, columns: dict, extra: list) -> Any:

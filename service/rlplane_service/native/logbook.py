@@ -14,7 +14,9 @@ entry once replaying it would change nothing:
   create them, and keep their tags);
 - a **clear's record** is needed while a put's record that names one of the samples it
   cleared may still be on a unit (replayed without the clear, that put would bring the
-  samples back).
+  samples back); a **whole clear's** (which made the units drop the partition's older
+  records) while a unit may not have taken it: one that every unit that is not lost took
+  has nothing left to undo.
 
 A put's record counts as gone only once every unit that is not lost has confirmed it
 forgot it (a unit that missed the message would otherwise give it back to a rebuild after
@@ -68,11 +70,12 @@ class LogBook:
         self._clears: dict[int, _Clear] = {}
         self._block_seq: dict[int, int] = {}  # block id -> the put record that wrote it
         self._idle: set[int] = set()  # put records none of whose blocks is referenced any more
+        self._drops: set[int] = set()  # whole clears every unit took: nothing left for them to undo
         self._of_part: dict[int, set[int]] = {}  # id(partition) -> its records (a whole clear drops them)
         self.forgot = 0  # entries the units were told to forget, in all
 
     def __len__(self) -> int:
-        return len(self._puts) + len(self._clears)
+        return len(self._puts) + len(self._clears) + len(self._drops)
 
     def put(self, seq: int, part: Partition, slots: np.ndarray, blocks: Iterable[int], pins: bool) -> None:
         """Put record ``seq`` was applied: it names ``slots`` of ``part`` and wrote ``blocks``."""
@@ -95,12 +98,16 @@ class LogBook:
                 if rec.blocks <= 0:
                     self._idle.add(seq)  # type: ignore[arg-type]
 
-    def cleared(self, seq: int, part: Partition, slots: np.ndarray, *, whole: bool) -> None:
+    def cleared(self, seq: int, part: Partition, slots: np.ndarray, *, whole: bool, everywhere: bool = False) -> None:
         """Clear record ``seq`` was applied to ``slots`` of ``part``; ``whole``: it cleared the
-        whole partition, and the units drop its older records themselves."""
+        whole partition, and the units drop its older records themselves; ``everywhere``:
+        every unit that is not lost took that record, so none holds an older record of the
+        partition for it to undo, and it may go too."""
         if whole:
             for old in self._of_part.pop(id(part), ()):
                 self._drop(old)
+            if everywhere:
+                self._drops.add(seq)
             return
         self._clears[seq] = _Clear(part, slots.copy())
         self._of_part.setdefault(id(part), set()).add(seq)
@@ -125,6 +132,7 @@ class LogBook:
                 break
             if seq < below and not (c.slots.size and bool(c.part.logged[c.slots].any())):
                 out.append(seq)
+        out += [seq for seq in sorted(self._drops) if seq < below][: max(0, limit - len(out))]
         return out
 
     def forgotten(self, seqs: Iterable[int]) -> None:
@@ -134,6 +142,9 @@ class LogBook:
                 self.forgot += 1
 
     def _drop(self, seq: int) -> bool:
+        if seq in self._drops:
+            self._drops.discard(seq)
+            return True
         rec = self._puts.pop(seq, None)
         if rec is not None:
             rec.part.logged[rec.slots] -= 1
@@ -152,7 +163,7 @@ class LogBook:
         return True
 
     def stats(self) -> dict[str, int]:
-        return {"puts": len(self._puts), "clears": len(self._clears), "forgot": self.forgot}
+        return {"puts": len(self._puts), "clears": len(self._clears), "drops": len(self._drops), "forgot": self.forgot}
 
 
 __all__ = ["LogBook"]

@@ -157,28 +157,31 @@ class RecoveryOps:
             self._done.pop(res.rid, None)
         return undo
 
-    def _log_clear(self, p: str, ids: list[str] | None) -> int:
+    def _log_clear(self, p: str, ids: list[str] | None) -> tuple[int, bool]:
         """Samples ``ids`` of ``p`` (None: all of it) cleared, on every unit that answers;
-        returns the entry's sequence number."""
+        returns the entry's sequence number, and whether every unit that is not lost kept it."""
         if self._replaying:
-            return 0
+            return 0, False
         kind, body = (DROP, clog.record({})) if ids is None else (CLEAR, clog.record({"ids": ids}))
         group, self._group = self._group, None  # a clear is written before it is applied, even in a batch
+        kept: list[int] = []
         try:
-            return self._journal(kind, p, body, self._answering(), "clear")
+            seq = self._journal(kind, p, body, self._answering(), "clear", kept=kept)
         finally:
             self._group = group
+        return seq, set(kept) >= {u for u in range(len(self.units)) if u not in self._lost_units}
 
     def _answering(self) -> list[int]:
         return [u for u in range(len(self.units)) if u not in self._lost_units and u not in self._suspect]
 
     def _journal(self, kind: str, p: str, body: bytes, targets: list[int], what: str,
-                 undo: Callable[[], None] | None = None, *, durable: bool = False, holders: tuple[int, ...] = ()
-                 ) -> int:
+                 undo: Callable[[], None] | None = None, *, durable: bool = False, holders: tuple[int, ...] = (),
+                 kept: list[int] | None = None) -> int:
         """One entry for ``targets``; returns its sequence number. Within a batch
         (:meth:`open_batch`) it is staged and written by :meth:`flush` before the batch's
         answers go out (``undo`` then reverts the request's change if no unit kept it);
-        otherwise written now: UnavailableError when no unit kept it."""
+        otherwise written now (the units that kept it added to ``kept``): UnavailableError
+        when no unit kept it."""
         seq, self._seq = self._seq, self._seq + 1
         e = Entry(seq, kind, p, body, clog.mac(self.seal_key, seq, kind, p, body))
         staged = _Staged(e, targets, what, self.batch_slot, undo, durable, holders)
@@ -188,6 +191,8 @@ class RecoveryOps:
                 self._unwritten = seq
             return seq
         errors = self._write_entries({u: [e] for u in targets}, {u for u in holders if durable})
+        if kept is not None:
+            kept.extend(u for u in targets if u not in errors)
         if not any(u not in errors for u in targets):
             raise self._not_kept(what, [errors[u] for u in targets])
         if (why := _not_durable(staged, errors)) is not None:

@@ -405,6 +405,45 @@ class Ledger:
             self._release(le.state, held, le.partition)
         return len(gone)
 
+    def leased(self, partition: str, index: Any) -> np.ndarray:
+        """The slots of ``index`` (partition ``partition``'s) that live leases name."""
+        ps = self._parts.get(partition)
+        if ps is None or ps.index is not index:
+            return np.zeros(0, np.int64)
+        mine = [le.slots for le in self._leases_on(partition, ps)]
+        return np.concatenate(mine) if mine else np.zeros(0, np.int64)
+
+    def _leases_on(self, partition: str, ps: PartState) -> list[Lease]:
+        tasks = {id(ts) for ts in ps.tasks.values()}
+        return [le for le in self._leases.values() if le.partition == partition and id(le.state) in tasks]
+
+    def renumber(self, partition: str, index: Any, keep: np.ndarray, remap: np.ndarray) -> None:
+        """``index`` renumbered its slots (:meth:`Partition.repack`: ``keep`` became 0.., in
+        order; ``remap`` old -> new): every task's states, cursor and leases follow; the tag
+        caches start again (their group codes too, which otherwise grow by every group ever
+        seen). Every slot a live lease names must be in ``keep`` (see :meth:`leased`)."""
+        ps = self._parts.get(partition)
+        if ps is None or ps.index is not index:
+            return
+        n, cap = remap.size, max(64, keep.size + keep.size // 2)
+
+        def take(a: np.ndarray, fill: Any) -> np.ndarray:
+            if a.size < n:
+                a = np.concatenate([a, np.full(n - a.size, fill, a.dtype)])
+            out = np.full(cap, fill, a.dtype)
+            out[: keep.size] = a[keep]
+            return out
+
+        leases = self._leases_on(partition, ps)
+        for ts in ps.tasks.values():
+            ts.state, ts.lease = take(ts.state, UNSEEN), take(ts.lease, 0)
+            ts.cursor = int(np.searchsorted(keep, ts.cursor))  # the kept slots below it are not UNSEEN either
+        fresh = PartState(index)  # the tag caches are read again, for the samples held only
+        ps.version, ps.open, ps.groups, ps.codes, ps.filled = (fresh.version, fresh.open, fresh.groups, fresh.codes,
+                                                                fresh.filled)
+        for le in leases:
+            le.slots = remap[le.slots]
+
     def forget(self, partition: str) -> None:
         """``partition`` left the index (its last sample was cleared): drop its consumption
         state now. Kept until the next look at the partition, it held the old index's arrays

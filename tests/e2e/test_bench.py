@@ -75,6 +75,7 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert claim["claim_tokens"]["ops"] == 3 and claim["claim_tokens"]["max_tokens"] > 0
     ext = claim["extend"]  # the finished rollouts were claimed whole after the extends (checked by the bench)
     assert ext["extends"] == 3 and ext["first"]["ops"] == ext["last"]["ops"] == 1 and ext["length"] == 4 * 128
+    assert claim["stream"]["rounds"] == 100 and claim["stream"]["repacked"] is not None  # native counts its renumberings
     assert claim["drain"]["exactly_once"] and claim["drain"]["samples"] == 8 * 2 and claim["drain"]["claimers"] == 4
     ctl = data["controller"]
     assert [r["op"] for r in ctl["rows"]] == ["put_samples", "claim+ack", "read_columns"] and ctl["processes"] == 2

@@ -15,7 +15,8 @@ The table (``FieldIndex.keyed``) maps a key to a slot whose row holds the bytes:
 :func:`register` adds the put's own rows at its commit, :func:`inherit` the rows that hold
 them once their first holder went. An entry is checked against its slot's row whenever it is found
 (state, block, key), so one that outlived its row names nothing; slots are never reused
-within a partition, so the table never grows past the partition's own arrays.
+within a partition (a renumbering, ``Partition.repack``, moves an entry with its slot or
+drops it with it), so the table never grows past the partition's own arrays.
 
 Example::
 

@@ -38,6 +38,13 @@ def rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
     return np.flatnonzero(hit & (part.state[: part.used] == COMMITTED))
 
 
+def kept(a: np.ndarray, keep: np.ndarray, cap: int, fill: Any) -> np.ndarray:
+    """``a[keep]`` at the front of a new array of ``cap`` entries, the rest ``fill`` (None: objects)."""
+    out = np.empty(cap, dtype=object) if fill is None else np.full(cap, fill, dtype=a.dtype)
+    out[: keep.size] = a[keep]
+    return out
+
+
 def objects(items: Sequence[Any]) -> np.ndarray:
     out = np.empty(len(items), dtype=object)
     for i, x in enumerate(items):  # numpy would turn lists of lists into a 2-D array
@@ -117,6 +124,13 @@ class FieldIndex:
             rows[i] = [int(lead[i]), *shape] if lead[i] >= 0 else shape
         return Geometry.of_rows(rows)
 
+    def renumber(self, keep: np.ndarray, remap: np.ndarray, cap: int) -> None:
+        """Keep the rows of slots ``keep`` only, as slots 0.. in the same order (``remap``:
+        old slot -> new one, -1 for a slot that goes), in arrays of ``cap`` entries."""
+        for name, fill in self._COLUMNS:
+            setattr(self, name, kept(getattr(self, name), keep, cap, fill))
+        self.keyed = {k: int(remap[s]) for k, s in self.keyed.items() if 0 <= s < remap.size and remap[s] >= 0}
+
     def forget(self, slots: np.ndarray) -> None:
         """The rows at ``slots`` are gone: drop their geometry and keys."""
         self.geom[slots] = None
@@ -163,6 +177,26 @@ class Partition:
         self.ids.update(zip(ids, range(self.used, need)))
         self.used = need
         return slots
+
+    def repack(self, keep: np.ndarray) -> np.ndarray:
+        """Renumber the slots: ``keep`` (sorted; every slot a sample holds among them) become
+        0.. in the same order, so arrival order stays slot order, and every other slot goes.
+        Returns the old slot -> new slot map (-1: gone). A partition cleared sample by sample
+        otherwise grows by a slot per sample it ever held (every field's row records)."""
+        remap = np.full(self.used, -1, np.int64)
+        remap[keep] = np.arange(keep.size, dtype=np.int64)
+        cap = max(64, keep.size + keep.size // 2)
+        self.names = kept(self.names, keep, cap, None)
+        self.state = kept(self.state, keep, cap, FREE)
+        self.user = kept(self.user, keep, cap, None)
+        self.retagged = kept(self.retagged, keep, cap, 0)
+        self.logged = kept(self.logged, keep, cap, 0)
+        for fi in self.fields.values():
+            fi.renumber(keep, remap, cap)
+        self.ids = {name: int(remap[s]) for name, s in self.ids.items()}
+        self.used = int(keep.size)
+        self.forgets += 1
+        return remap
 
     def field_index(self, name: str) -> FieldIndex:
         fi = self.fields.get(name)
@@ -219,6 +253,7 @@ class Reservation:
     blocks: list[tuple[int, tuple[int, ...], int, int]]  # (block id, units, first row, end row)
     deadline: float
     seq: int = 0  # its commit-log entry's sequence number, once logged (rlplane_service.native.logbook)
+    ids: Sequence[str] = ()  # the samples of ``slots`` (a sample cleared meanwhile has no name in the index)
 
 
 

@@ -112,6 +112,18 @@ class LogBook:
         self._clears[seq] = _Clear(part, slots.copy())
         self._of_part.setdefault(id(part), set()).add(seq)
 
+    def renumber(self, part: Partition, remap: np.ndarray) -> None:
+        """``part`` renumbered its slots (old -> new in ``remap``, -1: gone). Every slot a put
+        record names is kept (it counts in :attr:`Partition.logged`); a clear's slots that
+        went are ones no put record names any more, which is all a clear is kept for."""
+        for seq in self._of_part.get(id(part), ()):
+            rec = self._puts.get(seq)
+            if rec is not None:
+                rec.slots = remap[rec.slots]
+            else:
+                new = remap[self._clears[seq].slots]
+                self._clears[seq].slots = new[new >= 0]
+
     def forgettable(self, below: int, limit: int = MAX_FORGET) -> list[int]:
         """Entries below sequence number ``below`` (those above may not be on the units yet)
         that a rebuild no longer needs, at most ``limit``, oldest first."""

@@ -450,7 +450,7 @@ class RecoveryOps:
         for b, units, _, _ in blocks:
             self._block_units[b] = units
             self._block_refs.setdefault(b, 0)
-        res = Reservation(str(rec["rid"]), p, part, slots, create, fields, blocks, float("inf"), seq=e.seq)
+        res = Reservation(str(rec["rid"]), p, part, slots, create, fields, blocks, float("inf"), seq=e.seq, ids=ids)
         try:
             parsed = self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s"), rec.get("k"),
                                         rec.get("hx"))

@@ -123,7 +123,7 @@ class WriteOps:
                 self._block_units[b] = units
                 self._block_refs[b] = 0
             res = Reservation(f"{self.epoch}.{secrets.token_hex(12)}", p, part, slots, create, fields, blocks,  # type: ignore[arg-type]
-                              time.monotonic() + self.lease_s)
+                              time.monotonic() + self.lease_s, ids=ids)
             self._res[res.rid] = res
         return {"res": res.rid, "lease_s": self.lease_s}, {}, []
 
@@ -192,7 +192,7 @@ class WriteOps:
                                          "nothing of the put was stored: retry it", component="storage unit")
             if not res.create and bool((part.state[res.slots] != COMMITTED).any()):
                 self._abort(res)
-                gone = part.names[res.slots[part.state[res.slots] != COMMITTED]].tolist()
+                gone = [res.ids[i] for i in np.flatnonzero(part.state[res.slots] != COMMITTED).tolist()]
                 raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
             parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"), header.get("s"), header.get("k"),
                                         header.get("hx"))

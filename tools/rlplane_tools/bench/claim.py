@@ -11,6 +11,11 @@
   grown by ``ops`` extends of ``EXTEND_TOKENS`` tokens each on every token field;
   p50/p99 of the first and of the last tenth of the extends (what the cost does as a
   rollout grows), then the finished batch claimed;
+- **long stream**: one partition that lives as long as a run: ``stream_rounds`` rounds of
+  ``batch`` small samples (S=64) put, claimed, acked and cleared beside one sample kept
+  all along; claim p50/p99 of the first and the last tenth of the rounds (a partition's
+  cost should follow what it holds, not every sample it ever held), and how many times
+  the engine renumbered its partitions' slots meanwhile (native: ``partitions_repacked``);
 - **throughput**: ``claimers`` processes of one task claim 64 at a time, read the
   text-step fields and ack, until a pre-filled partition is drained; samples/s, and
   every sample consumed exactly once.
@@ -45,6 +50,7 @@ class ClaimBenchConfig:
     wakeups: int = 30
     claimers: int = 4
     drain_batches: int = 32  # pre-filled batches the claimers drain
+    stream_rounds: int = 1500  # the long stream's put+claim+ack+clear rounds (1500 x 64: past one renumbering)
     transport: str = "direct"
 
 
@@ -103,6 +109,7 @@ def run_claim_bench(url: str, token: str | None, cfg: ClaimBenchConfig, progress
         progress.remove_task(task)
 
         out["extend"] = _extends(c, cfg, progress)
+        out["stream"] = _long_stream(c, cfg, progress)
 
         # -- wake-up: a blocked claimer, then the put that makes its batch ready ----------------
         small = {k: v[:, :64] if v.dim() == 2 else v.clamp(max=64) for k, v in fields.items()}
@@ -176,6 +183,48 @@ def _extends(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any
     tenth = max(1, ops // 10)
     return {"batch": cfg.batch, "tokens": EXTEND_TOKENS, "extends": ops, "fields": sorted(set(step) - {"input_lengths"}),
             "first": percentiles(seconds[:tenth]), "last": percentiles(seconds[-tenth:]), "length": want}
+
+
+def _long_stream(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any]:
+    """A partition streamed through for ``cfg.stream_rounds`` rounds (see the module docstring)."""
+    from rlplane_tools.bench.base import percentiles
+
+    p = f"bench-stream-{uuid.uuid4().hex[:8]}"
+    work = text_step(batch=cfg.batch, seqlen=64, seed=9)
+    fields = {k: work.fields[k] for k in FIELDS}
+    keeper = c.put_samples(p, {k: fields[k][:1] for k in ("input_ids", "input_lengths")})  # never ready: never claimed
+    repacked = _repacked(c)
+    task = progress.add_task(f"long stream: {cfg.stream_rounds} x {cfg.batch} samples", total=cfg.stream_rounds)
+    seconds = []
+    for _ in range(cfg.stream_rounds):
+        c.put_samples(p, fields)
+        t0 = time.perf_counter()
+        meta = c.claim(p, "bench", batch_size=cfg.batch, fields=FIELDS, timeout=0)
+        seconds.append(time.perf_counter() - t0)
+        c.ack(meta, "bench")
+        c.clear(p, meta.sample_ids)
+        progress.advance(task)
+    left = c.stats()["partitions"].get(p, {}).get("num_samples")
+    c.clear(p)
+    progress.remove_task(task)
+    if left != 1:
+        raise RuntimeError(f"the long stream's partition held {left} samples at its end, not its one kept sample "
+                           f"({keeper.sample_ids[0]})")
+    tenth = max(1, len(seconds) // 10)
+    after = _repacked(c)
+    return {"rounds": cfg.stream_rounds, "batch": cfg.batch, "samples": cfg.stream_rounds * cfg.batch,
+            "first": percentiles(seconds[:tenth]), "last": percentiles(seconds[-tenth:]),
+            "repacked": after - repacked if after is not None and repacked is not None else None}
+
+
+def _repacked(c: Any) -> int | None:
+    """How many times the native engine renumbered a partition's slots (None: another store)."""
+    stats = getattr(c.transport, "stats", None)
+    try:
+        got = stats() if callable(stats) else None
+    except Exception:  # noqa: BLE001 - a store without engine stats
+        return None
+    return got.get("partitions_repacked") if isinstance(got, dict) else None
 
 
 def _claimer(url: str, token: str | None, cfg_dict: dict, p: str, go: Any, start: Any, conn: Any) -> None:

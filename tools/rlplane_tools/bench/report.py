@@ -196,6 +196,12 @@ def claim_table(c: dict) -> Table:
         for which in ("first", "last"):
             t.add_row(f"extend {e['tokens']} tokens ({which} {e[which]['ops']} of {e['extends']})", _num(e[which]["p50_ms"]),
                       _num(e[which]["p99_ms"]), f"{e['batch']} samples, {len(e['fields'])} token fields, to {e['length']} tokens")
+    if c.get("stream"):
+        s = c["stream"]
+        for which in ("first", "last"):
+            t.add_row(f"long stream: claim ({which} {s[which]['ops']} of {s['rounds']} rounds)", _num(s[which]["p50_ms"]),
+                      _num(s[which]["p99_ms"]), f"{s['samples']} samples put, claimed, cleared; slots renumbered "
+                      f"{'n/a' if s['repacked'] is None else s['repacked']}x" if which == "last" else "")
     if c.get("wake"):
         t.add_row("wake-up after the put", _num(c["wake"]["p50_ms"]), _num(c["wake"]["p99_ms"]),
                   f"{c['wake']['ops']} wake-ups, {c['wake_missed']} missed")

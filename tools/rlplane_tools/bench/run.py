@@ -302,7 +302,8 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
 
                 claim_cfg = ClaimBenchConfig(batch=cfg.batch or 64, seqlen=cfg.seqlen or (512 if cfg.quick else 4096),
                                              ops=min(cfg.ops, 100), wakeups=min(cfg.ops, 10 if cfg.quick else 30),
-                                             drain_batches=8 if cfg.quick else 32)
+                                             drain_batches=8 if cfg.quick else 32,
+                                             stream_rounds=100 if cfg.quick else 1500)
                 out["claim"] = run_claim_bench(url, token, claim_cfg, progress)
         if CONTROLLER_SECTION in cfg.workloads:  # its own status lines: outside the progress display
             from rlplane_tools.bench.controller import ControllerBenchConfig, run_controller_bench

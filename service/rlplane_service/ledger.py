@@ -662,6 +662,27 @@ class SimpleIndex:
                 self.present[f] = np.zeros(self.alive.size, bool)
             self.present[f][slots] = True
 
+    def repack(self, keep: np.ndarray) -> np.ndarray:
+        """Renumber the slots: ``keep`` (sorted; every live slot among them) become 0.. in
+        order, every other slot goes; returns the old -> new map (-1: gone). Without it a
+        partition cleared sample by sample keeps a slot per sample it ever held."""
+        remap = np.full(self.used, -1, np.int64)
+        remap[keep] = np.arange(keep.size, dtype=np.int64)
+        cap = max(64, keep.size + keep.size // 2)
+
+        def take(a: np.ndarray) -> np.ndarray:
+            out = grown(a[:0], cap)
+            out[: keep.size] = a[keep]
+            return out
+
+        self.names, self.alive, self.tags, self.retagged = (take(self.names), take(self.alive), take(self.tags),
+                                                            take(self.retagged))
+        self.present = {f: take(a) for f, a in self.present.items()}
+        self._leads = {}  # read again from the tags, for the samples held
+        self.slot = {s: int(remap[i]) for s, i in self.slot.items()}
+        self.used = int(keep.size)
+        return remap
+
     def drop(self, ids: Sequence[str] | None) -> None:
         slots = np.flatnonzero(self.alive[: self.used]) if ids is None else np.asarray(
             [s for s in (self.slot.pop(i, -1) for i in ids) if s >= 0], np.int64)
@@ -696,13 +717,25 @@ class SimpleIndexes(dict):
         elif partition in self:
             self[partition].record(ids, fields, tags, create=False)
 
-    def drop(self, partition: str, ids: Sequence[str] | None) -> None:
+    #: A partition renumbers its slots (:meth:`SimpleIndex.repack`) at a drop that leaves it
+    #: this many slots, at most half of them live.
+    REPACK_MIN_SLOTS = 1 << 14
+
+    def drop(self, partition: str, ids: Sequence[str] | None, ledger: Ledger | None = None) -> None:
+        """``ids`` (None: all) of ``partition`` were cleared. With ``ledger`` (whose index this
+        is), a partition left mostly cleared slots renumbers them and the ledger follows:
+        the slots its live leases name stay."""
         index = self.get(partition)
         if index is None:
             return
         index.drop(ids)
         if not index.slot:
             del self[partition]
+        elif ledger is not None and index.used >= self.REPACK_MIN_SLOTS and 2 * len(index.slot) <= index.used:
+            keep = index.alive[: index.used].copy()
+            keep[ledger.leased(partition, index)] = True
+            keep = np.flatnonzero(keep)
+            ledger.renumber(partition, index, keep, index.repack(keep))
 
 
 __all__ = ["Ledger", "ClaimRequest", "SimpleIndex", "SimpleIndexes", "Index", "UNSEEN", "LEASED", "ACKED", "EXPIRED",

@@ -364,3 +364,33 @@ def test_a_partition_the_store_dropped_leaves_no_consumption_state_or_index_behi
     assert gone() is None
     core.indexes.record("p", ["a"], ["input_ids"], [{}], create=True)  # made again: it starts fresh
     assert core.ledger.claim(_req(n=1), final=True)["ids"] == ["a"]
+
+
+def test_a_streamed_partition_renumbers_its_slots_and_every_task_lease_and_length_follows():
+    """A TransferQueue-based store's partition cleared sample by sample (the ledger's own
+    index): its slots are renumbered at the drop that leaves most of them cleared, and
+    claims, leases taken before, cursors and token lengths go on as if nothing happened."""
+    led, idx = _ledger()
+    idx.REPACK_MIN_SLOTS = 64
+    lens = {f"k{i}": 10 * (i + 1) for i in range(4)}
+    _put_lens(idx, "p", [1] * 8, prefix="early", groups=[f"e{i // 4}" for i in range(8)], size=4)  # slots 0-7
+    early = led.claim(_tok(100, min_tokens=1, group_key="group_id", task="peek"), final=True)  # peek's cursor: 8
+    assert len(early["ids"]) == 8 and led.ack("p", "peek", early["lease"], None) == 8
+    _put_lens(idx, "p", list(lens.values()), prefix="k")  # slots 8-11: the kept ones
+    held = led.claim(_req(n=2), final=True)  # train leases early0, early1 across the renumbering
+    idx.drop("p", [f"early{i}" for i in range(8) if i != 1], led)  # early0 too: its lease still names it
+    for r in range(12):  # what streams through: put, claimed, acked, cleared (a field only it has)
+        _put(idx, "p", [f"r{r}-{i}" for i in range(8)], fields=("x",))
+        got = led.claim(_req(task="stream", n=8, fields=("x",)), final=True)
+        assert led.ack("p", "stream", got["lease"], None) == 8
+        idx.drop("p", got["ids"], led)
+    index = idx["p"]
+    assert index.used < 64 and sorted(index.slot) == ["early1", *lens]  # renumbered at least once
+    _put(idx, "p", ["z"], fields=("x",))
+    assert led.ack("p", "train", held["lease"], ["early0", "early1"]) == 1  # the lease names the samples it named
+    idx.record("p", ["k3"], ["extra"], [{}], create=False)  # a sample's slot is found by its id
+    assert led.claim(_req(task="t2", n=1, fields=("input_ids", "extra")), final=True)["ids"] == ["k3"]
+    assert led.claim(_tok(1000, task="peek", min_tokens=1), final=True)["ids"] == list(lens)  # peek's cursor moved down
+    got = led.claim(_tok(30, min_tokens=1), final=True)  # lengths read again: 10 + 20 fit, + 30 does not
+    assert got["ids"] == ["k0", "k1"] and got["tokens"] == 30
+    assert led.consumption("p", "train")["acked"] == 1

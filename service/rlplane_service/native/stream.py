@@ -180,7 +180,7 @@ class LedgerCore(StreamOps):
         if not isinstance(p, str) or not (ids is None or _strs(ids)):
             raise E.WireFormatError("drop needs 'p' and optionally 'ids'")
         with self._lock:
-            self.indexes.drop(p, ids)
+            self.indexes.drop(p, ids, self.ledger)
             if p not in self.indexes:
                 self.ledger.forget(p)
             if ids is None:
@@ -195,7 +195,7 @@ class LedgerCore(StreamOps):
         with self._lock:
             self.lost_units.add(unit)
             if ids:
-                self.indexes.drop(p, ids)
+                self.indexes.drop(p, ids, self.ledger)
                 if p not in self.indexes:
                     self.ledger.forget(p)
                 self.lost.setdefault(p, {}).update(dict.fromkeys(ids, unit))

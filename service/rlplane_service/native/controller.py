@@ -345,15 +345,19 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         """Renumber the slots of the partitions that are mostly cleared slots (under the
         lock, between requests); returns how many were. Not while a batch's commit-log
         entries are being written: a failed one's undo names its samples by slot."""
-        done = 0
-        with self._lock:
-            if self._unwritten is not None:
-                return 0
-            for p, part in self._parts.items():
-                if part.used >= self.REPACK_MIN_SLOTS and 2 * len(part.ids) <= part.used:
-                    self._repack(p, part)
-                    done += 1
-        return done
+        for _ in range(self.REPACK_TRIES):  # (a batch's entries take one round trip to the units)
+            with self._lock:
+                if self._unwritten is None:
+                    todo = [(p, part) for p, part in self._parts.items()
+                            if part.used >= self.REPACK_MIN_SLOTS and 2 * len(part.ids) <= part.used]
+                    for p, part in todo:
+                        self._repack(p, part)
+                    return len(todo)
+            time.sleep(0.005)
+        return 0
+
+    #: How many times a round looks for a moment between batches (5 ms apart).
+    REPACK_TRIES = 40
 
     def _repack(self, p: str, part: Partition) -> None:
         """Renumber ``part``'s slots (see :meth:`Partition.repack`): what a sample holds, a

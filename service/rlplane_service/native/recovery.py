@@ -223,19 +223,19 @@ class RecoveryOps:
         for g in group:
             for u in g.targets:
                 per_unit.setdefault(u, []).append(g.entry)
+        failed: dict[int, E.RlplaneError] = {}
         try:
             errors = self._write_entries(per_unit, {u for g in group if g.durable for u in g.holders})
-        finally:
+            for g in group:
+                if not any(u not in errors for u in g.targets):
+                    failed[g.slot] = self._not_kept(g.what, [errors[u] for u in g.targets])
+                    if g.undo is not None:
+                        with self._lock:
+                            g.undo()
+                elif (why := _not_durable(g, errors)) is not None:
+                    failed[g.slot] = why
+        finally:  # (after the undos: they name samples by slot, which a renumbering waits for)
             self._unwritten = None  # (the server stages the next batch only after this one is answered)
-        failed: dict[int, E.RlplaneError] = {}
-        for g in group:
-            if not any(u not in errors for u in g.targets):
-                failed[g.slot] = self._not_kept(g.what, [errors[u] for u in g.targets])
-                if g.undo is not None:
-                    with self._lock:
-                        g.undo()
-            elif (why := _not_durable(g, errors)) is not None:
-                failed[g.slot] = why
         return {**early, **failed}
 
     def _write_entries(self, per_unit: dict[int, list[Entry]], sync: Collection[int] = ()) -> dict[int, str]:

@@ -42,7 +42,7 @@ from rlplane import snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
 from rlplane.tags import FINISHED_TAG
-from rlplane.transports.base import Transport
+from rlplane.transports.base import Transport, aligned
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,8 @@ class Client:
                              share_rows=self._shares)
                 if not enc.columns:
                     return meta
-                self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False)
+                self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False,
+                                   **aligned(self.registry, self.transport))
                 op.nbytes = enc.nbytes
         return meta.with_fields(enc.columns, enc.tags)
 
@@ -369,7 +370,7 @@ class Client:
 
     def _stored_lengths(self, tags: Sequence[Mapping[str, Any]]) -> list[int]:
         """Each sample's length, from the wire geometry of its token fields."""
-        token = [s.name for s in self.registry.specs() if s.alignment == "token"]
+        token = self.registry.token_fields()
         out = []
         for tag in tags:
             wire = tag.get(WIRE_TAG) or {}

@@ -241,6 +241,11 @@ class Registry:
         """Registered specs, in registration order."""
         return list(self._specs.values())
 
+    def token_fields(self) -> list[str]:
+        """The token-aligned fields' names (a row per token: as long as its sample), in
+        registration order. Example: ``default_registry().token_fields()[0]`` is ``"input_ids"``."""
+        return [s.name for s in self._specs.values() if s.alignment == "token"]
+
     def without_sharing(self) -> Registry:
         """This registry with every field storing each of its rows (``dedup=False``): for a
         store that must hold every copy, e.g. a benchmark that fills it with one batch again

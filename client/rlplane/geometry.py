@@ -112,6 +112,15 @@ class Geometry(Sequence[Any]):
         differ = np.flatnonzero(self.kind != self.kind[0])
         return int(differ[0]) if differ.size else -1
 
+    def leads(self) -> np.ndarray:
+        """Each row's leading dim (a token row's: its length) as int64, -1 where it has none.
+
+        Example: ``Geometry.token(np.array([3, 5]), []).leads()`` is ``array([3, 5])``."""
+        if self._rows is None:
+            return self.lead.astype(np.int64) if self.lead is not None else np.full(len(self), -1, np.int64)
+        return np.asarray([r[0] if isinstance(r, list) and r and type(r[0]) is int else -1 for r in self._rows],
+                          np.int64)
+
     def take(self, index: np.ndarray) -> Geometry:
         """The rows at ``index`` (int positions), in that order."""
         if self._rows is not None:

@@ -40,7 +40,7 @@ from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.streams import DirectStreams
-from rlplane.transports.base import PartitionInfo, Transport
+from rlplane.transports.base import PartitionInfo, Transport, aligned
 from rlplane_service.backends.base import StoreBackend, described_sizes
 from rlplane_service.metrics import Ledger, OpsReport, ScrapeCache, render, store_view
 from rlplane_service.settings import ServiceSettings
@@ -613,13 +613,11 @@ def _check_and_store(
     ):
         raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
     check_columns(registry, columns, tags, sample_ids=ids)
-    if durable:
-        if not transport.durable_puts:
-            raise E.InvalidArgumentError(f"durable=True needs the native backend with a journal "
-                                         f"(RLPLANE_JOURNAL_DIR); this service stores on {transport.name!r}")
-        transport.put(partition, ids, columns, tags, create=create, durable=True)
-    else:
-        transport.put(partition, ids, columns, tags, create=create)
+    if durable and not transport.durable_puts:
+        raise E.InvalidArgumentError(f"durable=True needs the native backend with a journal "
+                                     f"(RLPLANE_JOURNAL_DIR); this service stores on {transport.name!r}")
+    extra = {"durable": True} if durable else {}
+    transport.put(partition, ids, columns, tags, create=create, **extra, **({} if create else aligned(registry, transport)))
     return len(ids), sum(col.nbytes for col in columns.values())
 
 

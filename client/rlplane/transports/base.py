@@ -59,6 +59,10 @@ class Transport(ABC):
     #: once, and ``get(..., shared=True)`` hands them back so (native); else every
     #: row travels and is stored as its own.
     shares_rows: bool = False
+    #: Whether ``put(..., create=False)`` takes ``aligned=`` (the token-aligned field names):
+    #: the store then refuses a write whose token rows are not as long as the sample it
+    #: writes to (a meta older than the sample: extended, or cleared and put again).
+    checks_lengths: bool = False
 
     @abstractmethod
     def put(
@@ -144,3 +148,12 @@ def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Se
         if col.held is not None and col.held.rows.size and not shares_rows:
             raise WireFormatError("this column names rows another store holds (Column.held): encode it for this "
                                   "transport", field=name)
+
+
+def aligned(registry: Any, transport: Transport) -> dict[str, Any]:
+    """The keyword a write of existing samples passes to ``transport.put`` so that a store
+    that checks lengths (:attr:`Transport.checks_lengths`) refuses token rows of another
+    length than their sample's; nothing for another store.
+
+    Example: ``transport.put(p, ids, columns, tags, create=False, **aligned(registry, transport))``."""
+    return {"aligned": registry.token_fields()} if transport.checks_lengths else {}

@@ -122,6 +122,7 @@ class NativeTransport(Transport):
     direct = True
     durable_puts = True  # the controller answers InvalidArgumentError without a journal
     shares_rows = True  # a row several samples share is stored once and read once (Column.same)
+    checks_lengths = True  # a write's token rows are checked against the sample's length (put(aligned=))
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
                  pool: ReadPool | None = None, te: TeOptions | None = None) -> None:
@@ -219,19 +220,23 @@ class NativeTransport(Transport):
         *,
         create: bool,
         durable: bool = False,
+        aligned: Sequence[str] = (),
     ) -> None:
         """``durable``: answered once the commit is in the units' journals on disk
-        (InvalidArgumentError from a store without a journal)."""
+        (InvalidArgumentError from a store without a journal). ``aligned``: the token-aligned
+        field names (a write of existing samples: ShapeError, nothing stored, when a token
+        row's length is not the one the sample's other token fields hold)."""
         check_put(sample_ids, columns, tags, shares_rows=True)
+        aligned = [] if create else list(aligned)
         try:
-            self._put(partition, list(sample_ids), columns, tags, create, durable)
+            self._put(partition, list(sample_ids), columns, tags, create, durable, aligned)
         except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
             if not self._lost(err):
                 raise
             stage = getattr(self._stage, "put", None)
             if stage is not None and stage.kept:  # the fields encoded into its freed extents, as copied before
                 columns = {f: replace(c, values=stage.kept[f]) if f in stage.kept else c for f, c in columns.items()}
-            self._put(partition, list(sample_ids), columns, tags, create, durable)
+            self._put(partition, list(sample_ids), columns, tags, create, durable, aligned)
 
     @contextmanager
     def put_buffers(self, batch: int, fallback: Alloc | None) -> Iterator[Alloc | None]:
@@ -306,7 +311,7 @@ class NativeTransport(Transport):
         return stage
 
     def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
-             create: bool, durable: bool = False) -> None:
+             create: bool, durable: bool = False, aligned: list[str] | None = None) -> None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
         # Split tags: geometry and digests per field (kept in the controller's arrays; the
@@ -365,6 +370,8 @@ class NativeTransport(Transport):
                                       "xs": seals}
             if user is not None and any(user):
                 commit["user"] = user
+            if aligned:
+                commit["t"] = aligned
             shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}
             if shared:  # rows stored empty whose bytes are an earlier row's (rlplane.dedup)
                 commit["s"] = shared

@@ -196,6 +196,8 @@ class WriteOps:
                 raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
             parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"), header.get("s"), header.get("k"),
                                         header.get("hx"))
+            if not res.create and header.get("t") is not None:
+                self._check_aligned(res, parsed, header["t"])
             if self.seal_key is not None:
                 self._check_seals(header.get("xs"), res, parsed.ext, parsed.spans)
             self._log_put(res, header, durable)  # on the units before the answer: it outlives this process
@@ -210,6 +212,39 @@ class WriteOps:
                 self._lock.release()
 
         return {"committed": n}, {}, [], apply  # answered once checked; indexed right after
+
+    def _check_aligned(self, res: Reservation, c: Parsed, aligned: Any) -> None:
+        """A write of existing samples whose token rows (``aligned``: the token-aligned field
+        names) are not as long as the sample's stored token rows: ShapeError naming the field
+        and the sample, and nothing of it is stored. A sample's length is set by its put and
+        changed by extends only (which do not check: they write every token field); a write
+        of another length comes from a meta older than the sample (extended, or cleared and
+        put again since)."""
+        if not isinstance(aligned, list) or not all(isinstance(f, str) for f in aligned) or len(aligned) > 1024:
+            raise E.WireFormatError("commit 't' must list field names")
+        part, mine = res.part, set(aligned)
+        refs = [f for f in aligned if f in part.fields]
+        written = [f for f in res.fields if f in mine]
+        if not refs or not written:
+            return
+        have = np.full(res.slots.size, -1, np.int64)
+        ref_of = np.full(res.slots.size, -1, np.int64)
+        for k, f in enumerate(refs):  # each sample's length: the rows of its first token field
+            lead = part.leads(f, res.slots)
+            fill = (have < 0) & (lead >= 0)
+            have[fill], ref_of[fill] = lead[fill], k
+        for f in written:
+            new = c.shapes[f].leads()
+            bad = np.flatnonzero((have >= 0) & (new != have))
+            if bad.size:
+                i = int(bad[0])
+                self._abort(res)
+                raise E.ShapeError(
+                    f"{int(new[i])} tokens where the sample holds {int(have[i])} ({refs[int(ref_of[i])]}); "
+                    f"{bad.size} of the write's {res.slots.size} samples differ. The meta it was written with is "
+                    "older than the sample (extended, or cleared and put again since); nothing of the write was "
+                    "stored: write with the sample's current meta (the one extend or put_samples returned, or a "
+                    "claim's)", field=f, sample=res.ids[i] if res.ids else None)
 
     def _parse_commit(self, res: Reservation, geoms: dict, sizes: dict, sums: dict, x: Any, same: Any = None,
                       keys: Any = None, held: Any = None) -> Parsed:

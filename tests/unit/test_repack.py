@@ -214,3 +214,16 @@ def test_no_renumbering_while_a_batch_of_log_entries_is_being_written(eng):
         threading.Timer(0.05, lambda: setattr(core, "_unwritten", None)).start()
         assert core._repack_all() == 1 and core._parts["s"].used < used
         same(c, text_step(4, 16, seed=12), kept)
+
+
+def test_a_partition_whose_cleared_slots_the_log_still_names_is_left_as_it_is(eng):
+    """A put's record stays while one sample it made is stored, and with it every slot it
+    named: renumbering would keep them all, so it does not run (nor every round again)."""
+    with connect(eng) as c:
+        for k in range(6):  # each put keeps its first sample: its record names all 16
+            m = c.put_samples("s", text_step(16, 16, seed=k).fields)
+            c.clear("s", m.sample_ids[1:])
+        core = eng.core
+        used = core._parts["s"].used
+        assert 2 * len(core._parts["s"].ids) <= used and used >= core.REPACK_MIN_SLOTS
+        assert repack(eng) == 0 and core._parts["s"].used == used and core.repacked == 0

@@ -350,19 +350,18 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 if self._unwritten is None:
                     todo = [(p, part) for p, part in self._parts.items()
                             if part.used >= self.REPACK_MIN_SLOTS and 2 * len(part.ids) <= part.used]
-                    for p, part in todo:
-                        self._repack(p, part)
-                    return len(todo)
+                    return sum(self._repack(p, part) for p, part in todo)
             time.sleep(0.005)
         return 0
 
     #: How many times a round looks for a moment between batches (5 ms apart).
     REPACK_TRIES = 40
 
-    def _repack(self, p: str, part: Partition) -> None:
+    def _repack(self, p: str, part: Partition) -> bool:
         """Renumber ``part``'s slots (see :meth:`Partition.repack`): what a sample holds, a
         put record names (:mod:`~rlplane_service.native.logbook`), a lease or a reservation
-        holds stays; reservations, leases, the ledger's states and the book follow."""
+        holds stays; reservations, leases, the ledger's states and the book follow. Not
+        when that keeps more than half of them (cleared slots the log still names): False."""
         used = part.used
         keep = (part.state[:used] != FREE) | (part.logged[:used] > 0)
         keep[self.ledger.leased(p, part)] = True
@@ -370,12 +369,15 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         for res in reserved:  # (a write's samples may have been cleared since its reserve)
             keep[res.slots] = True
         keep = np.flatnonzero(keep)
+        if 2 * keep.size > used:
+            return False
         remap = part.repack(keep)
         for res in reserved:
             res.slots = remap[res.slots]
         self.ledger.renumber(p, part, keep, remap)
         self.book.renumber(part, remap)
         self.repacked += 1
+        return True
 
     def _held(self, committed_only: bool = False) -> int:
         if committed_only:

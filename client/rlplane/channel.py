@@ -194,7 +194,11 @@ class Channel:
 
     def call(self, header: Mapping[str, Any], columns: Mapping[str, Column | RawColumn] | None = None,
              buffers: Sequence[Any] = (), *, timeout: float) -> tuple[dict[str, Any], dict[str, RawColumn], list[memoryview]]:
-        """Send one request and wait for its reply; raise the reply's typed error if it is one."""
+        """Send one request and wait for its reply; raise the reply's typed error if it is one.
+        A peer that dropped the connection since the last call is peer_down before anything
+        is sent (:func:`ride` then makes the call again, once)."""
+        if not self._pending and self._up and not self.closed:
+            self._was_dropped()
         deadline = time.monotonic() + timeout
         return self.receive(self.send(header, columns, buffers), deadline)
 
@@ -213,6 +217,18 @@ class Channel:
         if self.closed:
             raise TransportError(f"channel to {self.name} is closed")
         self._send(pack_message({**header, "rid": 0, "nr": True}))
+
+    def _was_dropped(self) -> None:
+        """Raise peer_down, before anything is sent, when the peer dropped the connection
+        since the last call (its process died or restarted while this channel was idle).
+        Noticed only after the send, the request would already be on its way to the
+        restarted peer over the socket's reconnection, and :func:`ride`, told the call
+        failed, would make it again: a claim twice, its first batch leased to nobody."""
+        try:
+            self._drain_monitor()
+        except UnavailableError:
+            self.close()
+            raise
 
     def _send(self, frames: list[Any]) -> None:
         try:

@@ -270,6 +270,21 @@ def test_a_commit_no_unit_records_fails_typed_and_leaves_nothing(engine, monkeyp
         assert c.read_columns(retry, ["input_ids"])["input_ids"].eq(0).all()
 
 
+def test_a_client_idle_across_a_restart_claims_its_batch_once(engine):
+    """The client's connection saw the old controller go while it was idle; its next call
+    reaches the new one over the socket's reconnection. Noticed only after the send, the
+    claim went out twice: the first leased the batch to nobody (for lease_s), the second
+    found nothing ready. Every one of a few rounds claims its whole batch, once."""
+    with connect(engine) as c:
+        for k in range(3):
+            c.put_samples(f"idle{k}", rows(k))
+            restart(engine)
+            time.sleep(0.3)  # the new controller is up and the client's socket reconnected
+            got = c.claim(f"idle{k}", "train", batch_size=2, fields=["input_ids"], timeout=0)
+            assert len(got) == 2
+            assert c.consumption(f"idle{k}", "train")["claimed"] == 2
+
+
 def test_consumption_says_the_controller_restarted(engine):
     with connect(engine) as c:
         c.put_samples("p", rows(1, 4, 2))

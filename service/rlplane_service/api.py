@@ -40,7 +40,7 @@ from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.streams import DirectStreams
-from rlplane.transports.base import PartitionInfo, Transport, aligned
+from rlplane.transports.base import PartitionInfo, Transport, aligned as token_rows_checked
 from rlplane_service.backends.base import StoreBackend, described_sizes
 from rlplane_service.metrics import Ledger, OpsReport, ScrapeCache, render, store_view
 from rlplane_service.settings import ServiceSettings
@@ -429,18 +429,20 @@ def build_api(state: ServiceState) -> FastAPI:
 
     @v1.post("/data/{partition}/put", tags=["data"])
     async def put(partition: str, request: Request, create: bool = Query(True), durable: bool = Query(False),
-                  who: Access = Depends(caller)) -> dict[str, Any]:
+                  aligned: bool = Query(False), who: Access = Depends(caller)) -> dict[str, Any]:
         """Store encoded columns (body: rlplane envelope with ``sample_ids`` and ``tags``).
 
         Checked against the registry first; a body that fails stores nothing. ``durable``:
         answered once the put is in the journal on disk (native with RLPLANE_JOURNAL_DIR).
+        ``aligned`` (a write of stored samples, not an extend): token rows of another length
+        than their sample's are a 422 ShapeError naming the field and sample (native stores).
         """
         async with observed("put_samples" if create else "write_columns") as event:
             check_partition(partition)
             who.check(partition, write=True)
             body = await _read_body(request, state.settings.max_request_bytes)
             stored, event["nbytes"] = await offload(_check_and_store, registry, transport, partition, body, create,
-                                                    durable)
+                                                    durable, aligned and not create)
         return {"partition": partition, "stored": stored, "nbytes": len(body)}
 
     @v1.post("/data/{partition}/get", tags=["data"])
@@ -599,7 +601,8 @@ def snapshot_path(root: Optional[Path], given: str) -> Path | str:
 
 
 def _check_and_store(
-    registry: Registry, transport: Transport, partition: str, body: bytearray, create: bool, durable: bool = False
+    registry: Registry, transport: Transport, partition: str, body: bytearray, create: bool, durable: bool = False,
+    check_lengths: bool = False,
 ) -> tuple[int, int]:
     """Parse, check and store one put body; returns (samples, column bytes). Parsing and
     checking touch every byte, so this runs off the event loop, with the store call."""
@@ -617,7 +620,8 @@ def _check_and_store(
         raise E.InvalidArgumentError(f"durable=True needs the native backend with a journal "
                                      f"(RLPLANE_JOURNAL_DIR); this service stores on {transport.name!r}")
     extra = {"durable": True} if durable else {}
-    transport.put(partition, ids, columns, tags, create=create, **extra, **({} if create else aligned(registry, transport)))
+    transport.put(partition, ids, columns, tags, create=create, **extra, **(token_rows_checked(registry, transport)
+                                                                          if check_lengths else {}))
     return len(ids), sum(col.nbytes for col in columns.values())
 
 

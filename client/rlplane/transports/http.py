@@ -39,6 +39,7 @@ class HttpTransport(Transport):
 
     name = "http"
     durable_puts = True  # the service decides (InvalidArgumentError without a journal)
+    checks_lengths = True  # the service checks a write's token rows when its store does (native)
 
     def __init__(self, api: ServiceAPI) -> None:
         self.api = api
@@ -53,11 +54,15 @@ class HttpTransport(Transport):
         *,
         create: bool,
         durable: bool = False,
+        aligned: Sequence[str] = (),
     ) -> None:
-        """``durable``: the service answers once the put is in its journal on disk."""
+        """``durable``: the service answers once the put is in its journal on disk.
+        ``aligned`` (a write of stored samples): the service checks the token rows' lengths
+        against the samples' (with its own registry's token fields) where its store can."""
         check_put(sample_ids, columns, tags)
         parts = pack_parts({"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}, columns)
-        params = {"create": "true" if create else "false", **({"durable": "true"} if durable else {})}
+        params = {"create": "true" if create else "false", **({"durable": "true"} if durable else {}),
+                  **({"aligned": "true"} if aligned and not create else {})}
         self.api.request(
             "POST",
             f"/v1/data/{_p(partition)}/put",

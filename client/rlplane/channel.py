@@ -197,8 +197,7 @@ class Channel:
         """Send one request and wait for its reply; raise the reply's typed error if it is one.
         A peer that dropped the connection since the last call is peer_down before anything
         is sent (:func:`ride` then makes the call again, once)."""
-        if not self._pending and self._up and not self.closed:
-            self._was_dropped()
+        self.raise_if_dropped()
         deadline = time.monotonic() + timeout
         return self.receive(self.send(header, columns, buffers), deadline)
 
@@ -218,12 +217,15 @@ class Channel:
             raise TransportError(f"channel to {self.name} is closed")
         self._send(pack_message({**header, "rid": 0, "nr": True}))
 
-    def _was_dropped(self) -> None:
-        """Raise peer_down, before anything is sent, when the peer dropped the connection
-        since the last call (its process died or restarted while this channel was idle).
-        Noticed only after the send, the request would already be on its way to the
-        restarted peer over the socket's reconnection, and :func:`ride`, told the call
-        failed, would make it again: a claim twice, its first batch leased to nobody."""
+    def raise_if_dropped(self) -> None:
+        """Raise peer_down (and close), before anything is sent, when the peer dropped this
+        idle channel's connection since its last call (its process died or restarted).
+        Noticed only after a send, the request would already be on its way to the
+        restarted peer over the socket's reconnection, and a caller told that it failed
+        would make it again: a claim twice (its first batch leased to nobody), a put's
+        reservation twice (its block ids then refused as in use)."""
+        if self._pending or not self._up or self.closed:
+            return
         try:
             self._drain_monitor()
         except UnavailableError:

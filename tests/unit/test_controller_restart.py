@@ -270,16 +270,22 @@ def test_a_commit_no_unit_records_fails_typed_and_leaves_nothing(engine, monkeyp
         assert c.read_columns(retry, ["input_ids"])["input_ids"].eq(0).all()
 
 
-def test_a_client_idle_across_a_restart_claims_its_batch_once(engine):
+@pytest.mark.parametrize("first", ["claim", "put"])
+def test_a_client_idle_across_a_restart_makes_its_next_call_once(engine, first):
     """The client's connection saw the old controller go while it was idle; its next call
     reaches the new one over the socket's reconnection. Noticed only after the send, the
-    claim went out twice: the first leased the batch to nobody (for lease_s), the second
-    found nothing ready. Every one of a few rounds claims its whole batch, once."""
+    call went out twice: a claim's first copy leased the batch to nobody (for lease_s) and
+    the second found nothing ready; a put's second reservation named block ids the first
+    had taken (WireFormatError). Every one of a few rounds does its call once."""
     with connect(engine) as c:
         for k in range(3):
             c.put_samples(f"idle{k}", rows(k))
             restart(engine)
             time.sleep(0.3)  # the new controller is up and the client's socket reconnected
+            if first == "put":
+                meta = c.put_samples(f"new{k}", rows(10 + k))
+                assert torch.equal(c.read_columns(meta, ["input_ids"])["input_ids"], rows(10 + k)["input_ids"])
+                continue
             got = c.claim(f"idle{k}", "train", batch_size=2, fields=["input_ids"], timeout=0)
             assert len(got) == 2
             assert c.consumption(f"idle{k}", "train")["claimed"] == 2

@@ -336,6 +336,7 @@ class NativeTransport(Transport):
         # The reservation and the blocks travel at once; the commit waits for both.
         reserve = {"op": "reserve", "p": partition, "ids": ids, "create": create, "fields": names, "blocks": blocks}
         try:
+            ctrl.raise_if_dropped()  # (idle across a controller restart: reserved anew below)
             rid: int | None = ctrl.send(reserve)
         except UnavailableError:  # (only ever the channel's own: nothing answered yet)
             rid = None  # the controller is restarting: reserved again below, once it answers

@@ -42,7 +42,7 @@ from rlplane import snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
 from rlplane.tags import FINISHED_TAG
-from rlplane.transports.base import Transport, aligned
+from rlplane.transports.base import Transport, length_check
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ class Client:
                 if not enc.columns:
                     return meta
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False,
-                                   **aligned(self.registry, self.transport))
+                                   **length_check(self.registry, self.transport))
                 op.nbytes = enc.nbytes
         return meta.with_fields(enc.columns, enc.tags)
 

@@ -40,7 +40,7 @@ from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.streams import DirectStreams
-from rlplane.transports.base import PartitionInfo, Transport, aligned as token_rows_checked
+from rlplane.transports.base import PartitionInfo, Transport, length_check
 from rlplane_service.backends.base import StoreBackend, described_sizes
 from rlplane_service.metrics import Ledger, OpsReport, ScrapeCache, render, store_view
 from rlplane_service.settings import ServiceSettings
@@ -620,8 +620,9 @@ def _check_and_store(
         raise E.InvalidArgumentError(f"durable=True needs the native backend with a journal "
                                      f"(RLPLANE_JOURNAL_DIR); this service stores on {transport.name!r}")
     extra = {"durable": True} if durable else {}
-    transport.put(partition, ids, columns, tags, create=create, **extra, **(token_rows_checked(registry, transport)
-                                                                          if check_lengths else {}))
+    if check_lengths:
+        extra.update(length_check(registry, transport))
+    transport.put(partition, ids, columns, tags, create=create, **extra)
     return len(ids), sum(col.nbytes for col in columns.values())
 
 

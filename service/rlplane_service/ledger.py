@@ -425,18 +425,9 @@ class Ledger:
         ps = self._parts.get(partition)
         if ps is None or ps.index is not index:
             return
-        n, cap = remap.size, max(64, keep.size + keep.size // 2)
-
-        def take(a: np.ndarray, fill: Any) -> np.ndarray:
-            if a.size < n:
-                a = np.concatenate([a, np.full(n - a.size, fill, a.dtype)])
-            out = np.full(cap, fill, a.dtype)
-            out[: keep.size] = a[keep]
-            return out
-
         leases = self._leases_on(partition, ps)
         for ts in ps.tasks.values():
-            ts.state, ts.lease = take(ts.state, UNSEEN), take(ts.lease, 0)
+            ts.state, ts.lease = kept(ts.state, keep, UNSEEN), kept(ts.lease, keep)
             ts.cursor = int(np.searchsorted(keep, ts.cursor))  # the kept slots below it are not UNSEEN either
         fresh = PartState(index)  # the tag caches are read again, for the samples held only
         ps.version, ps.open, ps.groups, ps.codes, ps.filled = (fresh.version, fresh.open, fresh.groups, fresh.codes,
@@ -668,16 +659,9 @@ class SimpleIndex:
         partition cleared sample by sample keeps a slot per sample it ever held."""
         remap = np.full(self.used, -1, np.int64)
         remap[keep] = np.arange(keep.size, dtype=np.int64)
-        cap = max(64, keep.size + keep.size // 2)
-
-        def take(a: np.ndarray) -> np.ndarray:
-            out = grown(a[:0], cap)
-            out[: keep.size] = a[keep]
-            return out
-
-        self.names, self.alive, self.tags, self.retagged = (take(self.names), take(self.alive), take(self.tags),
-                                                            take(self.retagged))
-        self.present = {f: take(a) for f, a in self.present.items()}
+        self.names, self.alive, self.tags, self.retagged = (kept(self.names, keep), kept(self.alive, keep),
+                                                            kept(self.tags, keep), kept(self.retagged, keep))
+        self.present = {f: kept(a, keep) for f, a in self.present.items()}
         self._leads = {}  # read again from the tags, for the samples held
         self.slot = {s: int(remap[i]) for s, i in self.slot.items()}
         self.used = int(keep.size)
@@ -698,6 +682,19 @@ _UNREAD = -2
 def _lead(row: Any) -> int:
     """The leading dim of a row's wire geometry (a token row's ``[length, ...]``), -1 if none."""
     return int(row[0]) if isinstance(row, list) and row and isinstance(row[0], int) else -1
+
+
+def kept(a: np.ndarray, keep: np.ndarray, fill: Any = 0) -> np.ndarray:
+    """``a[keep]`` (``keep`` sorted; a slot at or past ``a``'s end reads ``fill``) at the
+    front of a new array with room to grow, the rest ``fill`` (None in object arrays): what
+    a renumbering of slots (``repack``) keeps of each per-slot array.
+
+    Example: ``kept(np.array([5, 6, 7]), np.array([0, 2]))[:2]`` is ``array([5, 7])``."""
+    out = np.empty(max(64, keep.size + keep.size // 2), a.dtype)
+    out[:] = None if a.dtype == object else fill
+    inside = keep[: int(np.searchsorted(keep, a.size))]
+    out[: inside.size] = a[inside]
+    return out
 
 
 def grown(a: np.ndarray, cap: int) -> np.ndarray:

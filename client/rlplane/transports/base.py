@@ -150,10 +150,10 @@ def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Se
                                   "transport", field=name)
 
 
-def aligned(registry: Any, transport: Transport) -> dict[str, Any]:
+def length_check(registry: Any, transport: Transport) -> dict[str, Any]:
     """The keyword a write of existing samples passes to ``transport.put`` so that a store
     that checks lengths (:attr:`Transport.checks_lengths`) refuses token rows of another
     length than their sample's; nothing for another store.
 
-    Example: ``transport.put(p, ids, columns, tags, create=False, **aligned(registry, transport))``."""
+    Example: ``transport.put(p, ids, columns, tags, create=False, **length_check(registry, transport))``."""
     return {"aligned": registry.token_fields()} if transport.checks_lengths else {}

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from rlplane.geometry import Geometry
-from rlplane_service.ledger import grown
+from rlplane_service.ledger import grown, kept
 from rlplane.tags import WIRE_TAG
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
@@ -36,13 +36,6 @@ def rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
     for fi in part.fields.values():
         hit |= np.isin(fi.block[: part.used], blocks)
     return np.flatnonzero(hit & (part.state[: part.used] == COMMITTED))
-
-
-def kept(a: np.ndarray, keep: np.ndarray, cap: int, fill: Any) -> np.ndarray:
-    """``a[keep]`` at the front of a new array of ``cap`` entries, the rest ``fill`` (None: objects)."""
-    out = np.empty(cap, dtype=object) if fill is None else np.full(cap, fill, dtype=a.dtype)
-    out[: keep.size] = a[keep]
-    return out
 
 
 def objects(items: Sequence[Any]) -> np.ndarray:
@@ -124,11 +117,11 @@ class FieldIndex:
             rows[i] = [int(lead[i]), *shape] if lead[i] >= 0 else shape
         return Geometry.of_rows(rows)
 
-    def renumber(self, keep: np.ndarray, remap: np.ndarray, cap: int) -> None:
+    def renumber(self, keep: np.ndarray, remap: np.ndarray) -> None:
         """Keep the rows of slots ``keep`` only, as slots 0.. in the same order (``remap``:
-        old slot -> new one, -1 for a slot that goes), in arrays of ``cap`` entries."""
+        old slot -> new one, -1 for a slot that goes)."""
         for name, fill in self._COLUMNS:
-            setattr(self, name, kept(getattr(self, name), keep, cap, fill))
+            setattr(self, name, kept(getattr(self, name), keep, fill))
         self.keyed = {k: int(remap[s]) for k, s in self.keyed.items() if 0 <= s < remap.size and remap[s] >= 0}
 
     def forget(self, slots: np.ndarray) -> None:
@@ -185,14 +178,11 @@ class Partition:
         otherwise grows by a slot per sample it ever held (every field's row records)."""
         remap = np.full(self.used, -1, np.int64)
         remap[keep] = np.arange(keep.size, dtype=np.int64)
-        cap = max(64, keep.size + keep.size // 2)
-        self.names = kept(self.names, keep, cap, None)
-        self.state = kept(self.state, keep, cap, FREE)
-        self.user = kept(self.user, keep, cap, None)
-        self.retagged = kept(self.retagged, keep, cap, 0)
-        self.logged = kept(self.logged, keep, cap, 0)
+        self.names, self.user = kept(self.names, keep), kept(self.user, keep)
+        self.state = kept(self.state, keep, FREE)
+        self.retagged, self.logged = kept(self.retagged, keep), kept(self.logged, keep)
         for fi in self.fields.values():
-            fi.renumber(keep, remap, cap)
+            fi.renumber(keep, remap)
         self.ids = {name: int(remap[s]) for name, s in self.ids.items()}
         self.used = int(keep.size)
         self.forgets += 1

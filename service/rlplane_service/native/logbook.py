@@ -9,7 +9,7 @@ would replay all of them. The controller keeps this book and tells the units to 
 entry once replaying it would change nothing:
 
 - a **put's record** is needed while a block it wrote is still referenced by some row (its
-  rows are read, or an later put's rows share them), and, for a put of new samples or one
+  rows are read, or a later put's rows share them), and, for a put of new samples or one
   that set user tags, while one of the samples it names is still stored (the rebuild must
   create them, and keep their tags);
 - a **clear's record** is needed while a put's record that names one of the samples it
@@ -23,7 +23,7 @@ forgot it (a unit that missed the message would otherwise give it back to a rebu
 the clear that undid it was forgotten); entries that may not yet be on the units (staged
 by a batch that is still being written) are never named. Samples are tracked as slots of
 their partition's index (a slot is never reused: a sample cleared and put again has a new
-one), with one counter per slot of the put records still on the units that name it
+one; a renumbering of the slots, ``Partition.repack``, renumbers the book's too), with one counter per slot of the put records still on the units that name it
 (:attr:`Partition.logged`), so nothing here loops over samples.
 
 Example::

@@ -313,9 +313,9 @@ class WriteOps:
     def _apply_commit(self, res: Reservation, c: Parsed, user: Any) -> None:
         """Put a checked commit into the index (under the lock)."""
         part, n = res.part, res.slots.size
-        if res.seq:  # what its commit-log entry keeps alive (rlplane_service.native.logbook)
-            tagged = isinstance(user, list) and any(isinstance(t, dict) and t for t in user)
-            self.book.put(res.seq, part, res.slots, [b for b, _, _, _ in res.blocks], pins=res.create or tagged)
+        if res.seq:  # what its commit-log entry keeps alive (rlplane_service.native.logbook; a writer sends
+            # user tags only when some sample has one)
+            self.book.put(res.seq, part, res.slots, [b for b, _, _, _ in res.blocks], pins=res.create or user is not None)
         row_in_block = np.arange(n, dtype=np.int64) - c.first_row
         refs: collections.Counter[int] = collections.Counter({b: (z - a) * len(res.fields) for b, _, a, z in res.blocks})
         for k, name in enumerate(res.fields):

@@ -41,8 +41,8 @@ from rlplane.opstats import OpStats
 from rlplane import snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
-from rlplane.tags import FINISHED_TAG
-from rlplane.transports.base import Transport, length_check
+from rlplane.tags import BORN_TAG, FINISHED_TAG, RowTags
+from rlplane.transports.base import Transport, born_check, length_check
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +132,12 @@ class Client:
                          held=held)
             merged = enc.tags.with_user(user) if tagged else enc.tags
             if durable:
-                self.transport.put(partition, ids, enc.columns, merged, create=True, durable=True)
+                born = self.transport.put(partition, ids, enc.columns, merged, create=True, durable=True)
             else:
-                self.transport.put(partition, ids, enc.columns, merged, create=True)
+                born = self.transport.put(partition, ids, enc.columns, merged, create=True)
+        if type(born) is int and born > 0:  # the incarnation the store gave the samples: their meta names it
+            merged = merged.with_born(born) if isinstance(merged, RowTags) else \
+                [{**t, BORN_TAG: born} for t in merged]
         return enc, merged
 
     def write_columns(self, meta: SampleMeta, fields: Mapping[str, Any]) -> SampleMeta:
@@ -157,7 +160,7 @@ class Client:
                 if not enc.columns:
                     return meta
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False,
-                                   **length_check(self.registry, self.transport))
+                                   **length_check(self.registry, self.transport), **born_check(self.transport, meta.tags))
                 op.nbytes = enc.nbytes
         return meta.with_fields(enc.columns, enc.tags)
 
@@ -181,7 +184,8 @@ class Client:
             given = prepare(self.registry, fields, fields[LENGTHS_FIELD], sample_ids=meta.sample_ids)
             if given.batch != len(meta):
                 raise ShapeError(f"{given.batch} samples of appended tokens for a meta of {len(meta)}")
-            columns, tags = self.transport.get(meta.partition, meta.sample_ids, [*names, LENGTHS_FIELD])
+            born = born_check(self.transport, meta.tags)  # a stale meta (samples put again since) is refused
+            columns, tags = self.transport.get(meta.partition, meta.sample_ids, [*names, LENGTHS_FIELD], **born)
             stored = decode(self.registry, columns, tags, "padded", None, sample_ids=meta.sample_ids,
                             partition=meta.partition)
             out: dict[str, Any] = {}
@@ -198,7 +202,7 @@ class Client:
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
                 enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep)
                 written = enc.tags.with_user(user)
-                self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False)
+                self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False, **born)
                 op.nbytes = enc.nbytes
         grown = meta.with_fields(enc.columns, written)
         new = lengths.tolist()
@@ -253,10 +257,12 @@ class Client:
             names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
             for name in names:
                 self.registry.get(name)
+            born = born_check(self.transport, meta.tags)  # a stale meta (samples put again since) is refused
             if self._shares:  # rows stored once for several samples come back as views of one copy
-                columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, shared=True)
+                columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, shared=True,
+                                                   **born)
             else:
-                columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy)
+                columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, **born)
             op.nbytes = sum(col.nbytes for col in columns.values())
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
             return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,

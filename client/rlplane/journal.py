@@ -46,6 +46,7 @@ import numpy as np
 import xxhash
 
 from rlplane import errors as E
+from rlplane.tags import incarnation
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +278,17 @@ def check(journal: Journal, since: int, declared: Collection[str] | None, snapsh
                                        field=odd[0])
 
 
+def _born_of(r: Record, n: int) -> np.ndarray | None:
+    """The incarnations a put record gave its new samples (rlplane.tags.BORN_TAG): those
+    it names (a snapshot's restore), else its reservation's; None for a record with neither."""
+    given = r.rec.get("bn")
+    if isinstance(given, bytes) and len(given) == 8 * n:
+        born = np.frombuffer(given, "<i8").astype(np.int64)
+        return born if not born.size or (int(born.min()) >= 0 and int(born.max()) < 1 << 62) else None
+    rid = r.rec.get("rid")
+    return np.full(n, incarnation(rid), np.int64) if isinstance(rid, str) else None
+
+
 def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] | None = None,
            progress: Callable[[str], None] | None = None) -> ReplayInfo:
     """Apply the journal's changes from ``since`` on to the store ``transport`` reaches, in
@@ -304,8 +316,12 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
                 skipped.append(got)
                 continue
             ids, columns, tags, create = got
+            born = _born_of(r, len(ids)) if create and getattr(transport, "checks_born", False) else None
             try:
-                transport.put(r.partition, ids, columns, tags, create=create)
+                if born is not None:  # the samples stay the incarnations metas from before the crash name
+                    transport.put(r.partition, ids, columns, tags, create=create, born=born)
+                else:
+                    transport.put(r.partition, ids, columns, tags, create=create)
             except (E.MissingDataError, E.LeaseError) as err:  # an extension of samples cleared or lost since
                 skipped.append(f"change {r.seq} ({r.partition!r}): {err}")
                 continue

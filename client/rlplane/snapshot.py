@@ -219,8 +219,10 @@ def _collect(transport: Any, entry: dict[str, Any]) -> tuple[bytes, list[memoryv
             fields[name]["s"] = col.same.astype("<i8").tobytes()
         blobs.append(values)
         at += -(-values.nbytes // _ALIGN) * _ALIGN
-    header = msgpack.packb({"p": p, "ids": ids, "user": entry.get("user"), "tasks": entry["tasks"], "fields": fields},
-                           use_bin_type=True)
+    head = {"p": p, "ids": ids, "user": entry.get("user"), "tasks": entry["tasks"], "fields": fields}
+    if isinstance(entry.get("bn"), bytes):  # each sample's incarnation: metas from before the snapshot still name them
+        head["bn"] = entry["bn"]
+    header = msgpack.packb(head, use_bin_type=True)
     return header, blobs
 
 
@@ -325,6 +327,7 @@ class _Part:
     user: list[Any] | None
     tasks: dict[str, np.ndarray]
     fields: dict[str, tuple[np.ndarray, Column]]  # name -> (positions in ids, column)
+    born: np.ndarray | None = None  # each sample's incarnation (rlplane.tags.BORN_TAG); None: not kept
 
 
 class Snapshot:
@@ -447,6 +450,13 @@ class Snapshot:
             if user is not None and not (isinstance(user, list) and len(user) == n
                                          and all(t is None or isinstance(t, dict) for t in user)):
                 raise ValueError("its tags are not one map (or none) per sample")
+            born = h.get("bn")
+            if born is not None:
+                if not isinstance(born, bytes) or len(born) != 8 * n:
+                    raise ValueError("its incarnations are not one int64 per sample")
+                born = np.frombuffer(born, "<i8").astype(np.int64)
+                if born.size and (int(born.min()) < 0 or int(born.max()) >= 1 << 62):
+                    raise ValueError("its incarnations lie outside [0, 2**62)")
             tasks = {str(t): np.frombuffer(s, np.int8) for t, s in h["tasks"].items()}
             if any(s.size != n or not bool(np.isin(s, _STATES).all()) for s in tasks.values()):
                 raise ValueError("bad consumption states")
@@ -477,7 +487,7 @@ class Snapshot:
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError, msgpack.ExtraData, msgpack.FormatError,
                 msgpack.StackError, E.RlplaneError, RuntimeError) as err:
             raise bad(f"has a bad header ({err})") from None
-        return _Part(h["p"], ids, user, tasks, fields)
+        return _Part(h["p"], ids, user, tasks, fields, born)
 
     def close(self) -> None:
         for m in self._maps:
@@ -553,8 +563,12 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
                 _check_declared(part, declared, f"{snap.shown.rstrip('/')}/{snap.manifest['partitions'][k]['file']}")
                 say(f"restore: partition {part.name!r} ({len(part.ids)} samples)")
                 loaded.append(part.name)
-                for ids, columns, tags, create in _puts(part):
-                    transport.put(part.name, ids, columns, tags, create=create)
+                keeps_born = getattr(transport, "checks_born", False)
+                for ids, columns, tags, create, born in _puts(part):
+                    if create and born is not None and keeps_born:  # the samples stay the incarnations metas name
+                        transport.put(part.name, ids, columns, tags, create=create, born=born)
+                    else:
+                        transport.put(part.name, ids, columns, tags, create=create)
                     nbytes += sum(c.nbytes for c in columns.values())
                 for task, states in part.tasks.items():
                     for a in range(0, len(part.ids), RESTORE_BATCH * 16):
@@ -638,8 +652,8 @@ def _check_declared(part: _Part, declared: Collection[str] | None, where: str) -
                                        field=odd[0])
 
 
-def _puts(part: _Part) -> Iterator[tuple[list[str], dict[str, Column], list[dict[str, Any]], bool]]:
-    """The partition's samples as puts ``(ids, columns, tags, create)``, at most
+def _puts(part: _Part) -> Iterator[tuple[list[str], dict[str, Column], list[dict[str, Any]], bool, np.ndarray | None]]:
+    """The partition's samples as puts ``(ids, columns, tags, create, born)``, at most
     RESTORE_BATCH samples or ~RESTORE_BYTES each: every sample in commit order with the
     fields all of them hold, then each other field over the samples that hold it (as a
     later write of theirs did). Without a field every sample holds, samples holding the
@@ -670,7 +684,7 @@ def _puts(part: _Part) -> Iterator[tuple[list[str], dict[str, Column], list[dict
             ids = [part.ids[i] for i in take.tolist()]
             tags = [dict(t) if isinstance(t, dict) else {} for t in _pick(part.user, take)] if create else \
                 [{} for _ in ids]
-            yield ids, cols, tags, create
+            yield ids, cols, tags, create, part.born[take] if part.born is not None else None
 
 
 def _pick(user: list[Any] | None, take: np.ndarray) -> list[Any]:

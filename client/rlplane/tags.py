@@ -54,6 +54,43 @@ def unfinished(tags: Mapping[str, Any] | None) -> bool:
 #: Reserved key in each sample's tags: ``{field: xxh3-64 of the row's stored bytes}``.
 SUM_TAG = "_rlplane_sum"
 
+#: Reserved key in each sample's tags: which incarnation of the sample id the meta names
+#: (a number the store draws when a put creates the sample; a sample cleared and put
+#: again under the same id is another incarnation). A store that keeps it refuses a
+#: write or a read of a meta naming an incarnation that is gone (stale meta). 0 or absent:
+#: not known (a meta built by hand, or from a store that does not keep it): not checked.
+BORN_TAG = "_rlplane_born"
+
+
+def incarnation(rid: str) -> int:
+    """The incarnation number (:data:`BORN_TAG`) of the samples a put with reservation
+    ``rid`` creates: 52 bits of its hash, never 0, the same wherever the put's record is
+    replayed (a rebuilt controller, a journal). 52 bits: exact in JSON.
+
+    Example: ``incarnation("3.9f2c...")``."""
+    import hashlib
+
+    h = int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") & ((1 << 52) - 1)
+    return h or 1
+
+
+def born_of(tags: Sequence[Any]) -> Any:
+    """Each sample's incarnation (:data:`BORN_TAG`) as an int64 numpy array, 0 where a tag
+    has none; None when no sample has one (nothing to check).
+
+    Example: ``born_of(meta.tags)``."""
+    import numpy as np
+
+    maps: Any = tags
+    if isinstance(tags, RowTags) and not tags._built:  # built maps handed on (take) keep theirs as user maps
+        if tags.born is not None:
+            return tags.born
+        maps = tags.user if tags.user is not None else ()
+    got = [t.get(BORN_TAG) if isinstance(t, Mapping) else None for t in maps]
+    if not any(type(b) is int and b > 0 for b in got):
+        return None
+    return np.array([b if type(b) is int and 0 < b < 1 << 62 else 0 for b in got], np.int64)
+
 
 class RowTags(Sequence[dict[str, Any]]):
     """Each sample's tags, built only when asked for: the user's tags (``user``, one
@@ -69,11 +106,12 @@ class RowTags(Sequence[dict[str, Any]]):
         tags[1]   # {'_rlplane_wire': {'input_ids': [5]}, '_rlplane_sum': {'input_ids': 9}}
     """
 
-    __slots__ = ("user", "geoms", "sums", "_n", "_built")
+    __slots__ = ("user", "geoms", "sums", "born", "_n", "_built")
 
     def __init__(self, user: Sequence[Any] | None, geoms: Mapping[str, Sequence[Any]],
-                 sums: Mapping[str, Sequence[Any]], n: int | None = None) -> None:
-        self.user, self.geoms, self.sums = user, dict(geoms), dict(sums)
+                 sums: Mapping[str, Sequence[Any]], n: int | None = None, born: Any = None) -> None:
+        """``born``: each sample's incarnation (int64 array; :data:`BORN_TAG`), or None."""
+        self.user, self.geoms, self.sums, self.born = user, dict(geoms), dict(sums), born
         if n is None:
             n = len(user) if user is not None else len(next(iter(self.geoms.values()), ()))
         self._n = n
@@ -97,6 +135,8 @@ class RowTags(Sequence[dict[str, Any]]):
             # a built tag map handed on (take) keeps its own geometry and digests
             tag[WIRE_TAG] = {**(tag.get(WIRE_TAG) or {}), **{f: g[i] for f, g in self.geoms.items()}}
             tag[SUM_TAG] = {**(tag.get(SUM_TAG) or {}), **{f: int(s[i]) for f, s in self.sums.items()}}
+            if self.born is not None and self.born[i] > 0:
+                tag[BORN_TAG] = int(self.born[i])
             self._built[i] = tag
         return tag
 
@@ -114,7 +154,8 @@ class RowTags(Sequence[dict[str, Any]]):
         pick = list(index)
         return RowTags(None if self.user is None else [self.user[i] for i in pick],
                        {f: _take(g, pick) for f, g in self.geoms.items()},
-                       {f: _take(v, pick) for f, v in self.sums.items()}, len(pick))
+                       {f: _take(v, pick) for f, v in self.sums.items()}, len(pick),
+                       None if self.born is None else _take(self.born, pick))
 
     def merged(self, new: Sequence[Mapping[str, Any]]) -> Sequence[dict[str, Any]]:
         """Each sample's tags after a write whose tags are ``new`` (:func:`merge_tags`)."""
@@ -123,7 +164,8 @@ class RowTags(Sequence[dict[str, Any]]):
             if new.has_user_tags():  # the new user tags win, key by key (they hold no reserved key)
                 old = self.user if self.user is not None else [None] * self._n
                 user = [{**(a or {}), **(b or {})} or None for a, b in zip(old, new.user)]  # type: ignore[arg-type]
-            return RowTags(user, {**self.geoms, **new.geoms}, {**self.sums, **new.sums}, self._n)
+            return RowTags(user, {**self.geoms, **new.geoms}, {**self.sums, **new.sums}, self._n,
+                           self.born if self.born is not None else new.born)
         return [merge_tags(a, b) for a, b in zip(self, new, strict=True)]
 
     def with_user(self, user: Sequence[Mapping[str, Any] | None]) -> RowTags:
@@ -133,7 +175,17 @@ class RowTags(Sequence[dict[str, Any]]):
             raise ValueError(f"{len(user)} user tag maps for {self._n} samples")
         if self._built:  # edited tag maps come along
             return RowTags([merge_tags(t, u or {}) for t, u in zip(self, user)], {}, {}, self._n)
-        return RowTags(list(user), self.geoms, self.sums, self._n)
+        return RowTags(list(user), self.geoms, self.sums, self._n, self.born)
+
+    def with_born(self, born: Any) -> RowTags:
+        """These tags naming incarnation ``born`` of each sample (an int64 array, or one int for all)."""
+        import numpy as np
+
+        arr = np.broadcast_to(np.asarray(born, np.int64), (self._n,)).copy()
+        if self._built:
+            return RowTags([{**t, BORN_TAG: int(b)} if b > 0 else t for t, b in zip(self, arr.tolist())], {}, {},
+                           self._n)
+        return RowTags(self.user, self.geoms, self.sums, self._n, arr)
 
     def user_tags(self) -> list[Any]:
         """Each sample's own tags (a map or None, rlplane's reserved keys left out), without
@@ -157,4 +209,4 @@ def _take(rows: Any, pick: list[int]) -> Any:
     return [rows[i] for i in pick]
 
 
-__all__ = ["WIRE_TAG", "SUM_TAG", "RESERVED_TAG_PREFIX", "RowTags", "merge_tags"]
+__all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "RowTags", "born_of", "incarnation", "merge_tags"]

@@ -23,12 +23,13 @@ import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Annotated, Any, AsyncIterator, Callable, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+import numpy as np
 from pydantic import BaseModel, Field
 
 import rlplane
@@ -121,6 +122,9 @@ class ClearRequest(BaseModel):
 class GetRequest(BaseModel):
     sample_ids: list[str]
     fields: list[str]
+    born: Optional[list[Annotated[int, Field(ge=0, lt=1 << 62)]]] = Field(
+        None, description="Each sample's incarnation as the reader's meta names it (tag _rlplane_born; 0: not known): "
+                          "a 404 MissingDataError for samples cleared and put again since (native stores).")
 
 
 _NAME = dict(min_length=1, max_length=200)
@@ -173,9 +177,9 @@ def build_api(state: ServiceState) -> FastAPI:
     tenants = state.tenants or Tenants.load(state.settings.token(), str(state.settings.tokens_file or ""))
     registry, transport = state.registry, state.transport
 
-    async def offload(fn: Callable[..., Any], *args: Any) -> Any:
+    async def offload(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # Store calls block on sockets and the codec on memory; keep the event loop free.
-        return await asyncio.to_thread(fn, *args)
+        return await asyncio.to_thread(fn, *args, **kwargs)
 
     @api.exception_handler(E.RlplaneError)
     async def _typed_error(_: Request, err: E.RlplaneError) -> JSONResponse:
@@ -441,9 +445,9 @@ def build_api(state: ServiceState) -> FastAPI:
             check_partition(partition)
             who.check(partition, write=True)
             body = await _read_body(request, state.settings.max_request_bytes)
-            stored, event["nbytes"] = await offload(_check_and_store, registry, transport, partition, body, create,
-                                                    durable, aligned and not create)
-        return {"partition": partition, "stored": stored, "nbytes": len(body)}
+            (stored, event["nbytes"]), born = await offload(_check_and_store, registry, transport, partition, body,
+                                                            create, durable, aligned and not create)
+        return {"partition": partition, "stored": stored, "nbytes": len(body), **({"born": born} if born else {})}
 
     @v1.post("/data/{partition}/get", tags=["data"])
     async def get(partition: str, body: GetRequest, who: Access = Depends(caller)) -> Response:
@@ -452,7 +456,10 @@ def build_api(state: ServiceState) -> FastAPI:
         async with observed("read_columns") as event:
             for name in body.fields:
                 registry.get(name)
-            columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields)
+            if body.born is not None and len(body.born) != len(body.sample_ids):
+                raise E.ShapeError(f"{len(body.born)} incarnations for {len(body.sample_ids)} samples")
+            born = {"born": np.asarray(body.born, np.int64)} if body.born is not None and transport.checks_born else {}
+            columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields, **born)
             parts = await offload(pack_parts, {"tags": list(tags)}, columns)
             event["nbytes"] = sum(col.nbytes for col in columns.values())
         # Streamed in pieces: no joined copy of the whole answer in fresh memory.
@@ -604,8 +611,10 @@ def _check_and_store(
     registry: Registry, transport: Transport, partition: str, body: bytearray, create: bool, durable: bool = False,
     check_lengths: bool = False,
 ) -> tuple[int, int]:
-    """Parse, check and store one put body; returns (samples, column bytes). Parsing and
-    checking touch every byte, so this runs off the event loop, with the store call."""
+    """Parse, check and store one put body; returns ((samples, column bytes), the
+    incarnation a create gave its samples or None). Parsing and checking touch every byte,
+    so this runs off the event loop, with the store call. The header's ``born`` (a write:
+    each sample's incarnation as the writer's meta names it) goes to a store that checks it."""
     header, columns = unpack(body)
     ids, tags = header.get("sample_ids"), header.get("tags")
     if (
@@ -622,8 +631,15 @@ def _check_and_store(
     extra = {"durable": True} if durable else {}
     if check_lengths:
         extra.update(length_check(registry, transport))
-    transport.put(partition, ids, columns, tags, create=create, **extra)
-    return len(ids), sum(col.nbytes for col in columns.values())
+    born = header.get("born")
+    if born is not None:
+        if not (isinstance(born, list) and len(born) == len(ids)
+                and all(type(b) is int and 0 <= b < 1 << 62 for b in born)):
+            raise E.WireFormatError("put 'born' must be one incarnation (an int in [0, 2**62)) per sample")
+        if transport.checks_born:
+            extra["born"] = np.asarray(born, np.int64)
+    got = transport.put(partition, ids, columns, tags, create=create, **extra)
+    return (len(ids), sum(col.nbytes for col in columns.values())), got if type(got) is int else None
 
 
 async def _chunks(parts: list[Any], chunk: int = 4 << 20) -> AsyncIterator[bytes]:

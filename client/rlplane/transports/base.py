@@ -27,6 +27,7 @@ from typing import Any, Iterator, Mapping, Sequence
 from rlplane.column import Column
 from rlplane.errors import ShapeError, WireFormatError
 from rlplane.scratch import Alloc
+from rlplane.tags import born_of
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class Transport(ABC):
     #: the store then refuses a write whose token rows are not as long as the sample it
     #: writes to (a meta older than the sample: extended, or cleared and put again).
     checks_lengths: bool = False
+    #: Whether ``put`` and ``get`` take ``born=`` (each sample's incarnation as the caller's
+    #: meta names it, :data:`rlplane.tags.BORN_TAG`): the store then refuses a meta naming
+    #: samples that were cleared and put again under the same ids (MissingDataError), and a
+    #: put that creates samples returns the incarnation it gave them (an int).
+    checks_born: bool = False
 
     @abstractmethod
     def put(
@@ -157,3 +163,16 @@ def length_check(registry: Any, transport: Transport) -> dict[str, Any]:
 
     Example: ``transport.put(p, ids, columns, tags, create=False, **length_check(registry, transport))``."""
     return {"aligned": registry.token_fields()} if transport.checks_lengths else {}
+
+
+def born_check(transport: Transport, tags: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The keyword a write or read with a meta passes to ``transport.put`` / ``get`` so
+    that a store that keeps incarnations (:attr:`Transport.checks_born`) refuses a stale
+    meta (its samples cleared and put again since); nothing for another store, or for a
+    meta that names none (built by hand).
+
+    Example: ``transport.get(p, meta.sample_ids, fields, **born_check(transport, meta.tags))``."""
+    if not transport.checks_born:
+        return {}
+    born = born_of(tags)
+    return {} if born is None else {"born": born}

@@ -40,6 +40,7 @@ class HttpTransport(Transport):
     name = "http"
     durable_puts = True  # the service decides (InvalidArgumentError without a journal)
     checks_lengths = True  # the service checks a write's token rows when its store does (native)
+    checks_born = True  # the service refuses a stale meta when its store keeps incarnations (native)
 
     def __init__(self, api: ServiceAPI) -> None:
         self.api = api
@@ -55,28 +56,45 @@ class HttpTransport(Transport):
         create: bool,
         durable: bool = False,
         aligned: Sequence[str] = (),
-    ) -> None:
+        born: Any = None,
+    ) -> int | None:
         """``durable``: the service answers once the put is in its journal on disk.
         ``aligned`` (a write of stored samples): the service checks the token rows' lengths
-        against the samples' (with its own registry's token fields) where its store can."""
+        against the samples' (with its own registry's token fields) where its store can.
+        ``born``: each sample's incarnation as the caller's meta names it (the service's
+        store refuses a stale meta where it keeps them). Returns the incarnation a create
+        gave its samples (None where the store keeps none)."""
         check_put(sample_ids, columns, tags)
-        parts = pack_parts({"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}, columns)
+        head: dict[str, Any] = {"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}
+        if born is not None:
+            head["born"] = [int(b) for b in born]
+        parts = pack_parts(head, columns)
         params = {"create": "true" if create else "false", **({"durable": "true"} if durable else {}),
                   **({"aligned": "true"} if aligned and not create else {})}
-        self.api.request(
+        answer = self.api.request(
             "POST",
             f"/v1/data/{_p(partition)}/put",
             params=params,
             content=chunked(parts, _CHUNK),
             headers={"Content-Type": CONTENT_TYPE, "Content-Length": str(sum(len(p) for p in parts))},
         )
+        try:
+            reply = answer.json()
+        except ValueError:  # (not JSON: nothing to learn from it)
+            reply = None
+        got = reply.get("born") if isinstance(reply, dict) else None
+        return got if create and born is None and type(got) is int and got > 0 else None
 
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
+        born: Any = None,
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
-        body = self.api.read_into(
-            "POST", f"/v1/data/{_p(partition)}/get", json={"sample_ids": list(sample_ids), "fields": list(fields)}
-        )
+        """``born``: the incarnations the caller's meta names (MissingDataError, from a
+        store that keeps them, for samples cleared and put again since)."""
+        ask: dict[str, Any] = {"sample_ids": list(sample_ids), "fields": list(fields)}
+        if born is not None:
+            ask["born"] = [int(b) for b in born]
+        body = self.api.read_into("POST", f"/v1/data/{_p(partition)}/get", json=ask)
         header, columns = unpack(body)
         tags = header.get("tags")
         if not isinstance(tags, list) or len(tags) != len(sample_ids):

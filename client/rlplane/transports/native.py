@@ -123,6 +123,7 @@ class NativeTransport(Transport):
     durable_puts = True  # the controller answers InvalidArgumentError without a journal
     shares_rows = True  # a row several samples share is stored once and read once (Column.same)
     checks_lengths = True  # a write's token rows are checked against the sample's length (put(aligned=))
+    checks_born = True  # a meta naming samples cleared and put again since is refused (put/get(born=))
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
                  pool: ReadPool | None = None, te: TeOptions | None = None) -> None:
@@ -221,22 +222,28 @@ class NativeTransport(Transport):
         create: bool,
         durable: bool = False,
         aligned: Sequence[str] = (),
-    ) -> None:
+        born: np.ndarray | None = None,
+    ) -> int | None:
         """``durable``: answered once the commit is in the units' journals on disk
         (InvalidArgumentError from a store without a journal). ``aligned``: the token-aligned
         field names (a write of existing samples: ShapeError, nothing stored, when a token
-        row's length is not the one the sample's other token fields hold)."""
+        row's length is not the one the sample's other token fields hold). ``born``: each
+        sample's incarnation as the caller's meta names it (a write: MissingDataError,
+        nothing stored, for samples cleared and put again since; a create: what they become,
+        as a snapshot kept it). Returns the incarnation a create gave its samples."""
         check_put(sample_ids, columns, tags, shares_rows=True)
         aligned = [] if create else list(aligned)
+        if born is not None and len(born) != len(sample_ids):
+            raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
         try:
-            self._put(partition, list(sample_ids), columns, tags, create, durable, aligned)
+            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born)
         except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
             if not self._lost(err):
                 raise
             stage = getattr(self._stage, "put", None)
             if stage is not None and stage.kept:  # the fields encoded into its freed extents, as copied before
                 columns = {f: replace(c, values=stage.kept[f]) if f in stage.kept else c for f, c in columns.items()}
-            self._put(partition, list(sample_ids), columns, tags, create, durable, aligned)
+            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born)
 
     @contextmanager
     def put_buffers(self, batch: int, fallback: Alloc | None) -> Iterator[Alloc | None]:
@@ -311,7 +318,8 @@ class NativeTransport(Transport):
         return stage
 
     def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
-             create: bool, durable: bool = False, aligned: list[str] | None = None) -> None:
+             create: bool, durable: bool = False, aligned: list[str] | None = None,
+             born: np.ndarray | None = None) -> int | None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
         # Split tags: geometry and digests per field (kept in the controller's arrays; the
@@ -373,6 +381,8 @@ class NativeTransport(Transport):
                 commit["user"] = user
             if aligned:
                 commit["t"] = aligned
+            if born is not None:
+                commit["bn"] = np.asarray(born, "<i8").tobytes()
             shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}
             if shared:  # rows stored empty whose bytes are an earlier row's (rlplane.dedup)
                 commit["s"] = shared
@@ -382,7 +392,7 @@ class NativeTransport(Transport):
                 commit["hx"] = {f: h.refs.astype("<i8").tobytes() for f, h in held.items() if h.rows.size}
             if durable:
                 commit["durable"] = True
-            self._ask(commit, self._left(deadline))  # sent again after a restart: answered as done if it was
+            done = self._ask(commit, self._left(deadline))  # sent again after a restart: answered as done if it was
             if stage is not None:
                 stage.committed = True
         except BaseException:
@@ -392,16 +402,22 @@ class NativeTransport(Transport):
             except Exception:  # noqa: BLE001 - the reservation lapses on its own
                 pass
             raise
+        given = done.get("bn")
+        return given if create and born is None and type(given) is int and given > 0 else None
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
-        shared: bool = False,
+        shared: bool = False, born: np.ndarray | None = None,
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         """``copy=False``: a field whose rows lie in order in one mapped slab comes back as
         a read-only view of it (zero copy), its blocks pinned until the last view is gone.
         ``shared=True``: a row stored once for several of the samples is read once, and its
-        column says which rows repeat it (:attr:`Column.same`); else every row is its own."""
-        args = (partition, list(sample_ids), list(fields), copy, shared)
+        column says which rows repeat it (:attr:`Column.same`); else every row is its own.
+        ``born``: the incarnations the caller's meta names (MissingDataError for samples
+        cleared and put again since)."""
+        if born is not None and len(born) != len(sample_ids):
+            raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
+        args = (partition, list(sample_ids), list(fields), copy, shared, born)
         try:
             try:
                 return self._get(*args)
@@ -603,13 +619,15 @@ class NativeTransport(Transport):
         except Exception:  # noqa: BLE001 - best effort; the store may be going away
             pass
 
-    def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool = False
-             ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+    def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool = False,
+             born: np.ndarray | None = None) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
         ask = {"op": "locate", "p": partition, "ids": ids, "fields": fields,
                "shm": sorted(self._slabs.keys() | self._remote.keys())}  # the units read at addresses
         if shared:
             ask["share"] = True
+        if born is not None:
+            ask["bn"] = np.asarray(born, "<i8").tobytes()
         if not copy:  # views may outlive this call: their pin is never dropped to make room for others
             ask["keep"] = True
         loc = self._ask(ask, self._left(deadline))

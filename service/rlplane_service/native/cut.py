@@ -77,7 +77,8 @@ class CutOps:
                 tasks = {t: st.astype(np.int8).tobytes() for t, st in self.ledger.export(p, slots).items()}
                 user = part.user[slots]
                 out.append({"p": p, "ids": ids, "fields": fields, "tasks": tasks,
-                            "user": user.tolist() if bool(np.not_equal(user, None).any()) else None})
+                            "user": user.tolist() if bool(np.not_equal(user, None).any()) else None,
+                            "bn": part.born[slots].astype("<i8").tobytes()})  # metas from before still name them
             pin = self.pins.pin(sorted(pinned), mine=True) if pinned else None  # type: ignore[attr-defined]
             held_ms = (time.perf_counter() - t0) * 1e3
             seq = self._seq  # type: ignore[attr-defined]  # every change before it is in the cut, none after

@@ -22,7 +22,7 @@ import numpy as np
 
 from rlplane.geometry import Geometry
 from rlplane_service.ledger import grown, kept
-from rlplane.tags import WIRE_TAG
+from rlplane.tags import BORN_TAG, WIRE_TAG, incarnation
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
 
@@ -143,6 +143,9 @@ class Partition:
     retagged: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # user tag changes after the commit
     # Put records still on the storage units that name the slot (rlplane_service.native.logbook).
     logged: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # Which incarnation of its id the slot holds (incarnation(); 0: not known, e.g. restored
+    # from a snapshot that kept none). A meta naming another one is stale.
+    born: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     fields: dict[str, FieldIndex] = field(default_factory=dict)
     used: int = 0  # slots handed out so far
     lost: dict[str, str] = field(default_factory=dict)  # sample id -> the storage unit it was lost with
@@ -156,6 +159,7 @@ class Partition:
             self.user = grown(self.user, cap)
             self.retagged = grown(self.retagged, cap)
             self.logged = grown(self.logged, cap)
+            self.born = grown(self.born, cap)
             for fi in self.fields.values():
                 fi.grow(cap)
 
@@ -181,6 +185,7 @@ class Partition:
         self.names, self.user = kept(self.names, keep), kept(self.user, keep)
         self.state = kept(self.state, keep, FREE)
         self.retagged, self.logged = kept(self.retagged, keep), kept(self.logged, keep)
+        self.born = kept(self.born, keep)
         for fi in self.fields.values():
             fi.renumber(keep, remap)
         self.ids = {name: int(remap[s]) for name, s in self.ids.items()}
@@ -228,8 +233,16 @@ class Partition:
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
         geoms = {name: (fi.block[slots] >= 0, fi.geometry(slots)) for name, fi in self.fields.items()}
-        return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]}}
+        born = self.born[slots].tolist()
+        return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]},
+                 **({BORN_TAG: born[i]} if born[i] else {})}
                 for i, u in enumerate(self.user[slots].tolist())]
+
+    def stale(self, slots: np.ndarray, born: np.ndarray) -> np.ndarray:
+        """Which of ``slots`` a meta naming incarnations ``born`` (0: not known) does not
+        name as they are now: the positions where both are known and differ."""
+        now = self.born[slots]
+        return np.flatnonzero((born > 0) & (now > 0) & (born != now))
 
 
 @dataclass
@@ -244,8 +257,9 @@ class Reservation:
     deadline: float
     seq: int = 0  # its commit-log entry's sequence number, once logged (rlplane_service.native.logbook)
     ids: Sequence[str] = ()  # the samples of ``slots`` (a sample cleared meanwhile has no name in the index)
+    born: Any = 0  # the incarnation a create gives its samples (an int, or one per sample from a snapshot)
 
 
 
 
-__all__ = ["FREE", "RESERVED", "COMMITTED", "FieldIndex", "Partition", "Reservation", "rows_in", "objects"]
+__all__ = ["FREE", "RESERVED", "COMMITTED", "FieldIndex", "Partition", "Reservation", "incarnation", "rows_in", "objects"]

@@ -26,7 +26,7 @@ from rlplane import errors as E
 from rlplane.wire import int_array, ints
 from rlplane_service.native.index import Partition
 from rlplane_service.native.pins import MAX_PINS, Pins
-from rlplane_service.native.requests import field_names, partition_of, sample_ids
+from rlplane_service.native.requests import births, field_names, partition_of, sample_ids, stale_meta
 from rlplane_service.native.unit import read_cap
 
 
@@ -56,6 +56,9 @@ class ReadOps:
         with self._lock:
             part = self._parts.get(p)
             slots = self._slots(p, part, ids)  # MissingDataError unless the partition holds them all
+            born = births(header.get("bn"), len(ids))  # the incarnations the reader's meta names
+            if born is not None and (bad := self._parts[p].stale(slots, born)).size:
+                raise stale_meta(p, ids, bad, "read")
             pinned: set[int] = set()
             out = self._locate(p, self._parts[p], slots, ids, fields, local, pinned, share=header.get("share") is True)
             out["pin"] = self.pins.pin(sorted(pinned), keep=header.get("keep") is True) if pinned else None

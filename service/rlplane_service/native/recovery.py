@@ -49,9 +49,9 @@ from rlplane.gcpause import gc_paused
 from rlplane.wire import ints
 from rlplane_service.native import commitlog as clog
 from rlplane_service.native.commitlog import ACK, CLEAR, DROP, MAX_ENTRIES_PER_REQUEST, PUT, Entry
-from rlplane_service.native.index import COMMITTED, Partition, Reservation, rows_in
+from rlplane_service.native.index import COMMITTED, Partition, Reservation, incarnation, rows_in
 from rlplane_service.native.logbook import LogBook
-from rlplane_service.native.requests import blocks_of
+from rlplane_service.native.requests import births, blocks_of
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,10 @@ class RecoveryOps:
                             "fields": list(res.fields), "blocks": [[b, list(u), a, z] for b, u, a, z in res.blocks],
                             "g": header["g"], "nb": header["nb"], "h": header.get("h") or {},
                             "user": header.get("user"), "x": header.get("x"),
-                            **{k: header[k] for k in ("s", "k", "hx") if header.get(k)}})
+                            **{k: header[k] for k in ("s", "k", "hx") if header.get(k)},
+                            # a create's incarnations when given (a snapshot's); else its rid's
+                            **({"bn": res.born.astype("<i8").tobytes()} if res.create and not isinstance(res.born, int)
+                               else {})})
         holders = sorted({u for _, units, _, _ in res.blocks for u in units})
         bytes_on = tuple(holders)
         if len(holders) < 2:  # a record on one unit only would go with that unit
@@ -450,7 +453,10 @@ class RecoveryOps:
         for b, units, _, _ in blocks:
             self._block_units[b] = units
             self._block_refs.setdefault(b, 0)
-        res = Reservation(str(rec["rid"]), p, part, slots, create, fields, blocks, float("inf"), seq=e.seq, ids=ids)
+        rid = str(rec["rid"])
+        born = births(rec.get("bn"), len(ids)) if create else None
+        res = Reservation(rid, p, part, slots, create, fields, blocks, float("inf"), seq=e.seq, ids=ids,
+                          born=(born if born is not None else incarnation(rid)) if create else 0)
         try:
             parsed = self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s"), rec.get("k"),
                                         rec.get("hx"))

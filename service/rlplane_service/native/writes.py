@@ -40,10 +40,10 @@ from rlplane.geometry import Geometry
 from rlplane.names import MAX_NAME_LEN
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
-from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, objects
+from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects
 from rlplane_service.native.logbook import LogBook
-from rlplane_service.native.requests import (block_id_ok, blocks_of, digests, extents, field_names, partition_of,
-                                             plain_int, sample_ids, shared_rows)
+from rlplane_service.native.requests import (births, block_id_ok, blocks_of, digests, extents, field_names, partition_of,
+                                             plain_int, sample_ids, shared_rows, stale_meta)
 from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
@@ -122,8 +122,9 @@ class WriteOps:
             for b, units, _, _ in blocks:
                 self._block_units[b] = units
                 self._block_refs[b] = 0
-            res = Reservation(f"{self.epoch}.{secrets.token_hex(12)}", p, part, slots, create, fields, blocks,  # type: ignore[arg-type]
-                              time.monotonic() + self.lease_s, ids=ids)
+            rid = f"{self.epoch}.{secrets.token_hex(12)}"
+            res = Reservation(rid, p, part, slots, create, fields, blocks,  # type: ignore[arg-type]
+                              time.monotonic() + self.lease_s, ids=ids, born=incarnation(rid) if create else 0)
             self._res[res.rid] = res
         return {"res": res.rid, "lease_s": self.lease_s}, {}, []
 
@@ -169,7 +170,7 @@ class WriteOps:
                 done = self._done.get(rid) if isinstance(rid, str) else None
                 if done is not None:  # a commit sent again (its answer was lost with a controller): it holds
                     self._lock.release()
-                    return {"committed": done, "again": True}, {}, []
+                    return {"committed": done, "again": True, "bn": incarnation(rid)}, {}, []
                 if isinstance(rid, str) and not rid.startswith(f"{self.epoch}."):
                     raise E.LeaseError("the controller restarted after this put reserved and before it committed; "
                                        "nothing of the put was stored: retry it")
@@ -196,6 +197,7 @@ class WriteOps:
                 raise E.MissingDataError(res.partition, {s: [] for s in gone}, hint="cleared while this write was in flight")
             parsed = self._parse_commit(res, geoms, sizes, sums, header.get("x"), header.get("s"), header.get("k"),
                                         header.get("hx"))
+            self._check_born(res, births(header.get("bn"), n))
             if not res.create and header.get("t") is not None:
                 self._check_aligned(res, parsed, header["t"])
             if self.seal_key is not None:
@@ -211,7 +213,24 @@ class WriteOps:
             finally:
                 self._lock.release()
 
-        return {"committed": n}, {}, [], apply  # answered once checked; indexed right after
+        # answered once checked; indexed right after. ``bn``: the incarnation the samples a
+        # create made are (rlplane.tags.BORN_TAG), for their meta.
+        return {"committed": n, **({"bn": res.born} if res.create and isinstance(res.born, int) else {})}, {}, [], apply
+
+    def _check_born(self, res: Reservation, born: np.ndarray | None) -> None:
+        """A create's ``born`` (from a snapshot: each sample's incarnation) is what its
+        samples become; a write of stored samples whose meta names other incarnations than
+        they are (cleared and put again since) is refused: MissingDataError naming them,
+        nothing of it stored."""
+        if born is None:
+            return
+        if res.create:
+            res.born = born
+            return
+        bad = res.part.stale(res.slots, born)
+        if bad.size:
+            self._abort(res)
+            raise stale_meta(res.partition, res.ids or res.part.names[res.slots].tolist(), bad, "write")
 
     def _check_aligned(self, res: Reservation, c: Parsed, aligned: Any) -> None:
         """A write of existing samples whose token rows (``aligned``: the token-aligned field
@@ -365,6 +384,7 @@ class WriteOps:
             tot[1] += live
         if res.create:
             part.user[res.slots] = objects(user) if user is not None else None  # type: ignore[arg-type]
+            part.born[res.slots] = res.born
             part.state[res.slots] = COMMITTED
         elif isinstance(user, list) and len(user) == n:  # user tags added by a later write
             for s, extra_tags in zip(res.slots.tolist(), user):

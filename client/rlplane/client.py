@@ -321,6 +321,9 @@ class Client:
             reply = self._claim(want, timeout)
         tags = reply["tags"]
         lengths = self._stored_lengths(tags)
+        born = reply.get("born")  # each sample's incarnation (also in its tags): kept as one array for the checks
+        if isinstance(born, list) and isinstance(tags, list) and len(born) == len(tags):
+            tags = RowTags(tags, {}, {}, len(tags), np.asarray(born, np.int64))
         return SampleMeta(partition, reply["ids"], lengths, frozenset(reply["fields"]), tags,
                           pad_to_seqlen=max(lengths) if lengths and max(lengths) > 0 else None, lease=int(reply["lease"]),
                           over_budget=bool(reply.get("over_budget", False)))

@@ -79,17 +79,22 @@ def born_of(tags: Sequence[Any]) -> Any:
     has none; None when no sample has one (nothing to check).
 
     Example: ``born_of(meta.tags)``."""
-    import numpy as np
+    import numpy as np  # (this module stays importable without numpy until a meta is checked)
 
     maps: Any = tags
+    if isinstance(tags, RowTags) and tags.born is not None:
+        return tags.born
     if isinstance(tags, RowTags) and not tags._built:  # built maps handed on (take) keep theirs as user maps
-        if tags.born is not None:
-            return tags.born
-        maps = tags.user if tags.user is not None else ()
-    got = [t.get(BORN_TAG) if isinstance(t, Mapping) else None for t in maps]
-    if not any(type(b) is int and b > 0 for b in got):
-        return None
-    return np.array([b if type(b) is int and 0 < b < 1 << 62 else 0 for b in got], np.int64)
+        if tags.user is None:
+            return None
+        maps = tags.user
+    try:  # one pass in C over the maps (a claim's meta holds plain dicts)
+        born = np.fromiter((t.get(BORN_TAG) or 0 for t in maps), np.int64, count=len(maps))
+    except (AttributeError, TypeError, ValueError, OverflowError):  # odd tag maps: one by one
+        got = [t.get(BORN_TAG) if isinstance(t, Mapping) else None for t in maps]
+        born = np.array([b if type(b) is int and 0 < b < 1 << 62 else 0 for b in got], np.int64)
+    born[(born < 0) | (born >= 1 << 62)] = 0
+    return born if born.any() else None
 
 
 class RowTags(Sequence[dict[str, Any]]):
@@ -133,8 +138,10 @@ class RowTags(Sequence[dict[str, Any]]):
             user = self.user[i] if self.user is not None else None
             tag = dict(user) if isinstance(user, Mapping) else {}
             # a built tag map handed on (take) keeps its own geometry and digests
-            tag[WIRE_TAG] = {**(tag.get(WIRE_TAG) or {}), **{f: g[i] for f, g in self.geoms.items()}}
-            tag[SUM_TAG] = {**(tag.get(SUM_TAG) or {}), **{f: int(s[i]) for f, s in self.sums.items()}}
+            if self.geoms or WIRE_TAG not in tag:  # (maps handed on whole keep their own as they are)
+                tag[WIRE_TAG] = {**(tag.get(WIRE_TAG) or {}), **{f: g[i] for f, g in self.geoms.items()}}
+            if self.sums or (SUM_TAG not in tag and self.geoms):
+                tag[SUM_TAG] = {**(tag.get(SUM_TAG) or {}), **{f: int(s[i]) for f, s in self.sums.items()}}
             if self.born is not None and self.born[i] > 0:
                 tag[BORN_TAG] = int(self.born[i])
             self._built[i] = tag
@@ -150,7 +157,8 @@ class RowTags(Sequence[dict[str, Any]]):
     def take(self, index: Sequence[int]) -> RowTags:
         """The tags of the samples at ``index``, in that order (still built when asked for)."""
         if self._built:  # edited tag maps must come along
-            return RowTags([self[i] for i in index], {}, {}, len(index))
+            return RowTags([self[i] for i in index], {}, {}, len(index),
+                           None if self.born is None else _take(self.born, list(index)))
         pick = list(index)
         return RowTags(None if self.user is None else [self.user[i] for i in pick],
                        {f: _take(g, pick) for f, g in self.geoms.items()},
@@ -184,7 +192,7 @@ class RowTags(Sequence[dict[str, Any]]):
         arr = np.broadcast_to(np.asarray(born, np.int64), (self._n,)).copy()
         if self._built:
             return RowTags([{**t, BORN_TAG: int(b)} if b > 0 else t for t, b in zip(self, arr.tolist())], {}, {},
-                           self._n)
+                           self._n, arr)
         return RowTags(self.user, self.geoms, self.sums, self._n, arr)
 
     def user_tags(self) -> list[Any]:

@@ -385,7 +385,7 @@ def build_api(state: ServiceState) -> FastAPI:
             out = await ledger().acall({"op": "claim", **req.to_header()}, req.wait_s)
         return {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
                 "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"],
-                **{k: out[k] for k in ("tokens", "over_budget") if k in out}}
+                **{k: out[k] for k in ("tokens", "over_budget", "born") if k in out}}
 
     async def settle(verb: str, partition: str, body: LeaseBody) -> int:
         async with observed(verb):

@@ -272,6 +272,9 @@ class Ledger:
         self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s, ids)
         out = {"lease": lid, "lease_s": lease_s, "ids": ids, "tags": idx.tags_of(take),
                "fields": [f for f in idx.field_names() if bool(idx.has(f)[take].all())]}
+        born = getattr(idx, "born", None)  # each sample's incarnation, where the index keeps them (native)
+        if born is not None:
+            out["born"] = born[take].tolist()
         if req.max_tokens is not None:
             out.update(tokens=tokens, over_budget=over)
         return out

@@ -89,7 +89,22 @@ COMMIT_LIES = {
     "a row of 2**62 tokens": lambda h: {**h, "g": {**h["g"], "input_ids": {**h["g"]["input_ids"],
                                                                            "l": ints([2**62, 8, 8])}}},
     "row geometry of Nones": lambda h: {**h, "g": {**h["g"], "input_ids": [None] * 3}},
+    "incarnations of the wrong count": lambda h: {**h, "bn": ints([5, 5])},
+    "an incarnation past 2**62": lambda h: {**h, "bn": ints([1, 2**62, 3])},
+    "a negative incarnation": lambda h: {**h, "bn": ints([1, -2, 3])},
+    "incarnations as a list": lambda h: {**h, "bn": [1, 2, 3]},
 }
+
+
+@pytest.mark.parametrize("born", [b"\x01" * 7, [1], "x", ints([-1])])
+def test_a_locate_with_malformed_incarnations_is_refused_and_keeps_no_pin(engine, client, known, ctrl, born):
+    failures = engine.server.failures
+    meta, _ = known
+    with pytest.raises(E.WireFormatError, match="'bn'"):
+        ctrl.call({"op": "locate", "p": "known", "ids": meta.sample_ids[:1], "fields": ["input_ids"], "bn": born},
+                  timeout=5)
+    assert engine.core.stats()["pins"] == 0
+    still_serving(engine, client, known, failures)
 
 
 @pytest.mark.parametrize("lie", sorted(COMMIT_LIES))

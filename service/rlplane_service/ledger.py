@@ -197,6 +197,11 @@ class Lease:
     slots: np.ndarray
     deadline: float
     ids: list[str]  # the samples of ``slots`` when claimed (a cleared slot's id is gone from the index)
+    # A grouped claim's (``group_key``): the key, and each of ``slots``' group (lease-local codes).
+    # Its acks and nacks name whole groups: a group split between acked and given back
+    # would never be whole again, and its given-back members would wait forever.
+    group_key: str | None = None
+    groups: np.ndarray | None = None
 
 
 class Ledger:
@@ -269,7 +274,8 @@ class Ledger:
             return self._not_ready(req, int(take.size), final, tokens)
         lease_s = req.lease_s or self.lease_s
         ids = idx.ids_of(take)
-        self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s, ids)
+        groups = ps.group_of(req.group_key)[0][take].copy() if req.group_key is not None else None  # type: ignore[arg-type]
+        self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s, ids, req.group_key, groups)
         out = {"lease": lid, "lease_s": lease_s, "ids": ids, "tags": idx.tags_of(take),
                "fields": [f for f in idx.field_names() if bool(idx.has(f)[take].all())]}
         born = getattr(idx, "born", None)  # each sample's incarnation, where the index keeps them (native)
@@ -483,8 +489,27 @@ class Ledger:
             settled = [s for s in ids if held[s] not in mine and held[s] < live.size and live[held[s]]]
             if settled:  # acked or given back already (a sample cleared since the claim is left out instead)
                 raise E.LeaseError(f"cannot {verb}: samples {settled[:5]} are not held by lease {lid} any more")
-            slots = np.asarray([held[s] for s in ids if held[s] in mine], np.int64)
+            named = np.asarray([held[s] for s in ids if held[s] in mine], np.int64)
+            if le.groups is not None:
+                self._whole_groups_only(le, slots, named, verb)
+            slots = named
         return le, slots
+
+    @staticmethod
+    def _whole_groups_only(le: Lease, held: np.ndarray, named: np.ndarray, verb: str) -> None:
+        """LeaseError unless ``named`` (slots of grouped lease ``le``) holds, for each group
+        it touches, every member the lease still holds (``held``): nothing changes."""
+        assert le.groups is not None
+        on = np.isin(le.slots, named)
+        left = np.isin(le.slots, held) & ~on & np.isin(le.groups, le.groups[on])
+        if left.any():
+            k = int(np.flatnonzero(left)[0])
+            mate = le.ids[int(np.flatnonzero(on & (le.groups == le.groups[k]))[0])]
+            raise E.LeaseError(
+                f"cannot {verb} part of a group: lease {le.lid} was a grouped claim (group_key={le.group_key!r}) and "
+                f"sample {le.ids[k]!r} of the group of {mate!r} is not named ({int(left.sum())} such). A group split "
+                f"between acked and given back is never whole again, so its other members would never be claimed: "
+                f"{verb} whole groups (or the lease's whole meta); nothing was {verb}ed")
 
     def _settle(self, le: Lease, slots: np.ndarray) -> None:
         if not bool((le.state.state[le.slots] == LEASED).any()):

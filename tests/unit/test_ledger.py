@@ -394,3 +394,24 @@ def test_a_streamed_partition_renumbers_its_slots_and_every_task_lease_and_lengt
     got = led.claim(_tok(30, min_tokens=1), final=True)  # lengths read again: 10 + 20 fit, + 30 does not
     assert got["ids"] == ["k0", "k1"] and got["tokens"] == 30
     assert led.consumption("p", "train")["acked"] == 1
+
+
+def test_a_grouped_claim_acks_and_nacks_whole_groups_only():
+    """A group split between acked and given back is never whole again: its given-back
+    members used to wait for ever (pending, never claimed). Now a partial ack or nack of
+    a group is a LeaseError naming a member left out, and nothing changes."""
+    led, idx = _ledger()
+    _put(idx, "p", [f"s{i}" for i in range(8)], tags=[{"gid": i // 4, "group_size": 4} for i in range(8)])
+    got = led.claim(_req(n=8, group_key="gid"), final=True)
+    lid = got["lease"]
+    for verb in (led.ack, led.nack):
+        with pytest.raises(E.LeaseError, match=r"part of a group: .*group_key='gid'.* sample 's2' of the group of 's0'"):
+            verb("p", "train", lid, ["s0", "s1", "s4", "s5", "s6", "s7"])
+    assert led.consumption("p", "train")["acked"] == 0 and led.consumption("p", "train")["claimed"] == 8
+    assert led.nack("p", "train", lid, ["s4", "s5", "s6", "s7"]) == 4  # a whole group: given back
+    assert led.ack("p", "train", lid, ["s0", "s1", "s2", "s3"]) == 4
+    again = led.claim(_req(n=4, group_key="gid"), final=True)
+    assert again["ids"] == ["s4", "s5", "s6", "s7"]  # the group given back is whole and claimed again
+    assert led.ack("p", "train", again["lease"], None) == 4
+    plain = led.claim(_req(task="other", n=8), final=True)  # a claim without groups acks any part
+    assert led.ack("p", "other", plain["lease"], ["s0", "s5"]) == 2

@@ -88,7 +88,7 @@ def born_of(tags: Sequence[Any]) -> Any:
         if tags.user is None:
             return None
         maps = tags.user
-    try:  # one pass in C over the maps (a claim's meta holds plain dicts)
+    try:  # plain dicts (a meta after msgpack/JSON or concat): one step a sample; put and claim metas keep an array
         born = np.fromiter((t.get(BORN_TAG) or 0 for t in maps), np.int64, count=len(maps))
     except (AttributeError, TypeError, ValueError, OverflowError):  # odd tag maps: one by one
         got = [t.get(BORN_TAG) if isinstance(t, Mapping) else None for t in maps]

@@ -607,6 +607,17 @@ def snapshot_path(root: Optional[Path], given: str) -> Path | str:
     return path
 
 
+def births(born: Any, n: int) -> np.ndarray:
+    """A put header's ``born``: ``n`` incarnations (ints in [0, 2**62)) as int64, or WireFormatError."""
+    try:
+        arr = np.asarray(born, np.int64) if isinstance(born, list) else None
+    except (TypeError, ValueError, OverflowError):
+        arr = None
+    if arr is None or arr.shape != (n,) or (n and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 62)):
+        raise E.WireFormatError("put 'born' must be one incarnation (an int in [0, 2**62)) per sample")
+    return arr
+
+
 def _check_and_store(
     registry: Registry, transport: Transport, partition: str, body: bytearray, create: bool, durable: bool = False,
     check_lengths: bool = False,
@@ -633,11 +644,9 @@ def _check_and_store(
         extra.update(length_check(registry, transport))
     born = header.get("born")
     if born is not None:
-        if not (isinstance(born, list) and len(born) == len(ids)
-                and all(type(b) is int and 0 <= b < 1 << 62 for b in born)):
-            raise E.WireFormatError("put 'born' must be one incarnation (an int in [0, 2**62)) per sample")
+        arr = births(born, len(ids))
         if transport.checks_born:
-            extra["born"] = np.asarray(born, np.int64)
+            extra["born"] = arr
     got = transport.put(partition, ids, columns, tags, create=create, **extra)
     return (len(ids), sum(col.nbytes for col in columns.values())), got if type(got) is int else None
 

@@ -184,3 +184,31 @@ def test_incarnations_survive_a_snapshot_restored_into_another_store_and_a_journ
                 b.clear("s", ["a"])
                 new = b.put_samples("s", tokens([5]), sample_ids=["a"])
                 stale_then_fresh(b, "s", old, new)
+
+
+def test_a_stale_meta_error_names_every_stale_sample(client):
+    """A caller may retry without the samples ``missing`` names: it lists every one."""
+    ids = [f"s{i}" for i in range(12)]
+    old = client.put_samples("many", tokens([4] * 12), sample_ids=ids)
+    client.clear("many")
+    client.put_samples("many", tokens([4] * 12), sample_ids=ids)
+    with pytest.raises(E.MissingDataError, match="12 of its 12 samples") as err:
+        client.read_columns(old, ["input_ids"])
+    assert sorted(err.value.missing) == sorted(ids)
+
+
+def test_a_replayed_record_with_malformed_incarnations_takes_no_id():
+    """A put record whose incarnations are malformed is skipped by a rebuild before it
+    takes anything: its ids stay free for a later put (they used to stay reserved for ever)."""
+    from rlplane_service.native.commitlog import PUT, Entry
+
+    with LocalEngine(2, secret=SECRET) as eng:
+        info = {"controller": eng.server.endpoint, "secret": SECRET.decode()}
+        with Client(default_registry(), NativeTransport(info, timeout=30)) as c:
+            c.put_samples("x", tokens([4]), sample_ids=["y"])
+            rec = {"rid": "9.abc", "ids": ["z"], "create": True, "fields": [], "blocks": [[987654321, [0], 0, 1]],
+                   "g": {}, "nb": {}, "h": {}, "bn": b"\x01" * 7}
+            with eng.core._lock, pytest.raises(E.WireFormatError, match="'bn'"):
+                eng.core._replay(Entry(10**6, PUT, "x", b"", b""), rec)
+            assert "z" not in eng.core._parts["x"].ids and 987654321 not in eng.core._block_units
+            c.put_samples("x", tokens([4]), sample_ids=["z"])

@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 from urllib.parse import quote
 
+import numpy as np
+
 from rlplane.column import Column
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.errors import MissingDataError, WireFormatError
@@ -67,7 +69,7 @@ class HttpTransport(Transport):
         check_put(sample_ids, columns, tags)
         head: dict[str, Any] = {"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}
         if born is not None:
-            head["born"] = [int(b) for b in born]
+            head["born"] = np.asarray(born, np.int64).tolist()
         parts = pack_parts(head, columns)
         params = {"create": "true" if create else "false", **({"durable": "true"} if durable else {}),
                   **({"aligned": "true"} if aligned and not create else {})}
@@ -93,7 +95,7 @@ class HttpTransport(Transport):
         store that keeps them, for samples cleared and put again since)."""
         ask: dict[str, Any] = {"sample_ids": list(sample_ids), "fields": list(fields)}
         if born is not None:
-            ask["born"] = [int(b) for b in born]
+            ask["born"] = np.asarray(born, np.int64).tolist()
         body = self.api.read_into("POST", f"/v1/data/{_p(partition)}/get", json=ask)
         header, columns = unpack(body)
         tags = header.get("tags")

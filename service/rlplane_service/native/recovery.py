@@ -437,6 +437,7 @@ class RecoveryOps:
             return True
         ids, create, fields = list(rec["ids"]), rec["create"] is True, list(rec["fields"])
         blocks = blocks_of(rec["blocks"], len(ids), len(self.units))
+        born = births(rec.get("bn"), len(ids)) if create else None  # checked before anything is taken
         if create:
             if part is not None and (again := [part.ids[s] for s in ids if s in part.ids]):
                 self._forget(p, part, np.asarray(again, np.int64))  # a later put of the same ids wins
@@ -454,7 +455,6 @@ class RecoveryOps:
             self._block_units[b] = units
             self._block_refs.setdefault(b, 0)
         rid = str(rec["rid"])
-        born = births(rec.get("bn"), len(ids)) if create else None
         res = Reservation(rid, p, part, slots, create, fields, blocks, float("inf"), seq=e.seq, ids=ids,
                           born=(born if born is not None else incarnation(rid)) if create else 0)
         try:

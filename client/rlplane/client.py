@@ -186,21 +186,20 @@ class Client:
                 raise ShapeError(f"{given.batch} samples of appended tokens for a meta of {len(meta)}")
             born = born_check(self.transport, meta.tags)  # a stale meta (samples put again since) is refused
             columns, tags = self.transport.get(meta.partition, meta.sample_ids, [*names, LENGTHS_FIELD], **born)
-            stored = decode(self.registry, columns, tags, "padded", None, sample_ids=meta.sample_ids,
-                            partition=meta.partition)
+            stored = decode(self.registry, columns, tags, "packed", None, sample_ids=meta.sample_ids,
+                            partition=meta.partition)  # (checks every token row against input_lengths)
             out: dict[str, Any] = {}
             for name in names:
                 new = fields[name]
-                if new.is_nested:  # jagged rows: as padded ones (input_lengths says how many count)
-                    new = new.to_padded_tensor(0)
                 if new.device.type != "cpu":  # appended on the host, to the stored rows read there
                     new = new.cpu()
                 out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], new, given.lengths, field=name)
             out[LENGTHS_FIELD] = lengths
-            prep = prepare(self.registry, out, lengths, sample_ids=meta.sample_ids)
+            prep = Prepared(len(meta), lengths)  # the stored rows and the given ones, both checked
             user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
-                enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep)
+                enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
+                             packed=frozenset(names))
                 written = enc.tags.with_user(user)
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False, **born)
                 op.nbytes = enc.nbytes
@@ -235,8 +234,9 @@ class Client:
         """Every requested field of every sample in ``meta``, or MissingDataError.
 
         Name ``fields`` or a ``stage`` (its fields come from the registry). Token fields
-        come back ``[B, pad_to_seqlen]`` (default: the meta's, else the longest sample)
-        or jagged; packed fields as PackedTensor; object fields as lists. The caller owns
+        come back ``[B, pad_to_seqlen]`` (default: the meta's, else the longest sample),
+        jagged (``layout="jagged"``) or packed (``layout="packed"``: the samples' tokens one
+        after another, ``[sum(input_lengths), ...]``); packed fields as PackedTensor; object fields as lists. The caller owns
         what it gets; ``copy=False`` lets the native engine's shared-memory path hand out
         read-only views of the store's memory instead (zero copy: writing into one faults),
         whose blocks stay pinned, and so not reused, until the last view is gone.

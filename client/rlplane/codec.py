@@ -5,7 +5,8 @@ row offsets per field) and per-sample tags that record every row's true geometry
 the reserved key :data:`WIRE_TAG`. ``decode`` inverts it. What it guarantees:
 
 - token fields are cut to each sample's length on write and padded back with the
-  field's ``pad_value`` on read (``layout="padded"``) or returned jagged;
+  field's ``pad_value`` on read (``layout="padded"``), returned jagged, or packed (the
+  samples' rows one after another);
 - media fields are never cut or padded to the sequence length;
 - ``wire_dtype`` casts floating payloads only; integer grids travel as written;
 - object fields travel as msgpack (never pickle);
@@ -50,7 +51,7 @@ from rlplane.tags import RESERVED_TAG_PREFIX, WIRE_TAG, RowTags, merge_tags
 #: ``keys`` (see :class:`~rlplane.column.HeldRows`; block -1 for the rest).
 HeldLookup = Callable[[str, np.ndarray], np.ndarray]
 
-LAYOUTS = ("padded", "jagged")
+LAYOUTS = ("padded", "jagged", "packed")
 
 
 class Encoded(NamedTuple):
@@ -110,6 +111,7 @@ def encode(
     prepared: Prepared | None = None,
     share_rows: bool = False,
     held: HeldLookup | None = None,
+    packed: frozenset[str] = frozenset(),
 ) -> Encoded:
     """Validate ``fields`` against ``registry`` and encode them for the wire.
 
@@ -123,7 +125,9 @@ def encode(
     (:mod:`rlplane.dedup`); only for a transport that stores such columns. ``held`` (with
     ``share_rows``): asked, per such field, which of its rows the store holds from earlier
     puts (``held(field, keys) -> refs``, see :class:`~rlplane.column.HeldRows`); those rows
-    are not encoded at all.
+    are not encoded at all. ``packed``: token fields given as their samples' rows one after
+    another (``[sum(lengths), ...]``, what ``decode(layout="packed")`` gives), with
+    ``prepared`` (:func:`prepare` checks padded and jagged values only).
 
     Example::
 
@@ -139,7 +143,9 @@ def encode(
         if value is None:
             continue
         spec = registry.get(name)
-        if share_rows and spec.shares_rows and spec.container == "packed":
+        if name in packed:
+            out = _encode_token_rows(spec, value, tokens)
+        elif share_rows and spec.shares_rows and spec.container == "packed":
             out = _encode_media_packed(spec, value, tokens, batch, ids, alloc, share=True, held=held)
         else:
             out = _ENCODERS[(spec.alignment, spec.container)](spec, value, tokens, batch, ids, alloc)
@@ -275,8 +281,20 @@ def _encode_token_dense(
         values = _cast(spec, values).reshape(-1)
         if not values.is_contiguous():
             values = values.contiguous()
-    col = Column(values, tokens.offsets(math.prod(rest)))
-    return col, Geometry.token(lens.numpy().copy(), rest)
+    return Column(values, tokens.offsets(math.prod(rest))), Geometry.token(lens.numpy().copy(), rest)
+
+
+def _encode_token_rows(spec: FieldSpec, rows: torch.Tensor, tokens: _TokenRows | None) -> tuple[Column, Geometry]:
+    """A token field given packed: its samples' rows one after another ``[sum(lengths), ...]``."""
+    if spec.alignment != "token" or spec.container != "dense" or tokens is None:
+        raise InvalidArgumentError("only a token field, with the samples' lengths, is given packed", field=spec.name)
+    total = int(tokens.lens.sum())
+    if not isinstance(rows, torch.Tensor) or rows.dim() < 1 or rows.shape[0] != total:
+        got = list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ShapeError(f"packed rows {got} for samples of {total} tokens in all", field=spec.name)
+    rest = list(rows.shape[1:])
+    values = _cast(spec, rows).reshape(-1).contiguous()
+    return Column(values, tokens.offsets(math.prod(rest))), Geometry.token(tokens.lens.numpy().copy(), rest)
 
 
 def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int, ids, alloc, *,
@@ -379,8 +397,10 @@ def decode(
     there once, and padding, masks and packing are done there.
 
     Token fields come back ``[B, pad_to_seqlen, ...]`` padded with the field's
-    ``pad_value`` (``pad_to_seqlen`` defaults to the longest sample) or, with
-    ``layout="jagged"``, as a jagged NestedTensor. Sample fields are ``[B, ...]``; packed
+    ``pad_value`` (``pad_to_seqlen`` defaults to the longest sample); with
+    ``layout="jagged"``, as a jagged NestedTensor; with ``layout="packed"``, as the
+    samples' rows one after another, ``[sum(lengths), ...]`` (their lengths: the
+    ``input_lengths`` field; what varlen attention takes, no padding, no nested tensor). Sample fields are ``[B, ...]``; packed
     fields PackedTensor; object fields lists. Dense results may share memory with the
     columns. ``sample_ids`` only name samples in errors.
 
@@ -461,7 +481,7 @@ def check_columns(
         want = _stored_dtype(spec, col.dtype)
         if col.dtype != want:
             raise DtypeError(f"stored as {col.dtype} but the registry stores it as {want}", field=name)
-    decode(registry, columns, tags, layout="jagged", sample_ids=ids, verify=False)  # the reader checks the digests
+    decode(registry, columns, tags, layout="packed", sample_ids=ids, verify=False)  # the reader checks the digests
     lengths = columns.get(LENGTHS_FIELD)
     if lengths is None:
         return
@@ -678,6 +698,8 @@ def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: s
     inner = math.prod(rest)
     _check_numels(spec, col, lens_t * inner, ids)
     rows = col.values.view(-1, *rest)
+    if layout == "packed":
+        return rows
     if layout == "jagged":
         return torch.nested.nested_tensor_from_jagged(rows, offsets_from_numels(lens_t).to(rows.device))
     longest = int(lens_t.max()) if batch else 0

@@ -5,8 +5,8 @@ later; the rollout stores what it has so far (``put_samples(..., finished=False)
 appends the rest as it comes (``Client.extend``). This module holds the two pure steps
 of an extend: :func:`token_fields` checks which fields an extension must carry (every
 token field the samples hold, and nothing else), and :func:`appended` builds each
-field's rows with the new tokens after the stored ones, for every sample at once (no
-loop over samples).
+field's rows, packed, with the new tokens after the stored ones, for every sample at once
+(no loop over samples).
 
 Example::
 
@@ -15,8 +15,10 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Mapping
 
+import numpy as np
 import torch
 
 from rlplane.errors import ShapeError
@@ -57,34 +59,61 @@ def token_fields(registry: Registry, held: Iterable[str], given: Mapping[str, An
 
 def appended(stored: torch.Tensor, stored_lengths: torch.Tensor, new: torch.Tensor,
              new_lengths: torch.Tensor, *, field: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows ``[B, L, ...]`` holding each sample's stored tokens then its new ones, and the
-    lengths (past a sample's length a row holds padding, which is not stored); ``new`` is
-    cast to the stored dtype, as a put of the whole sequence would have cast it.
+    """Each sample's stored tokens then its new ones, packed (``[sum(lengths), ...]``, the
+    samples one after another, as a put stores them), and the lengths. ``stored`` holds the
+    stored tokens packed the same way (``[sum(stored_lengths), ...]``, as a jagged read
+    gives them); ``new`` the new ones ``[B, T, ...]`` (``new_lengths`` of each row count)
+    or as a jagged NestedTensor. ``new`` is cast to the stored dtype, as a put of the whole
+    sequence would have cast it. One vectorized insert; no padding is built or dropped.
 
     Example::
 
-        rows, lengths = appended(torch.tensor([[1, 2], [3, 0]]), torch.tensor([2, 1]),
+        rows, lengths = appended(torch.tensor([1, 2, 3]), torch.tensor([2, 1]),
                                  torch.tensor([[9], [8]]), torch.tensor([1, 1]))
-        # rows [[1, 2, 9], [3, 8, 0]], lengths [3, 2]
+        # rows [1, 2, 9, 3, 8], lengths [3, 2]
     """
-    if stored.shape[2:] != new.shape[2:]:
-        raise ShapeError(f"appended tokens of shape [.., {list(new.shape[2:])}] after stored ones of "
-                         f"[.., {list(stored.shape[2:])}]", field=field)
-    b, t = new.shape[0], new.shape[1]
-    if b and int(new_lengths.max()) > t:
-        i = int(torch.argmax(new_lengths))
-        raise ShapeError(f"{int(new_lengths[i])} tokens to append to sample #{i} but the tensor's sequence dim is {t}",
-                         field=field)
-    lengths = stored_lengths + new_lengths
-    width = int(lengths.max()) if b else 0
-    out = torch.zeros((b, width, *stored.shape[2:]), dtype=stored.dtype)
-    keep = min(stored.shape[1], width)
-    out[:, :keep] = stored[:, :keep]
-    step = torch.arange(t)
-    mask = step[None, :] < new_lengths[:, None]
-    rows = torch.arange(b)[:, None].expand(b, t)
-    out[rows[mask], (stored_lengths[:, None] + step[None, :])[mask]] = new[mask].to(stored.dtype)
-    return out, lengths
+    b = stored_lengths.numel()
+    old_n, add_n = stored_lengths.to(torch.int64), new_lengths.to(torch.int64)
+    if new.is_nested and getattr(new, "_lengths", None) is None:
+        offsets = new.offsets().to("cpu", torch.int64)
+        got = torch.diff(offsets)
+        if got.numel() != b:
+            raise ShapeError(f"a jagged tensor of {got.numel()} samples to append to {b}", field=field)
+        if bool((got != add_n).any()):
+            i = int(torch.argmax((got != add_n).to(torch.int8)))
+            raise ShapeError(f"{int(got[i])} tokens to append to sample #{i} where input_lengths says {int(add_n[i])}",
+                             field=field)
+        rows = new.values()[int(offsets[0]):int(offsets[-1])]
+    else:
+        if new.is_nested:  # a jagged tensor with holes: as padded rows
+            new = new.to_padded_tensor(0)
+        t = new.shape[1]
+        if b and int(add_n.max()) > t:
+            i = int(torch.argmax(add_n))
+            raise ShapeError(f"{int(add_n[i])} tokens to append to sample #{i} but the tensor's sequence dim is {t}",
+                             field=field)
+        rows = new if b and bool((add_n == t).all()) else \
+            new[:, :t][torch.arange(t)[None, :] < add_n[:, None]]
+        rows = rows.reshape(-1, *new.shape[2:])
+    if stored.shape[1:] != rows.shape[1:]:
+        raise ShapeError(f"appended tokens of shape [.., {list(rows.shape[1:])}] after stored ones of "
+                         f"[.., {list(stored.shape[1:])}]", field=field)
+    rows = rows.to(stored.dtype)
+    lengths = old_n + add_n
+    # Each new token goes in after its sample's stored ones: numpy's insert, on the values'
+    # bit patterns (bit-exact for every dtype; ~5x faster than torch's index_put here).
+    before = torch.repeat_interleave(torch.cumsum(old_n, 0), add_n, output_size=rows.shape[0])
+    width = stored.element_size() * math.prod(stored.shape[1:])  # bytes per token
+    if not width:
+        return torch.empty((int(lengths.sum()), *stored.shape[1:]), dtype=stored.dtype), lengths
+    out = np.insert(_tokens(stored, width), before.numpy(), _tokens(rows, width))
+    return torch.from_numpy(out.view(np.uint8)).view(stored.dtype).view(-1, *stored.shape[1:]), lengths
+
+
+def _tokens(t: torch.Tensor, width: int) -> np.ndarray:
+    """``t`` (CPU, ``width`` bytes per token) as one numpy item per token (numpy inserts
+    those ~10x faster than rows of a 2-D array)."""
+    return t.contiguous().view(torch.uint8).numpy().view(np.dtype((np.void, width))).reshape(-1)
 
 
 __all__ = ["token_fields", "appended"]

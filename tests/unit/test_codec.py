@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlplane import FieldSpec, PackedTensor, Registry, default_registry
-from rlplane.codec import WIRE_TAG, decode, encode
+from rlplane import Client, FieldSpec, PackedTensor, Registry, default_registry
+from rlplane.codec import WIRE_TAG, Prepared, decode, encode
 from rlplane.column import Column
 from rlplane.errors import ContainerError, InvalidArgumentError, ShapeError, UnregisteredFieldError, WireFormatError
 from rlplane.transports import MemoryTransport
@@ -48,6 +48,26 @@ def test_full_vlm_batch_round_trips_bit_exactly(vlm, layout):
     if layout == "jagged":
         assert out["input_ids"].is_nested
         assert [r.numel() for r in out["input_ids"].unbind()] == vlm.lengths.tolist()
+
+
+def test_a_packed_read_gives_every_samples_tokens_one_after_another_and_encodes_back(vlm):
+    reg = default_registry()
+    packed, jagged = through_store(reg, vlm.fields, vlm.lengths, "packed"), through_store(reg, vlm.fields, vlm.lengths, "jagged")
+    tokens = sorted(f for f in vlm.fields if reg.get(f).alignment == "token")
+    assert tokens and all(not packed[f].is_nested and same_bits(packed[f], jagged[f].values()) for f in tokens)
+    assert packed["input_ids"].shape[0] == int(vlm.lengths.sum())
+    assert [s.shape for s in packed["pixel_values"][1]] == [(20, 1176), (6, 1176)]  # other fields as in any layout
+    rows = {f: packed[f] for f in tokens}
+    enc = encode(reg, {**rows, "input_lengths": vlm.lengths}, prepared=Prepared(6, vlm.lengths), packed=frozenset(tokens))
+    back = decode(reg, enc.columns, enc.tags, "jagged")
+    assert all(same_bits(back[f].values(), jagged[f].values()) for f in tokens)
+    with pytest.raises(ShapeError, match="packed rows") as err:  # one token short of the lengths' sum
+        encode(reg, {"input_ids": rows["input_ids"][1:], "input_lengths": vlm.lengths}, prepared=Prepared(6, vlm.lengths),
+               packed=frozenset({"input_ids"}))
+    assert err.value.field == "input_ids"
+    client = Client(reg, MemoryTransport())
+    meta = client.put_samples("p", vlm.fields)
+    assert same_bits(client.read_columns(meta, ["input_ids"], layout="packed")["input_ids"], packed["input_ids"])
 
 
 def test_padded_read_uses_pad_value_and_pad_to_seqlen(vlm):

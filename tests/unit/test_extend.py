@@ -28,15 +28,35 @@ def tokens(lens: list[int], start: int) -> dict:
 
 
 def test_appended_puts_each_samples_new_tokens_after_its_own_and_casts_to_the_stored_dtype():
-    stored = torch.tensor([[1, 2, 0], [3, 0, 0], [0, 0, 0]], dtype=torch.int32)
+    stored = torch.tensor([1, 2, 3], dtype=torch.int32)  # packed: [1, 2], [3], []
     rows, lengths = appended(stored, torch.tensor([2, 1, 0]), torch.tensor([[9, 9], [8, 0], [7, 6]]), torch.tensor([2, 0, 2]))
     assert lengths.tolist() == [4, 1, 2] and rows.dtype == torch.int32
-    assert [rows[i, :n].tolist() for i, n in enumerate(lengths.tolist())] == [[1, 2, 9, 9], [3], [7, 6]]
+    assert rows.tolist() == [1, 2, 9, 9, 3, 7, 6]
     with pytest.raises(E.ShapeError):  # trailing dims must agree
-        appended(torch.zeros(1, 2, 3), torch.tensor([1]), torch.zeros(1, 1, 4), torch.tensor([1]))
+        appended(torch.zeros(1, 3), torch.tensor([1]), torch.zeros(1, 1, 4), torch.tensor([1]))
     with pytest.raises(E.ShapeError) as err:  # more tokens to append than the tensor holds
         appended(stored, torch.tensor([2, 1, 0]), torch.tensor([[9], [8], [7]]), torch.tensor([1, 2, 0]), field="x")
     assert err.value.field == "x" and "sample #1" in str(err.value)
+    jagged = torch.nested.nested_tensor([torch.tensor([9, 9]), torch.tensor([8])], layout=torch.jagged)
+    with pytest.raises(E.ShapeError) as err:  # jagged rows of other counts than input_lengths says
+        appended(stored[:3], torch.tensor([2, 1]), jagged, torch.tensor([2, 2]), field="x")
+    assert err.value.field == "x" and "sample #1" in str(err.value)
+
+
+@pytest.mark.parametrize("old,add", [([3, 3, 3], [2, 2, 2]), ([3, 0, 5], [2, 4, 0]), ([0, 0], [1, 3])],
+                         ids=["alike", "mixed", "empty-rows"])
+@pytest.mark.parametrize("inner", [(), (2,)], ids=["scalar", "per-token-vector"])
+def test_appended_packed_equals_the_padded_concatenation(old, add, inner):
+    gen = torch.Generator().manual_seed(7)
+    width = max(add)
+    stored = [torch.randn(n, *inner, generator=gen) for n in old]
+    new = torch.randn(len(add), width, *inner, generator=gen)
+    rows, lengths = appended(torch.cat(stored), torch.tensor(old), new.to(torch.float64), torch.tensor(add))
+    want = torch.cat([torch.cat([s, new[i, :add[i]]]) for i, s in enumerate(stored)])
+    assert lengths.tolist() == [a + b for a, b in zip(old, add)] and rows.dtype == torch.float32
+    assert torch.equal(rows, want)
+    jagged = torch.nested.nested_tensor([new[i, :a] for i, a in enumerate(add)], layout=torch.jagged)
+    assert torch.equal(appended(torch.cat(stored), torch.tensor(old), jagged, torch.tensor(add))[0], want)
 
 
 def test_token_fields_names_what_an_extension_must_carry():

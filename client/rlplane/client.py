@@ -185,19 +185,22 @@ class Client:
             if given.batch != len(meta):
                 raise ShapeError(f"{given.batch} samples of appended tokens for a meta of {len(meta)}")
             born = born_check(self.transport, meta.tags)  # a stale meta (samples put again since) is refused
-            columns, tags = self.transport.get(meta.partition, meta.sample_ids, [*names, LENGTHS_FIELD], **born)
+            columns, tags = self.transport.get(meta.partition, meta.sample_ids, [*names, LENGTHS_FIELD], copy=False,
+                                               **born)  # (views, where the store has them: read once, then let go)
             stored = decode(self.registry, columns, tags, "packed", None, sample_ids=meta.sample_ids,
                             partition=meta.partition)  # (checks every token row against input_lengths)
-            out: dict[str, Any] = {}
-            for name in names:
-                new = fields[name]
-                if new.device.type != "cpu":  # appended on the host, to the stored rows read there
-                    new = new.cpu()
-                out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], new, given.lengths, field=name)
-            out[LENGTHS_FIELD] = lengths
-            prep = Prepared(len(meta), lengths)  # the stored rows and the given ones, both checked
             user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
+                out: dict[str, Any] = {}
+                for name in names:
+                    new = fields[name]
+                    if new.device.type != "cpu":  # appended on the host, to the stored rows read there
+                        new = new.cpu()
+                    into = (lambda numel, dtype, f=name: alloc(f, numel, dtype)) if alloc is not None else None
+                    out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], new, given.lengths, field=name,
+                                                  into=into)  # where the put lands them, when the store stages it
+                out[LENGTHS_FIELD] = lengths
+                prep = Prepared(len(meta), lengths)  # the stored rows and the given ones, both checked
                 enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
                              packed=frozenset(names))
                 written = enc.tags.with_user(user)

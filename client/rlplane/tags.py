@@ -97,6 +97,32 @@ def born_of(tags: Sequence[Any]) -> Any:
     return born if born.any() else None
 
 
+def stale(named: Any, now: Any) -> Any:
+    """Positions where a meta naming incarnations ``named`` does not name the samples as
+    they are now (``now``; both int64 arrays, 0: not known): both known and different.
+
+    Example: ``stale(np.array([5, 0, 7]), np.array([5, 9, 8]))`` -> ``array([2])``."""
+    import numpy as np
+
+    return np.flatnonzero((named > 0) & (now > 0) & (named != now))
+
+
+def stale_meta(partition: str, ids: Sequence[str], bad: Any, what: str) -> Any:
+    """The MissingDataError for a request whose meta names incarnations of samples that
+    are gone (``bad``: positions in ``ids``, from :func:`stale`): the samples were cleared
+    and put again under the same ids since the meta was made. ``what``: "write" or "read".
+
+    Example: ``raise stale_meta("step-0", ids, stale(meta_born, stored_born), "read")``."""
+    from rlplane.errors import MissingDataError
+
+    names = [ids[i] for i in bad.tolist()]  # every one (a caller may retry without them); the text names the first
+    return MissingDataError(
+        partition, {s: [] for s in names},
+        hint=f"The {what}'s meta is stale: {len(names)} of its {len(ids)} samples (first {names[0]!r}) were cleared "
+             f"and put again under the same id since it was made, so it names samples that are gone. Nothing was "
+             f"{'stored' if what == 'write' else 'read'}: use the meta the new samples' put (or a claim) returned")
+
+
 class RowTags(Sequence[dict[str, Any]]):
     """Each sample's tags, built only when asked for: the user's tags (``user``, one
     map or None per sample; None: no user tags) plus the rows' wire geometry and
@@ -217,4 +243,5 @@ def _take(rows: Any, pick: list[int]) -> Any:
     return [rows[i] for i in pick]
 
 
-__all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "RowTags", "born_of", "incarnation", "merge_tags"]
+__all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "RowTags", "born_of", "incarnation", "merge_tags",
+           "stale", "stale_meta"]

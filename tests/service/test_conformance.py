@@ -177,6 +177,41 @@ def test_claims_hand_each_sample_out_once_per_task_and_a_nack_gives_them_back(co
         client.clear(p)
 
 
+def test_a_meta_of_samples_cleared_and_put_again_is_refused_for_writes_extends_and_reads(conn, request):
+    """The same ids, the same lengths, new samples: a meta from before names the samples
+    that are gone (their incarnation), and every store refuses it, storing nothing; the
+    new samples' meta (from their put, or a claim) works."""
+    from rlplane.tags import BORN_TAG
+
+    with conn() as client:
+        p = part()
+        step = {"input_ids": torch.randint(0, 1000, (2, 8)), "input_lengths": torch.full((2,), 8)}
+        old = client.put_samples(p, step, sample_ids=["a", "b"], finished=False)
+        assert old.tags[0][BORN_TAG] > 0
+        client.clear(p, ["a"])
+        new = client.put_samples(p, {k: v[:1] for k, v in step.items()}, sample_ids=["a"], finished=False)
+        assert new.tags[0][BORN_TAG] not in (0, old.tags[0][BORN_TAG])
+        with pytest.raises(E.MissingDataError, match="write's meta is stale") as err:
+            client.write_columns(old, {"prev_logprobs": torch.randn(2, 8)})
+        assert list(err.value.missing) == ["a"]
+        with pytest.raises(E.MissingDataError, match="meta is stale"):  # (its read of the stored rows says so)
+            client.extend(old, {"input_ids": torch.ones(2, 2, dtype=torch.int64), "input_lengths": torch.full((2,), 2)})
+        with pytest.raises(E.MissingDataError, match="read's meta is stale"):
+            client.read_columns(old, ["input_ids"])
+        got = client.read_columns(old.subset([1]), ["input_ids", "input_lengths"], layout="jagged")
+        assert torch.equal(got["input_ids"][0], step["input_ids"][1])  # b: nothing of the refused calls stored
+        assert "prev_logprobs" not in client.transport.describe(p).fields
+        lp = torch.randn(1, 8)
+        client.write_columns(new, {"prev_logprobs": lp})
+        assert torch.equal(client.read_columns(new, ["prev_logprobs"])["prev_logprobs"], lp)
+        if request.node.callspec.params["conn"] != "memory":  # a claim's meta names the new sample
+            claimed = client.claim(p, "peek", batch_size=2, fields=["input_ids"], timeout=5, unfinished=True)
+            by_id = dict(zip(claimed.sample_ids, claimed.tags))
+            assert by_id["a"][BORN_TAG] == new.tags[0][BORN_TAG] and by_id["b"][BORN_TAG] == old.tags[1][BORN_TAG]
+            client.extend(claimed, {"input_ids": torch.ones(2, 2, dtype=torch.int64), "input_lengths": torch.full((2,), 2)})
+        client.clear(p)
+
+
 def _partial_step(g: torch.Generator, lens: list[int]) -> dict:
     """Tokens for a step of a partial rollout: ``lens[i]`` new tokens for sample i."""
     n, width = len(lens), max(max(lens), 1)

@@ -319,29 +319,3 @@ def test_a_write_with_a_meta_older_than_its_samples_is_refused_naming_field_and_
         client.write_columns(new, {"prev_logprobs": lp})
         assert torch.equal(client.read_columns(new, ["prev_logprobs"])["prev_logprobs"], lp)
         client.clear(p)
-
-
-@pytest.mark.parametrize("transport", ["direct", "http"])
-def test_a_meta_of_samples_cleared_and_put_again_is_refused_for_writes_and_reads(service, transport):
-    """The same ids, the same lengths, new samples: a meta from before names the samples
-    that are gone (their incarnation), and the store refuses it over either path."""
-    from rlplane.tags import BORN_TAG
-
-    p = part()
-    with rlplane.connect(service.url, token=service.settings.token(), transport=transport) as client:
-        step = {"input_ids": torch.randint(0, 1000, (2, 8)), "input_lengths": torch.full((2,), 8)}
-        old = client.put_samples(p, step, sample_ids=["a", "b"])
-        assert old.tags[0][BORN_TAG] > 0
-        client.clear(p, ["a"])
-        new = client.put_samples(p, {k: v[:1] for k, v in step.items()}, sample_ids=["a"])
-        assert new.tags[0][BORN_TAG] not in (0, old.tags[0][BORN_TAG])
-        with pytest.raises(E.MissingDataError, match="write's meta is stale") as err:
-            client.write_columns(old, {"prev_logprobs": torch.randn(2, 8)})
-        assert list(err.value.missing) == ["a"]
-        with pytest.raises(E.MissingDataError, match="read's meta is stale"):
-            client.read_columns(old, ["input_ids"])
-        assert "prev_logprobs" not in client.transport.describe(p).fields  # nothing of it stored
-        lp = torch.randn(1, 8)
-        client.write_columns(new, {"prev_logprobs": lp})
-        assert torch.equal(client.read_columns(new, ["prev_logprobs"])["prev_logprobs"], lp)
-        client.clear(p)

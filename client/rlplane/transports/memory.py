@@ -14,14 +14,17 @@ Example::
 from __future__ import annotations
 
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from rlplane.codec import merge_tags
 from rlplane.column import Column
 from rlplane.errors import DuplicateSampleError, MissingDataError
+from rlplane.tags import incarnation, stale, stale_meta
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 
 
@@ -29,12 +32,14 @@ from rlplane.transports.base import PartitionInfo, Transport, check_put
 class _Sample:
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
     tags: dict[str, Any] = field(default_factory=dict)
+    born: int = 0  # its incarnation (rlplane.tags.BORN_TAG): drawn by the put that made it
 
 
 class MemoryTransport(Transport):
     """Thread-safe in-memory store (see the module docstring)."""
 
     name = "memory"
+    checks_born = True
 
     def __init__(self) -> None:
         self._parts: dict[str, dict[str, _Sample]] = {}
@@ -49,8 +54,15 @@ class MemoryTransport(Transport):
         tags: Sequence[Mapping[str, Any]],
         *,
         create: bool,
-    ) -> None:
+        born: Any = None,
+    ) -> int | None:
+        """A put of new samples (``create``) gives them an incarnation and returns it (or
+        keeps ``born``, one per sample, as given); a write with ``born`` naming samples
+        cleared and put again since is refused (MissingDataError), nothing stored."""
         check_put(sample_ids, columns, tags)
+        given = incarnation(f"memory.{uuid.uuid4().hex}") if create and born is None else None
+        births = np.full(len(sample_ids), given, np.int64) if given is not None else \
+            np.asarray(born, np.int64) if born is not None else None
         # Copy outside the lock: one buffer per column, rows are views of it.
         rows = {name: col.values.clone().split(col.row_numels().tolist()) for name, col in columns.items()}
         with self._lock:
@@ -65,17 +77,27 @@ class MemoryTransport(Transport):
                     raise MissingDataError(
                         partition, {s: [] for s in unknown}, hint="put_samples them before write_columns"
                     )
+                if births is not None and (bad := stale(births, self._born(part, sample_ids))).size:
+                    raise stale_meta(partition, list(sample_ids), bad, "write")
             part = self._parts.setdefault(partition, part)
             for i, sid in enumerate(sample_ids):
                 sample = part.setdefault(sid, _Sample())
                 for name in columns:
                     sample.rows[name] = rows[name][i]
                 sample.tags = merge_tags(sample.tags, tags[i])
+                if create and births is not None:
+                    sample.born = int(births[i])
             for name, col in columns.items():
                 self._dtypes[(partition, name)] = col.dtype
+        return given
+
+    @staticmethod
+    def _born(part: Mapping[str, _Sample], sample_ids: Sequence[str]) -> np.ndarray:
+        return np.array([part[s].born for s in sample_ids], np.int64)
 
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
+        born: Any = None,
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         with self._lock:
             part = self._parts.get(partition, {})
@@ -90,6 +112,8 @@ class MemoryTransport(Transport):
                         missing[sid] = lacking
             if missing:
                 raise MissingDataError(partition, missing)
+            if born is not None and (bad := stale(np.asarray(born, np.int64), self._born(part, sample_ids))).size:
+                raise stale_meta(partition, list(sample_ids), bad, "read")
             picked = [part[sid] for sid in sample_ids]
             dtypes = {f: self._dtypes.get((partition, f), torch.uint8) for f in fields}
         columns = {f: Column.from_rows([s.rows[f] for s in picked], dtype=dtypes[f]) for f in fields}

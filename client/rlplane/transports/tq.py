@@ -31,13 +31,15 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from rlplane.codec import WIRE_TAG, merge_tags
 from rlplane.streams import DirectStreams
 from rlplane.column import Column
-from rlplane.errors import (DuplicateSampleError, MissingDataError, TransportError, UnavailableError,
+from rlplane.errors import (DuplicateSampleError, MissingDataError, ShapeError, TransportError, UnavailableError,
                             WireFormatError, lost_hint)
+from rlplane.tags import BORN_TAG, RowTags, incarnation, stale, stale_meta
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.transports.tq_errors import translate
 
@@ -191,6 +193,7 @@ class TQTransport(Transport):
     name = "tq"
     direct = True
     kind = ""
+    checks_born = True  # each sample's incarnation is kept in its tags: a stale meta is refused
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -262,13 +265,25 @@ class TQTransport(Transport):
         tags: Sequence[Mapping[str, Any]],
         *,
         create: bool,
-    ) -> None:
+        born: Any = None,
+    ) -> int | None:
+        """Store the columns. A put of new samples (``create``) gives them an incarnation
+        (:data:`~rlplane.tags.BORN_TAG`, kept in their tags) and returns it; a write of
+        stored ones with ``born`` (the incarnations the caller's meta names) is refused
+        when they were cleared and put again since (MissingDataError, nothing stored)."""
         check_put(sample_ids, columns, tags)
         ids = list(sample_ids)
+        given = None
+        if create:  # (a restore's incarnations, one per sample, are kept as given)
+            given = incarnation(f"tq.{uuid.uuid4().hex}") if born is None else None
+            mine = np.asarray(born, np.int64) if born is not None else np.full(len(ids), given, np.int64)
+            tags = tags.with_born(mine) if isinstance(tags, RowTags) else \
+                [{**t, BORN_TAG: int(b)} for t, b in zip(tags, mine.tolist())]
+            born = None
         # TransferQueue's own id check is check-then-create: the ledger arbitrates new ids first.
         res = self.streams.reserve(partition, ids) if self.streams is not None and create else None
         try:
-            self._run(self._put(partition, ids, columns, tags, create, reserved=res is not None))
+            self._run(self._put(partition, ids, columns, tags, create, reserved=res is not None, born=born))
         except BaseException:
             if res is not None:
                 try:
@@ -278,11 +293,17 @@ class TQTransport(Transport):
             raise
         if self.streams is not None:
             self.streams.record(partition, ids, list(columns), tags, create=create, reservation=res)
+        return given
 
     def get(
-        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True
+        self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
+        born: Any = None,
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
-        return self._run(self._get(partition, list(sample_ids), list(fields)))
+        """``born``: the incarnations the caller's meta names (MissingDataError for samples
+        cleared and put again since)."""
+        if born is not None and len(born) != len(sample_ids):
+            raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
+        return self._run(self._get(partition, list(sample_ids), list(fields), born))
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         ids = None if sample_ids is None else list(sample_ids)
@@ -443,6 +464,7 @@ class TQTransport(Transport):
         tags: Sequence[Mapping[str, Any]],
         create: bool,
         reserved: bool = False,
+        born: Any = None,
     ) -> None:
         existing = await self._meta(partition, ids, create=False)
         if create and existing.size and reserved:
@@ -456,6 +478,8 @@ class TQTransport(Transport):
         if not create and existing.size != len(ids):
             raise await self._missing(partition, ids, hint="put_samples them before write_columns")
         old = list(existing.custom_meta) if not create else [{} for _ in ids]
+        if born is not None and not create and (bad := stale(np.asarray(born, np.int64), _born(old))).size:
+            raise stale_meta(partition, ids, bad, "write")
         sizes = {name: (col.row_numels() * col.values.element_size()).tolist() for name, col in columns.items()}
         merged = [
             merge_tags(old[i], {**tags[i], NBYTES_TAG: {name: sizes[name][i] for name in columns}})
@@ -475,7 +499,7 @@ class TQTransport(Transport):
             raise
 
     async def _get(
-        self, partition: str, ids: list[str], fields: list[str]
+        self, partition: str, ids: list[str], fields: list[str], born: Any = None
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         if not ids:
             return {f: Column.empty(torch.uint8) for f in fields}, []
@@ -483,6 +507,8 @@ class TQTransport(Transport):
         if meta.size != len(ids):
             raise await self._missing(partition, ids)
         tags = [dict(t) for t in meta.custom_meta]
+        if born is not None and (bad := stale(np.asarray(born, np.int64), _born(tags))).size:
+            raise stale_meta(partition, ids, bad, "read")
         missing = {}
         for sid, tag in zip(ids, tags):
             have = tag.get(WIRE_TAG) or {}
@@ -525,6 +551,12 @@ class TQTransport(Transport):
         if meta.size:
             await self._clear_samples(meta)
         return int(meta.size)
+
+
+def _born(tags: Sequence[Mapping[str, Any]]) -> np.ndarray:
+    """Each stored sample's incarnation from its tags (0: none kept, e.g. written before
+    incarnations were)."""
+    return np.array([b if type(b := (t or {}).get(BORN_TAG)) is int and 0 < b < 1 << 62 else 0 for t in tags], np.int64)
 
 
 def _column(value: Any, name: str, rows: int) -> Column:

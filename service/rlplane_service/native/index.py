@@ -22,7 +22,7 @@ import numpy as np
 
 from rlplane.geometry import Geometry
 from rlplane_service.ledger import grown, kept
-from rlplane.tags import BORN_TAG, WIRE_TAG, incarnation
+from rlplane.tags import BORN_TAG, WIRE_TAG, incarnation, stale
 
 FREE, RESERVED, COMMITTED = 0, 1, 2
 
@@ -241,8 +241,7 @@ class Partition:
     def stale(self, slots: np.ndarray, born: np.ndarray) -> np.ndarray:
         """Which of ``slots`` a meta naming incarnations ``born`` (0: not known) does not
         name as they are now: the positions where both are known and differ."""
-        now = self.born[slots]
-        return np.flatnonzero((born > 0) & (now > 0) & (born != now))
+        return stale(born, self.born[slots])
 
 
 @dataclass

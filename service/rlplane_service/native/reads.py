@@ -23,10 +23,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rlplane import errors as E
+from rlplane.tags import stale_meta
 from rlplane.wire import int_array, ints
 from rlplane_service.native.index import Partition
 from rlplane_service.native.pins import MAX_PINS, Pins
-from rlplane_service.native.requests import births, field_names, partition_of, sample_ids, stale_meta
+from rlplane_service.native.requests import births, field_names, partition_of, sample_ids
 from rlplane_service.native.unit import read_cap
 
 

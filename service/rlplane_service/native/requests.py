@@ -64,18 +64,6 @@ def births(x: Any, n: int) -> np.ndarray | None:
     return born
 
 
-def stale_meta(partition: str, ids: Any, bad: np.ndarray, what: str) -> E.MissingDataError:
-    """The error for a request whose meta names incarnations of samples that are gone
-    (``bad``: positions in ``ids``): the samples were cleared and put again under the same
-    ids since the meta was made. ``what``: "write" or "read"."""
-    names = [ids[i] for i in bad.tolist()]  # every one (a caller may retry without them); the text names the first
-    return E.MissingDataError(
-        partition, {s: [] for s in names},
-        hint=f"The {what}'s meta is stale: {bad.size} of its {len(ids)} samples (first {names[0]!r}) were cleared "
-             f"and put again under the same id since it was made, so it names samples that are gone. Nothing was "
-             f"{'stored' if what == 'write' else 'read'}: use the meta the new samples' put (or a claim) returned")
-
-
 def block_id_ok(b: Any) -> bool:
     """A block id is a positive int of at most 63 bits (it travels as int64)."""
     return isinstance(b, int) and not isinstance(b, bool) and 0 < b < 1 << 63
@@ -170,4 +158,4 @@ def shared_rows(given: Any, fields: list[str], n: int, row_bytes: dict[str, np.n
     return out
 
 
-__all__ = ["partition_of", "sample_ids", "field_names", "births", "stale_meta", "block_id_ok", "plain_int", "blocks_of", "digests", "extents", "shared_rows"]
+__all__ = ["partition_of", "sample_ids", "field_names", "births", "block_id_ok", "plain_int", "blocks_of", "digests", "extents", "shared_rows"]

@@ -38,12 +38,13 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.geometry import Geometry
 from rlplane.names import MAX_NAME_LEN
+from rlplane.tags import stale_meta
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects
 from rlplane_service.native.logbook import LogBook
 from rlplane_service.native.requests import (births, block_id_ok, blocks_of, digests, extents, field_names, partition_of,
-                                             plain_int, sample_ids, shared_rows, stale_meta)
+                                             plain_int, sample_ids, shared_rows)
 from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)

@@ -123,6 +123,49 @@ def stale_meta(partition: str, ids: Sequence[str], bad: Any, what: str) -> Any:
              f"{'stored' if what == 'write' else 'read'}: use the meta the new samples' put (or a claim) returned")
 
 
+def older_meta(field: str, new: int, have: int, ref: str, differ: int, n: int, sample: Any) -> Any:
+    """The ShapeError for a write of stored samples whose token rows are not as long as the
+    sample holds (``have`` tokens of ``ref``; ``differ`` of the write's ``n`` samples, the
+    first ``sample``): its meta is older than the sample (extended, or put again since)."""
+    from rlplane.errors import ShapeError
+
+    return ShapeError(
+        f"{new} tokens where the sample holds {have} ({ref}); {differ} of the write's {n} samples differ. The meta it "
+        "was written with is older than the sample (extended, or cleared and put again since); nothing of the write "
+        "was stored: write with the sample's current meta (the one extend or put_samples returned, or a claim's)",
+        field=field, sample=sample)
+
+
+def check_lengths(ids: Sequence[str], stored: Sequence[Mapping[str, Any]], written: Mapping[str, Any],
+                  aligned: Sequence[str]) -> None:
+    """For a store that keeps each sample's tags: a write of stored samples (``stored``:
+    their tags) whose token rows (``written``: per field written, each row's length) are
+    not as long as the sample's first token field (of ``aligned``) it holds is
+    :func:`older_meta`. One step a sample (such a store reads every tag map anyway).
+
+    Example: ``check_lengths(["a"], [{WIRE_TAG: {"input_ids": [16]}}], {"prev_logprobs": [8]}, ["input_ids"])``
+    raises ShapeError."""
+    import numpy as np
+
+    fields = [f for f in aligned if f in written]
+    if not fields or not stored:
+        return
+    have, ref = np.full(len(ids), -1, np.int64), [""] * len(ids)
+    for i, tag in enumerate(stored):
+        rows = (tag or {}).get(WIRE_TAG) or {}
+        for f in aligned:
+            row = rows.get(f)
+            if isinstance(row, list) and row and type(row[0]) is int:
+                have[i], ref[i] = row[0], f
+                break
+    for f in fields:
+        new = np.asarray(written[f], np.int64)
+        bad = np.flatnonzero((have >= 0) & (new != have))
+        if bad.size:
+            i = int(bad[0])
+            raise older_meta(f, int(new[i]), int(have[i]), ref[i], int(bad.size), len(ids), ids[i])
+
+
 class RowTags(Sequence[dict[str, Any]]):
     """Each sample's tags, built only when asked for: the user's tags (``user``, one
     map or None per sample; None: no user tags) plus the rows' wire geometry and
@@ -244,4 +287,4 @@ def _take(rows: Any, pick: list[int]) -> Any:
 
 
 __all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "RowTags", "born_of", "incarnation", "merge_tags",
-           "stale", "stale_meta"]
+           "stale", "stale_meta", "older_meta", "check_lengths"]

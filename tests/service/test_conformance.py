@@ -177,6 +177,24 @@ def test_claims_hand_each_sample_out_once_per_task_and_a_nack_gives_them_back(co
         client.clear(p)
 
 
+def test_a_write_with_a_meta_older_than_its_samples_is_refused_naming_field_and_sample(conn):
+    """A meta from before an extend would have stored prev_logprobs of the old length next
+    to the longer input_ids; every store refuses it, storing nothing."""
+    with conn() as client:
+        p = part()
+        step = {"input_ids": torch.randint(0, 1000, (2, 8)), "input_lengths": torch.full((2,), 8)}
+        old = client.put_samples(p, step, finished=False)
+        new = client.extend(old, step, finished=True)
+        with pytest.raises(E.ShapeError, match="8 tokens where the sample holds 16") as err:
+            client.write_columns(old, {"prev_logprobs": torch.randn(2, 8)})
+        assert err.value.field == "prev_logprobs" and err.value.sample == old.sample_ids[0]
+        assert "prev_logprobs" not in client.transport.describe(p).fields
+        lp = torch.randn(2, 16)
+        client.write_columns(new, {"prev_logprobs": lp})
+        assert torch.equal(client.read_columns(new, ["prev_logprobs"])["prev_logprobs"], lp)
+        client.clear(p)
+
+
 def test_a_meta_of_samples_cleared_and_put_again_is_refused_for_writes_extends_and_reads(conn, request):
     """The same ids, the same lengths, new samples: a meta from before names the samples
     that are gone (their incarnation), and every store refuses it, storing nothing; the

@@ -301,21 +301,3 @@ def test_a_hundred_connected_clients_cost_at_most_twice_one(service, transport):
     first.clear(p + "-after")
     first.clear(p)
     first.close()
-
-
-@pytest.mark.parametrize("transport", ["direct", "http"])
-def test_a_write_with_a_meta_older_than_its_samples_is_refused_naming_field_and_sample(service, transport):
-    """Native stores (the HTTP edge checks as the direct path does): a meta from before an
-    extend would have stored prev_logprobs of the old length next to the longer input_ids."""
-    p = part()
-    with rlplane.connect(service.url, token=service.settings.token(), transport=transport) as client:
-        step = {"input_ids": torch.randint(0, 1000, (2, 8)), "input_lengths": torch.full((2,), 8)}
-        old = client.put_samples(p, step, finished=False)
-        new = client.extend(old, step, finished=True)
-        with pytest.raises(E.ShapeError, match="8 tokens where the sample holds 16") as err:
-            client.write_columns(old, {"prev_logprobs": torch.randn(2, 8)})
-        assert err.value.field == "prev_logprobs" and err.value.sample == old.sample_ids[0]
-        lp = torch.randn(2, 16)
-        client.write_columns(new, {"prev_logprobs": lp})
-        assert torch.equal(client.read_columns(new, ["prev_logprobs"])["prev_logprobs"], lp)
-        client.clear(p)

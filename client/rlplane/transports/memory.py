@@ -24,7 +24,8 @@ import torch
 from rlplane.codec import merge_tags
 from rlplane.column import Column
 from rlplane.errors import DuplicateSampleError, MissingDataError
-from rlplane.tags import incarnation, stale, stale_meta
+from rlplane.geometry import Geometry
+from rlplane.tags import WIRE_TAG, check_lengths, incarnation, stale, stale_meta
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 
 
@@ -40,6 +41,7 @@ class MemoryTransport(Transport):
 
     name = "memory"
     checks_born = True
+    checks_lengths = True
 
     def __init__(self) -> None:
         self._parts: dict[str, dict[str, _Sample]] = {}
@@ -55,10 +57,13 @@ class MemoryTransport(Transport):
         *,
         create: bool,
         born: Any = None,
+        aligned: Sequence[str] = (),
     ) -> int | None:
         """A put of new samples (``create``) gives them an incarnation and returns it (or
         keeps ``born``, one per sample, as given); a write with ``born`` naming samples
-        cleared and put again since is refused (MissingDataError), nothing stored."""
+        cleared and put again since is refused (MissingDataError), and one with ``aligned``
+        (the token fields) whose token rows are not as long as the sample's (ShapeError):
+        nothing stored."""
         check_put(sample_ids, columns, tags)
         given = incarnation(f"memory.{uuid.uuid4().hex}") if create and born is None else None
         births = np.full(len(sample_ids), given, np.int64) if given is not None else \
@@ -79,6 +84,11 @@ class MemoryTransport(Transport):
                     )
                 if births is not None and (bad := stale(births, self._born(part, sample_ids))).size:
                     raise stale_meta(partition, list(sample_ids), bad, "write")
+                if aligned:
+                    written = {f: Geometry.coerce(c.geom if c.geom is not None else
+                                                  [(t.get(WIRE_TAG) or {}).get(f) for t in tags]).leads()
+                               for f, c in columns.items() if f in aligned}
+                    check_lengths(list(sample_ids), [part[s].tags for s in sample_ids], written, aligned)
             part = self._parts.setdefault(partition, part)
             for i, sid in enumerate(sample_ids):
                 sample = part.setdefault(sid, _Sample())

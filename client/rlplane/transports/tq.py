@@ -37,9 +37,10 @@ import torch
 from rlplane.codec import WIRE_TAG, merge_tags
 from rlplane.streams import DirectStreams
 from rlplane.column import Column
-from rlplane.errors import (DuplicateSampleError, MissingDataError, ShapeError, TransportError, UnavailableError,
-                            WireFormatError, lost_hint)
-from rlplane.tags import BORN_TAG, RowTags, incarnation, stale, stale_meta
+from rlplane.errors import (DuplicateSampleError, MissingDataError, RlplaneError, ShapeError, TransportError,
+                            UnavailableError, WireFormatError, lost_hint)
+from rlplane.geometry import Geometry
+from rlplane.tags import BORN_TAG, RowTags, check_lengths, incarnation, stale, stale_meta
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 from rlplane.transports.tq_errors import translate
 
@@ -194,6 +195,7 @@ class TQTransport(Transport):
     direct = True
     kind = ""
     checks_born = True  # each sample's incarnation is kept in its tags: a stale meta is refused
+    checks_lengths = True  # a write's token rows are checked against the sample's stored lengths (its tags)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -266,11 +268,14 @@ class TQTransport(Transport):
         *,
         create: bool,
         born: Any = None,
+        aligned: Sequence[str] = (),
     ) -> int | None:
         """Store the columns. A put of new samples (``create``) gives them an incarnation
         (:data:`~rlplane.tags.BORN_TAG`, kept in their tags) and returns it; a write of
         stored ones with ``born`` (the incarnations the caller's meta names) is refused
-        when they were cleared and put again since (MissingDataError, nothing stored)."""
+        when they were cleared and put again since (MissingDataError, nothing stored), and
+        with ``aligned`` (the token fields) when its token rows are not as long as the
+        sample's (ShapeError, nothing stored)."""
         check_put(sample_ids, columns, tags)
         ids = list(sample_ids)
         given = None
@@ -283,7 +288,8 @@ class TQTransport(Transport):
         # TransferQueue's own id check is check-then-create: the ledger arbitrates new ids first.
         res = self.streams.reserve(partition, ids) if self.streams is not None and create else None
         try:
-            self._run(self._put(partition, ids, columns, tags, create, reserved=res is not None, born=born))
+            self._run(self._put(partition, ids, columns, tags, create, reserved=res is not None, born=born,
+                                aligned=() if create else aligned))
         except BaseException:
             if res is not None:
                 try:
@@ -371,7 +377,7 @@ class TQTransport(Transport):
             raise TransportError("transport is closed")
         try:
             return self._client._run_coroutine(self._watched(coro))
-        except (MissingDataError, DuplicateSampleError, WireFormatError, UnavailableError):
+        except RlplaneError:  # rlplane's own typed errors (a check of this transport's) as they are
             raise
         except KeyError as err:  # TransferQueue's StorageKeyNotFoundError: a clear raced this call
             raise MissingDataError(
@@ -465,6 +471,7 @@ class TQTransport(Transport):
         create: bool,
         reserved: bool = False,
         born: Any = None,
+        aligned: Sequence[str] = (),
     ) -> None:
         existing = await self._meta(partition, ids, create=False)
         if create and existing.size and reserved:
@@ -480,6 +487,8 @@ class TQTransport(Transport):
         old = list(existing.custom_meta) if not create else [{} for _ in ids]
         if born is not None and not create and (bad := stale(np.asarray(born, np.int64), _born(old))).size:
             raise stale_meta(partition, ids, bad, "write")
+        if aligned:
+            check_lengths(ids, old, {f: _leads(c, tags, f) for f, c in columns.items() if f in aligned}, aligned)
         sizes = {name: (col.row_numels() * col.values.element_size()).tolist() for name, col in columns.items()}
         merged = [
             merge_tags(old[i], {**tags[i], NBYTES_TAG: {name: sizes[name][i] for name in columns}})
@@ -551,6 +560,12 @@ class TQTransport(Transport):
         if meta.size:
             await self._clear_samples(meta)
         return int(meta.size)
+
+
+def _leads(col: Column, tags: Sequence[Mapping[str, Any]], name: str) -> np.ndarray:
+    """Each written row's length (its geometry's leading dim) of field ``name``."""
+    geom = col.geom if col.geom is not None else Geometry.of_rows([(t.get(WIRE_TAG) or {}).get(name) for t in tags])
+    return geom.leads()
 
 
 def _born(tags: Sequence[Mapping[str, Any]]) -> np.ndarray:

@@ -38,7 +38,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.geometry import Geometry
 from rlplane.names import MAX_NAME_LEN
-from rlplane.tags import stale_meta
+from rlplane.tags import older_meta, stale_meta
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects
@@ -259,12 +259,8 @@ class WriteOps:
             if bad.size:
                 i = int(bad[0])
                 self._abort(res)
-                raise E.ShapeError(
-                    f"{int(new[i])} tokens where the sample holds {int(have[i])} ({refs[int(ref_of[i])]}); "
-                    f"{bad.size} of the write's {res.slots.size} samples differ. The meta it was written with is "
-                    "older than the sample (extended, or cleared and put again since); nothing of the write was "
-                    "stored: write with the sample's current meta (the one extend or put_samples returned, or a "
-                    "claim's)", field=f, sample=res.ids[i] if res.ids else None)
+                raise older_meta(f, int(new[i]), int(have[i]), refs[int(ref_of[i])], int(bad.size), res.slots.size,
+                                 res.ids[i] if res.ids else None)
 
     def _parse_commit(self, res: Reservation, geoms: dict, sizes: dict, sums: dict, x: Any, same: Any = None,
                       keys: Any = None, held: Any = None) -> Parsed:

@@ -89,7 +89,10 @@ def born_of(tags: Sequence[Any]) -> Any:
             return None
         maps = tags.user
     try:  # plain dicts (a meta after msgpack/JSON or concat): one step a sample; put and claim metas keep an array
-        born = np.fromiter((t.get(BORN_TAG) or 0 for t in maps), np.int64, count=len(maps))
+        got = [t.get(BORN_TAG) or 0 for t in maps]
+        if not set(map(type, got)) <= {int}:  # a float or a bool is no incarnation (never rounded into one)
+            raise TypeError
+        born = np.array(got, np.int64) if got else np.zeros(0, np.int64)
     except (AttributeError, TypeError, ValueError, OverflowError):  # odd tag maps: one by one
         got = [t.get(BORN_TAG) if isinstance(t, Mapping) else None for t in maps]
         born = np.array([b if type(b) is int and 0 < b < 1 << 62 else 0 for b in got], np.int64)

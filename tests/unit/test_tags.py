@@ -46,3 +46,16 @@ def test_user_tags_never_carry_rlplanes_reserved_keys():
     for t in (tags, tags.take([1, 0]), tags.with_user([{"y": 2}, None]), rows().with_user([{"y": 2}, None])):
         assert all(not k.startswith("_rlplane") for u in t.user_tags() if u for k in u)
     assert tags.take([1, 0]).user_tags() == [None, {"x": 1}]
+
+
+def test_born_of_reads_each_samples_incarnation_and_never_rounds_an_odd_value_into_one():
+    import numpy as np
+
+    from rlplane.tags import BORN_TAG, born_of, stale
+
+    assert born_of([{BORN_TAG: 5}, {}, {BORN_TAG: 7}]).tolist() == [5, 0, 7]
+    assert born_of([{}, {"group": 1}]) is None  # nothing to check
+    # a hand-edited or foreign value is "not known" (0), never a number close to it
+    for odd in (1.9, True, "7", 1 << 70, -3):
+        assert born_of([{BORN_TAG: 5}, {BORN_TAG: odd}]).tolist() == [5, 0], odd
+    assert stale(np.array([5, 0, 7, 3]), np.array([5, 9, 8, 0])).tolist() == [2]  # both known and different

@@ -34,7 +34,7 @@ from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, Missing
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.gcpause import gc_paused
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
-from rlplane.extension import appended, token_fields
+from rlplane.extension import Appending, token_fields
 from rlplane.meta import SampleMeta
 from rlplane.names import check_partition
 from rlplane.opstats import OpStats
@@ -191,15 +191,14 @@ class Client:
                             partition=meta.partition)  # (checks every token row against input_lengths)
             user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
-                out: dict[str, Any] = {}
+                plan, out = Appending(stored[LENGTHS_FIELD], given.lengths), {}
                 for name in names:
                     new = fields[name]
                     if new.device.type != "cpu":  # appended on the host, to the stored rows read there
                         new = new.cpu()
                     into = (lambda numel, dtype, f=name: alloc(f, numel, dtype)) if alloc is not None else None
-                    out[name], lengths = appended(stored[name], stored[LENGTHS_FIELD], new, given.lengths, field=name,
-                                                  into=into)  # where the put lands them, when the store stages it
-                out[LENGTHS_FIELD] = lengths
+                    out[name] = plan.rows(stored[name], new, field=name, into=into)  # where the put lands them
+                out[LENGTHS_FIELD] = lengths = plan.lengths
                 prep = Prepared(len(meta), lengths)  # the stored rows and the given ones, both checked
                 enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
                              packed=frozenset(names))

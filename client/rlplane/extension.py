@@ -4,13 +4,14 @@ An asynchronous RL loop interrupts generations at a weight update and resumes th
 later; the rollout stores what it has so far (``put_samples(..., finished=False)``) and
 appends the rest as it comes (``Client.extend``). This module holds the two pure steps
 of an extend: :func:`token_fields` checks which fields an extension must carry (every
-token field the samples hold, and nothing else), and :func:`appended` builds each
+token field the samples hold, and nothing else), and :class:`Appending` builds each
 field's rows, packed, with the new tokens after the stored ones, for every sample at once
 (no loop over samples).
 
 Example::
 
-    rows, lengths = appended(stored, stored_lengths, new, new_lengths)
+    plan = Appending(stored_lengths, new_lengths)
+    rows = plan.rows(stored, new)          # per token field; plan.lengths: the new lengths
 """
 
 from __future__ import annotations
@@ -57,17 +58,92 @@ def token_fields(registry: Registry, held: Iterable[str], given: Mapping[str, An
     return have
 
 
+class Appending:
+    """One extend's plan: where each sample's new tokens go after its stored ones, worked
+    out once for all the token fields it extends (they share the samples' lengths); then
+    :meth:`rows` per field. Packed rows throughout (``[sum(lengths), ...]``, the samples
+    one after another, as a put stores them): no padding is built or dropped.
+
+    Example::
+
+        plan = Appending(torch.tensor([2, 1]), torch.tensor([1, 1]))
+        plan.rows(torch.tensor([1, 2, 3]), torch.tensor([[9], [8]]))   # tensor([1, 2, 9, 3, 8])
+        plan.lengths                                                   # tensor([3, 2])
+    """
+
+    def __init__(self, stored_lengths: torch.Tensor, new_lengths: torch.Tensor) -> None:
+        self.old_n, self.add_n = stored_lengths.to(torch.int64).reshape(-1), new_lengths.to(torch.int64).reshape(-1)
+        self.lengths = self.old_n + self.add_n
+        self.total, self.n_new = int(self.lengths.sum()), int(self.add_n.sum())
+        self._stored_at: np.ndarray | None = None
+        self._picks: dict[int, torch.Tensor | None] = {}
+
+    def rows(self, stored: torch.Tensor, new: torch.Tensor, *, field: str | None = None,
+             into: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
+        """The grown rows of one field: ``stored`` its stored tokens packed (as a packed read
+        gives them), ``new`` the new ones ``[B, T, ...]`` (each row's first ``new_lengths``
+        count) or a jagged NestedTensor, cast to the stored dtype as a put of the whole
+        sequence would have cast them. ``into(numel, dtype)`` gives the flat buffer they are
+        written to (e.g. the extent a put lands in; default a new tensor). ShapeError naming
+        ``field`` when ``new`` does not fit."""
+        rows = self._new_rows(new, field).to(stored.dtype)
+        if stored.shape[1:] != rows.shape[1:]:
+            raise ShapeError(f"appended tokens of shape [.., {list(rows.shape[1:])}] after stored ones of "
+                             f"[.., {list(stored.shape[1:])}]", field=field)
+        inner = math.prod(stored.shape[1:])
+        numel = self.total * inner
+        out = (into(numel, stored.dtype) if into is not None else torch.empty(numel, dtype=stored.dtype)).view(
+            -1, *stored.shape[1:])
+        width = stored.element_size() * inner  # bytes per token
+        if width and self.total:  # two masked copies on the values' bit patterns (bit-exact for every dtype)
+            keep = self._stored_positions()
+            dst = _tokens(out, width)
+            dst[keep] = _tokens(stored, width)
+            dst[~keep] = _tokens(rows, width)
+        return out
+
+    def _stored_positions(self) -> np.ndarray:
+        """Which of the grown rows' tokens are stored ones (the rest: each sample's new
+        tokens, right after its stored ones)."""
+        if self._stored_at is None:
+            starts = torch.cumsum(self.lengths, 0) - self.lengths + self.old_n  # each sample's first new token
+            firsts = torch.cumsum(self.add_n, 0) - self.add_n
+            at = torch.arange(self.n_new) + torch.repeat_interleave(starts - firsts, self.add_n, output_size=self.n_new)
+            self._stored_at = np.ones(self.total, bool)
+            self._stored_at[at.numpy()] = False
+        return self._stored_at
+
+    def _new_rows(self, new: torch.Tensor, field: str | None) -> torch.Tensor:
+        """The new tokens packed, checked against the new lengths."""
+        b, add_n = self.add_n.numel(), self.add_n
+        if new.is_nested and getattr(new, "_lengths", None) is None:
+            offsets = new.offsets().to("cpu", torch.int64)
+            got = torch.diff(offsets)
+            if got.numel() != b:
+                raise ShapeError(f"a jagged tensor of {got.numel()} samples to append to {b}", field=field)
+            if bool((got != add_n).any()):
+                i = int(torch.argmax((got != add_n).to(torch.int8)))
+                raise ShapeError(f"{int(got[i])} tokens to append to sample #{i} where input_lengths says "
+                                 f"{int(add_n[i])}", field=field)
+            return new.values()[int(offsets[0]):int(offsets[-1])]
+        if new.is_nested:  # a jagged tensor with holes: as padded rows
+            new = new.to_padded_tensor(0)
+        t = new.shape[1]
+        if t not in self._picks:
+            if b and int(add_n.max()) > t:
+                i = int(torch.argmax(add_n))
+                raise ShapeError(f"{int(add_n[i])} tokens to append to sample #{i} but the tensor's sequence dim is "
+                                 f"{t}", field=field)
+            self._picks[t] = None if not b or bool((add_n == t).all()) else \
+                torch.arange(t)[None, :] < add_n[:, None]
+        pick = self._picks[t]
+        return (new if pick is None else new[pick]).reshape(-1, *new.shape[2:])
+
+
 def appended(stored: torch.Tensor, stored_lengths: torch.Tensor, new: torch.Tensor,
              new_lengths: torch.Tensor, *, field: str | None = None,
              into: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sample's stored tokens then its new ones, packed (``[sum(lengths), ...]``, the
-    samples one after another, as a put stores them), and the lengths. ``stored`` holds the
-    stored tokens packed the same way (``[sum(stored_lengths), ...]``, as a jagged read
-    gives them); ``new`` the new ones ``[B, T, ...]`` (``new_lengths`` of each row count)
-    or as a jagged NestedTensor. ``new`` is cast to the stored dtype, as a put of the whole
-    sequence would have cast it. No padding is built or dropped; ``into(numel, dtype)``
-    gives the flat buffer the rows are written to (e.g. the extent a put lands in; default
-    a new tensor).
+    """One field's grown rows and the lengths (:class:`Appending` for one field).
 
     Example::
 
@@ -75,53 +151,8 @@ def appended(stored: torch.Tensor, stored_lengths: torch.Tensor, new: torch.Tens
                                  torch.tensor([[9], [8]]), torch.tensor([1, 1]))
         # rows [1, 2, 9, 3, 8], lengths [3, 2]
     """
-    b = stored_lengths.numel()
-    old_n, add_n = stored_lengths.to(torch.int64), new_lengths.to(torch.int64)
-    if new.is_nested and getattr(new, "_lengths", None) is None:
-        offsets = new.offsets().to("cpu", torch.int64)
-        got = torch.diff(offsets)
-        if got.numel() != b:
-            raise ShapeError(f"a jagged tensor of {got.numel()} samples to append to {b}", field=field)
-        if bool((got != add_n).any()):
-            i = int(torch.argmax((got != add_n).to(torch.int8)))
-            raise ShapeError(f"{int(got[i])} tokens to append to sample #{i} where input_lengths says {int(add_n[i])}",
-                             field=field)
-        rows = new.values()[int(offsets[0]):int(offsets[-1])]
-    else:
-        if new.is_nested:  # a jagged tensor with holes: as padded rows
-            new = new.to_padded_tensor(0)
-        t = new.shape[1]
-        if b and int(add_n.max()) > t:
-            i = int(torch.argmax(add_n))
-            raise ShapeError(f"{int(add_n[i])} tokens to append to sample #{i} but the tensor's sequence dim is {t}",
-                             field=field)
-        rows = new if b and bool((add_n == t).all()) else \
-            new[:, :t][torch.arange(t)[None, :] < add_n[:, None]]
-        rows = rows.reshape(-1, *new.shape[2:])
-    if stored.shape[1:] != rows.shape[1:]:
-        raise ShapeError(f"appended tokens of shape [.., {list(rows.shape[1:])}] after stored ones of "
-                         f"[.., {list(stored.shape[1:])}]", field=field)
-    rows = rows.to(stored.dtype)
-    lengths = old_n + add_n
-    total = int(lengths.sum())
-    width = stored.element_size() * math.prod(stored.shape[1:])  # bytes per token
-    numel = total * math.prod(stored.shape[1:])
-    out = (into(numel, stored.dtype) if into is not None else torch.empty(numel, dtype=stored.dtype)).view(
-        -1, *stored.shape[1:])
-    if width and total:
-        # Where the new tokens go (after each sample's stored ones); the stored ones fill the
-        # rest, in order: two vectorized masked copies on the values' bit patterns
-        # (bit-exact for every dtype).
-        starts = torch.cumsum(lengths, 0) - lengths + old_n  # each sample's first new token
-        firsts = torch.cumsum(add_n, 0) - add_n
-        n_new = rows.shape[0]
-        at = torch.arange(n_new) + torch.repeat_interleave(starts - firsts, add_n, output_size=n_new)
-        old = np.ones(total, bool)
-        old[at.numpy()] = False
-        dst = _tokens(out, width)
-        dst[old] = _tokens(stored, width)
-        dst[~old] = _tokens(rows, width)
-    return out, lengths
+    plan = Appending(stored_lengths, new_lengths)
+    return plan.rows(stored, new, field=field, into=into), plan.lengths
 
 
 #: A token's bytes as one numpy item: an integer of its width where there is one (numpy's
@@ -135,4 +166,4 @@ def _tokens(t: torch.Tensor, width: int) -> np.ndarray:
     return t.contiguous().view(torch.uint8).numpy().view(_ITEMS.get(width) or np.dtype((np.void, width))).reshape(-1)
 
 
-__all__ = ["token_fields", "appended"]
+__all__ = ["token_fields", "Appending", "appended"]

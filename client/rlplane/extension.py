@@ -126,8 +126,13 @@ class Appending:
                 raise ShapeError(f"{int(got[i])} tokens to append to sample #{i} where input_lengths says "
                                  f"{int(add_n[i])}", field=field)
             return new.values()[int(offsets[0]):int(offsets[-1])]
-        if new.is_nested:  # a jagged tensor with holes: as padded rows
-            new = new.to_padded_tensor(0)
+        if new.is_nested:  # a jagged tensor with holes (torch cannot pad those): its rows one by one, as encode does
+            parts = new.unbind()
+            got = torch.tensor([p.shape[0] for p in parts], dtype=torch.int64)
+            if got.numel() != b or bool((got != add_n).any()):
+                raise ShapeError(f"a jagged tensor of rows of {got.tolist()[:8]} tokens to append where input_lengths "
+                                 f"says {add_n.tolist()[:8]}", field=field)
+            return torch.cat(parts) if parts else new.values()[:0]
         t = new.shape[1]
         if t not in self._picks:
             if b and int(add_n.max()) > t:
@@ -163,7 +168,8 @@ _ITEMS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32),
 
 def _tokens(t: torch.Tensor, width: int) -> np.ndarray:
     """``t`` (CPU, ``width`` bytes per token, contiguous or made so) as one numpy item per token."""
-    return t.contiguous().view(torch.uint8).numpy().view(_ITEMS.get(width) or np.dtype((np.void, width))).reshape(-1)
+    flat = t.contiguous().view(torch.uint8).reshape(-1)  # (1-D first: a token may span several trailing dims)
+    return flat.numpy().view(_ITEMS.get(width) or np.dtype((np.void, width)))
 
 
 __all__ = ["token_fields", "Appending", "appended"]

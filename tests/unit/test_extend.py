@@ -43,20 +43,51 @@ def test_appended_puts_each_samples_new_tokens_after_its_own_and_casts_to_the_st
     assert err.value.field == "x" and "sample #1" in str(err.value)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
 @pytest.mark.parametrize("old,add", [([3, 3, 3], [2, 2, 2]), ([3, 0, 5], [2, 4, 0]), ([0, 0], [1, 3])],
                          ids=["alike", "mixed", "empty-rows"])
-@pytest.mark.parametrize("inner", [(), (2,)], ids=["scalar", "per-token-vector"])
-def test_appended_packed_equals_the_padded_concatenation(old, add, inner):
+@pytest.mark.parametrize("inner", [(), (2,), (2, 3)], ids=["scalar", "per-token-vector", "per-token-matrix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int32])
+def test_appended_packed_equals_the_padded_concatenation(old, add, inner, dtype):
     gen = torch.Generator().manual_seed(7)
     width = max(add)
-    stored = [torch.randn(n, *inner, generator=gen) for n in old]
-    new = torch.randn(len(add), width, *inner, generator=gen)
-    rows, lengths = appended(torch.cat(stored), torch.tensor(old), new.to(torch.float64), torch.tensor(add))
+    stored = [(torch.randn(n, *inner, generator=gen) * 9).to(dtype) for n in old]
+    new = (torch.randn(len(add), width, *inner, generator=gen) * 9).to(dtype)
+    given = new.to(torch.float64) if dtype.is_floating_point else new  # cast to the stored dtype on the way
+    rows, lengths = appended(torch.cat(stored), torch.tensor(old), given, torch.tensor(add))
     want = torch.cat([torch.cat([s, new[i, :add[i]]]) for i, s in enumerate(stored)])
-    assert lengths.tolist() == [a + b for a, b in zip(old, add)] and rows.dtype == torch.float32
-    assert torch.equal(rows, want)
+    assert lengths.tolist() == [a + b for a, b in zip(old, add)] and rows.dtype == dtype and rows.shape == want.shape
+    assert torch.equal(_bits(rows), _bits(want))  # bit for bit (NaN payloads, -0.0 and all)
     jagged = torch.nested.nested_tensor([new[i, :a] for i, a in enumerate(add)], layout=torch.jagged)
-    assert torch.equal(appended(torch.cat(stored), torch.tensor(old), jagged, torch.tensor(add))[0], want)
+    assert torch.equal(_bits(appended(torch.cat(stored), torch.tensor(old), jagged, torch.tensor(add))[0]), _bits(want))
+
+
+def test_an_extend_grows_a_field_of_several_dims_per_token_bit_exactly():
+    from rlplane import FieldSpec, Registry
+    from rlplane.transports.memory import MemoryTransport
+
+    reg = Registry([FieldSpec("input_ids", "token", "dense", {"train"}, dtype="int64"),
+                    FieldSpec("input_lengths", "sample", "dense", {"train"}, dtype="int64"),
+                    FieldSpec("topk", "token", "dense", {"train"}, dtype="bfloat16")])
+    c = Client(reg, MemoryTransport())
+    lens, add = torch.tensor([3, 0, 2]), torch.tensor([2, 1, 0])
+    topk, more = torch.randn(3, 5, 2, 3).to(torch.bfloat16), torch.randn(3, 2, 2, 3).to(torch.bfloat16)
+    meta = c.put_samples("p", {"input_ids": torch.arange(15).reshape(3, 5), "topk": topk, "input_lengths": lens},
+                         finished=False)
+    meta = c.extend(meta, {"input_ids": torch.arange(6).reshape(3, 2), "topk": more, "input_lengths": add})
+    got = c.read_columns(meta, ["topk"], layout="jagged")["topk"]
+    for i, row in enumerate(got.unbind()):
+        assert torch.equal(_bits(row), _bits(torch.cat([topk[i, :lens[i]], more[i, :add[i]]])))
+    holes = torch.nested.narrow(torch.arange(12).reshape(3, 4), 1, torch.tensor([0, 1, 0]), torch.tensor([1, 2, 0]),
+                                layout=torch.jagged)  # a jagged tensor with holes (torch cannot pad it)
+    meta = c.extend(meta, {"input_ids": holes, "topk": torch.zeros(3, 2, 2, 3, dtype=torch.bfloat16),
+                               "input_lengths": torch.tensor([1, 2, 0])})
+    assert meta.lengths == [6, 3, 2]
+    ids = c.read_columns(meta, ["input_ids"], layout="jagged")["input_ids"]
+    assert ids[0].tolist()[-1:] == [0] and ids[1].tolist()[-2:] == [5, 6]
 
 
 def test_token_fields_names_what_an_extension_must_carry():

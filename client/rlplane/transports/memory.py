@@ -23,7 +23,7 @@ import torch
 
 from rlplane.codec import merge_tags
 from rlplane.column import Column
-from rlplane.errors import DuplicateSampleError, MissingDataError
+from rlplane.errors import DuplicateSampleError, MissingDataError, ShapeError
 from rlplane.geometry import Geometry
 from rlplane.tags import WIRE_TAG, check_lengths, incarnation, stale, stale_meta
 from rlplane.transports.base import PartitionInfo, Transport, check_put
@@ -65,6 +65,8 @@ class MemoryTransport(Transport):
         (the token fields) whose token rows are not as long as the sample's (ShapeError):
         nothing stored."""
         check_put(sample_ids, columns, tags)
+        if born is not None and len(born) != len(sample_ids):
+            raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
         given = incarnation(f"memory.{uuid.uuid4().hex}") if create and born is None else None
         births = np.full(len(sample_ids), given, np.int64) if given is not None else \
             np.asarray(born, np.int64) if born is not None else None
@@ -109,6 +111,8 @@ class MemoryTransport(Transport):
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
         born: Any = None,
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+        if born is not None and len(born) != len(sample_ids):
+            raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
         with self._lock:
             part = self._parts.get(partition, {})
             missing: dict[str, list[str]] = {}

@@ -278,6 +278,8 @@ class TQTransport(Transport):
         sample's (ShapeError, nothing stored)."""
         check_put(sample_ids, columns, tags)
         ids = list(sample_ids)
+        if born is not None and len(born) != len(ids):
+            raise ShapeError(f"{len(born)} incarnations for {len(ids)} samples")
         given = None
         if create:  # (a restore's incarnations, one per sample, are kept as given)
             given = incarnation(f"tq.{uuid.uuid4().hex}") if born is None else None

@@ -162,3 +162,34 @@ def test_an_extend_takes_jagged_rows_as_a_put_does():
     meta = c.extend(meta, {"input_ids": more, "input_lengths": torch.tensor([2, 1])}, finished=True)
     got = c.read_columns(meta, ["input_ids"], layout="jagged")["input_ids"]
     assert [r.tolist() for r in got] == [[0, 1, 7, 8], [2, 9]] and meta.lengths == [4, 2]
+
+
+def test_an_extend_of_big_rows_writes_them_where_its_put_lands_them_bit_exactly():
+    """Token fields of 1 MiB or more: the grown rows are written straight into the extent
+    the unit staged for the put (no copy after), read back bit for bit, and the rows
+    written before the extend are read from the store as views (nothing copied out)."""
+    from rlplane.transports.native import STAGE_MIN_BYTES
+
+    g = torch.Generator().manual_seed(3)
+    lens, add = torch.randint(2000, 2300, (64,), generator=g), torch.randint(0, 300, (64,), generator=g)
+    step = {"input_ids": torch.randint(0, 1 << 40, (64, 2300), generator=g), "input_lengths": lens,
+            "generation_logprobs": torch.randn(64, 2300, generator=g)}
+    more = {"input_ids": torch.randint(0, 1 << 40, (64, 300), generator=g), "input_lengths": add,
+            "generation_logprobs": torch.randn(64, 300, generator=g)}
+    with LocalEngine(2, secret=SECRET) as eng, connect(eng) as c:
+        t = c.transport
+        staged, copied = [], []
+        take, gets = t._staged, t.get
+        t._staged = lambda n, cols: staged.append(take(n, cols)) or staged[-1]
+        t.get = lambda *a, **k: copied.append(k.get("copy", True)) or gets(*a, **k)
+        meta = c.put_samples("big", step, finished=False)
+        staged.clear()
+        meta = c.extend(meta, more, finished=True)
+        tokens = int((lens + add).sum())  # input_ids (8 bytes a token) is staged, the float32 logprobs are not
+        assert tokens * 8 >= STAGE_MIN_BYTES > tokens * 4
+        assert staged and staged[-1] is not None and set(staged[-1].fields) == {"input_ids"}
+        assert copied == [False]
+        got = c.read_columns(meta, ["input_ids", "generation_logprobs"], layout="jagged")
+        for f in ("input_ids", "generation_logprobs"):
+            want = [torch.cat([step[f][i, :lens[i]], more[f][i, :add[i]]]) for i in range(64)]
+            assert all(torch.equal(a, b) for a, b in zip(got[f].unbind(), want)), f

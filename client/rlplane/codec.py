@@ -266,7 +266,7 @@ def _encode_token_dense(
         else:
             values = value.values()[int(offsets[0]) : int(offsets[-1])]
         rest = list(values.shape[1:])
-        values = _cast(spec, values).reshape(-1).contiguous()
+        values = _cast(spec, values).reshape(-1)
     else:
         seq = value.shape[1]
         if tokens.longest() > seq:
@@ -279,9 +279,7 @@ def _encode_token_dense(
         mask = tokens.mask(seq, value.device)
         values = value if mask is None else _masked_select(value, mask)
         values = _cast(spec, values).reshape(-1)
-        if not values.is_contiguous():
-            values = values.contiguous()
-    return Column(values, tokens.offsets(math.prod(rest))), Geometry.token(lens.numpy().copy(), rest)
+    return _token_column(values, rest, tokens)
 
 
 def _encode_token_rows(spec: FieldSpec, rows: torch.Tensor, tokens: _TokenRows | None) -> tuple[Column, Geometry]:
@@ -292,8 +290,12 @@ def _encode_token_rows(spec: FieldSpec, rows: torch.Tensor, tokens: _TokenRows |
     if not isinstance(rows, torch.Tensor) or rows.dim() < 1 or rows.shape[0] != total:
         got = list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
         raise ShapeError(f"packed rows {got} for samples of {total} tokens in all", field=spec.name)
-    rest = list(rows.shape[1:])
-    values = _cast(spec, rows).reshape(-1).contiguous()
+    return _token_column(_cast(spec, rows).reshape(-1), list(rows.shape[1:]), tokens)
+
+
+def _token_column(values: torch.Tensor, rest: list[int], tokens: _TokenRows) -> tuple[Column, Geometry]:
+    """A token field's column: its values (flat, made contiguous) cut by the samples' lengths."""
+    values = values if values.is_contiguous() else values.contiguous()
     return Column(values, tokens.offsets(math.prod(rest))), Geometry.token(tokens.lens.numpy().copy(), rest)
 
 

@@ -145,21 +145,6 @@ class Appending:
         return (new if pick is None else new[pick]).reshape(-1, *new.shape[2:])
 
 
-def appended(stored: torch.Tensor, stored_lengths: torch.Tensor, new: torch.Tensor,
-             new_lengths: torch.Tensor, *, field: str | None = None,
-             into: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One field's grown rows and the lengths (:class:`Appending` for one field).
-
-    Example::
-
-        rows, lengths = appended(torch.tensor([1, 2, 3]), torch.tensor([2, 1]),
-                                 torch.tensor([[9], [8]]), torch.tensor([1, 1]))
-        # rows [1, 2, 9, 3, 8], lengths [3, 2]
-    """
-    plan = Appending(stored_lengths, new_lengths)
-    return plan.rows(stored, new, field=field, into=into), plan.lengths
-
-
 #: A token's bytes as one numpy item: an integer of its width where there is one (numpy's
 #: masked copies of those run ~3x faster than of opaque items, and ~10x faster than of the
 #: rows of a 2-D array).
@@ -172,4 +157,4 @@ def _tokens(t: torch.Tensor, width: int) -> np.ndarray:
     return flat.numpy().view(_ITEMS.get(width) or np.dtype((np.void, width)))
 
 
-__all__ = ["token_fields", "Appending", "appended"]
+__all__ = ["token_fields", "Appending"]

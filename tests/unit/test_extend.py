@@ -9,11 +9,17 @@ import torch
 
 from rlplane import Client, default_registry, snapshot
 from rlplane import errors as E
-from rlplane.extension import appended, token_fields
+from rlplane.extension import Appending, token_fields
 from rlplane.transports.native import NativeTransport
 from rlplane_service.native.local import LocalEngine
 
 SECRET = b"extend-test-secret"
+
+
+def appended(stored, stored_lengths, new, new_lengths, **kw):
+    """One field's grown rows and the new lengths (what Client.extend does per field)."""
+    plan = Appending(stored_lengths, new_lengths)
+    return plan.rows(stored, new, **kw), plan.lengths
 
 
 def connect(eng: LocalEngine) -> Client:

@@ -27,7 +27,8 @@ from typing import Any, Iterator, Mapping, Sequence
 from rlplane.column import Column
 from rlplane.errors import ShapeError, WireFormatError
 from rlplane.scratch import Alloc
-from rlplane.tags import born_of
+from rlplane.geometry import Geometry
+from rlplane.tags import WIRE_TAG, born_of, check_lengths
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,21 @@ def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Se
         if col.held is not None and col.held.rows.size and not shares_rows:
             raise WireFormatError("this column names rows another store holds (Column.held): encode it for this "
                                   "transport", field=name)
+
+
+def check_written_lengths(sample_ids: Sequence[str], stored: Sequence[Mapping[str, Any]],
+                          columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
+                          aligned: Sequence[str]) -> None:
+    """For a store that keeps each sample's tags (``stored``): a write whose token rows
+    (``columns`` of the ``aligned`` fields; their lengths from the column's geometry, else
+    the written ``tags``) are not as long as the sample holds is a ShapeError naming field
+    and sample (:func:`rlplane.tags.check_lengths`), before anything is stored.
+
+    Example: ``check_written_lengths(ids, stored_tags, enc.columns, enc.tags, registry.token_fields())``."""
+    written = {f: Geometry.coerce(c.geom if c.geom is not None else
+                                  [(t.get(WIRE_TAG) or {}).get(f) for t in tags]).leads()
+               for f, c in columns.items() if f in aligned}
+    check_lengths(sample_ids, stored, written, aligned)
 
 
 def length_check(registry: Any, transport: Transport) -> dict[str, Any]:

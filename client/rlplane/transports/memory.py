@@ -24,9 +24,8 @@ import torch
 from rlplane.codec import merge_tags
 from rlplane.column import Column
 from rlplane.errors import DuplicateSampleError, MissingDataError, ShapeError
-from rlplane.geometry import Geometry
-from rlplane.tags import WIRE_TAG, check_lengths, incarnation, stale, stale_meta
-from rlplane.transports.base import PartitionInfo, Transport, check_put
+from rlplane.tags import incarnation, stale, stale_meta
+from rlplane.transports.base import PartitionInfo, Transport, check_put, check_written_lengths
 
 
 @dataclass
@@ -87,10 +86,7 @@ class MemoryTransport(Transport):
                 if births is not None and (bad := stale(births, self._born(part, sample_ids))).size:
                     raise stale_meta(partition, list(sample_ids), bad, "write")
                 if aligned:
-                    written = {f: Geometry.coerce(c.geom if c.geom is not None else
-                                                  [(t.get(WIRE_TAG) or {}).get(f) for t in tags]).leads()
-                               for f, c in columns.items() if f in aligned}
-                    check_lengths(list(sample_ids), [part[s].tags for s in sample_ids], written, aligned)
+                    check_written_lengths(list(sample_ids), [part[s].tags for s in sample_ids], columns, tags, aligned)
             part = self._parts.setdefault(partition, part)
             for i, sid in enumerate(sample_ids):
                 sample = part.setdefault(sid, _Sample())

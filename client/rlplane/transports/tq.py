@@ -39,9 +39,8 @@ from rlplane.streams import DirectStreams
 from rlplane.column import Column
 from rlplane.errors import (DuplicateSampleError, MissingDataError, RlplaneError, ShapeError, TransportError,
                             UnavailableError, WireFormatError, lost_hint)
-from rlplane.geometry import Geometry
-from rlplane.tags import BORN_TAG, RowTags, check_lengths, incarnation, stale, stale_meta
-from rlplane.transports.base import PartitionInfo, Transport, check_put
+from rlplane.tags import BORN_TAG, RowTags, born_of, incarnation, stale, stale_meta
+from rlplane.transports.base import PartitionInfo, Transport, check_put, check_written_lengths
 from rlplane.transports.tq_errors import translate
 
 log = logging.getLogger(__name__)
@@ -487,10 +486,11 @@ class TQTransport(Transport):
         if not create and existing.size != len(ids):
             raise await self._missing(partition, ids, hint="put_samples them before write_columns")
         old = list(existing.custom_meta) if not create else [{} for _ in ids]
-        if born is not None and not create and (bad := stale(np.asarray(born, np.int64), _born(old))).size:
+        if born is not None and not create and (now := born_of(old)) is not None and \
+                (bad := stale(np.asarray(born, np.int64), now)).size:
             raise stale_meta(partition, ids, bad, "write")
         if aligned:
-            check_lengths(ids, old, {f: _leads(c, tags, f) for f, c in columns.items() if f in aligned}, aligned)
+            check_written_lengths(ids, old, columns, tags, aligned)
         sizes = {name: (col.row_numels() * col.values.element_size()).tolist() for name, col in columns.items()}
         merged = [
             merge_tags(old[i], {**tags[i], NBYTES_TAG: {name: sizes[name][i] for name in columns}})
@@ -518,7 +518,8 @@ class TQTransport(Transport):
         if meta.size != len(ids):
             raise await self._missing(partition, ids)
         tags = [dict(t) for t in meta.custom_meta]
-        if born is not None and (bad := stale(np.asarray(born, np.int64), _born(tags))).size:
+        if born is not None and (now := born_of(tags)) is not None and \
+                (bad := stale(np.asarray(born, np.int64), now)).size:
             raise stale_meta(partition, ids, bad, "read")
         missing = {}
         for sid, tag in zip(ids, tags):
@@ -562,18 +563,6 @@ class TQTransport(Transport):
         if meta.size:
             await self._clear_samples(meta)
         return int(meta.size)
-
-
-def _leads(col: Column, tags: Sequence[Mapping[str, Any]], name: str) -> np.ndarray:
-    """Each written row's length (its geometry's leading dim) of field ``name``."""
-    geom = col.geom if col.geom is not None else Geometry.of_rows([(t.get(WIRE_TAG) or {}).get(name) for t in tags])
-    return geom.leads()
-
-
-def _born(tags: Sequence[Mapping[str, Any]]) -> np.ndarray:
-    """Each stored sample's incarnation from its tags (0: none kept, e.g. written before
-    incarnations were)."""
-    return np.array([b if type(b := (t or {}).get(BORN_TAG)) is int and 0 < b < 1 << 62 else 0 for t in tags], np.int64)
 
 
 def _column(value: Any, name: str, rows: int) -> Column:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import msgpack
@@ -42,8 +43,9 @@ from rlplane.errors import (
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry
 from rlplane.geometry import Geometry
 from rlplane import parallel
-from rlplane.integrity import check_sums, row_sums
+from rlplane.integrity import check_rows, check_sums, range_sums, recorded, row_sums
 from rlplane.packed import PackedTensor
+from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
 from rlplane.tags import RESERVED_TAG_PREFIX, WIRE_TAG, RowTags, merge_tags
 
@@ -153,7 +155,7 @@ def encode(
             continue
         col, geoms[name] = out
         columns[name] = col if col.values.device.type == "cpu" else _to_host(col, name, alloc)
-    digests = {name: row_sums(col) for name, col in columns.items()}
+    digests = {name: col.sums if col.sums is not None else row_sums(col) for name, col in columns.items()}
     columns = {name: col.with_meta(digests[name], geoms[name]) for name, col in columns.items()}
     return Encoded(columns, RowTags(None, geoms, digests, batch))
 
@@ -277,8 +279,13 @@ def _encode_token_dense(
                 sample=_name(ids, i),
             )
         mask = tokens.mask(seq, value.device)
-        values = value if mask is None else _masked_select(value, mask)
-        values = _cast(spec, values).reshape(-1)
+        if mask is None or spec.stored_dtype(value.dtype) != value.dtype:  # (a cast copies, and digests after)
+            values = value if mask is None else _masked_select(value, mask, tokens)[0]
+            return _token_column(_cast(spec, values).reshape(-1), rest, tokens)
+        # Into the put's buffer (kept, or staged in the slab), digested on the way.
+        values, sums = _masked_select(value, mask, tokens, partial(alloc, spec.name) if alloc is not None else None)
+        col, geom = _token_column(values.reshape(-1), rest, tokens)
+        return (col if sums is None else col.with_meta(sums, None)), geom
     return _token_column(values, rest, tokens)
 
 
@@ -416,9 +423,14 @@ def decode(
         raise InvalidArgumentError(f"pad_to_seqlen must be a non-negative int, got {pad_to_seqlen!r}")
     ids = list(sample_ids) if sample_ids is not None else None
     batch = len(tags)
+    named = ids if ids is not None else [f"#{i}" for i in range(batch)]
+    where = partition if partition is not None else "?"
+    # Token fields padded here are checked as they are padded (each piece's rows digested
+    # while in cache, before they are copied out); the rest first, here.
+    padded_here = {name for name, col in columns.items()
+                   if verify and device is None and _pads_on_host(registry.get(name), col, layout)}
     if verify:
-        check_sums(partition if partition is not None else "?",
-                   ids if ids is not None else [f"#{i}" for i in range(batch)], columns, tags)
+        check_sums(where, named, {n: c for n, c in columns.items() if n not in padded_here}, tags)
     out: dict[str, Any] = {}
     leads: dict[str, np.ndarray | None] = {}
     masks = _Masks()  # the token fields of one read share their samples' lengths: one mask for all
@@ -435,7 +447,9 @@ def decode(
             col = col.to(device)
         kind = (spec.alignment, spec.container)
         if kind == ("token", "dense"):
-            out[name] = _decode_token_dense(spec, col, geoms, layout, pad_to_seqlen, ids, masks)
+            want = recorded(col, tags, name) if name in padded_here else None
+            check = partial(check_rows, where, named, name, want=want) if want is not None and want.any() else None
+            out[name] = _decode_token_dense(spec, col, geoms, layout, pad_to_seqlen, ids, masks, check)
         else:
             out[name] = _DECODERS[kind](spec, col, geoms, layout, pad_to_seqlen, ids)
     if leads and LENGTHS_FIELD in out:
@@ -691,8 +705,17 @@ class _Masks:
         return mask
 
 
+def _pads_on_host(spec: FieldSpec, col: Column, layout: str) -> bool:
+    """Whether decoding ``col`` pads its rows into host memory through numpy (where
+    :func:`_padded` checks their digests as it goes)."""
+    return (layout == "padded" and spec.alignment == "token" and spec.container == "dense" and col.same is None
+            and col.values.device.type == "cpu" and col.dtype in _NUMPY_OK)
+
+
 def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: str, pad: int | None, ids,
-                        masks: _Masks | None = None) -> torch.Tensor:
+                        masks: _Masks | None = None, check: Callable[[np.ndarray], None] | None = None
+                        ) -> torch.Tensor:
+    """``check``: called with the rows' digests (padded on the host only; see _pads_on_host)."""
     batch = len(geoms)
     masks = masks if masks is not None else _Masks()
     rest = _trailing(spec, geoms, ids, "per-token shape") if batch else []
@@ -714,10 +737,7 @@ def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: s
             field=spec.name,
             sample=_name(ids, i),
         )
-    out = torch.full((batch, width, *rest), spec.pad_value, dtype=col.dtype, device=col.values.device)
-    if rows.numel():
-        _masked_assign(out, masks.mask(lens_t, width, rows.device), rows, lens_t)
-    return out
+    return _padded(rows, lens_t, masks.mask(lens_t, width, rows.device), (batch, width, *rest), spec.pad_value, check)
 
 
 def _as_numpy(t: torch.Tensor) -> Any:
@@ -725,33 +745,87 @@ def _as_numpy(t: torch.Tensor) -> Any:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def _masked_select(value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``value[mask]``: the rows of a [B, S, ...] tensor where the [B, S] mask holds. On
-    CPU through numpy, which does it ~10x faster than torch (0.7 vs 7.4 ms for 8 MB)."""
+def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
+                   into: Callable[[int, torch.dtype], torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, np.ndarray | None]:
+    """``value[mask]``: each sample's first tokens of a [B, S, ...] tensor, one after
+    another, where the [B, S] ``mask`` holds; and each sample's row digest
+    (:func:`~rlplane.integrity.range_sums`; None where it is not computed here). On CPU
+    through numpy (~10x faster than torch), written straight into ``into(numel, dtype)``
+    (the put's kept or staged buffer: no fresh pages, no copy after) a few MB at a time,
+    each piece digested while it is in cache, samples split over a few threads
+    (:mod:`rlplane.parallel`; numpy copies without the interpreter lock, so one thread's
+    copy runs while another digests)."""
     if value.device.type != "cpu" or value.dtype not in _NUMPY_OK:
-        return value[mask]
-    return torch.from_numpy(_as_numpy(value)[mask.numpy()]).view(value.dtype)
-
-
-def _masked_assign(out: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor) -> None:
-    """``out[mask] = rows`` where the [B, S] ``mask`` holds each sample's first ``lens``
-    tokens (numpy on CPU, ~5x faster than torch's; big ones split by samples over a few
-    threads, :mod:`rlplane.parallel`)."""
-    if out.device.type != "cpu" or out.dtype not in _NUMPY_OK:
-        out[mask] = rows
-        return
-    dst, src, where = _as_numpy(out), _as_numpy(rows), mask.numpy()
-    per_sample = out[0].numel() * out.element_size() if out.shape[0] else 0
-    parts = parallel.spans(np.arange(out.shape[0] + 1, dtype=np.int64) * per_sample, parallel.workers())
-    if len(parts) == 1:
-        dst[where] = src
-        return
-    starts = np.concatenate([[0], np.cumsum(lens.numpy())])
+        return value[mask], None
+    rest = value.shape[2:]
+    starts = tokens.offsets(1).numpy()
+    total = int(starts[-1])
+    out = into(total * math.prod(rest), value.dtype) if into is not None else \
+        torch.empty(total * math.prod(rest), dtype=value.dtype)
+    src, where = _as_numpy(value), mask.numpy()
+    dst = _as_numpy(out).reshape(total, *rest)
+    raw = memoryview(_as_numpy(out).view(np.uint8))
+    bounds = starts * (math.prod(rest) * value.element_size())
+    sums = np.empty(value.shape[0], np.uint64)
+    per_sample = value[0].numel() * value.element_size() if value.shape[0] else 0
+    step = max(1, _PIECE_BYTES // max(per_sample, 1))
 
     def piece(a: int, z: int) -> None:
-        dst[a:z][where[a:z]] = src[starts[a]:starts[z]]
+        for x in range(a, z, step):  # a few MB at a time: digested while in cache
+            y = min(z, x + step)
+            dst[starts[x]:starts[y]] = src[x:y][where[x:y]]
+            sums[x:y] = range_sums(raw, bounds[x:y + 1])
 
-    parallel.run(piece, parts)
+    parallel.run(piece, parallel.spans(np.arange(value.shape[0] + 1, dtype=np.int64) * per_sample,
+                                       parallel.workers()))
+    return out.view(total, *rest), sums
+
+
+#: Bytes a masked select reads, or a padding writes, per step (numpy boolean indexing; 2-4 MB ran
+#: fastest), so the rows a step digests are still in cache.
+_PIECE_BYTES = 4 << 20
+
+
+def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: tuple[int, ...],
+            pad: int | float | bool, check: Callable[[np.ndarray], None] | None = None) -> torch.Tensor:
+    """A ``shape`` ([B, S, ...]) tensor of ``pad`` with each sample's ``lens`` rows of
+    ``rows`` (packed) at its start, where the [B, S] ``mask`` holds. On the host, in a
+    buffer of the process's :class:`~rlplane.readpool.ReadPool` (pages faulted in by an
+    earlier read: fresh ones cost ~3x the fill and copy on this VM), a few MB at a time,
+    samples split over a few threads (numpy, ~5x faster than torch's masked copy); each
+    piece's rows digested first while they are in cache, and ``check`` called with every
+    sample's digest. Elsewhere by torch (``check`` not called)."""
+    if rows.device.type != "cpu" or rows.dtype not in _NUMPY_OK:
+        out = torch.full(shape, pad, dtype=rows.dtype, device=rows.device)
+        if rows.numel():
+            out[mask] = rows
+        return out
+    batch, inner = shape[0], math.prod(shape[2:])
+    nbytes = math.prod(shape) * rows.element_size()
+    out = torch.from_numpy(ReadPool.shared().take(nbytes)).view(rows.dtype).view(shape) if nbytes else \
+        torch.empty(shape, dtype=rows.dtype)
+    dst, src, where = _as_numpy(out), _as_numpy(rows), mask.numpy()
+    fill = _as_numpy(torch.tensor(pad, dtype=rows.dtype).reshape(()))
+    starts = np.concatenate([[0], np.cumsum(lens.numpy())])
+    raw = memoryview(src.reshape(-1).view(np.uint8))
+    bounds = starts * (inner * rows.element_size())
+    sums = np.zeros(batch, np.uint64)
+    per_sample = nbytes // batch if batch else 0
+    step = max(1, _PIECE_BYTES // max(per_sample, 1))
+
+    def piece(a: int, z: int) -> None:
+        for x in range(a, z, step):
+            y = min(z, x + step)
+            if check is not None:
+                sums[x:y] = range_sums(raw, bounds[x:y + 1])
+            dst[x:y] = fill
+            dst[x:y][where[x:y]] = src[starts[x]:starts[y]]
+
+    parallel.run(piece, parallel.spans(np.arange(batch + 1, dtype=np.int64) * per_sample, parallel.workers()))
+    if check is not None:
+        check(sums)
+    return out
 
 
 _NUMPY_OK = {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,

@@ -46,13 +46,8 @@ def row_sums(col: Column) -> np.ndarray:
     buf = memoryview(values.detach().numpy().view(np.uint8))  # 1-D and contiguous (a Column's invariant)
     offsets = col.offsets if col.offsets.device.type == "cpu" else col.offsets.cpu()
     bounds = offsets.numpy() * values.element_size()
-    digest = xxhash.xxh3_64_intdigest
-
-    def rows(a: int, z: int) -> np.ndarray:
-        edges = bounds[a:z + 1].tolist()
-        return np.fromiter(map(digest, map(buf.__getitem__, map(slice, edges[:-1], edges[1:]))), np.uint64, z - a)
-
-    sums = np.concatenate(parallel.run(rows, parallel.spans(bounds, parallel.workers())))
+    sums = np.concatenate(parallel.run(lambda a, z: range_sums(buf, bounds[a:z + 1]),
+                                       parallel.spans(bounds, parallel.workers())))
     if col.held is not None:  # a row the store holds from an earlier put: the digest recorded with it
         held = col.held.rows
         sums[held] = col.held.refs[held, 4].view(np.uint64)
@@ -62,25 +57,49 @@ def row_sums(col: Column) -> np.ndarray:
     return sums
 
 
+def range_sums(buf: memoryview, bounds: np.ndarray) -> np.ndarray:
+    """The xxh3-64 digest of each ``buf[bounds[k] : bounds[k + 1]]`` (uint64; ``buf`` bytes,
+    ``bounds`` ascending byte offsets): :func:`row_sums` of a column, or of the rows just
+    written into one (the codec's masked select digests each piece while it is in cache).
+
+    Example: ``range_sums(memoryview(b"abcd"), np.array([0, 2, 4]))`` digests ``ab`` and ``cd``.
+    """
+    edges = bounds.tolist()
+    return np.fromiter(map(_digest, map(buf.__getitem__, map(slice, edges[:-1], edges[1:]))), np.uint64,
+                       len(edges) - 1)
+
+
+_digest = xxhash.xxh3_64_intdigest
+
+
 def check_sums(partition: str, sample_ids: Sequence[str], columns: Mapping[str, Column],
                tags: Sequence[Mapping[str, Any]]) -> None:
     """IntegrityError unless every row of ``columns`` hashes to the digest its tag recorded."""
     for name, col in columns.items():
-        if col.sums is not None:  # the transport kept them as an array
-            want = col.sums.astype(np.uint64, copy=False)
-        else:
-            want = np.fromiter((_recorded(t, name) for t in tags), np.uint64, len(tags))
-        if not want.any():
-            continue
-        got = row_sums(col)
-        bad = np.flatnonzero((want != 0) & (got != want))
-        if bad.size:
-            i = int(bad[0])
-            raise IntegrityError(
-                f"partition {partition!r}, sample {sample_ids[i]!r}, field {name!r}: the bytes read back differ from "
-                f"what the writer stored (xxh3 {int(got[i]):#018x}, recorded {int(want[i]):#018x}); "
-                f"{bad.size} of {len(tags)} rows differ. The stored copy is damaged: rewrite the samples"
-            )
+        want = recorded(col, tags, name)
+        if want.any():
+            check_rows(partition, sample_ids, name, row_sums(col), want)
+
+
+def recorded(col: Column, tags: Sequence[Mapping[str, Any]], name: str) -> np.ndarray:
+    """Each row's digest as its writer recorded it (uint64; 0: none recorded): the column's
+    (the transport kept them as an array), else the samples' tags'."""
+    if col.sums is not None:
+        return col.sums.astype(np.uint64, copy=False)
+    return np.fromiter((_recorded(t, name) for t in tags), np.uint64, len(tags))
+
+
+def check_rows(partition: str, sample_ids: Sequence[str], name: str, got: np.ndarray, want: np.ndarray) -> None:
+    """IntegrityError naming the first row of field ``name`` whose digest ``got`` is not the
+    one recorded (``want``; rows with none recorded are not checked)."""
+    bad = np.flatnonzero((want != 0) & (got != want))
+    if bad.size:
+        i = int(bad[0])
+        raise IntegrityError(
+            f"partition {partition!r}, sample {sample_ids[i]!r}, field {name!r}: the bytes read back differ from "
+            f"what the writer stored (xxh3 {int(got[i]):#018x}, recorded {int(want[i]):#018x}); "
+            f"{bad.size} of {want.size} rows differ. The stored copy is damaged: rewrite the samples"
+        )
 
 
 def _recorded(tag: Mapping[str, Any], name: str) -> int:
@@ -89,4 +108,4 @@ def _recorded(tag: Mapping[str, Any], name: str) -> int:
     return value if isinstance(value, int) and 0 <= value < 1 << 64 else 0
 
 
-__all__ = ["SUM_TAG", "check_sums", "row_sums"]
+__all__ = ["SUM_TAG", "check_rows", "check_sums", "range_sums", "recorded", "row_sums"]

@@ -132,18 +132,42 @@ def test_packed_rows_cast_over_threads_are_what_one_cat_gives(split):
 
 
 def test_token_rows_padded_over_threads_land_where_one_masked_assign_puts_them(split):
-    from rlplane.codec import _masked_assign
+    """Padded into a reused read buffer (another batch's bytes still in it): every pad and
+    every row where torch's masked assign puts them."""
+    from rlplane.codec import _padded
+    from rlplane.readpool import ReadPool
 
     g = torch.Generator().manual_seed(4)
-    lens = torch.randint(0, 4097, (512,), generator=g)
-    lens[7] = 4096
-    rows = torch.randint(-10**9, 10**9, (int(lens.sum()), 2), generator=g)
-    mask = torch.arange(4096) < lens[:, None]
-    want = torch.full((512, 4096, 2), -1, dtype=torch.int64)
-    want[mask] = rows
-    got = torch.full((512, 4096, 2), -1, dtype=torch.int64)
-    _masked_assign(got, mask, rows, lens)
-    assert torch.equal(got, want) and split == [3]
+    pool = ReadPool.shared()
+    for pad in (7, -1):  # the second batch lands in the first's buffer, given back
+        lens = torch.randint(0, 4097, (512,), generator=g)
+        lens[7] = 4096
+        rows = torch.randint(-10**9, 10**9, (int(lens.sum()), 2), generator=g)
+        mask = torch.arange(4096) < lens[:, None]
+        want = torch.full((512, 4096, 2), pad, dtype=torch.int64)
+        want[mask] = rows
+        reused = pool.reused
+        got = _padded(rows, lens, mask, (512, 4096, 2), pad)
+        assert torch.equal(got, want)
+        del got
+    assert pool.reused > reused and split == [3, 3]
+
+
+def test_token_rows_selected_over_threads_into_a_given_buffer_with_each_rows_digest(split):
+    from rlplane.codec import _masked_select, _TokenRows
+    from rlplane.integrity import row_sums
+
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(0, 2049, (600,), generator=g)
+    lens[3], lens[4] = 0, 2048
+    value = torch.randint(-10**9, 10**9, (600, 2048, 3), generator=g)
+    tokens = _TokenRows(lens)
+    mask = tokens.mask(2048, value.device)
+    given = torch.full((int(lens.sum()) * 3,), -5, dtype=torch.int64)
+    got, sums = _masked_select(value, mask, tokens, lambda numel, dtype: given[:numel])
+    assert got.data_ptr() == given.data_ptr() and torch.equal(got, value[mask])
+    assert split == [3]  # (the select, over three threads)
+    assert np.array_equal(sums, row_sums(Column(given, tokens.offsets(3))))
 
 
 def test_a_snapshots_thread_yields_the_cpu_and_keeps_its_memory_work_on_itself():
@@ -184,3 +208,29 @@ def test_media_put_in_inference_mode_or_with_grad_is_cast_over_threads_alike(spl
     values, _, _ = PackedTensor(needs_grad).flatten(torch.bfloat16)
     assert not values.requires_grad and torch.equal(values.view(torch.int16), want.view(torch.int16))
     assert split == [3, 3]
+
+
+def test_a_damaged_row_is_found_by_every_layout_wherever_the_split_and_the_pieces_fall(split):
+    """Rows padded on the host are digested piece by piece as they are padded: a changed
+    value in any piece of any thread's share is an IntegrityError naming its sample."""
+    from rlplane import default_registry
+    from rlplane.codec import decode, encode
+    from rlplane.errors import IntegrityError
+
+    g = torch.Generator().manual_seed(6)
+    lens = torch.randint(1, 2049, (900,), generator=g)
+    fields = {"input_ids": torch.randint(0, 10**6, (900, 2048), generator=g), "input_lengths": lens}
+    ids = [f"s{i}" for i in range(900)]
+    enc = encode(default_registry(), fields, lens)
+    back = decode(default_registry(), enc.columns, enc.tags, sample_ids=ids)
+    assert torch.equal(back["input_ids"], fields["input_ids"] * (torch.arange(2048) < lens[:, None]))
+    starts = enc.columns["input_ids"].offsets
+    for sample in (0, 450, 899):  # the first piece, a middle one, the last thread's last
+        values = enc.columns["input_ids"].values
+        at = int(starts[sample]) + int(lens[sample]) - 1
+        values[at] += 1
+        for layout in ("padded", "jagged", "packed"):
+            with pytest.raises(IntegrityError, match=f"sample 's{sample}', field 'input_ids'"):
+                decode(default_registry(), enc.columns, enc.tags, layout, sample_ids=ids, partition="p")
+        values[at] -= 1
+    assert 3 in split  # the padding ran over three threads

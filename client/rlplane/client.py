@@ -259,12 +259,14 @@ class Client:
             names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
             for name in names:
                 self.registry.get(name)
-            born = born_check(self.transport, meta.tags)  # a stale meta (samples put again since) is refused
+            more: dict[str, Any] = born_check(self.transport, meta.tags)  # a stale meta (put again since) is refused
+            if copy and device is None and layout == "padded" and self.transport.lends_views:
+                # Token rows are padded into memory of their own: out of the store's, not out of a copy of it.
+                more["lend"] = [n for n in names if self.registry.get(n).alignment == "token"
+                                and self.registry.get(n).container == "dense"]
             if self._shares:  # rows stored once for several samples come back as views of one copy
-                columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, shared=True,
-                                                   **born)
-            else:
-                columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, **born)
+                more["shared"] = True
+            columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, **more)
             op.nbytes = sum(col.nbytes for col in columns.values())
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
             return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,

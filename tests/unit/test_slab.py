@@ -154,6 +154,35 @@ def test_a_copied_read_is_owned_memory_that_later_puts_never_touch(engine):
         client.clear("own")
 
 
+def test_a_padded_read_pads_big_token_rows_out_of_the_slab_into_memory_it_owns(engine, monkeypatch):
+    """Token rows a padded read pads are lent (views of the slab, not copied out first);
+    what the read returns is the caller's: writable, untouched by later puts, and the
+    pin on the rows is gone once the read has returned."""
+    with connect(engine, "shm") as client:
+        g = torch.Generator().manual_seed(8)
+        lens = torch.randint(1, 1025, (512,), generator=g)
+        lens[5] = 1024  # (a padded read pads to the longest)
+        x = torch.randint(0, 10**9, (512, 1024), generator=g) * (torch.arange(1024) < lens[:, None])
+        meta = client.put_samples("lent", {"input_ids": x, "input_lengths": lens})
+        copied = []
+        real = NativeTransport._copy_out
+        monkeypatch.setattr(NativeTransport, "_copy_out", staticmethod(lambda *a: copied.append(a[1][0]) or real(*a)))
+        got = client.read_columns(meta, ["input_ids", "input_lengths"])
+        assert copied == ["input_lengths"], "the token rows were copied out before they were padded"
+        assert torch.equal(got["input_ids"], x) and torch.equal(got["input_lengths"], lens)
+        wait_for(lambda: client.transport.stats()["pins"] == 0, "the lent rows' pin outlived the read")
+        got["input_ids"][0, 0] += 1  # the caller's own memory
+        client.clear("lent")
+        client.put_samples("lent", {"input_ids": torch.zeros_like(x), "input_lengths": lens})
+        assert torch.equal(got["input_ids"][1:], x[1:]) and int(got["input_ids"][0, 0]) == int(x[0, 0]) + 1
+        small = client.put_samples("lent2", {"input_ids": x[:2, :8], "input_lengths": torch.full((2,), 8)})
+        copied.clear()
+        client.read_columns(small, ["input_ids"])
+        assert copied == ["input_ids"]  # a small field is copied: a pin would cost what the copy saves
+        client.clear("lent")
+        client.clear("lent2")
+
+
 def test_without_the_secret_no_ticket_and_without_a_ticket_no_slab(engine):
     endpoint = engine["units"][0].endpoint
     with pytest.raises(E.AuthenticationError):

@@ -70,6 +70,10 @@ class Transport(ABC):
     #: samples that were cleared and put again under the same ids (MissingDataError), and a
     #: put that creates samples returns the incarnation it gave them (an int).
     checks_born: bool = False
+    #: Whether ``get`` takes ``lend=`` (fields the caller copies out of the columns itself,
+    #: e.g. token rows a padded read pads): they may come back as read-only views of the
+    #: store's memory, as with ``copy=False`` (native, shared memory).
+    lends_views: bool = False
 
     @abstractmethod
     def put(

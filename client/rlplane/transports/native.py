@@ -58,7 +58,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -100,6 +100,9 @@ DATA_PATHS = ("auto", "shm", "te", "zmq")
 #: A field at least this big is encoded straight into an extent staged in a mapped slab
 #: (for a smaller one the staging round trip costs more than the copy it saves).
 STAGE_MIN_BYTES = 1 << 20
+#: A field lent to a read that copies it out itself (``get(lend=...)``) is lent from this size
+#: on: below it, holding the views' pin costs about what the copy saves.
+LEND_MIN_BYTES = 1 << 20
 
 
 def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
@@ -124,6 +127,7 @@ class NativeTransport(Transport):
     shares_rows = True  # a row several samples share is stored once and read once (Column.same)
     checks_lengths = True  # a write's token rows are checked against the sample's length (put(aligned=))
     checks_born = True  # a meta naming samples cleared and put again since is refused (put/get(born=))
+    lends_views = True  # a padded read's token rows are padded out of the slab, not copied first (get(lend=))
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
                  pool: ReadPool | None = None, te: TeOptions | None = None) -> None:
@@ -407,17 +411,20 @@ class NativeTransport(Transport):
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
-        shared: bool = False, born: np.ndarray | None = None,
+        shared: bool = False, born: np.ndarray | None = None, lend: Collection[str] = (),
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         """``copy=False``: a field whose rows lie in order in one mapped slab comes back as
         a read-only view of it (zero copy), its blocks pinned until the last view is gone.
+        ``lend``: fields the caller copies out of the columns itself (a padded read pads
+        token rows into memory of its own): those of at least LEND_MIN_BYTES come back as
+        such views too, for one copy where there would be two.
         ``shared=True``: a row stored once for several of the samples is read once, and its
         column says which rows repeat it (:attr:`Column.same`); else every row is its own.
         ``born``: the incarnations the caller's meta names (MissingDataError for samples
         cleared and put again since)."""
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
-        args = (partition, list(sample_ids), list(fields), copy, shared, born)
+        args = (partition, list(sample_ids), list(fields), copy, shared, born, frozenset(lend))
         try:
             try:
                 return self._get(*args)
@@ -620,7 +627,8 @@ class NativeTransport(Transport):
             pass
 
     def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool = False,
-             born: np.ndarray | None = None) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+             born: np.ndarray | None = None, lend: frozenset[str] = frozenset()
+             ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
         ask = {"op": "locate", "p": partition, "ids": ids, "fields": fields,
                "shm": sorted(self._slabs.keys() | self._remote.keys())}  # the units read at addresses
@@ -628,13 +636,13 @@ class NativeTransport(Transport):
             ask["share"] = True
         if born is not None:
             ask["bn"] = np.asarray(born, "<i8").tobytes()
-        if not copy:  # views may outlive this call: their pin is never dropped to make room for others
+        if not copy or lend:  # views may outlive this call: their pin is never dropped to make room for others
             ask["keep"] = True
         loc = self._ask(ask, self._left(deadline))
         pin = loc.get("pin")
         kept = False
         try:
-            columns, tags, views = self.fetch(loc, partition, ids, fields, copy=copy, deadline=deadline)
+            columns, tags, views = self.fetch(loc, partition, ids, fields, copy=copy, deadline=deadline, lend=lend)
             if views and isinstance(pin, str):
                 self._views.hold(pin, views, float(loc.get("pin_lease_s") or 60.0))
                 kept = True
@@ -644,11 +652,13 @@ class NativeTransport(Transport):
         return columns, tags
 
     def fetch(self, loc: dict[str, Any], partition: str, ids: list[str], fields: list[str], *, copy: bool = True,
-              deadline: float | None = None) -> tuple[dict[str, Column], RowTags, list[np.ndarray]]:
+              deadline: float | None = None, lend: frozenset[str] = frozenset()
+              ) -> tuple[dict[str, Column], RowTags, list[np.ndarray]]:
         """The rows a locate (or a snapshot's cut) answered: the columns, the tags and any
-        zero-copy views (``copy=False``). The caller holds and releases the pin."""
+        zero-copy views (``copy=False``, or the ``lend`` fields; see :meth:`get`). The caller
+        holds and releases the pin."""
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout
-        columns, views = self._gather(loc, partition, len(ids), fields, copy, deadline)
+        columns, views = self._gather(loc, partition, len(ids), fields, copy, deadline, lend)
         user = loc["user"]
         geoms = {f: Geometry.from_wire(loc["g"][f], f) for f in fields}
         sums = {f: np.frombuffer(loc["h"][f], "<u8") for f in fields}
@@ -698,8 +708,8 @@ class NativeTransport(Transport):
         """Set ``task``'s consumption of ``ids`` (int8 per sample: 0 pending, 2 acked, 3 expired)."""
         self._ask({"op": "consumed", "p": partition, "task": task, "ids": ids, "states": states})
 
-    def _gather(self, loc: dict[str, Any], partition: str, n: int, fields: list[str], copy: bool, deadline: float
-                ) -> tuple[dict[str, Column], list[np.ndarray]]:
+    def _gather(self, loc: dict[str, Any], partition: str, n: int, fields: list[str], copy: bool, deadline: float,
+                lend: frozenset[str] = frozenset()) -> tuple[dict[str, Column], list[np.ndarray]]:
         """Every requested field's rows in request order: out of the mapped slabs, and from
         the other units over ZMQ (their shares received straight into place when they are
         contiguous rows of the request). Returns the columns and any zero-copy views."""
@@ -715,12 +725,13 @@ class NativeTransport(Transport):
         columns: dict[str, Column] = {}
         views: list[np.ndarray] = []
         # Zero copy: a field whose rows lie in order, back to back, in one mapped slab.
-        if not copy:
-            for f in fields:
-                view = self._view(entries_of[f], n, row_bytes[f])
-                if view is not None:
-                    columns[f], array = view
-                    views.append(array)
+        for f in fields:
+            if copy and (f not in lend or int(starts[f][-1]) < LEND_MIN_BYTES):
+                continue
+            view = self._view(entries_of[f], n, row_bytes[f])
+            if view is not None:
+                columns[f], array = view
+                views.append(array)
         # A field one zmq unit holds whole is used as it arrives (the received frame, no copy).
         shared = loc.get("s") or {}  # fields with rows read once for several samples: not every row is asked
         whole = {f for f in fields if f not in columns and f not in shared and len(entries_of[f]) == 1

@@ -761,12 +761,16 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
     rest = value.shape[2:]
     starts = tokens.offsets(1).numpy()
     total = int(starts[-1])
+    src, where = _as_numpy(value), mask.numpy()
+    bounds = starts * (math.prod(rest) * value.element_size())
+    if src.nbytes < _PIECE_BYTES:  # one step, here: pieces and threads cost more than they save
+        picked = src[where]
+        return (torch.from_numpy(picked).view(value.dtype),
+                range_sums(memoryview(picked.reshape(-1).view(np.uint8)), bounds))
     out = into(total * math.prod(rest), value.dtype) if into is not None else \
         torch.empty(total * math.prod(rest), dtype=value.dtype)
-    src, where = _as_numpy(value), mask.numpy()
     dst = _as_numpy(out).reshape(total, *rest)
     raw = memoryview(_as_numpy(out).view(np.uint8))
-    bounds = starts * (math.prod(rest) * value.element_size())
     sums = np.empty(value.shape[0], np.uint64)
     per_sample = value[0].numel() * value.element_size() if value.shape[0] else 0
     step = max(1, _PIECE_BYTES // max(per_sample, 1))
@@ -803,13 +807,19 @@ def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: t
         return out
     batch, inner = shape[0], math.prod(shape[2:])
     nbytes = math.prod(shape) * rows.element_size()
-    out = torch.from_numpy(ReadPool.shared().take(nbytes)).view(rows.dtype).view(shape) if nbytes else \
-        torch.empty(shape, dtype=rows.dtype)
-    dst, src, where = _as_numpy(out), _as_numpy(rows), mask.numpy()
-    fill = _as_numpy(torch.tensor(pad, dtype=rows.dtype).reshape(()))
+    src, where = _as_numpy(rows), mask.numpy()
     starts = np.concatenate([[0], np.cumsum(lens.numpy())])
     raw = memoryview(src.reshape(-1).view(np.uint8))
     bounds = starts * (inner * rows.element_size())
+    if nbytes < _PIECE_BYTES:  # one step, here: a pool, pieces and threads cost more than they save
+        if check is not None:
+            check(range_sums(raw, bounds))
+        out = torch.full(shape, pad, dtype=rows.dtype)
+        _as_numpy(out)[where] = src
+        return out
+    out = torch.from_numpy(ReadPool.shared().take(nbytes)).view(rows.dtype).view(shape)
+    dst = _as_numpy(out)
+    fill = _as_numpy(torch.tensor(pad, dtype=rows.dtype).reshape(()))
     sums = np.zeros(batch, np.uint64)
     per_sample = nbytes // batch if batch else 0
     step = max(1, _PIECE_BYTES // max(per_sample, 1))

@@ -40,7 +40,7 @@ from rlplane.errors import (
     ShapeError,
     WireFormatError,
 )
-from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry
+from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry, check_dtype
 from rlplane.geometry import Geometry
 from rlplane import parallel
 from rlplane.integrity import check_rows, check_sums, range_sums, recorded, row_sums
@@ -129,7 +129,8 @@ def encode(
     puts (``held(field, keys) -> refs``, see :class:`~rlplane.column.HeldRows`); those rows
     are not encoded at all. ``packed``: token fields given as their samples' rows one after
     another (``[sum(lengths), ...]``, what ``decode(layout="packed")`` gives), with
-    ``prepared`` (:func:`prepare` checks padded and jagged values only).
+    ``prepared`` (:func:`prepare` checks padded and jagged values; packed ones are
+    checked for their length and dtype here).
 
     Example::
 
@@ -297,6 +298,7 @@ def _encode_token_rows(spec: FieldSpec, rows: torch.Tensor, tokens: _TokenRows |
     if not isinstance(rows, torch.Tensor) or rows.dim() < 1 or rows.shape[0] != total:
         got = list(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
         raise ShapeError(f"packed rows {got} for samples of {total} tokens in all", field=spec.name)
+    check_dtype(spec, rows.dtype)  # (what prepare checks of padded and jagged values)
     return _token_column(_cast(spec, rows).reshape(-1), list(rows.shape[1:]), tokens)
 
 

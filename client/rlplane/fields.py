@@ -353,7 +353,7 @@ def _check_value(spec: FieldSpec, value: Any) -> int:
             raise ShapeError(
                 f"a token field is [batch, seq, ...]; got shape {list(value.shape)}", field=name
             )
-        _check_dtype(spec, value.dtype)
+        check_dtype(spec, value.dtype)
         return int(value.size(0))
     if spec.container == "packed":
         if not isinstance(value, PackedTensor):
@@ -363,7 +363,7 @@ def _check_value(spec: FieldSpec, value: Any) -> int:
                 field=name,
             )
         if value.dtype is not None:
-            _check_dtype(spec, value.dtype)
+            check_dtype(spec, value.dtype)
         return len(value)
     if spec.container == "object":
         if not isinstance(value, list):
@@ -376,7 +376,9 @@ def _check_value(spec: FieldSpec, value: Any) -> int:
     raise ContainerError(f"container {spec.container!r} is unknown", field=name)  # pragma: no cover
 
 
-def _check_dtype(spec: FieldSpec, dtype: torch.dtype) -> None:
+def check_dtype(spec: FieldSpec, dtype: torch.dtype) -> None:
+    """DtypeError naming the field unless ``dtype`` is one ``spec`` takes (its declared
+    dtype, or its wire dtype)."""
     if spec.dtype is None or dtype == spec.dtype or (spec.wire_dtype is not None and dtype == spec.wire_dtype):
         return
     allowed = dtype_name(spec.dtype) + (f" or {dtype_name(spec.wire_dtype)}" if spec.wire_dtype else "")

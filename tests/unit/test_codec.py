@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from rlplane import Client, FieldSpec, PackedTensor, Registry, default_registry
 from rlplane.codec import WIRE_TAG, Prepared, decode, encode
 from rlplane.column import Column
-from rlplane.errors import ContainerError, InvalidArgumentError, ShapeError, UnregisteredFieldError, WireFormatError
+from rlplane.errors import (ContainerError, DtypeError, InvalidArgumentError, ShapeError, UnregisteredFieldError,
+                            WireFormatError)
 from rlplane.transports import MemoryTransport
 from rlplane.testing.verify import diff_fields, same_bits
 from rlplane.testing.workloads import vlm_step
@@ -65,6 +66,10 @@ def test_a_packed_read_gives_every_samples_tokens_one_after_another_and_encodes_
         encode(reg, {"input_ids": rows["input_ids"][1:], "input_lengths": vlm.lengths}, prepared=Prepared(6, vlm.lengths),
                packed=frozenset({"input_ids"}))
     assert err.value.field == "input_ids"
+    with pytest.raises(DtypeError, match="float64") as err:  # a dtype the registry does not declare
+        encode(reg, {"generation_logprobs": rows["generation_logprobs"].double(), "input_lengths": vlm.lengths},
+               prepared=Prepared(6, vlm.lengths), packed=frozenset({"generation_logprobs"}))
+    assert err.value.field == "generation_logprobs"
     client = Client(reg, MemoryTransport())
     meta = client.put_samples("p", vlm.fields)
     assert same_bits(client.read_columns(meta, ["input_ids"], layout="packed")["input_ids"], packed["input_ids"])

@@ -1,6 +1,7 @@
 """ReadPool: the memory reads copy into, reused once the caller lets go of it.
 
-A read copies its rows into memory the caller owns. Into fresh memory that copy costs
+A read copies its rows into memory the caller owns (the native transport's copies out of
+a slab, and the padded tensors the codec builds from token rows). Into fresh memory that copy costs
 a page fault per page (168 MB of vlm-step pixels: ~370 ms fresh, ~9 ms into pages
 touched before, on a 2-core VM), so the copy would cost 40x the bytes. The pool hands
 out buffers backed by anonymous maps it keeps: when every tensor made from a buffer is

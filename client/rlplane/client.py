@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 import weakref
@@ -28,7 +29,7 @@ import msgpack
 import numpy as np
 import torch
 
-from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, Encoded, Prepared, decode, encode, prepare
+from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, Encoded, Prepared, alloc_sizes, decode, encode, prepare
 from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
                             TransportError)
 from rlplane.fields import LENGTHS_FIELD, Registry
@@ -127,7 +128,8 @@ class Client:
     def _put_once(self, partition: str, ids: list[str], fields: Mapping[str, Any], prep: Prepared,
                   user: list[dict[str, Any]], tagged: bool, durable: bool, lookup: Any) -> tuple[Encoded, Any]:
         held = (lambda name, keys: lookup(partition, name, keys)) if lookup is not None else None
-        with self._buffers() as mine, self.transport.put_buffers(len(ids), mine) as alloc:
+        sizes = alloc_sizes(self.registry, fields, prep)  # (staged at once, where the store stages)
+        with self._buffers() as mine, self.transport.put_buffers(len(ids), mine, sizes) as alloc:
             enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep, share_rows=self._shares,
                          held=held)
             merged = enc.tags.with_user(user) if tagged else enc.tags
@@ -154,7 +156,8 @@ class Client:
             if given is not None and not torch.equal(prep.lengths, lengths):
                 raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
             _ready_for(self.transport, fields)
-            with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
+            sizes = alloc_sizes(self.registry, fields, prep)
+            with self._buffers() as mine, self.transport.put_buffers(len(meta), mine, sizes) as alloc:
                 enc = encode(self.registry, fields, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
                              share_rows=self._shares)
                 if not enc.columns:
@@ -190,8 +193,9 @@ class Client:
             stored = decode(self.registry, columns, tags, "packed", None, sample_ids=meta.sample_ids,
                             partition=meta.partition)  # (checks every token row against input_lengths)
             user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it
-            with self._buffers() as mine, self.transport.put_buffers(len(meta), mine) as alloc:
-                plan, out = Appending(stored[LENGTHS_FIELD], given.lengths), {}
+            plan, out = Appending(stored[LENGTHS_FIELD], given.lengths), {}
+            sizes = {name: (plan.total * math.prod(stored[name].shape[1:]), stored[name].dtype) for name in names}
+            with self._buffers() as mine, self.transport.put_buffers(len(meta), mine, sizes) as alloc:
                 for name in names:
                     new = fields[name]
                     if new.device.type != "cpu":  # appended on the host, to the stored rows read there

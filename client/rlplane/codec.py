@@ -161,6 +161,29 @@ def encode(
     return Encoded(columns, RowTags(None, geoms, digests, batch))
 
 
+def alloc_sizes(registry: Registry, fields: Mapping[str, Any], prepared: Prepared) -> dict[str, tuple[int, torch.dtype]]:
+    """What :func:`encode` of ``fields`` will ask its ``alloc`` for, ``{field: (numel,
+    dtype)}``, where that is known before encoding: the token fields whose rows it cuts on
+    the host in pieces. A hint for the transport (e.g. to stage them all at once).
+
+    Example::
+
+        sizes = alloc_sizes(registry, fields, prepare(registry, fields, lengths))
+    """
+    lens = prepared.lengths
+    if lens is None:
+        return {}
+    out = {}
+    for name, value in fields.items():
+        spec = registry.get(name)
+        if (spec.alignment == "token" and spec.container == "dense" and isinstance(value, torch.Tensor)
+                and not value.is_nested and value.dim() >= 2 and value.device.type == "cpu"
+                and value.dtype in _NUMPY_OK and spec.stored_dtype(value.dtype) == value.dtype and _in_pieces(value)
+                and bool((lens < value.shape[1]).any())):  # (else no row is cut: the tensor is stored as it is)
+            out[name] = (int(lens.sum()) * math.prod(value.shape[2:]), value.dtype)
+    return out
+
+
 def _to_host(col: Column, name: str, alloc: Alloc | None) -> Column:
     """A column encoded on a GPU, copied to the host once: into the buffer ``alloc`` gives
     for it (the store's page-locked memory, when the transport stages the put there)."""
@@ -765,7 +788,7 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
     total = int(starts[-1])
     src, where = _as_numpy(value), mask.numpy()
     bounds = starts * (math.prod(rest) * value.element_size())
-    if src.nbytes < _PIECE_BYTES:  # one step, here: pieces and threads cost more than they save
+    if not _in_pieces(value):  # one step, here: pieces and threads cost more than they save
         picked = src[where]
         return (torch.from_numpy(picked).view(value.dtype),
                 range_sums(memoryview(picked.reshape(-1).view(np.uint8)), bounds))
@@ -786,6 +809,12 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
     parallel.run(piece, parallel.spans(np.arange(value.shape[0] + 1, dtype=np.int64) * per_sample,
                                        parallel.workers()))
     return out.view(total, *rest), sums
+
+
+def _in_pieces(value: torch.Tensor) -> bool:
+    """Whether a masked select of ``value`` (on the host) runs in pieces, into the buffer
+    it is given (else in one numpy step, into memory of its own)."""
+    return value.numel() * value.element_size() >= _PIECE_BYTES
 
 
 #: Bytes a masked select reads, or a padding writes, per step (numpy boolean indexing; 2-4 MB ran
@@ -898,5 +927,5 @@ _DECODERS = {
     ("sample", "object"): _decode_sample_object,
 }
 
-__all__ = ["WIRE_TAG", "RESERVED_TAG_PREFIX", "LAYOUTS", "Encoded", "Prepared", "prepare", "encode", "decode",
+__all__ = ["WIRE_TAG", "RESERVED_TAG_PREFIX", "LAYOUTS", "Encoded", "Prepared", "prepare", "encode", "decode", "alloc_sizes",
            "check_columns", "merge_tags"]

@@ -183,6 +183,72 @@ def test_a_padded_read_pads_big_token_rows_out_of_the_slab_into_memory_it_owns(e
         client.clear("lent2")
 
 
+def test_a_unit_stages_several_fields_at_once_all_or_none_and_a_block_frees_what_it_did_not_use(engine):
+    ch = Channel(engine["units"][0].endpoint, "u0", secret=SECRET)
+    core = engine["cores"][0]
+    before = core.alloc.used_bytes
+    bid = 9_876_543_210
+    xs = ch.call({"op": "stage", "b": bid, "fs": [["a", "int64", 1 << 20], ["b", "float32", 2 << 20]]}, timeout=10)[0]["xs"]
+    assert len(xs) == 2 and core.alloc.used_bytes >= before + (3 << 20)
+    staged = core.alloc.used_bytes
+    with pytest.raises(E.StorageFullError):  # the second does not fit: the first is not kept either
+        ch.call({"op": "stage", "b": bid + 1, "fs": [["a", "int64", 1 << 20], ["b", "uint8", 2 * SLAB]]}, timeout=10)
+    assert core.alloc.used_bytes == staged
+    with pytest.raises(E.WireFormatError, match="twice"):
+        ch.call({"op": "stage", "b": bid + 2, "fs": [["a", "int64", 8], ["a", "int64", 8]]}, timeout=10)
+    with pytest.raises(E.WireFormatError, match="staged"):  # a field of the block staged already
+        ch.call({"op": "stage", "b": bid, "fs": [["a", "int64", 8]]}, timeout=10)
+    offsets = np.array([0, (1 << 20) // 8], np.int64)
+    ch.call({"op": "alloc", "b": bid, "f": [["a", "int64", 1 << 20, xs[0]]]}, None, [offsets.tobytes()], timeout=10)
+    assert core.alloc.used_bytes == staged - (2 << 20), "the block kept the extent staged for 'b', which it did not use"
+    core.op_free({"b": np.array([bid], "<i8").tobytes()}, {}, [])  # (the controller's to send)
+    assert core.alloc.used_bytes == before
+    ch.close()
+
+
+def test_a_put_stages_its_big_token_fields_in_one_round_trip_and_what_it_did_not_use_is_freed(engine, monkeypatch):
+    """The sizes the codec knows before encoding are staged at once; a hint the encode does
+    not follow (a field it never asks for, or another size) costs no correctness and no
+    memory once the put is stored."""
+    from rlplane.codec import alloc_sizes, decode, encode, prepare
+
+    calls = []
+    real = Channel.call
+    monkeypatch.setattr(Channel, "call", lambda self, header, *a, **k: calls.append(header.get("op")) or
+                        real(self, header, *a, **k))
+    with connect(engine, "shm") as client:
+        g = torch.Generator().manual_seed(9)
+        lens = torch.randint(1, 1025, (1536,), generator=g)
+        lens[0] = 1024
+        valid = torch.arange(1024) < lens[:, None]
+        fields = {"input_ids": torch.randint(0, 10**6, (1536, 1024), generator=g) * valid,
+                  "generation_logprobs": -torch.rand(1536, 1024, generator=g) * valid,
+                  "advantages": torch.randn(1536, 1024, generator=g) * valid, "input_lengths": lens}
+        before = used(engine)
+        meta = client.put_samples("stg", fields)
+        assert calls.count("stage") == 1
+        back = client.read_columns(meta, list(fields))
+        assert all(torch.equal(back[f], fields[f]) for f in fields)
+        t, reg = client.transport, client.registry
+        prep = prepare(reg, fields, lens)
+        sizes = alloc_sizes(reg, fields, prep)
+        assert set(sizes) == {"input_ids", "generation_logprobs", "advantages"}
+        ids = [f"h{i}" for i in range(1536)]
+        for k, hint in enumerate([{**sizes, "token_mask": (400_000, torch.float32)},  # a field never asked for
+                                  {"input_ids": (300_000, torch.int64)}]):  # another size than asked for
+            calls.clear()
+            with t.put_buffers(1536, None, hint) as alloc:
+                enc = encode(reg, fields, alloc=alloc, prepared=prep)
+                t.put(f"hint{k}", ids, enc.columns, enc.tags, create=True)
+            assert calls.count("stage") == (1 if k == 0 else 3)  # (the two it was not told of: one each)
+            cols, tags = t.get(f"hint{k}", ids, list(fields))
+            got = decode(reg, cols, tags)
+            assert all(torch.equal(got[f], fields[f]) for f in fields)
+            client.clear(f"hint{k}")
+        client.clear("stg")
+        wait_for(lambda: used(engine) == before, "a staged extent the put did not use was kept")
+
+
 def test_without_the_secret_no_ticket_and_without_a_ticket_no_slab(engine):
     endpoint = engine["units"][0].endpoint
     with pytest.raises(E.AuthenticationError):

@@ -22,13 +22,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from rlplane.column import Column
 from rlplane.errors import ShapeError, WireFormatError
 from rlplane.scratch import Alloc
 from rlplane.geometry import Geometry
 from rlplane.tags import WIRE_TAG, born_of, check_lengths
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -99,10 +102,12 @@ class Transport(ABC):
         them (the native engine's shared-memory path); others return owned memory anyway."""
 
     @contextmanager
-    def put_buffers(self, batch: int, fallback: Alloc | None) -> Iterator[Alloc | None]:
+    def put_buffers(self, batch: int, fallback: Alloc | None,
+                    sizes: Mapping[str, tuple[int, torch.dtype]] | None = None) -> Iterator[Alloc | None]:
         """Where the next put of ``batch`` samples (in this thread) encodes its fields:
         ``fallback`` (the client's reusable buffers) unless the store offers memory the
-        put lands in (the native engine's staged slab extents)."""
+        put lands in (the native engine's staged slab extents). ``sizes``: the ``(numel,
+        dtype)`` the caller will ask for, per field, where it knows them (a hint)."""
         yield fallback
 
     def on_device(self, device: Any, *, write: bool = False) -> bool:

@@ -250,11 +250,15 @@ class NativeTransport(Transport):
             return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born)
 
     @contextmanager
-    def put_buffers(self, batch: int, fallback: Alloc | None) -> Iterator[Alloc | None]:
+    def put_buffers(self, batch: int, fallback: Alloc | None,
+                    sizes: Mapping[str, tuple[int, torch.dtype]] | None = None) -> Iterator[Alloc | None]:
         """Where the next put of ``batch`` samples in this thread encodes its fields: with
         a unit mapped here, each field of at least STAGE_MIN_BYTES into an extent that
-        unit stages for the put's block (``fallback`` for the rest). Extents the put did
-        not take (it failed, or was placed elsewhere on a retry) are freed on the way out.
+        unit stages for the put's block (``fallback`` for the rest). ``sizes``: the
+        ``(numel, dtype)`` the caller will ask for, per field, where it knows them: the
+        first big ask stages them all in one round trip. Extents the put did not take (it
+        failed, or was placed elsewhere on a retry) are freed on the way out; the block
+        frees the staged ones the encode did not use.
 
         Example::
 
@@ -268,26 +272,31 @@ class NativeTransport(Transport):
             return
         stage = _Stage(blocks, batch)
         bid, unit = blocks[0][0], blocks[0][1][0]
+        told = {f: (numel * dtype.itemsize, dtype) for f, (numel, dtype) in (sizes or {}).items()}
+
+        def elsewhere(field: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+            return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
 
         def alloc(field: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-            nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-            if nbytes < STAGE_MIN_BYTES or field in stage.fields:
-                return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
-            if stage.failed:
-                return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
-            view = self._slabs[unit]
-            try:
-                at = int(self._unit(unit).call({"op": "stage", "b": bid, "f": field, "d": dtype_name(dtype),
-                                                "n": nbytes}, timeout=min(self.timeout, 10.0))[0]["x"])
-            except UnavailableError as err:  # the unit died: encode as usual; the put places around it
-                stage.failed = True
+            nbytes = numel * dtype.itemsize
+            if nbytes < STAGE_MIN_BYTES or field in stage.fields or stage.failed:
+                return elsewhere(field, numel, dtype)
+            if field not in stage.ready:  # staged with every other big field the caller said it will ask for
+                want = {field: (nbytes, dtype), **{f: w for f, w in told.items() if w[0] >= STAGE_MIN_BYTES
+                                                   and f != field and f not in stage.ready}}
                 try:
-                    self._lost(err)
-                except RlplaneError:  # the controller is unreachable too: the put will say so
-                    pass
-                return fallback(field, numel, dtype) if fallback is not None else torch.empty(numel, dtype=dtype)
-            if at < 0 or at + nbytes > view.nbytes:
-                raise WireFormatError(f"storage unit {view.unit} staged an extent outside its slab", field=field)
+                    self._stage_extents(unit, bid, want, stage)
+                except UnavailableError as err:  # the unit died: encode as usual; the put places around it
+                    stage.failed = True
+                    try:
+                        self._lost(err)
+                    except RlplaneError:  # the controller is unreachable too: the put will say so
+                        pass
+                    return elsewhere(field, numel, dtype)
+            at, staged_bytes, staged_dtype = stage.ready[field]
+            if (staged_bytes, staged_dtype) != (nbytes, dtype):  # not what the caller said: the block frees it
+                return elsewhere(field, numel, dtype)
+            view = self._slabs[unit]
             view.prefault(at, at + nbytes)  # the encode writes there next
             out = torch.from_numpy(view.u8[at : at + nbytes]).view(dtype)
             stage.fields[field] = (at, nbytes, out.data_ptr())
@@ -298,8 +307,25 @@ class NativeTransport(Transport):
             yield alloc
         finally:
             self._stage.put = None
-            if stage.fields and not stage.committed:
+            if stage.ready and not stage.committed:
                 self._drop_blocks(stage.blocks)
+
+    def _stage_extents(self, unit: int, bid: int, want: Mapping[str, tuple[int, torch.dtype]], stage: _Stage) -> None:
+        """One round trip: unit ``unit`` stages an extent of block ``bid`` for each field of
+        ``want`` (``{field: (bytes, dtype)}``); they go into ``stage.ready``."""
+        names = list(want)
+        reply = self._unit(unit).call({"op": "stage", "b": bid, "fs": [[f, dtype_name(want[f][1]), want[f][0]]
+                                                                        for f in names]},
+                                      timeout=min(self.timeout, 10.0))[0]
+        starts = reply.get("xs")
+        view = self._slabs[unit]
+        if not isinstance(starts, list) or len(starts) != len(names):
+            raise WireFormatError(f"storage unit {view.unit} answered a stage of {len(names)} fields with {starts!r:.80}")
+        for f, at in zip(names, starts):
+            nbytes = want[f][0]
+            if not isinstance(at, int) or at < 0 or at + nbytes > view.nbytes:
+                raise WireFormatError(f"storage unit {view.unit} staged an extent outside its slab", field=f)
+            stage.ready[f] = (at, nbytes, want[f][1])
 
     @staticmethod
     def _keep_staged(stage: _Stage | None, columns: Mapping[str, Column]) -> None:
@@ -955,14 +981,16 @@ class _Sent:
 
 
 class _Stage:
-    """A put being encoded into staged extents: its blocks (placed before the encode),
-    per field the staged extent ``(start, bytes, address here)``, and how it ended."""
+    """A put being encoded into staged extents: its blocks (placed before the encode), the
+    extents its unit staged, per field encoded into one ``(start, bytes, address here)``,
+    and how it ended."""
 
-    __slots__ = ("blocks", "n", "fields", "taken", "committed", "failed", "kept")
+    __slots__ = ("blocks", "n", "ready", "fields", "taken", "committed", "failed", "kept")
 
     def __init__(self, blocks: list[list[Any]], n: int) -> None:
         self.blocks, self.n = blocks, n
-        self.fields: dict[str, tuple[int, int, int]] = {}
+        self.ready: dict[str, tuple[int, int, torch.dtype]] = {}  # staged on the unit: (start, bytes, dtype)
+        self.fields: dict[str, tuple[int, int, int]] = {}  # of those, the ones encoded into
         self.taken = self.committed = self.failed = False
         self.kept: dict[str, torch.Tensor] = {}  # the staged fields' values, copied when the put failed
 

@@ -234,29 +234,46 @@ class UnitCore:
         return {"x": where, "xs": self._seals(bid, layout, where)}, {}, []
 
     def op_stage(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
-        """One extent for field ``f`` (dtype ``d``, ``n`` bytes) of block ``b`` before the
-        block exists: the writer encodes into it, then names it in the block's ``alloc``
-        (``[field, dtype, nbytes, start]``). Answers ``x``: its slab offset."""
+        """Extents for fields of block ``b`` before the block exists: ``fs`` =
+        ``[[field, dtype, nbytes], ...]`` (all or none; or one as ``f``, ``d``, ``n``). The
+        writer encodes into them, then names those it used in the block's ``alloc``
+        (``[field, dtype, nbytes, start]``); the block frees the others. Answers ``xs``: each
+        extent's slab offset, in order (``x`` for the one-field form)."""
         _full_access(header, "allocate extents in the slab (they may hold another tenant's old bytes)")
         bid = _block_id(header)
-        name, dname, nbytes = header.get("f"), header.get("d"), header.get("n")
-        if not (isinstance(name, str) and 0 < len(name) <= 200 and isinstance(dname, str)
-                and isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 < nbytes < 1 << 62):
-            raise E.WireFormatError("stage needs 'f' (field), 'd' (dtype) and 'n' (bytes, > 0)")
-        if nbytes % _np_dtype(dname, name).itemsize:
-            raise E.WireFormatError(f"{nbytes} bytes is not a whole number of {dname} elements", field=name)
+        one = "fs" not in header
+        wanted = [[header.get("f"), header.get("d"), header.get("n")]] if one else header.get("fs")
+        if not isinstance(wanted, list) or not 0 < len(wanted) <= MAX_FIELDS:
+            raise E.WireFormatError(f"stage needs 'fs': [[field, dtype, bytes], ...] (1 to {MAX_FIELDS} fields)")
+        for entry in wanted:
+            name, dname, nbytes = entry if isinstance(entry, list) and len(entry) == 3 else (None, None, None)
+            if not (isinstance(name, str) and 0 < len(name) <= 200 and isinstance(dname, str)
+                    and isinstance(nbytes, int) and not isinstance(nbytes, bool) and 0 < nbytes < 1 << 62):
+                raise E.WireFormatError("stage needs, per field, its name, dtype and bytes (> 0)")
+            if nbytes % _np_dtype(dname, name).itemsize:
+                raise E.WireFormatError(f"{nbytes} bytes is not a whole number of {dname} elements", field=name)
+        if len({name for name, _, _ in wanted}) != len(wanted):
+            raise E.WireFormatError("stage names a field twice")
         with self._lock:
-            if bid in self._blocks or name in self._staged.get(bid, {}):
-                raise E.WireFormatError(f"block {bid} is already stored on {self.name}, or its {name!r} staged")
-            if sum(len(f) for f in self._staged.values()) >= MAX_STAGED:
+            mine = self._staged.get(bid, {})
+            if bid in self._blocks or any(name in mine for name, _, _ in wanted):
+                raise E.WireFormatError(f"block {bid} is already stored on {self.name}, or a field of it staged")
+            if sum(len(f) for f in self._staged.values()) + len(wanted) > MAX_STAGED:
                 raise E.UnavailableError(f"storage unit {self.name} has {MAX_STAGED} staged extents no put has taken; "
                                          "retry later", component=self.name)
-            start = self.alloc.alloc(nbytes)
-            if start is None:
-                raise self._full(nbytes, name, nbytes)
-            self._staged.setdefault(bid, {})[name] = (start, nbytes, dname)
+            starts: list[int] = []
+            for name, dname, nbytes in wanted:
+                start = self.alloc.alloc(nbytes)
+                if start is None:
+                    for taken in starts:  # all or none
+                        self.alloc.free(taken)
+                    raise self._full(nbytes, name, nbytes)
+                starts.append(start)
+            mine = self._staged.setdefault(bid, {})
+            for (name, dname, nbytes), start in zip(wanted, starts):
+                mine[name] = (start, nbytes, dname)
             self._staged_born.setdefault(bid, time.monotonic())
-        return {"x": start}, {}, []
+        return ({"x": starts[0]} if one else {"xs": starts}), {}, []
 
     def op_write(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Store ``columns`` as block ``b`` (a block is written once): copied into new extents."""
@@ -545,9 +562,10 @@ class UnitCore:
                     at += size
             for name in staged or {}:
                 del mine[name]
-            if not mine:
-                self._staged.pop(bid, None)
-                self._staged_born.pop(bid, None)
+            for start, _, _ in mine.values():  # staged for the block and not used: no later alloc can name them
+                self.alloc.free(start)
+            self._staged.pop(bid, None)
+            self._staged_born.pop(bid, None)
             self._blocks[bid] = Block(layout, got, allocs, time.monotonic())
         return {name: start for (name, *_), start in zip(layout, got)}
 

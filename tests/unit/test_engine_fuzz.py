@@ -63,6 +63,7 @@ def _valid(meta_blocks: list[int]) -> list[dict]:
         {"op": "unpin", "pin": "x", "nr": True},
         {"op": "read", "p": "fz", "f": [["input_ids", ints([b]), ints([0])]]},
         {"op": "alloc", "b": 4242, "f": [["x", "int64", 16]]},
+        {"op": "stage", "b": 4545, "fs": [["x", "int64", 16], ["y", "float32", 8]]},
         {"op": "write", "b": 4343},
         {"op": "slab"},
         {"op": "stats"},

@@ -186,6 +186,13 @@ def test_a_padded_read_pads_big_token_rows_out_of_the_slab_into_memory_it_owns(e
 def test_a_unit_stages_several_fields_at_once_all_or_none_and_a_block_frees_what_it_did_not_use(engine):
     ch = Channel(engine["units"][0].endpoint, "u0", secret=SECRET)
     core = engine["cores"][0]
+
+    def settled() -> bool:  # the frees of earlier tests' clears have reached the unit
+        last = core.alloc.used_bytes
+        time.sleep(0.3)
+        return core.alloc.used_bytes == last
+
+    wait_for(settled, "the unit's memory kept changing")
     before = core.alloc.used_bytes
     bid = 9_876_543_210
     xs = ch.call({"op": "stage", "b": bid, "fs": [["a", "int64", 1 << 20], ["b", "float32", 2 << 20]]}, timeout=10)[0]["xs"]

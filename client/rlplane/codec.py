@@ -797,17 +797,12 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
     dst = _as_numpy(out).reshape(total, *rest)
     raw = memoryview(_as_numpy(out).view(np.uint8))
     sums = np.empty(value.shape[0], np.uint64)
-    per_sample = value[0].numel() * value.element_size() if value.shape[0] else 0
-    step = max(1, _PIECE_BYTES // max(per_sample, 1))
 
-    def piece(a: int, z: int) -> None:
-        for x in range(a, z, step):  # a few MB at a time: digested while in cache
-            y = min(z, x + step)
-            dst[starts[x]:starts[y]] = src[x:y][where[x:y]]
-            sums[x:y] = range_sums(raw, bounds[x:y + 1])
+    def step(x: int, y: int) -> None:  # digested while in cache
+        dst[starts[x]:starts[y]] = src[x:y][where[x:y]]
+        sums[x:y] = range_sums(raw, bounds[x:y + 1])
 
-    parallel.run(piece, parallel.spans(np.arange(value.shape[0] + 1, dtype=np.int64) * per_sample,
-                                       parallel.workers()))
+    _in_steps(value.shape[0], value[0].numel() * value.element_size() if value.shape[0] else 0, step)
     return out.view(total, *rest), sums
 
 
@@ -815,6 +810,18 @@ def _in_pieces(value: torch.Tensor) -> bool:
     """Whether a masked select of ``value`` (on the host) runs in pieces, into the buffer
     it is given (else in one numpy step, into memory of its own)."""
     return value.numel() * value.element_size() >= _PIECE_BYTES
+
+
+def _in_steps(batch: int, per_sample: int, step: Callable[[int, int], None]) -> None:
+    """``step(x, y)`` over samples ``[0, batch)`` in runs of about :data:`_PIECE_BYTES`
+    (``per_sample`` bytes each), the samples split over a few threads (:mod:`rlplane.parallel`)."""
+    every = max(1, _PIECE_BYTES // max(per_sample, 1))
+
+    def piece(a: int, z: int) -> None:
+        for x in range(a, z, every):
+            step(x, min(z, x + every))
+
+    parallel.run(piece, parallel.spans(np.arange(batch + 1, dtype=np.int64) * per_sample, parallel.workers()))
 
 
 #: Bytes a masked select reads, or a padding writes, per step (numpy boolean indexing; 2-4 MB ran
@@ -852,18 +859,14 @@ def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: t
     dst = _as_numpy(out)
     fill = _as_numpy(torch.tensor(pad, dtype=rows.dtype).reshape(()))
     sums = np.zeros(batch, np.uint64)
-    per_sample = nbytes // batch if batch else 0
-    step = max(1, _PIECE_BYTES // max(per_sample, 1))
 
-    def piece(a: int, z: int) -> None:
-        for x in range(a, z, step):
-            y = min(z, x + step)
-            if check is not None:
-                sums[x:y] = range_sums(raw, bounds[x:y + 1])
-            dst[x:y] = fill
-            dst[x:y][where[x:y]] = src[starts[x]:starts[y]]
+    def step(x: int, y: int) -> None:
+        if check is not None:
+            sums[x:y] = range_sums(raw, bounds[x:y + 1])
+        dst[x:y] = fill
+        dst[x:y][where[x:y]] = src[starts[x]:starts[y]]
 
-    parallel.run(piece, parallel.spans(np.arange(batch + 1, dtype=np.int64) * per_sample, parallel.workers()))
+    _in_steps(batch, nbytes // batch if batch else 0, step)
     if check is not None:
         check(sums)
     return out

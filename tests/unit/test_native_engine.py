@@ -121,6 +121,32 @@ def test_garbage_gets_an_error_reply_and_the_server_keeps_serving(engine):
     ch.close()
 
 
+def test_a_locate_hands_read_capabilities_only_for_the_blocks_read_over_zmq(engine):
+    """A row read out of a mapped slab needs no capability; one read over ZMQ needs one per
+    block, valid on its unit (a unit's read refuses a block without it)."""
+    info = {"controller": engine["controller"], "secret": engine["secret"]}
+    c = Client(default_registry(), NativeTransport(info, timeout=30, data_path="zmq"))
+    try:
+        meta = c.put_samples("caps", {"input_ids": torch.arange(8).reshape(2, 4), "input_lengths": torch.tensor([4, 2])})
+        ctrl = c.transport._ctrl()
+        ask = {"op": "locate", "p": "caps", "ids": meta.sample_ids, "fields": ["input_ids", "input_lengths"]}
+        mapped = ctrl.call({**ask, "shm": list(range(len(engine["units"])))}, timeout=5)[0]
+        assert mapped["caps"] == [] and all(len(e) == 6 for _, entries in mapped["units"] for e in entries)
+        over_zmq = ctrl.call(ask, timeout=5)[0]
+        for loc in (mapped, over_zmq):
+            c.transport.unpin(loc["pin"])
+        blocks = {u: {int(b) for e in entries for b in int_array(e[1])} for u, entries in over_zmq["units"]}
+        caps = {u: dict(pairs) for u, pairs in over_zmq["caps"]}
+        assert {u: set(c) for u, c in caps.items()} == blocks
+        for u, per_block in caps.items():
+            name = engine["core"].units[u][0]
+            assert all(cap == read_cap(engine["seal_key"], b, name) for b, cap in per_block.items())
+        assert c.read_columns(meta, ["input_ids"])["input_ids"].tolist() == [[0, 1, 2, 3], [4, 5, 0, 0]]
+    finally:
+        c.clear("caps")
+        c.close()
+
+
 def test_wire_refuses_what_is_not_a_message():
     for frames in ([], [b"\x00\x01"], [b"\x80"], pack_message({"op": "x"})[:1] + [b"extra"]):
         with pytest.raises(E.WireFormatError):

@@ -24,7 +24,7 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.tags import stale_meta
-from rlplane.wire import int_array, ints
+from rlplane.wire import ints
 from rlplane_service.native.index import Partition
 from rlplane_service.native.pins import MAX_PINS, Pins
 from rlplane_service.native.requests import births, field_names, partition_of, sample_ids
@@ -74,6 +74,7 @@ class ReadOps:
         twins' sizes are 0 (the reader makes them views of the one copy)."""
         missing: dict[str, list[str]] = {}
         per_unit: dict[int, list[list[Any]]] = {}
+        unmapped: dict[int, set[int]] = {}  # per unit, the blocks the client reads over ZMQ (they need a capability)
         geoms, sizes, digests, twins = {}, {}, {}, {}
         plans: dict[bytes, list[_Share]] = {}  # fields of one put share their blocks: planned once
         for name in fields:
@@ -95,6 +96,8 @@ class ReadOps:
                     entry = [name, part_share.blocks, ints(rows[pos]), ints(pos)]
                     if part_share.mapped:
                         entry += self._addresses(name, part_share, fi.off[slots[pos]])
+                    else:
+                        unmapped.setdefault(part_share.unit, set()).update(part_share.uniq.tolist())
                     per_unit.setdefault(part_share.unit, []).append(entry)
             else:
                 key = blk.tobytes()
@@ -105,6 +108,8 @@ class ReadOps:
                     entry = [name, unit_share.blocks, ints(rows[unit_share.pos]), unit_share.positions]
                     if unit_share.mapped:  # else the client reads them over ZMQ
                         entry += self._addresses(name, unit_share, fi.off[slots[unit_share.pos]])
+                    else:
+                        unmapped.setdefault(unit_share.unit, set()).update(unit_share.uniq.tolist())
                     per_unit.setdefault(unit_share.unit, []).append(entry)
             geoms[name] = fi.geometry(slots).to_wire()
             sizes[name] = ints(nbytes)
@@ -114,21 +119,19 @@ class ReadOps:
         tagged = part.user[slots]
         user = tagged.tolist() if bool(np.not_equal(tagged, None).any()) else None  # None: no sample has tags
         out = {"units": [[u, entries] for u, entries in per_unit.items()], "user": user, "g": geoms, "nb": sizes,
-               "h": digests, "pin_lease_s": self.pin_lease_s, "caps": self._read_caps(per_unit)}
+               "h": digests, "pin_lease_s": self.pin_lease_s, "caps": self._read_caps(unmapped)}
         if twins:
             out["s"] = twins
         return out
 
-    def _read_caps(self, per_unit: dict[int, list[list[Any]]]) -> list[list[Any]]:
-        """Per unit ``[unit, [[block, capability], ...]]`` for every block a locate names there
-        (a unit reads a block only for a holder of its capability); [] without a seal key."""
+    def _read_caps(self, unmapped: dict[int, set[int]]) -> list[list[Any]]:
+        """Per unit ``[unit, [[block, capability], ...]]`` for the blocks a locate has the
+        client read over ZMQ there (``unmapped``; a unit reads a block only for a holder of
+        its capability; rows read out of a mapped slab need none); [] without a seal key."""
         if self.seal_key is None:
             return []
-        out = []
-        for u, entries in per_unit.items():
-            blocks = np.unique(np.concatenate([int_array(e[1], "blocks") for e in entries]))
-            out.append([u, [[b, read_cap(self.seal_key, b, self.units[u][0])] for b in blocks.tolist()]])
-        return out
+        return [[u, [[b, read_cap(self.seal_key, b, self.units[u][0])] for b in sorted(blocks)]]
+                for u, blocks in unmapped.items()]
 
     def op_unpin(self, header: dict, columns: dict, extra: list) -> Any:
         """A read is done with the blocks its locate pinned (sent one-way)."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -232,15 +232,32 @@ class Column:
         return cls.from_rows(list(nested.unbind()))
 
     @classmethod
-    def concat(cls, columns: Sequence[Column]) -> Column:
-        """Rows of ``columns`` one after another (one copy)."""
+    def concat(cls, columns: Sequence[Column], into: Callable[[int, torch.dtype], torch.Tensor] | None = None
+               ) -> Column:
+        """Rows of ``columns`` one after another (one copy; into ``into(numel, dtype)`` when
+        given, e.g. pooled memory), with their digests and geometries where every column has
+        them, and which rows share another's bytes (a shared row names a row of its own
+        column: renumbered here).
+
+        Example: ``Column.concat([a, b]).num_rows == a.num_rows + b.num_rows``."""
         if not columns:
             raise WireFormatError("concat needs at least one column")
         dtypes = {c.dtype for c in columns}
         if len(dtypes) > 1:
             raise WireFormatError(f"cannot concat columns of dtypes {sorted(map(str, dtypes))}")
+        if any(c.held is not None for c in columns):
+            raise WireFormatError("a column naming rows the store holds already cannot be concatenated")
         numels = torch.cat([c.row_numels() for c in columns])
-        return cls(torch.cat([c.values for c in columns]), offsets_from_numels(numels))
+        sums = np.concatenate([c.sums for c in columns]) if all(c.sums is not None for c in columns) else None
+        geom = Geometry.concat([c.geom for c in columns]) if all(c.geom is not None for c in columns) else None
+        same = None
+        if any(c.same is not None for c in columns):
+            firsts = np.cumsum([0] + [c.num_rows for c in columns[:-1]])
+            same = np.concatenate([np.where(c.same >= 0, c.same + k, -1) if c.same is not None
+                                   else np.full(c.num_rows, -1, np.int64) for c, k in zip(columns, firsts.tolist())])
+        values = [c.values for c in columns]
+        out = torch.cat(values) if into is None else torch.cat(values, out=into(int(numels.sum()), values[0].dtype))
+        return cls(out, offsets_from_numels(numels), sums, geom, same)
 
     # -- inspection ------------------------------------------------------------------
     @property

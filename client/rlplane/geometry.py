@@ -72,6 +72,21 @@ class Geometry(Sequence[Any]):
     def coerce(cls, g: Geometry | Sequence[Any]) -> Geometry:
         return g if isinstance(g, Geometry) else cls.of_rows(g)
 
+    @classmethod
+    def concat(cls, parts: Sequence[Geometry]) -> Geometry:
+        """The rows of ``parts`` one after another (dense when they all are, with one table).
+
+        Example: ``Geometry.concat([Geometry.token(np.array([2]), []), Geometry.token(np.array([5]), [])]).tolist()``
+        is ``[[2], [5]]``.
+        """
+        first = parts[0] if parts else None
+        if first is not None and all(g.dense and g.shapes == first.shapes and (g.lead is None) == (first.lead is None)
+                                     and (g.kind is None) == (first.kind is None) for g in parts):
+            return cls(np.concatenate([g.lead for g in parts]) if first.lead is not None else None, first.shapes,
+                       np.concatenate([g.kind for g in parts]) if first.kind is not None else None,
+                       n=sum(len(g) for g in parts))
+        return cls.of_rows([row for g in parts for row in g.tolist()])
+
     # -- inspection ------------------------------------------------------------------
     @property
     def dense(self) -> bool:

@@ -226,6 +226,28 @@ class RowTags(Sequence[dict[str, Any]]):
 
     __hash__ = None  # type: ignore[assignment]
 
+    @classmethod
+    def concat(cls, parts: Sequence[RowTags]) -> RowTags:
+        """The tags of ``parts`` one after another (every part naming the same fields).
+
+        Example: ``len(RowTags.concat([a, b])) == len(a) + len(b)``."""
+        import numpy as np  # (this module stays importable without numpy until tags are put together)
+
+        from rlplane.geometry import Geometry
+
+        n = sum(len(p) for p in parts)
+        fields = set(parts[0].geoms) if parts else set()
+        if any(p._built for p in parts) or any(set(p.geoms) != fields or set(p.sums) != set(parts[0].sums)
+                                               for p in parts):
+            return cls([t for p in parts for t in p], {}, {}, n)  # the maps as built (edited ones included)
+        user = None if all(p.user is None for p in parts) else \
+            [u for p in parts for u in (p.user if p.user is not None else [None] * len(p))]
+        geoms = {f: Geometry.concat([Geometry.coerce(p.geoms[f]) for p in parts]) for f in fields}
+        sums = {f: np.concatenate([np.asarray(p.sums[f], np.uint64) for p in parts]) for f in parts[0].sums} \
+            if parts else {}
+        born = np.concatenate([p.born for p in parts]) if parts and all(p.born is not None for p in parts) else None
+        return cls(user, geoms, sums, n, born)
+
     def take(self, index: Sequence[int]) -> RowTags:
         """The tags of the samples at ``index``, in that order (still built when asked for)."""
         if self._built:  # edited tag maps must come along

@@ -198,6 +198,22 @@ def test_a_commit_cannot_point_a_row_at_bytes_of_another_length_digest_or_a_late
         shared_rows({"g": b""}, ["f"], 3, nb, sums)
 
 
+def test_columns_put_together_keep_their_digests_geometry_and_which_row_each_shared_row_repeats():
+    from rlplane.geometry import Geometry
+
+    a = Column(torch.arange(3.0), torch.tensor([0, 3, 3]), sums=np.array([5, 6], np.uint64),
+               geom=Geometry.token(np.array([3, 3]), []), same=np.array([-1, 0]))
+    b = Column(torch.tensor([7.0, 8.0]), torch.tensor([0, 1, 2]), sums=np.array([1, 2], np.uint64),
+               geom=Geometry.token(np.array([1, 1]), []))
+    both = Column.concat([a, b, a])
+    assert both.same.tolist() == [-1, 0, -1, -1, -1, 4]  # the third part's shared row names its own first row
+    assert [both.row(i).tolist() for i in range(6)] == [[0, 1, 2], [0, 1, 2], [7], [8], [0, 1, 2], [0, 1, 2]]
+    assert both.sums.tolist() == [5, 6, 1, 2, 5, 6] and both.geom.tolist() == [[3], [3], [1], [1], [3], [3]]
+    assert Column.concat([b, Column(torch.tensor([9.0]), torch.tensor([0, 1]))]).sums is None
+    with pytest.raises(E.WireFormatError, match="dtypes"):
+        Column.concat([b, Column(torch.tensor([9]), torch.tensor([0, 1]))])
+
+
 def test_a_transport_that_stores_every_row_refuses_a_shared_column_and_gets_plain_ones():
     col = Column(torch.arange(3.0), torch.tensor([0, 3, 3]), same=np.array([-1, 0]))
     assert col.expanded().values.tolist() == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0] and col.row(1).tolist() == [0.0, 1.0, 2.0]

@@ -103,3 +103,14 @@ def test_the_index_keeps_dense_rows_as_arrays_and_gives_back_what_was_stored():
     fi.forget(np.array([0]))
     fi.set_geometry(np.array([0]), Geometry.uniform([9], 1))
     assert fi.geometry(np.array([0])).tolist() == [[9]]
+
+
+def test_geometries_put_together_stay_dense_with_one_table_and_fall_back_to_rows_otherwise():
+    a, b = Geometry.token(np.array([5, 0]), rest=[3]), Geometry.token(np.array([9]), rest=[3])
+    both = Geometry.concat([a, b])
+    assert both.dense and both.tolist() == [[5, 3], [0, 3], [9, 3]]
+    several = Geometry(np.array([1, 2]), [(4,), (5,)], np.array([1, 0], np.int32))
+    mixed = Geometry.concat([a, several, Geometry.of_rows([{"d": 0, "p": False, "s": [[2]]}])])
+    assert not mixed.dense
+    assert mixed.tolist() == [[5, 3], [0, 3], [1, 5], [2, 4], {"d": 0, "p": False, "s": [[2]]}]
+    assert Geometry.concat([Geometry.uniform([2], 2), Geometry.uniform([2], 1)]).tolist() == [[2], [2], [2]]

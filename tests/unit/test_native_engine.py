@@ -15,7 +15,7 @@ from rlplane.channel import Channel
 from rlplane.transports.native import NativeTransport
 from rlplane.testing.verify import diff_fields
 from rlplane.wire import RawColumn, int_array, ints, pack_message, unpack_message
-from rlplane.testing.workloads import vlm_step
+from rlplane.testing.workloads import text_step, vlm_grpo, vlm_step
 from rlplane_service.native.local import LocalEngine
 from rlplane_service.native.unit import read_cap
 
@@ -144,6 +144,94 @@ def test_a_locate_hands_read_capabilities_only_for_the_blocks_read_over_zmq(engi
         assert c.read_columns(meta, ["input_ids"])["input_ids"].tolist() == [[0, 1, 2, 3], [4, 5, 0, 0]]
     finally:
         c.clear("caps")
+        c.close()
+
+
+def test_a_read_bigger_than_one_locate_goes_in_pieces_and_reads_back_bit_exact(client, engine, monkeypatch):
+    """Past READ_CELLS (samples x fields) a read is located and read in pieces, put
+    together: every field bit-exact, shared images still shared, owned (writable) memory,
+    every piece's pin released, and a sample missing from a later piece named."""
+    import rlplane.transports.native as native
+
+    w = vlm_grpo(12, 64, seed=5, group=4, sides=(2, 4))
+    meta = client.put_samples("pieces", w.fields)
+    whole = client.read_columns(meta, list(w.fields))
+    names = ["input_ids", "pixel_values", "image_grid_thw"]
+    located = []
+    real_get = native.NativeTransport._get
+
+    def counted(self, partition, ids, *args, **kwargs):
+        located.append(len(ids))
+        return real_get(self, partition, ids, *args, **kwargs)
+
+    monkeypatch.setattr(native.NativeTransport, "_get", counted)
+    monkeypatch.setattr(native, "READ_CELLS", 3 * 5)  # 5 samples a piece for 3 fields
+    try:
+        for copy in (True, False):
+            located.clear()
+            got = client.read_columns(meta, names, copy=copy)
+            assert located == [5, 5, 2]
+            assert diff_fields(client.registry, {k: w.fields[k] for k in names}, got, w.lengths,
+                               sample_ids=meta.sample_ids) == []
+            assert torch.equal(got["input_ids"], whole["input_ids"])
+            rows = got["pixel_values"].rows  # a group's image: read once for its members in a piece
+            pairs = [(i, j) for i in range(12) for j in range(i + 1, 12) if i // 4 == j // 4 and rows[i] is not None]
+            assert pairs and all((rows[i][0].data_ptr() == rows[j][0].data_ptr()) == (i // 5 == j // 5)
+                                 for i, j in pairs)
+            got["input_ids"][0, 0] = -1  # owned memory: writable, the store unchanged
+        got = client.read_columns(meta, list(w.fields), layout="jagged")
+        assert diff_fields(client.registry, w.fields, got, w.lengths, sample_ids=meta.sample_ids) == []
+        assert engine["core"].stats()["pins"] == 0
+        client.clear("pieces", [meta.sample_ids[9]])
+        with pytest.raises(E.MissingDataError, match=meta.sample_ids[9]):
+            client.read_columns(meta, names)
+    finally:
+        client.clear("pieces")
+
+
+def test_a_read_whose_answer_is_too_big_for_its_tags_is_read_in_halves(client, engine, monkeypatch):
+    """Samples with big tags: the locate's answer is over the message limit even under
+    READ_CELLS; the read halves until each answer fits, every pin released, tags intact."""
+    import rlplane.transports.native as native
+    import rlplane.wire as wire
+
+    n = 300
+    fields = {"input_ids": torch.arange(n * 8).reshape(n, 8), "input_lengths": torch.full((n,), 8)}
+    meta = client.put_samples("halves", fields, tags=[{"note": f"{i:04d}" + "x" * 96} for i in range(n)])
+    tried = []
+    real_get = native.NativeTransport._get
+
+    def counted(self, partition, ids, *args, **kwargs):
+        tried.append(len(ids))
+        return real_get(self, partition, ids, *args, **kwargs)
+
+    monkeypatch.setattr(native.NativeTransport, "_get", counted)
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 20_000)  # the 300 samples' answer: ~45 kB; 75's fit
+    try:
+        got = client.read_columns(meta, list(fields))
+        assert tried == [300, 150, 75, 75, 150, 75, 75]
+        assert torch.equal(got["input_ids"], fields["input_ids"])
+        _, tags = client.transport.get("halves", meta.sample_ids, ["input_lengths"])
+        assert [t["note"][:4] for t in tags] == [f"{i:04d}" for i in range(n)]
+        assert engine["core"].stats()["pins"] == 0
+    finally:
+        monkeypatch.undo()
+        client.clear("halves")
+
+
+def test_a_read_past_the_engines_message_limit_in_one_locate_comes_back_whole(engine):
+    """64k samples x 5 fields: one locate's answer would be over the 16 MiB message limit
+    (PayloadTooLargeError before reads went in pieces)."""
+    info = {"controller": engine["controller"], "secret": engine["secret"]}
+    c = Client(default_registry(), NativeTransport(info, timeout=60, data_path="shm"))
+    fields = ["input_ids", "input_lengths", "token_mask", "generation_logprobs", "advantages"]
+    w = text_step(64 << 10, 4, seed=9)
+    try:
+        meta = c.put_samples("wide", {f: w.fields[f] for f in fields})
+        got = c.read_columns(meta, fields)
+        assert all(torch.equal(got[f], w.fields[f]) for f in fields)
+    finally:
+        c.clear("wide")
         c.close()
 
 

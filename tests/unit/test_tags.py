@@ -59,3 +59,21 @@ def test_born_of_reads_each_samples_incarnation_and_never_rounds_an_odd_value_in
     for odd in (1.9, True, "7", 1 << 70, -3):
         assert born_of([{BORN_TAG: 5}, {BORN_TAG: odd}]).tolist() == [5, 0], odd
     assert stale(np.array([5, 0, 7, 3]), np.array([5, 9, 8, 0])).tolist() == [2]  # both known and different
+
+
+def test_tags_put_together_keep_each_samples_user_tags_geometry_and_digest():
+    import numpy as np
+
+    from rlplane.geometry import Geometry
+
+    def first() -> RowTags:
+        return RowTags(None, {"x": Geometry.token(np.array([3, 5]), [])}, {"x": np.array([7, 9], np.uint64)})
+
+    second = RowTags([{"group": "g"}], {"x": Geometry.token(np.array([4]), [])}, {"x": np.array([11], np.uint64)})
+    both = RowTags.concat([first(), second])
+    assert both.user == [None, None, {"group": "g"}] and both.geoms["x"].dense  # (nothing built)
+    assert list(both) == list(first()) + list(second)
+    assert RowTags.concat([first(), first()]).user is None
+    edited = RowTags(None, {"x": [[4]]}, {"x": [11]})
+    edited[0]["note"] = 1  # a built map that was edited comes along as it is
+    assert list(RowTags.concat([first(), edited])) == list(first()) + [edited[0]]

@@ -68,8 +68,8 @@ from rlplane.placement import spread
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.geometry import Geometry
-from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataError, RlplaneError, ShapeError,
-                            TransportError, UnavailableError, WireFormatError)
+from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataError, PayloadTooLargeError,
+                            RlplaneError, ShapeError, TransportError, UnavailableError, WireFormatError)
 from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
 from rlplane.shm import SlabView, shared_slab
@@ -100,6 +100,10 @@ DATA_PATHS = ("auto", "shm", "te", "zmq")
 #: A field at least this big is encoded straight into an extent staged in a mapped slab
 #: (for a smaller one the staging round trip costs more than the copy it saves).
 STAGE_MIN_BYTES = 1 << 20
+#: Most (sample, field) pairs one locate answers (~55 bytes each in its answer: ~14 MiB, under
+#: the engine's 16 MiB message limit); a bigger read goes in pieces (and one whose samples' tags
+#: make its answer too big anyway, in halves).
+READ_CELLS = 1 << 18
 #: A field lent to a read that copies it out itself (``get(lend=...)``) is lent from this size
 #: on: below it, holding the views' pin costs about what the copy saves.
 LEND_MIN_BYTES = 1 << 20
@@ -447,10 +451,49 @@ class NativeTransport(Transport):
         ``shared=True``: a row stored once for several of the samples is read once, and its
         column says which rows repeat it (:attr:`Column.same`); else every row is its own.
         ``born``: the incarnations the caller's meta names (MissingDataError for samples
-        cleared and put again since)."""
+        cleared and put again since). A read of more than READ_CELLS (samples x fields), or
+        one whose locate answer is too big to send, goes in pieces, each located, read and
+        unpinned in turn, then put together in pooled memory (owned, never views; one copy
+        more); each piece is a moment of its own (a write of the same samples between two
+        pieces shows in the later one)."""
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
-        args = (partition, list(sample_ids), list(fields), copy, shared, born, frozenset(lend))
+        ids, names, lend = list(sample_ids), list(fields), frozenset(lend)
+        step = max(1, READ_CELLS // max(1, len(names)))
+        pieces = [p for a in range(0, len(ids), step)
+                  for p in self._in_pieces(partition, ids[a:a + step], names, copy, shared,
+                                           None if born is None else born[a:a + step], lend)]
+        if len(pieces) == 1:
+            return pieces[0]
+        for f in names:  # (as one locate's read says it)
+            if len(written := {str(cols[f].dtype) for cols, _ in pieces}) > 1:
+                raise ShapeError(f"the requested samples were written with different dtypes {sorted(written)}", field=f)
+
+        def pooled(numel: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(self.pool.take(numel * dtype.itemsize)).view(dtype)
+
+        return ({f: Column.concat([cols[f] for cols, _ in pieces], into=pooled) for f in names},
+                RowTags.concat([tags for _, tags in pieces]))
+
+    def _in_pieces(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool,
+                   born: np.ndarray | None, lend: frozenset[str]) -> list[tuple[dict[str, Column], RowTags]]:
+        """The read of ``ids`` as one locate's, or, when its answer is too big to send (the
+        samples carry big tags), as two halves, each again if need be."""
+        try:
+            return [self._get_once(partition, ids, fields, copy, shared, born, lend)]
+        except PayloadTooLargeError:
+            if len(ids) < 2:
+                raise
+        half = len(ids) // 2
+        return [*self._in_pieces(partition, ids[:half], fields, copy, shared, None if born is None else born[:half],
+                                 lend),
+                *self._in_pieces(partition, ids[half:], fields, copy, shared, None if born is None else born[half:],
+                                 lend)]
+
+    def _get_once(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool,
+                  born: np.ndarray | None, lend: frozenset[str]) -> tuple[dict[str, Column], RowTags]:
+        """One locate's read (see :meth:`get`), again after a unit was lost or a block moved."""
+        args = (partition, ids, fields, copy, shared, born, lend)
         try:
             try:
                 return self._get(*args)

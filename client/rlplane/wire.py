@@ -45,9 +45,10 @@ class Rows(Protocol):
     def num_rows(self) -> int: ...
 
 VERSION = 1
-#: Largest header frame a peer accepts: the ids, geometry and tags of a put of ~500,000
-#: samples fit (a commit of 4,096 is ~130 kB). Decoded, a header costs at most ~20x its
-#: size (a hostile one of short strings), about what one put's bulk frames cost.
+#: Largest header frame a peer accepts: a commit carries ~21 bytes per (sample, field), so a
+#: put of ~100,000 samples of 6 fields fits (140,000 do not: split the put); a locate answers
+#: ~55 per pair (the native client reads bigger batches in pieces). Decoded, a header costs at
+#: most ~20x its size (a hostile one of short strings), about what one put's bulk frames cost.
 MAX_HEADER_BYTES = 16 << 20
 #: A header over SMALL_HEADER_BYTES may hold at most MAX_CONTAINERS lists and maps: an
 #: empty one is one byte on the wire and ~60 in memory, so without a count one message

@@ -460,9 +460,8 @@ class NativeTransport(Transport):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
         ids, names, lend = list(sample_ids), list(fields), frozenset(lend)
         step = max(1, READ_CELLS // max(1, len(names)))
-        pieces = [p for a in range(0, len(ids), step)
-                  for p in self._in_pieces(partition, ids[a:a + step], names, copy, shared,
-                                           None if born is None else born[a:a + step], lend)]
+        pieces = [p for a in range(0, max(len(ids), 1), step)  # (an empty read: one piece, as before)
+                  for p in self._in_pieces(partition, ids, names, copy, shared, born, lend, a, min(a + step, len(ids)))]
         if len(pieces) == 1:
             return pieces[0]
         for f in names:  # (as one locate's read says it)
@@ -476,19 +475,19 @@ class NativeTransport(Transport):
                 RowTags.concat([tags for _, tags in pieces]))
 
     def _in_pieces(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool,
-                   born: np.ndarray | None, lend: frozenset[str]) -> list[tuple[dict[str, Column], RowTags]]:
-        """The read of ``ids`` as one locate's, or, when its answer is too big to send (the
-        samples carry big tags), as two halves, each again if need be."""
+                   born: np.ndarray | None, lend: frozenset[str], a: int, z: int
+                   ) -> list[tuple[dict[str, Column], RowTags]]:
+        """The read of ``ids[a:z]`` as one locate's, or, when its answer is too big to send
+        (the samples carry big tags), as two halves, each again if need be."""
         try:
-            return [self._get_once(partition, ids, fields, copy, shared, born, lend)]
+            return [self._get_once(partition, ids[a:z], fields, copy, shared, None if born is None else born[a:z],
+                                   lend)]
         except PayloadTooLargeError:
-            if len(ids) < 2:
+            if z - a < 2:
                 raise
-        half = len(ids) // 2
-        return [*self._in_pieces(partition, ids[:half], fields, copy, shared, None if born is None else born[:half],
-                                 lend),
-                *self._in_pieces(partition, ids[half:], fields, copy, shared, None if born is None else born[half:],
-                                 lend)]
+        m = (a + z) // 2
+        return [p for x, y in ((a, m), (m, z)) for p in self._in_pieces(partition, ids, fields, copy, shared, born,
+                                                                          lend, x, y)]
 
     def _get_once(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool,
                   born: np.ndarray | None, lend: frozenset[str]) -> tuple[dict[str, Column], RowTags]:

@@ -245,7 +245,8 @@ class RowTags(Sequence[dict[str, Any]]):
         geoms = {f: Geometry.concat([Geometry.coerce(p.geoms[f]) for p in parts]) for f in fields}
         sums = {f: np.concatenate([np.asarray(p.sums[f], np.uint64) for p in parts]) for f in parts[0].sums} \
             if parts else {}
-        born = np.concatenate([p.born for p in parts]) if parts and all(p.born is not None for p in parts) else None
+        born = None if all(p.born is None for p in parts) else \
+            np.concatenate([p.born if p.born is not None else np.zeros(len(p), np.int64) for p in parts])
         return cls(user, geoms, sums, n, born)
 
     def take(self, index: Sequence[int]) -> RowTags:

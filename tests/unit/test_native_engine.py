@@ -2,6 +2,7 @@
 a NativeTransport and a Client in front, the same semantics as every transport."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -147,6 +148,14 @@ def test_a_locate_hands_read_capabilities_only_for_the_blocks_read_over_zmq(engi
         c.close()
 
 
+def pins_gone(engine, timeout: float = 10.0) -> None:
+    """Every pin released (an unpin is one-way, a view's goes from a background thread)."""
+    deadline = time.monotonic() + timeout
+    while engine["core"].stats()["pins"]:
+        assert time.monotonic() < deadline, "a read's pin outlived it"
+        time.sleep(0.05)
+
+
 def test_a_read_bigger_than_one_locate_goes_in_pieces_and_reads_back_bit_exact(client, engine, monkeypatch):
     """Past READ_CELLS (samples x fields) a read is located and read in pieces, put
     together: every field bit-exact, shared images still shared, owned (writable) memory,
@@ -181,7 +190,11 @@ def test_a_read_bigger_than_one_locate_goes_in_pieces_and_reads_back_bit_exact(c
             got["input_ids"][0, 0] = -1  # owned memory: writable, the store unchanged
         got = client.read_columns(meta, list(w.fields), layout="jagged")
         assert diff_fields(client.registry, w.fields, got, w.lengths, sample_ids=meta.sample_ids) == []
-        assert engine["core"].stats()["pins"] == 0
+        monkeypatch.setattr(native, "READ_CELLS", 1 << 30)  # the ids' bytes bound a piece too
+        monkeypatch.setattr(native, "READ_ID_BYTES", sum(map(len, meta.sample_ids[:6])) - 1)
+        located.clear()
+        assert torch.equal(client.read_columns(meta, names)["input_ids"], whole["input_ids"]) and located == [5, 5, 2]
+        pins_gone(engine)
         client.clear("pieces", [meta.sample_ids[9]])
         with pytest.raises(E.MissingDataError, match=meta.sample_ids[9]):
             client.read_columns(meta, names)
@@ -213,10 +226,31 @@ def test_a_read_whose_answer_is_too_big_for_its_tags_is_read_in_halves(client, e
         assert torch.equal(got["input_ids"], fields["input_ids"])
         _, tags = client.transport.get("halves", meta.sample_ids, ["input_lengths"])
         assert [t["note"][:4] for t in tags] == [f"{i:04d}" for i in range(n)]
-        assert engine["core"].stats()["pins"] == 0
+        pins_gone(engine)
     finally:
         monkeypatch.undo()
         client.clear("halves")
+
+
+def test_a_read_a_unit_refuses_as_too_big_is_read_in_halves(engine, monkeypatch):
+    """Over ZMQ, a unit answers at most MAX_READ_BYTES a read (PayloadTooLargeError): the
+    read halves until each unit's share fits."""
+    from rlplane_service.native import unit as unit_mod
+
+    info = {"controller": engine["controller"], "secret": engine["secret"]}
+    c = Client(default_registry(), NativeTransport(info, timeout=30, data_path="zmq"))
+    x = torch.arange(16 * 256).reshape(16, 256)  # 2 kB a row
+    try:
+        meta = c.put_samples("unit-cap", {"input_ids": x, "input_lengths": torch.full((16,), 256)})
+        monkeypatch.setattr(unit_mod, "MAX_READ_BYTES", 9 << 10)  # 4 rows of one put: 8 kB
+        assert torch.equal(c.read_columns(meta, ["input_ids"])["input_ids"], x)
+        monkeypatch.setattr(unit_mod, "MAX_READ_BYTES", 1 << 10)  # not even one row: refused, named
+        with pytest.raises(E.PayloadTooLargeError, match="read fewer samples"):
+            c.read_columns(meta, ["input_ids"])
+    finally:
+        monkeypatch.undo()
+        c.clear("unit-cap")
+        c.close()
 
 
 def test_a_read_past_the_engines_message_limit_in_one_locate_comes_back_whole(engine):

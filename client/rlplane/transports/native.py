@@ -104,6 +104,8 @@ STAGE_MIN_BYTES = 1 << 20
 #: the engine's 16 MiB message limit); a bigger read goes in pieces (and one whose samples' tags
 #: make its answer too big anyway, in halves).
 READ_CELLS = 1 << 18
+#: Most bytes of sample ids one locate names (its request stays under the message limit).
+READ_ID_BYTES = 8 << 20
 #: A field lent to a read that copies it out itself (``get(lend=...)``) is lent from this size
 #: on: below it, holding the views' pin costs about what the copy saves.
 LEND_MIN_BYTES = 1 << 20
@@ -451,15 +453,19 @@ class NativeTransport(Transport):
         ``shared=True``: a row stored once for several of the samples is read once, and its
         column says which rows repeat it (:attr:`Column.same`); else every row is its own.
         ``born``: the incarnations the caller's meta names (MissingDataError for samples
-        cleared and put again since). A read of more than READ_CELLS (samples x fields), or
-        one whose locate answer is too big to send, goes in pieces, each located, read and
-        unpinned in turn, then put together in pooled memory (owned, never views; one copy
-        more); each piece is a moment of its own (a write of the same samples between two
-        pieces shows in the later one)."""
+        cleared and put again since). A read of more than READ_CELLS (samples x fields) or
+        READ_ID_BYTES of ids, or one whose locate answer is too big to send or which a unit
+        refuses as too big (PayloadTooLargeError: it halves), goes in pieces, located and
+        read in turn, then put together in pooled memory (owned, never views; one copy more;
+        lent or zero-copy pieces keep their pins until then). Each piece is a moment of its
+        own (a write of the same samples between two pieces shows in the later one), and a
+        MissingDataError names the missing samples of the first piece that has any."""
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
         ids, names, lend = list(sample_ids), list(fields), frozenset(lend)
-        step = max(1, READ_CELLS // max(1, len(names)))
+        # Pieces of at most READ_CELLS pairs, whose ids fit a request (up to 512 characters each).
+        step = max(1, min(READ_CELLS // max(1, len(names)),
+                          len(ids) * READ_ID_BYTES // max(1, sum(map(len, ids))) if ids else 1))
         pieces = [p for a in range(0, max(len(ids), 1), step)  # (an empty read: one piece, as before)
                   for p in self._in_pieces(partition, ids, names, copy, shared, born, lend, a, min(a + step, len(ids)))]
         if len(pieces) == 1:

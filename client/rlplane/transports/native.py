@@ -35,7 +35,7 @@ per sample.
   (one column per field, or one vectorized copy out of the mapped slab), put the rows
   back in the order asked, unpin. Every (sample, field) or MissingDataError. Rows land
   in buffers of a :class:`~rlplane.readpool.ReadPool`: memory the caller owns, reused
-  once the caller drops it.
+  once the caller drops it. A read too big for one locate goes in pieces (see :meth:`get`).
 
 Every call has a deadline (``timeout``); a unit that died raises UnavailableError within
 seconds (see :mod:`rlplane.channel`).

@@ -148,6 +148,21 @@ def test_a_locate_hands_read_capabilities_only_for_the_blocks_read_over_zmq(engi
         c.close()
 
 
+def locates(monkeypatch) -> list[int]:
+    """The samples each locate of the reads that follow names, in order (one list, kept up to date)."""
+    import rlplane.transports.native as native
+
+    sizes: list[int] = []
+    real_get = native.NativeTransport._get
+
+    def counted(self, partition, ids, *args, **kwargs):
+        sizes.append(len(ids))
+        return real_get(self, partition, ids, *args, **kwargs)
+
+    monkeypatch.setattr(native.NativeTransport, "_get", counted)
+    return sizes
+
+
 def pins_gone(engine, timeout: float = 10.0) -> None:
     """Every pin released (an unpin is one-way, a view's goes from a background thread)."""
     deadline = time.monotonic() + timeout
@@ -166,14 +181,7 @@ def test_a_read_bigger_than_one_locate_goes_in_pieces_and_reads_back_bit_exact(c
     meta = client.put_samples("pieces", w.fields)
     whole = client.read_columns(meta, list(w.fields))
     names = ["input_ids", "pixel_values", "image_grid_thw"]
-    located = []
-    real_get = native.NativeTransport._get
-
-    def counted(self, partition, ids, *args, **kwargs):
-        located.append(len(ids))
-        return real_get(self, partition, ids, *args, **kwargs)
-
-    monkeypatch.setattr(native.NativeTransport, "_get", counted)
+    located = locates(monkeypatch)
     monkeypatch.setattr(native, "READ_CELLS", 3 * 5)  # 5 samples a piece for 3 fields
     try:
         for copy in (True, False):
@@ -205,20 +213,12 @@ def test_a_read_bigger_than_one_locate_goes_in_pieces_and_reads_back_bit_exact(c
 def test_a_read_whose_answer_is_too_big_for_its_tags_is_read_in_halves(client, engine, monkeypatch):
     """Samples with big tags: the locate's answer is over the message limit even under
     READ_CELLS; the read halves until each answer fits, every pin released, tags intact."""
-    import rlplane.transports.native as native
     import rlplane.wire as wire
 
     n = 300
     fields = {"input_ids": torch.arange(n * 8).reshape(n, 8), "input_lengths": torch.full((n,), 8)}
     meta = client.put_samples("halves", fields, tags=[{"note": f"{i:04d}" + "x" * 96} for i in range(n)])
-    tried = []
-    real_get = native.NativeTransport._get
-
-    def counted(self, partition, ids, *args, **kwargs):
-        tried.append(len(ids))
-        return real_get(self, partition, ids, *args, **kwargs)
-
-    monkeypatch.setattr(native.NativeTransport, "_get", counted)
+    tried = locates(monkeypatch)
     monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 20_000)  # the 300 samples' answer: ~45 kB; 75's fit
     try:
         got = client.read_columns(meta, list(fields))

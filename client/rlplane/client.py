@@ -42,7 +42,7 @@ from rlplane.opstats import OpStats
 from rlplane import snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
-from rlplane.tags import BORN_TAG, FINISHED_TAG, RowTags
+from rlplane.tags import BORN_TAG, FINISHED_TAG, RowTags, stale_as
 from rlplane.transports.base import Transport, born_check, length_check
 
 log = logging.getLogger(__name__)
@@ -188,8 +188,11 @@ class Client:
             if given.batch != len(meta):
                 raise ShapeError(f"{given.batch} samples of appended tokens for a meta of {len(meta)}")
             born = born_check(self.transport, meta.tags)  # a stale meta (samples put again since) is refused
-            columns, tags = self.transport.get(meta.partition, meta.sample_ids, [*names, LENGTHS_FIELD], copy=False,
-                                               **born)  # (views, where the store has them: read once, then let go)
+            try:
+                columns, tags = self.transport.get(meta.partition, meta.sample_ids, [*names, LENGTHS_FIELD], copy=False,
+                                                   **born)  # (views, where the store has them: read once, then let go)
+            except MissingDataError as err:  # a stale meta is the extend's, not the read's it starts with
+                raise stale_as(err, meta.sample_ids, "extend") from None
             stored = decode(self.registry, columns, tags, "packed", None, sample_ids=meta.sample_ids,
                             partition=meta.partition)  # (checks every token row against input_lengths)
             user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it

@@ -110,10 +110,15 @@ def stale(named: Any, now: Any) -> Any:
     return np.flatnonzero((named > 0) & (now > 0) & (named != now))
 
 
+_UNDONE = {"write": "stored", "read": "read", "extend": "appended"}  # what a refused request did not do
+_STALE = "'s meta is stale: "
+
+
 def stale_meta(partition: str, ids: Sequence[str], bad: Any, what: str) -> Any:
     """The MissingDataError for a request whose meta names incarnations of samples that
     are gone (``bad``: positions in ``ids``, from :func:`stale`): the samples were cleared
-    and put again under the same ids since the meta was made. ``what``: "write" or "read".
+    and put again under the same ids since the meta was made. ``what``: "write", "read"
+    or "extend".
 
     Example: ``raise stale_meta("step-0", ids, stale(meta_born, stored_born), "read")``."""
     from rlplane.errors import MissingDataError
@@ -121,9 +126,22 @@ def stale_meta(partition: str, ids: Sequence[str], bad: Any, what: str) -> Any:
     names = [ids[i] for i in bad.tolist()]  # every one (a caller may retry without them); the text names the first
     return MissingDataError(
         partition, {s: [] for s in names},
-        hint=f"The {what}'s meta is stale: {len(names)} of its {len(ids)} samples (first {names[0]!r}) were cleared "
+        hint=f"The {what}{_STALE}{len(names)} of its {len(ids)} samples (first {names[0]!r}) were cleared "
              f"and put again under the same id since it was made, so it names samples that are gone. Nothing was "
-             f"{'stored' if what == 'write' else 'read'}: use the meta the new samples' put (or a claim) returned")
+             f"{_UNDONE[what]}: use the meta the new samples' put (or a claim) returned")
+
+
+def stale_as(err: Any, ids: Sequence[str], what: str) -> Any:
+    """``err`` told as a stale ``what`` ("write", "read", "extend") where it is a stale-meta
+    MissingDataError of another request made for it (an extend reads first), else ``err``.
+
+    Example: ``raise stale_as(err, meta.sample_ids, "extend") from None``."""
+    import numpy as np
+
+    if _STALE not in str(err):
+        return err
+    gone = {str(s) for s in err.missing}
+    return stale_meta(err.partition, ids, np.flatnonzero([str(s) in gone for s in ids]), what)
 
 
 def older_meta(field: str, new: int, have: int, ref: str, differ: int, n: int, sample: Any) -> Any:
@@ -313,4 +331,4 @@ def _take(rows: Any, pick: list[int]) -> Any:
 
 
 __all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "RowTags", "born_of", "incarnation", "merge_tags",
-           "stale", "stale_meta", "older_meta", "check_lengths"]
+           "stale", "stale_meta", "stale_as", "older_meta", "check_lengths"]

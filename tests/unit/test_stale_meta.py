@@ -82,8 +82,10 @@ def test_a_meta_of_a_sample_cleared_and_put_again_with_the_same_length_can_neith
     assert list(err.value.missing) == ["a"]
     with pytest.raises(E.MissingDataError, match="read's meta is stale"):
         client.read_columns(old, ["input_ids"])
-    with pytest.raises(E.MissingDataError, match="read's meta is stale"):  # extend reads first: nothing appended
+    with pytest.raises(E.MissingDataError, match="extend's meta is stale: 1 of its 2 samples .first 'a'.*"
+                                                 "Nothing was appended") as err:  # (it reads first: the read's words)
         client.extend(old, tokens([2, 2], width=2))
+    assert list(err.value.missing) == ["a"]
     after = client.read_columns(now, ["input_ids", "prev_logprobs"])  # the refused calls changed nothing
     assert all(torch.equal(before[f], after[f]) for f in before)
     assert client.read_columns(old.subset([1]), ["input_ids"])["input_ids"].shape == (1, 8)  # b is the same b

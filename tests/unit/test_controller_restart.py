@@ -258,10 +258,19 @@ def test_a_commit_no_unit_records_fails_typed_and_leaves_nothing(engine, monkeyp
         def full(self, header, columns, extra):
             raise E.StorageFullError("the log is full (test)")
 
+        def blocks() -> list[tuple[int, int]]:
+            return [(len(core._blocks), core.alloc.used_bytes) for core in engine.cores]
+
+        before = blocks()
         monkeypatch.setattr(UnitCore, "op_log", full)
-        with pytest.raises(E.UnavailableError, match="record"):
+        with pytest.raises(E.UnavailableError, match="record"):  # (a batch of one: answered before it is indexed)
             c.put_samples("p", rows(0), sample_ids=["n0", "n1"])
         assert c.transport.describe("p").sample_ids == kept.sample_ids
+        assert c.transport.stats()["reservations"] == 0
+        deadline = time.monotonic() + 10  # its blocks are freed on their units (sent one way)
+        while blocks() != before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert blocks() == before
         with pytest.raises(E.UnavailableError, match="record"):
             c.clear("p")  # a clear that could not be recorded is not applied
         assert c.transport.describe("p").sample_ids == kept.sample_ids

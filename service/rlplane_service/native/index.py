@@ -257,6 +257,7 @@ class Reservation:
     seq: int = 0  # its commit-log entry's sequence number, once logged (rlplane_service.native.logbook)
     ids: Sequence[str] = ()  # the samples of ``slots`` (a sample cleared meanwhile has no name in the index)
     born: Any = 0  # the incarnation a create gives its samples (an int, or one per sample from a snapshot)
+    revoked: bool = False  # its commit-log entry reached no unit: a commit not yet indexed aborts instead
 
 
 

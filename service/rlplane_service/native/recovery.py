@@ -152,8 +152,11 @@ class RecoveryOps:
             self._group = group
 
     def _unput(self, res: Reservation) -> Callable[[], None]:
-        """What takes a new put back out of the index (its record reached no unit)."""
+        """What takes a new put back out of the index (its record reached no unit); a commit
+        whose indexing has not run yet (the server runs a batch's last after its answers)
+        aborts when it does."""
         def undo() -> None:
+            res.revoked = True
             part = res.part
             if self._parts.get(res.partition) is part:
                 self._forget(res.partition, part, res.slots[part.state[res.slots] == COMMITTED])

@@ -18,10 +18,11 @@ and the handler's ``unsent(answer)``, if it has one, takes back what the answer 
 have handed out (a locate's pin).
 A handler with ``open_batch()`` and ``flush()`` (the controller: its commit-log entries)
 is served in batches: the requests waiting on a socket (up to MAX_BATCH) are handled one
-after the other, each one's after-answer work run at once, then ``flush()`` does what
-they staged (one round trip to the storage units for all of them: group commit), and
-only then are their answers sent; ``flush()`` names the requests whose staged work
-failed, and those are answered with its error. Headers carry ``_t0``, when the
+after the other, each one's after-answer work run before the next is handled, then
+``flush()`` does what they staged (one round trip to the storage units for all of them:
+group commit), and only then are their answers sent, then the last one's after-answer
+work runs (off its writer's clock, as outside a batch); ``flush()`` names the requests
+whose staged work failed, and those are answered with its error. Headers carry ``_t0``, when the
 request arrived; keys starting with ``_`` from the network are dropped. A request
 whose header has ``nr: true`` is one-way: it is handled and never answered.
 
@@ -190,6 +191,7 @@ class Server:
         self.handler.open_batch()
         answers: list[tuple[Any, list[Any], list[Any] | None]] = []
         failed: Mapping[int, E.RlplaneError] = {}
+        later: Callable[[], None] | None = None  # the last request's after-answer work: run once the answers are out
         try:
             for _ in range(MAX_BATCH):
                 try:
@@ -198,9 +200,12 @@ class Server:
                     break
                 if len(frames) < 2:
                     continue
+                if later is not None:  # the request before runs its work first
+                    later, run = None, later
+                    self._then(run)
                 self.handler.batch_slot = len(answers)
-                answers.append((frames[0], frames[1:], self._answer(sock, frames[0], frames[1:], time.monotonic(),
-                                                                      final=False, send=False)))
+                reply, later = self._answer(sock, frames[0], frames[1:], time.monotonic(), final=False, send=False)
+                answers.append((frames[0], frames[1:], reply))
         finally:
             try:
                 failed = flush()
@@ -217,6 +222,8 @@ class Server:
                 sock.send_multipart([ident, *reply], copy=False)
             except zmq.ZMQError as err:
                 log.warning("%s: could not answer a peer: %s", self.name, err)
+        if later is not None:  # (a writer's commit is indexed here, off its clock)
+            self._then(later)
 
     def _rerun(self, changed: Any) -> None:
         """Run parked requests again: those whose key is in ``changed`` (every one when it
@@ -231,9 +238,9 @@ class Server:
                 self._parked.append((sock, ident, body, t0, deadline, key))
 
     def _answer(self, sock: Any, ident: Any, body: list[Any], t0: float, *, final: bool,
-                send: bool = True) -> list[Any] | None:
-        """Handle one request and send its answer (``send=False``: run what it left for
-        after at once and return the answer, for :meth:`_batch` to send)."""
+                send: bool = True) -> Any:
+        """Handle one request and send its answer (``send=False``: return the answer, for
+        :meth:`_batch` to send, and what it left for after, for the caller to run)."""
         then: Callable[[], None] | None = None
         try:
             with gc_paused():
@@ -243,13 +250,11 @@ class Server:
                 now = time.monotonic()
                 deadline = park.deadline if math.isfinite(park.deadline) else now
                 self._parked.append((sock, ident, body, t0, min(max(deadline, now), now + MAX_PARK_S), park.key))
-                return None
+                return None if send else (None, None)
             reply = pack_message({"ok": False, "rid": _rid(body), "error": _payload(E.UnavailableError(
                 f"{self.name} has {MAX_PARKED} requests waiting already; retry later", component=self.name))})
         if not send:
-            if then is not None:
-                self._then(then)
-            return reply
+            return reply, then
         try:
             if reply is not None:  # else a one-way message (``nr``): nobody waits for an answer
                 sock.send_multipart([ident, *reply], copy=False)

@@ -161,7 +161,8 @@ class WriteOps:
                                          "the service with RLPLANE_JOURNAL_DIR); nothing of the put was stored")
         rid = header.get("res")
         # The lock is held from here until the index holds the put (``apply``, which the server
-        # runs right after sending the answer): nothing else sees the store in between.
+        # runs right after sending the answer, or before the next request of its batch):
+        # nothing else sees the store in between.
         self._lock.acquire()
         try:
             res = self._res.get(rid) if isinstance(rid, str) else None
@@ -210,7 +211,10 @@ class WriteOps:
 
         def apply() -> None:
             try:
-                self._apply_commit(res, parsed, user)
+                if res.revoked:  # its record reached no unit (answered so): nothing of it is kept
+                    self._abort(res)
+                else:
+                    self._apply_commit(res, parsed, user)
             finally:
                 self._lock.release()
 

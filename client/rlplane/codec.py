@@ -43,7 +43,7 @@ from rlplane.errors import (
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry, check_dtype
 from rlplane.geometry import Geometry
 from rlplane import parallel
-from rlplane.integrity import check_rows, check_sums, range_sums, recorded, row_sums
+from rlplane.integrity import check_rows, check_sums, range_sums, recorded, row_sums, shared_sums
 from rlplane.packed import PackedTensor
 from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
@@ -343,19 +343,21 @@ def _encode_media_packed(spec: FieldSpec, value: PackedTensor, lens, batch: int,
     if skip is not None and bool(skip.any()):  # each repeated row is stored once, by its first sample
         shapes = value.shapes()
         stored = PackedTensor._from_rows([() if k else row for row, k in zip(value._rows, skip.tolist())], d, p)
-        values, row_numels, _ = stored.flatten(spec.wire_dtype, alloc=into)
+        values, row_numels, _, sums = stored.flatten_with_sums(spec.wire_dtype, alloc=into)
         if values is None:  # every row held already: an empty column of the dtype they are stored as
             seg = value._rows[int(kept.rows[0])][0]  # type: ignore[union-attr]
             wire = spec.wire_dtype if spec.wire_dtype is not None and seg.is_floating_point() else seg.dtype
             values, row_numels = torch.empty(0, dtype=wire), [0] * len(value._rows)
     else:
         same = None
-        values, row_numels, shapes = value.flatten(spec.wire_dtype, alloc=into)
+        values, row_numels, shapes, sums = value.flatten_with_sums(spec.wire_dtype, alloc=into)
     if values is None:
         return None  # every row empty: nothing to write
     if same is not None and not bool((same >= 0).any()):
         same = None
     col = Column(values, offsets_from_numels(row_numels), same=same, held=kept)
+    if sums is not None:  # taken as each row was copied (else encode digests the column after)
+        col = replace(col, sums=shared_sums(col, sums))
     return col, Geometry.of_rows([{"d": d, "p": p, "s": s} for s in shapes])
 
 

@@ -48,6 +48,15 @@ def row_sums(col: Column) -> np.ndarray:
     bounds = offsets.numpy() * values.element_size()
     sums = np.concatenate(parallel.run(lambda a, z: range_sums(buf, bounds[a:z + 1]),
                                        parallel.spans(bounds, parallel.workers())))
+    return shared_sums(col, sums)
+
+
+def shared_sums(col: Column, sums: np.ndarray) -> np.ndarray:
+    """``sums`` (each row's digest of the bytes it stores, in place) with the digests of the
+    rows stored empty: a row the store holds from an earlier put gets the digest recorded
+    with it, a row sharing another's bytes that row's.
+
+    Example: ``col.with_meta(shared_sums(col, range_sums(raw, bounds)), geom)``."""
     if col.held is not None:  # a row the store holds from an earlier put: the digest recorded with it
         held = col.held.rows
         sums[held] = col.held.refs[held, 4].view(np.uint64)
@@ -69,7 +78,8 @@ def range_sums(buf: memoryview, bounds: np.ndarray) -> np.ndarray:
     return np.array([digest(buf[a:z]) for a, z in zip(edges, edges[1:])], np.uint64)
 
 
-_digest = xxhash.xxh3_64_intdigest
+#: A row's digest: xxh3-64 of its bytes (anything with the buffer protocol), as an int.
+digest = _digest = xxhash.xxh3_64_intdigest
 
 
 def check_sums(partition: str, sample_ids: Sequence[str], columns: Mapping[str, Column],
@@ -108,4 +118,4 @@ def _recorded(tag: Mapping[str, Any], name: str) -> int:
     return value if isinstance(value, int) and 0 <= value < 1 << 64 else 0
 
 
-__all__ = ["SUM_TAG", "check_rows", "check_sums", "range_sums", "recorded", "row_sums"]
+__all__ = ["SUM_TAG", "check_rows", "check_sums", "digest", "range_sums", "recorded", "row_sums", "shared_sums"]

@@ -131,6 +131,30 @@ def test_packed_rows_cast_over_threads_are_what_one_cat_gives(split):
     assert torch.equal(values.view(torch.int16), want.view(torch.int16)) and split == [3]
 
 
+@pytest.mark.parametrize("counts", [[2, 0, 1, 3, 1, 2, 0, 2], [3, 1], [0, 0, 0, 2]])
+def test_packed_rows_digested_as_they_are_cast_over_threads_are_each_rows_digest(split, counts):
+    """Each row digested right after its copy (in cache), on whichever thread copies it:
+    the digest of the row's bytes as stored. Fewer rows than threads: split by segment,
+    digested after (None here); the column's digests are then row_sums' as before."""
+    from rlplane.codec import encode
+    from rlplane.fields import default_registry
+    from rlplane.packed import PackedTensor
+
+    g = torch.Generator().manual_seed(4)
+    rows = [[torch.randn(int(n), 1176, generator=g) for n in torch.randint(1, 600, (k,), generator=g)] if k else None
+            for k in counts]
+    values, numels, _, sums = PackedTensor(rows).flatten_with_sums(torch.bfloat16)
+    want = torch.cat([s.reshape(-1) for r in rows if r for s in r]).to(torch.bfloat16)
+    assert torch.equal(values.view(torch.int16), want.view(torch.int16))
+    col = Column(values, torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(torch.tensor(numels), 0)]))
+    if len(counts) >= 3:  # (one row holds every byte of the last: one thread's piece)
+        assert sums is not None and sums.tolist() == row_sums(col).tolist() and split[0] == (3 if counts[0] else 1)
+    else:
+        assert sums is None
+    enc = encode(default_registry(), {"pixel_values": PackedTensor(rows)})
+    assert enc.columns["pixel_values"].sums.tolist() == row_sums(col).tolist()
+
+
 def test_token_rows_padded_over_threads_land_where_one_masked_assign_puts_them(split):
     """Padded into a reused read buffer (another batch's bytes still in it): every pad and
     every row where torch's masked assign puts them."""

@@ -15,6 +15,7 @@ from rlplane import errors as E
 from rlplane.channel import Channel
 from rlplane.testing.verify import diff_fields
 from rlplane.testing.workloads import text_step, vlm_step
+from rlplane.transports import native as native_transport
 from rlplane.transports.native import NativeTransport
 from rlplane_service.native import commitlog as clog
 from rlplane_service.native.local import LocalEngine
@@ -156,6 +157,7 @@ def test_a_commit_sent_again_after_a_restart_is_answered_as_done_not_stored_twic
         return real(self, header, timeout)
 
     monkeypatch.setattr(NativeTransport, "_ask", spy)
+    monkeypatch.setattr(native_transport, "ONE_MESSAGE_BYTES", 0)  # reserve, write, commit (test_one_message_put: a put)
     with connect(engine) as c:
         meta = c.put_samples("p", {"input_ids": torch.arange(8).reshape(2, 4), "input_lengths": torch.full((2,), 4)}, sample_ids=["a", "b"])
         restart(engine)
@@ -249,9 +251,15 @@ def test_a_damaged_or_forged_log_entry_is_ignored_and_reported(engine):
             c.read_columns(b, ["input_ids"])
 
 
-def test_a_commit_no_unit_records_fails_typed_and_leaves_nothing(engine, monkeypatch):
+@pytest.mark.parametrize("one_message", [False, True])
+def test_a_commit_no_unit_records_fails_typed_and_leaves_nothing(engine, monkeypatch, one_message):
+    """Its record on no unit: the commit is refused (UnavailableError), or, for a put sent
+    in one message, the units' own refusal of its rows and record is (here: full)."""
     from rlplane_service.native.unit import UnitCore
 
+    if not one_message:
+        monkeypatch.setattr(native_transport, "ONE_MESSAGE_BYTES", 0)
+    refused = (E.StorageFullError, "log is full") if one_message else (E.UnavailableError, "record")
     with connect(engine) as c:
         kept = c.put_samples("p", rows(1))
 
@@ -263,7 +271,7 @@ def test_a_commit_no_unit_records_fails_typed_and_leaves_nothing(engine, monkeyp
 
         before = blocks()
         monkeypatch.setattr(UnitCore, "op_log", full)
-        with pytest.raises(E.UnavailableError, match="record"):  # (a batch of one: answered before it is indexed)
+        with pytest.raises(refused[0], match=refused[1]):  # (a batch of one: answered before it is indexed)
             c.put_samples("p", rows(0), sample_ids=["n0", "n1"])
         assert c.transport.describe("p").sample_ids == kept.sample_ids
         assert c.transport.stats()["reservations"] == 0

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from rlplane import Client, default_registry
 from rlplane import errors as E
 from rlplane.channel import Channel
+from rlplane.transports import native as native_transport
 from rlplane.transports.native import NativeTransport
 from rlplane.testing.verify import diff_fields
 from rlplane.wire import RawColumn, int_array, ints, pack_message, unpack_message
@@ -90,6 +91,7 @@ def test_a_failed_put_aborts_its_reservation(client, engine, monkeypatch):
         raise E.TransportError("the network went away")
 
     monkeypatch.setattr(NativeTransport, "_land_blocks", boom)
+    monkeypatch.setattr(native_transport, "ONE_MESSAGE_BYTES", 0)  # a put that writes to the units itself
     with pytest.raises(E.TransportError):
         client.put_samples("ab", {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])},
                            sample_ids=["a", "b"])

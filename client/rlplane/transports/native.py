@@ -97,6 +97,10 @@ _HELD_KEYS = 1 << 16
 _DOWN_REFRESH_S = 5.0
 #: The data paths a client may ask for (see the module docstring).
 DATA_PATHS = ("auto", "shm", "te", "zmq")
+#: A put of at most this many bytes of rows goes in one message to the controller, which hands
+#: the rows to their units with the put's commit-log record (one round trip where a bigger put
+#: makes two: the units' extents, then the commit). The controller takes up to 1 MiB.
+ONE_MESSAGE_BYTES = 256 << 10
 #: A field at least this big is encoded straight into an extent staged in a mapped slab
 #: (for a smaller one the staging round trip costs more than the copy it saves).
 STAGE_MIN_BYTES = 1 << 20
@@ -374,8 +378,19 @@ class NativeTransport(Transport):
             if not g.dense and any(x is None for x in g.tolist()):
                 raise WireFormatError("a row carries no wire geometry (encode it with rlplane's codec)", field=f)
         stage = self._staged(len(ids), columns) if names else None
-        blocks = stage.blocks if stage is not None else \
-            self._place(len(ids), sum(c.nbytes for c in columns.values())) if names else []
+        nbytes = sum(c.nbytes for c in columns.values())
+        blocks = stage.blocks if stage is not None else self._place(len(ids), nbytes) if names else []
+        described = _described(columns, geoms, sums, user, aligned, born, durable)
+        if len(blocks) == 1 and nbytes <= ONE_MESSAGE_BYTES and (stage is None or not stage.ready):
+            # One round trip: the controller reserves, hands the rows to the block's units with
+            # the put's record, and commits (sent again after a restart of the controller:
+            # answered as done when it was).
+            done = self._ask({"op": "put", "put": secrets.token_hex(16), "p": partition, "ids": ids, "create": create,
+                              "fields": names, "blocks": blocks, **described}, self._left(deadline), dict(columns))
+            if stage is not None:
+                stage.committed = True
+            given = done.get("bn")
+            return given if create and born is None and type(given) is int and given > 0 else None
         ctrl = self._ctrl()
         # The reservation and the blocks travel at once; the commit waits for both.
         reserve = {"op": "reserve", "p": partition, "ids": ids, "create": create, "fields": names, "blocks": blocks}
@@ -406,28 +421,10 @@ class NativeTransport(Transport):
         try:
             if failed is not None:
                 raise failed
-            commit: dict[str, Any] = {"op": "commit", "res": res["res"], "g": {f: g.to_wire() for f, g in geoms.items()},
-                                      "h": sums,
-                                      "nb": {f: ints(c.logical_numels() * c.values.element_size())
-                                             for f, c in columns.items()},
+            commit: dict[str, Any] = {"op": "commit", "res": res["res"], **described,
                                       "x": [[b, {f: dtype_name(c.dtype) for f, c in columns.items()},
                                              [[u, x] for u, x in copies.items()]] for b, copies in where.items()],
                                       "xs": seals}
-            if user is not None and any(user):
-                commit["user"] = user
-            if aligned:
-                commit["t"] = aligned
-            if born is not None:
-                commit["bn"] = np.asarray(born, "<i8").tobytes()
-            shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}
-            if shared:  # rows stored empty whose bytes are an earlier row's (rlplane.dedup)
-                commit["s"] = shared
-            held = {f: c.held for f, c in columns.items() if c.held is not None}
-            if held:  # the rows' keys, and the rows stored empty whose bytes an earlier put stored
-                commit["k"] = {f: h.keys.astype("<u8").tobytes() for f, h in held.items()}
-                commit["hx"] = {f: h.refs.astype("<i8").tobytes() for f, h in held.items() if h.rows.size}
-            if durable:
-                commit["durable"] = True
             done = self._ask(commit, self._left(deadline))  # sent again after a restart: answered as done if it was
             if stage is not None:
                 stage.committed = True
@@ -569,10 +566,11 @@ class NativeTransport(Transport):
     def _ctrl(self) -> Channel:
         return self._pool.get(self.controller, "controller")
 
-    def _ask(self, header: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """The controller's answer to ``header``, riding through a restart of the controller
-        (it rebuilds its index and answers again; see :func:`rlplane.channel.ride`)."""
-        return ride(self._ctrl, header, timeout=self.timeout if timeout is None else timeout)[0]
+    def _ask(self, header: dict[str, Any], timeout: float | None = None,
+             columns: Mapping[str, Column] | None = None) -> dict[str, Any]:
+        """The controller's answer to ``header`` (and ``columns``), riding through a restart
+        of the controller (it rebuilds its index and answers again; see :func:`rlplane.channel.ride`)."""
+        return ride(self._ctrl, header, columns, timeout=self.timeout if timeout is None else timeout)[0]
 
     def _unit(self, u: int) -> Channel:
         if not 0 <= u < len(self.units):
@@ -920,6 +918,32 @@ class NativeTransport(Transport):
             if hi - lo <= 2 * int(lens.sum()):  # rows close together (one put's): their span mapped at once
                 view.prefault(lo, hi)
         copy_ranges(out, starts[pos], view.u8, at, lens)
+
+def _described(columns: Mapping[str, Column], geoms: Mapping[str, Geometry], sums: Mapping[str, bytes],
+               user: list[Any] | None, aligned: list[str] | None, born: np.ndarray | None, durable: bool
+               ) -> dict[str, Any]:
+    """What a commit (or a put in one message) says of its rows: each field's geometry,
+    digests and row bytes, and what the put carries besides (user tags, the token fields a
+    write must keep aligned, incarnations, rows stored once, durability)."""
+    out: dict[str, Any] = {"g": {f: g.to_wire() for f, g in geoms.items()}, "h": dict(sums),
+                           "nb": {f: ints(c.logical_numels() * c.values.element_size()) for f, c in columns.items()}}
+    if user is not None and any(user):
+        out["user"] = user
+    if aligned:
+        out["t"] = aligned
+    if born is not None:
+        out["bn"] = np.asarray(born, "<i8").tobytes()
+    shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}
+    if shared:  # rows stored empty whose bytes are an earlier row's (rlplane.dedup)
+        out["s"] = shared
+    held = {f: c.held for f, c in columns.items() if c.held is not None}
+    if held:  # the rows' keys, and the rows stored empty whose bytes an earlier put stored
+        out["k"] = {f: h.keys.astype("<u8").tobytes() for f, h in held.items()}
+        out["hx"] = {f: h.refs.astype("<i8").tobytes() for f, h in held.items() if h.rows.size}
+    if durable:
+        out["durable"] = True
+    return out
+
 
 def _u64(values: list[Any], field: str) -> bytes:
     """Row digests as little-endian uint64 bytes (0: none recorded)."""

@@ -119,11 +119,14 @@ class RecoveryOps:
         if len(self._done) > DONE_REMEMBERED:
             self._done.popitem(last=False)
 
-    def _log_put(self, res: Reservation, header: dict[str, Any], durable: bool = False) -> None:
+    def _log_put(self, res: Reservation, header: dict[str, Any], durable: bool = False,
+                 rows: dict[str, Any] | None = None) -> dict[int, Any]:
         """The record of commit ``res`` (its header checked) on its units, or UnavailableError;
-        ``durable``: in their journals on disk, too."""
+        ``durable``: in their journals on disk, too. ``rows``: the put's columns, sent with
+        the record to the units of its one block, which store them first (a put sent in one
+        message); returns each of those units' extents (``{unit: {field: slab offset}}``)."""
         if self._replaying:
-            return
+            return {}
         body = clog.record({"rid": res.rid, "ids": res.part.names[res.slots].tolist(), "create": res.create,
                             "fields": list(res.fields), "blocks": [[b, list(u), a, z] for b, u, a, z in res.blocks],
                             "g": header["g"], "nb": header["nb"], "h": header.get("h") or {},
@@ -137,8 +140,11 @@ class RecoveryOps:
         if len(holders) < 2:  # a record on one unit only would go with that unit
             spare = [u for u in self._answering() if u not in holders]
             holders += spare[: 2 - len(holders)]
+        answers: dict[int, Any] = {}
         res.seq = self._journal(PUT, res.partition, body, holders, "put",
-                                undo=self._unput(res) if res.create else None, durable=durable, holders=bytes_on)
+                                undo=self._unput(res) if res.create else None, durable=durable, holders=bytes_on,
+                                rows=(res.blocks[0][0], rows, answers) if rows is not None else None)
+        return {u: answers[u].get("x") for u in bytes_on} if rows is not None else {}
 
     def _log_ack(self, p: str, task: str, ids: list[str]) -> None:
         """Acks of ``ids`` for ``task`` in the journals of two units, before they apply
@@ -182,23 +188,32 @@ class RecoveryOps:
 
     def _journal(self, kind: str, p: str, body: bytes, targets: list[int], what: str,
                  undo: Callable[[], None] | None = None, *, durable: bool = False, holders: tuple[int, ...] = (),
-                 kept: list[int] | None = None) -> int:
+                 kept: list[int] | None = None, rows: tuple[int, dict[str, Any], dict[int, Any]] | None = None) -> int:
         """One entry for ``targets``; returns its sequence number. Within a batch
         (:meth:`open_batch`) it is staged and written by :meth:`flush` before the batch's
         answers go out (``undo`` then reverts the request's change if no unit kept it);
         otherwise written now (the units that kept it added to ``kept``): UnavailableError
-        when no unit kept it."""
+        when no unit kept it. ``rows``: ``(block, columns, answers)``, a put's rows that the
+        units of ``holders`` store with the entry (written now, even in a batch: the
+        extents they answer, into ``answers``, are the index's); when one of them cannot,
+        its error is raised and the units that kept the entry forget it."""
         seq, self._seq = self._seq, self._seq + 1
         e = Entry(seq, kind, p, body, clog.mac(self.seal_key, seq, kind, p, body))
         staged = _Staged(e, targets, what, self.batch_slot, undo, durable, holders)
-        if self._group is not None:
+        if self._group is not None and rows is None:
             self._group.append(staged)
             if self._unwritten is None:
                 self._unwritten = seq
             return seq
-        errors = self._write_entries({u: [e] for u in targets}, {u for u in holders if durable})
+        answers: dict[int, Any] = rows[2] if rows is not None else {}
+        errors = self._write_entries({u: [e] for u in targets}, {u for u in holders if durable},
+                                     (rows[0], rows[1], set(holders)) if rows is not None else None, answers)
         if kept is not None:
             kept.extend(u for u in targets if u not in errors)
+        if rows is not None and (short := [u for u in holders if u in errors]):
+            self._tell([u for u in targets if u not in errors], {"op": "forget", "s": ints([seq])})
+            err = answers.get(short[0])
+            raise err if isinstance(err, E.RlplaneError) else self._not_kept(what, [errors[u] for u in short])
         if not any(u not in errors for u in targets):
             raise self._not_kept(what, [errors[u] for u in targets])
         if (why := _not_durable(staged, errors)) is not None:
@@ -244,12 +259,17 @@ class RecoveryOps:
             self._unwritten = None  # (the server stages the next batch only after this one is answered)
         return {**early, **failed}
 
-    def _write_entries(self, per_unit: dict[int, list[Entry]], sync: Collection[int] = ()) -> dict[int, str]:
+    def _write_entries(self, per_unit: dict[int, list[Entry]], sync: Collection[int] = (),
+                       rows: tuple[int, dict[str, Any], Collection[int]] | None = None,
+                       answers: dict[int, Any] | None = None) -> dict[int, str]:
         """Send each unit its entries at once and wait (LOG_TIMEOUT_S, SYNC_TIMEOUT_S when a
         unit fsyncs); the units that did not keep them, and why. The units in ``sync`` fsync
         their journals before answering; while a restore replays an old journal the units
-        keep the entries out of theirs."""
+        keep the entries out of theirs. ``rows``: ``(block, columns, units)``, rows those
+        units store as the block with their entry; ``answers`` gets each unit's answer, or
+        the error it raised."""
         sent, errors = [], {}
+        answers = answers if answers is not None else {}
         for u, entries in per_unit.items():
             name = self.units[u][0]
             try:
@@ -261,18 +281,42 @@ class RecoveryOps:
                         head["sync"] = True
                     if self.journal_paused:
                         head["nj"] = True
-                    sent.append((u, ch, ch.send(head, buffers=[e.body for e in part])))
+                    stored = rows is not None and u in rows[2]
+                    if stored:
+                        head["b"] = rows[0]  # type: ignore[index]
+                    sent.append((u, ch, ch.send(head, rows[1] if stored else None,  # type: ignore[index]
+                                                buffers=[e.body for e in part])))
             except E.RlplaneError as err:
-                errors[u] = f"{name}: {err}"
+                errors[u], answers[u] = f"{name}: {err}", err
         deadline = time.monotonic() + (SYNC_TIMEOUT_S if sync else LOG_TIMEOUT_S)
         for u, ch, rid in sent:
             try:
-                ch.receive(rid, deadline)
+                answers[u] = ch.receive(rid, deadline)[0]
             except E.RlplaneError as err:
                 errors.setdefault(u, f"{self.units[u][0]}: {err}")
+                answers.setdefault(u, err)
         if errors:
             log.warning("commit-log entries not kept by %s", "; ".join(errors.values()))
         return errors
+
+    def _tell(self, targets: list[int], header: dict[str, Any]) -> list[str]:
+        """``header`` to each unit of ``targets`` on its control channel, answers awaited
+        (LOG_TIMEOUT_S); the failures, as text."""
+        sent, failed = [], []
+        for u in targets:
+            name = self.units[u][0]
+            try:
+                ch = self._pool.get(self._control[u], name)
+                sent.append((name, ch, ch.send(header)))
+            except E.RlplaneError as err:
+                failed.append(f"{name}: {err}")
+        deadline = time.monotonic() + LOG_TIMEOUT_S
+        for name, ch, rid in sent:
+            try:
+                ch.receive(rid, deadline)
+            except E.RlplaneError as err:
+                failed.append(f"{name}: {err}")
+        return failed
 
     def _compact(self) -> None:
         """Tell every unit that is not lost to forget the commit-log entries a rebuild no
@@ -284,20 +328,7 @@ class RecoveryOps:
             targets = [u for u in range(len(self.units)) if u not in self._lost_units]
         if not seqs:
             return
-        sent, failed = [], []
-        for u in targets:
-            name = self.units[u][0]
-            try:
-                ch = self._pool.get(self._control[u], name)
-                sent.append((name, ch, ch.send({"op": "forget", "s": ints(seqs)})))
-            except E.RlplaneError as err:
-                failed.append(f"{name}: {err}")
-        deadline = time.monotonic() + LOG_TIMEOUT_S
-        for name, ch, rid in sent:
-            try:
-                ch.receive(rid, deadline)
-            except E.RlplaneError as err:
-                failed.append(f"{name}: {err}")
+        failed = self._tell(targets, {"op": "forget", "s": ints(seqs)})
         if failed:
             log.warning("commit-log entries no longer needed stay on the units for now (%s)", "; ".join(failed))
             return

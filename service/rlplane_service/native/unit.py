@@ -277,8 +277,14 @@ class UnitCore:
 
     def op_write(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Store ``columns`` as block ``b`` (a block is written once): copied into new extents."""
-        self.heap.moved()
         bid = _block_id(header)
+        layout, where = self._write(bid, columns)
+        return {"x": where, "xs": self._seals(bid, layout, where), "stored": sum(c.nbytes for c in columns.values())}, {}, []
+
+    def _write(self, bid: int, columns: dict[str, RawColumn]) -> tuple[list[tuple[str, str, Any, int, np.ndarray]],
+                                                                         dict[str, int]]:
+        """``columns`` stored as block ``bid`` in new extents; its layout and each field's start."""
+        self.heap.moved()
         if not 0 < len(columns) <= MAX_FIELDS:
             raise E.WireFormatError(f"a block holds 1 to {MAX_FIELDS} fields")
         layout = [(name, c.dtype, c.values.dtype, c.values.nbytes, c.offsets) for name, c in columns.items()]
@@ -286,7 +292,7 @@ class UnitCore:
         for name, c in columns.items():
             start = where[name]
             self.slab.u8[start : start + c.values.nbytes] = c.values.view(np.uint8)
-        return {"x": where, "xs": self._seals(bid, layout, where), "stored": sum(c.nbytes for c in columns.values())}, {}, []
+        return layout, where
 
     def op_read(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Per requested field, the rows ``(block, row)`` in the order asked, as one column."""
@@ -357,11 +363,15 @@ class UnitCore:
 
     def op_log(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Keep commit-log entries: ``e`` = ``[[seq, kind, partition, mac], ...]``, each
-        body in the extra buffers, in that order (the controller's, before it answers)."""
+        body in the extra buffers, in that order (the controller's, before it answers).
+        With ``columns``, the rows of a put sent in one message: stored first as block
+        ``b`` (all or nothing: a unit that cannot store them keeps no entry either), their
+        extents answered as ``x``."""
         heads = header.get("e")
         if not isinstance(heads, list) or not 0 < len(heads) <= MAX_ENTRIES_PER_REQUEST or len(extra) != len(heads):
             raise E.WireFormatError("log needs 'e': [[seq, kind, partition, mac], ...] and one body buffer each")
         entries = [Entry.from_wire(h, b) for h, b in zip(heads, extra)]
+        where = self._write(_block_id(header), columns)[1] if columns else None
         self.log.extend(entries)
         if self.journal is not None and not header.get("nj"):
             try:
@@ -373,7 +383,7 @@ class UnitCore:
                 log.error("storage unit %s: journal write failed (%s): its changes are not journalled", self.name, err)
                 raise E.UnavailableError(f"storage unit {self.name} could not write its journal "
                                          f"({self.journal.dir}: {err.strerror or err})", component=self.name) from None
-        return {"kept": len(heads)}, {}, []
+        return {"kept": len(heads), **({"x": where} if where is not None else {})}, {}, []
 
     def op_forget(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Drop the commit-log entries ``s`` (int64 sequence numbers): the controller found

@@ -14,6 +14,13 @@ A put is two-phase:
    outlives its lease (the writer died), frees the ids and tells the units to drop the
    blocks: nothing of a failed put is visible.
 
+A small put (at most PUT_MAX_BYTES of rows; the client sends those up to 256 KiB this
+way) is one message instead, ``put``: reserve and commit at once, the rows in the
+message; the controller hands them to the units of the put's one block with the put's
+commit-log record (each stores them before it keeps the record), so the writer waits for
+one round trip. A unit that cannot store them fails the put with its own error; the
+units that kept the record forget it, the block is freed where it was stored.
+
 :class:`WriteOps` is mixed into :class:`~rlplane_service.native.controller.ControllerCore`,
 whose index, locks and block books it works on (see the attributes it declares).
 
@@ -30,7 +37,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -48,6 +55,10 @@ from rlplane_service.native.requests import (births, block_id_ok, blocks_of, dig
 from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
+
+#: The most bytes of rows a put sent in one message (``put``) may carry: the controller
+#: relays them to the units with the put's record; bigger puts go to the units directly.
+PUT_MAX_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +100,12 @@ class WriteOps:
     book: LogBook
 
     def op_reserve(self, header: dict, columns: dict, extra: list) -> Any:
+        res = self._reserve(header)
+        return {"res": res.rid, "lease_s": self.lease_s}, {}, []
+
+    def _reserve(self, header: dict, rid: str | None = None) -> Reservation:
+        """The ids, fields and blocks of ``header`` checked and taken (see the module
+        docstring); ``rid``: the reservation's id (default: a fresh one of this epoch)."""
         p, ids = partition_of(header), sample_ids(header.get("ids"))
         self._access(header, p, write=True)
         create, fields = header.get("create") is True, field_names(header.get("fields"))
@@ -123,11 +140,11 @@ class WriteOps:
             for b, units, _, _ in blocks:
                 self._block_units[b] = units
                 self._block_refs[b] = 0
-            rid = f"{self.epoch}.{secrets.token_hex(12)}"
+            rid = rid or f"{self.epoch}.{secrets.token_hex(12)}"
             res = Reservation(rid, p, part, slots, create, fields, blocks,  # type: ignore[arg-type]
                               time.monotonic() + self.lease_s, ids=ids, born=incarnation(rid) if create else 0)
             self._res[res.rid] = res
-        return {"res": res.rid, "lease_s": self.lease_s}, {}, []
+        return res
 
     def op_held(self, header: dict, columns: dict, extra: list) -> Any:
         """Which rows of field ``f`` partition ``p`` holds under keys ``k`` (16 bytes each):
@@ -150,15 +167,7 @@ class WriteOps:
         return {"x": refs.astype("<i8").tobytes()}, {}, []
 
     def op_commit(self, header: dict, columns: dict, extra: list) -> Any:
-        geoms, user, sizes, sums = header.get("g"), header.get("user"), header.get("nb"), header.get("h") or {}
-        if not isinstance(geoms, dict) or not isinstance(sizes, dict) or not isinstance(sums, dict):
-            raise E.WireFormatError("commit needs 'g' (geometry per field) and 'nb' (row bytes per field)")
-        if user is not None and not (isinstance(user, list) and all(t is None or isinstance(t, dict) for t in user)):
-            raise E.WireFormatError("commit 'user' must be one tag map per sample")
-        durable = header.get("durable") is True
-        if durable and not getattr(self, "journaling", False):
-            raise E.InvalidArgumentError("put_samples(..., durable=True) needs a journal: this store has none (start "
-                                         "the service with RLPLANE_JOURNAL_DIR); nothing of the put was stored")
+        durable = _commit_header(header, getattr(self, "journaling", False))
         rid = header.get("res")
         # The lock is held from here until the index holds the put (``apply``, which the server
         # runs right after sending the answer, or before the next request of its batch):
@@ -179,6 +188,49 @@ class WriteOps:
                 raise E.LeaseError("this put's reservation expired before it committed (the put took longer than "
                                    f"the service's lease of {self.lease_s:.0f} s, RLPLANE_PUT_LEASE_S); nothing was "
                                    "stored: retry it")
+        except BaseException:
+            self._lock.release()
+            raise
+        return self._commit(res, header, durable)
+
+    def op_put(self, header: dict, columns: dict, extra: list) -> Any:
+        """A small put in one message: reserve and commit at once (the header carries both
+        requests' fields and ``put``, an id the writer drew), the rows in the message's
+        columns, stored by the units of its one block with the put's commit-log record. A
+        put sent again after a restart of the controller is answered as done when it was."""
+        durable = _commit_header(header, getattr(self, "journaling", False))
+        token = header.get("put")
+        if not (isinstance(token, str) and 16 <= len(token) <= 64 and token.isascii() and token.isalnum()):
+            raise E.WireFormatError("put needs 'put': an id the writer drew (16 to 64 letters and digits)")
+        rid = f"i.{token}"
+        with self._lock:
+            done = self._done.get(rid)
+        if done is not None:  # sent again: its first copy was committed (its answer lost with a controller)
+            return {"committed": done, "again": True, "bn": incarnation(rid)}, {}, []
+        size = sum(c.nbytes for c in columns.values())
+        if size > PUT_MAX_BYTES:
+            raise E.PayloadTooLargeError(f"a put in one message carries at most {PUT_MAX_BYTES} bytes of rows, got "
+                                         f"{size}: reserve, write to the units and commit (the client does)")
+        self._lock.acquire()  # held from the reserve to the index: nothing comes in between
+        try:
+            res = self._reserve(header, rid)
+            if len(res.blocks) != 1 or set(columns) != set(res.fields) or any(
+                    c.num_rows != res.slots.size for c in columns.values()):
+                self._abort(res)
+                raise E.WireFormatError("a put in one message carries every reserved field's rows, in one block")
+        except BaseException:
+            self._lock.release()
+            raise
+        bid = res.blocks[0][0]  # its dtypes as the record keeps them (a journal replays it by them); the extents
+        header["x"] = [[bid, {f: c.dtype for f, c in columns.items()}, []]]  # are the units' answers (_commit)
+        return self._commit(res, header, durable, columns)
+
+    def _commit(self, res: Reservation, header: dict, durable: bool, rows: dict[str, Any] | None = None) -> Any:
+        """Commit ``res`` as ``header`` describes it (the lock held: released when the
+        answer's ``apply`` has run, or here on an error). ``rows``: the put's columns, sent
+        with its commit-log record to the units of its block (see :meth:`op_put`)."""
+        geoms, user, sizes, sums = header.get("g"), header.get("user"), header.get("nb"), header.get("h") or {}
+        try:
             n = res.slots.size
             if set(geoms) != set(res.fields) or set(sizes) != set(res.fields):
                 raise E.WireFormatError("commit must describe exactly the reserved fields")
@@ -202,10 +254,17 @@ class WriteOps:
             self._check_born(res, births(header.get("bn"), n))
             if not res.create and header.get("t") is not None:
                 self._check_aligned(res, parsed, header["t"])
-            if self.seal_key is not None:
+            if rows is not None:  # the controller hands them to the units itself: no seals, sizes checked here
+                _check_rows(res, rows, parsed.run)
+            elif self.seal_key is not None:
                 self._check_seals(header.get("xs"), res, parsed.ext, parsed.spans)
-            self._log_put(res, header, durable)  # on the units before the answer: it outlives this process
+            stored = self._log_put(res, header, durable, rows)  # on the units before the answer: it outlives this process
+            if rows is not None:
+                bid = res.blocks[0][0]
+                parsed = replace(parsed, ext={bid: (parsed.ext[bid][0], stored)})
         except BaseException:
+            if rows is not None and self._res.get(res.rid) is res:  # a put in one message leaves nothing behind
+                self._abort(res)  # (its block freed where it was stored)
             self._lock.release()
             raise
 
@@ -494,4 +553,27 @@ class WriteOps:
             self.pins.expire(now)
 
 
-__all__ = ["WriteOps"]
+def _commit_header(header: dict, journaling: bool) -> bool:
+    """A commit's description checked before anything is looked up; whether it is durable."""
+    geoms, user, sizes, sums = header.get("g"), header.get("user"), header.get("nb"), header.get("h") or {}
+    if not isinstance(geoms, dict) or not isinstance(sizes, dict) or not isinstance(sums, dict):
+        raise E.WireFormatError("commit needs 'g' (geometry per field) and 'nb' (row bytes per field)")
+    if user is not None and not (isinstance(user, list) and all(t is None or isinstance(t, dict) for t in user)):
+        raise E.WireFormatError("commit 'user' must be one tag map per sample")
+    durable = header.get("durable") is True
+    if durable and not journaling:
+        raise E.InvalidArgumentError("put_samples(..., durable=True) needs a journal: this store has none (start "
+                                     "the service with RLPLANE_JOURNAL_DIR); nothing of the put was stored")
+    return durable
+
+
+def _check_rows(res: Reservation, rows: dict[str, Any], run: np.ndarray) -> None:
+    """The rows a put sent in one message are as its header sizes them: each row's bytes
+    as stored (``run``: each field's running count) are what its column holds."""
+    for k, f in enumerate(res.fields):
+        c = rows[f]
+        if not np.array_equal(np.diff(c.offsets) * c.values.itemsize, np.diff(run[k])):
+            raise E.WireFormatError("the put's rows differ from the sizes its header gives them", field=f)
+
+
+__all__ = ["WriteOps", "PUT_MAX_BYTES"]

@@ -196,7 +196,8 @@ class RecoveryOps:
         when no unit kept it. ``rows``: ``(block, columns, answers)``, a put's rows that the
         units of ``holders`` store with the entry (written now, even in a batch: the
         extents they answer, into ``answers``, are the index's); when one of them cannot,
-        its error is raised and the units that kept the entry forget it."""
+        its error is raised and the units that kept the entry forget it (one that failed
+        after keeping it, e.g. at its journal, keeps it: a rebuild then finds its rows gone)."""
         seq, self._seq = self._seq, self._seq + 1
         e = Entry(seq, kind, p, body, clog.mac(self.seal_key, seq, kind, p, body))
         staged = _Staged(e, targets, what, self.batch_slot, undo, durable, holders)

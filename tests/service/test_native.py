@@ -87,8 +87,10 @@ def test_concurrent_puts_of_the_same_new_ids_have_exactly_one_winner(nat):
 KILLED_WRITER = textwrap.dedent(
     """
     import sys, time, torch, rlplane
+    from rlplane.transports import native
     from rlplane.transports.native import NativeTransport
     url, token, partition = sys.argv[1:4]
+    native.ONE_MESSAGE_BYTES = 0  # reserve, write, commit (a small put in one message has no "between")
     original = NativeTransport._land_blocks
     def write_then_hang(self, *args, **kwargs):
         out = original(self, *args, **kwargs)   # the bytes are in the units' extents (shm: copied by this process)...

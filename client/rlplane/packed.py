@@ -255,12 +255,13 @@ class PackedTensor:
         else:
             cuts = np.arange(len(segs) + 1)
         inference = torch.is_inference_mode_enabled()  # torch's modes are per thread: the pool's get the caller's
+        at, first = starts.tolist(), cuts.tolist()  # (plain ints: the loop indexes with them per segment)
 
         def piece(a: int, z: int) -> None:
             with torch.inference_mode(inference), torch.no_grad():
                 for k in range(a, z):
-                    for j in range(int(cuts[k]), int(cuts[k + 1])):
-                        values[starts[j] : starts[j + 1]].copy_(segs[j].detach())
+                    for j in range(first[k], first[k + 1]):
+                        values[at[j] : at[j + 1]].copy_(segs[j].detach())
                     if by_row:
                         digests[k] = _digest(raw[edges[k] : edges[k + 1]])
 

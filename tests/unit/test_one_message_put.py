@@ -66,6 +66,15 @@ def wait_for(check, seconds: float = 10.0) -> bool:
     return check()
 
 
+def put_message(t: NativeTransport, partition: str, ids: list[str], enc) -> dict:
+    """The ``put`` a client sends for encoded columns ``enc`` (a fresh id), to send by hand."""
+    cols = enc.columns
+    return {"op": "put", "put": secrets.token_hex(16), "p": partition, "ids": ids, "create": True,
+            "fields": list(cols), "blocks": t._place(len(ids), 1), **native_transport._described(
+                cols, {f: col.geom for f, col in cols.items()},
+                {f: col.sums.astype("<u8").tobytes() for f, col in cols.items()}, None, None, None, False)}
+
+
 @pytest.mark.parametrize("path", ["shm", "zmq"])
 def test_a_small_put_is_one_message_and_reads_back_bit_exact(engine, monkeypatch, path):
     with connect(engine, path) as c:
@@ -129,11 +138,7 @@ def test_a_put_sent_again_is_answered_as_done_also_after_a_controller_restart(en
         enc = encode(c.registry, w.fields, w.fields["input_lengths"])
         ids = [f"s{i}" for i in range(len(w.lengths))]
         t = c.transport
-        token = secrets.token_hex(16)
-        header = {"op": "put", "put": token, "p": "again", "ids": ids, "create": True, "fields": list(enc.columns),
-                  "blocks": t._place(len(ids), 1), **native_transport._described(
-                      enc.columns, {f: col.geom for f, col in enc.columns.items()},
-                      {f: col.sums.astype("<u8").tobytes() for f, col in enc.columns.items()}, None, None, None, False)}
+        header = put_message(t, "again", ids, enc)
         first = t._ask(header, 10, dict(enc.columns))
         assert first["committed"] == len(ids) and "again" not in first
         assert t._ask(header, 10, dict(enc.columns))["again"] is True
@@ -155,10 +160,7 @@ def test_hostile_one_message_puts_are_refused_typed_and_reserve_nothing(engine):
         enc = encode(c.registry, w.fields, w.fields["input_lengths"])
         ids = [f"h{i}" for i in range(len(w.lengths))]
         t = c.transport
-        good = {"op": "put", "put": secrets.token_hex(16), "p": "h", "ids": ids, "create": True,
-                "fields": list(enc.columns), "blocks": t._place(len(ids), 1), **native_transport._described(
-                    enc.columns, {f: col.geom for f, col in enc.columns.items()},
-                    {f: col.sums.astype("<u8").tobytes() for f, col in enc.columns.items()}, None, None, None, False)}
+        good = put_message(t, "h", ids, enc)
         ch = Channel(engine.server.endpoint, "controller", secret=SECRET)
         cols = dict(enc.columns)
         some = dict(list(cols.items())[:2])

@@ -39,6 +39,7 @@ from rlplane.names import check_partition
 from rlplane.codec import check_columns
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
+from rlplane.readpool import ReadPool
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.streams import DirectStreams
 from rlplane.transports.base import PartitionInfo, Transport, length_check
@@ -619,8 +620,8 @@ def births(born: Any, n: int) -> np.ndarray:
 
 
 def _check_and_store(
-    registry: Registry, transport: Transport, partition: str, body: bytearray, create: bool, durable: bool = False,
-    check_lengths: bool = False,
+    registry: Registry, transport: Transport, partition: str, body: np.ndarray | bytearray, create: bool,
+    durable: bool = False, check_lengths: bool = False,
 ) -> tuple[int, int]:
     """Parse, check and store one put body; returns ((samples, column bytes), the
     incarnation a create gave its samples or None). Parsing and checking touch every byte,
@@ -669,15 +670,33 @@ async def _counted(pending: Any) -> None:
         log.warning("an op was not counted in the metrics ledger: %s", err)
 
 
-async def _read_body(request: Request, limit: int) -> bytearray:
-    """The request body as a writable buffer; 413 (PayloadTooLargeError) past ``limit`` bytes."""
+async def _read_body(request: Request, limit: int) -> np.ndarray | bytearray:
+    """The request body as a writable buffer; 413 (PayloadTooLargeError) past ``limit`` bytes.
+
+    A body that declares its length lands in memory of the process's read pool, each piece
+    copied once into place: pages an earlier body faulted in, reused once nothing refers to
+    that body. A growing ``bytearray`` (what a body without a length gets) copies what it
+    holds at every regrowth, into fresh pages: a 168 MB vlm-step put through the service
+    took 466-501 ms that way, 338-355 ms this way (``rlplane bench -p rlplane-http``).
+    """
     declared = request.headers.get("content-length")
-    too_big = _too_big(limit)
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise too_big
-    body = bytearray()
+    size = int(declared) if declared is not None and declared.isdigit() else None
+    if size is not None and size > limit:
+        raise _too_big(limit)
+    if size is None:
+        grown = bytearray()
+        async for chunk in request.stream():
+            grown += chunk
+            if len(grown) > limit:
+                raise _too_big(limit)
+        return grown
+    body = ReadPool.shared().take(size)
+    into, at = memoryview(body), 0
     async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise too_big
+        if at + len(chunk) > size:
+            raise E.WireFormatError(f"the request body is longer than the {size} bytes its Content-Length declares")
+        into[at : at + len(chunk)] = chunk
+        at += len(chunk)
+    if at != size:
+        raise E.WireFormatError(f"the request body ended after {at} of the {size} bytes its Content-Length declares")
     return body

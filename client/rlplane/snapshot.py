@@ -304,7 +304,7 @@ def _read_through(fd: int, size: int, start: int = 0, step: int = _READ_CHUNK) -
     """Read the ``_READ_CHUNK`` bytes at ``start``, ``start + step``, ... below ``size``
     of ``fd`` (a descriptor of its own, closed here) and drop them: they stay in the page
     cache."""
-    buf = bytearray(min(_READ_CHUNK, max(size, 1)))
+    buf = np.empty(min(_READ_CHUNK, max(size, 1)), np.uint8)
     at = start
     try:
         while at < size:

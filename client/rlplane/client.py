@@ -273,11 +273,14 @@ class Client:
                                 and self.registry.get(n).container == "dense"]
             if self._shares:  # rows stored once for several samples come back as views of one copy
                 more["shared"] = True
+            verified: set[str] = set()
+            if self.transport.verifies_reads:  # rows checked as they are copied: not digested again below
+                more["verified"] = verified
             columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, **more)
             op.nbytes = sum(col.nbytes for col in columns.values())
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
             return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
-                          partition=meta.partition, device=device)
+                          partition=meta.partition, device=device, verified=verified)
 
     # -- streaming -------------------------------------------------------------------
     def claim(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 import msgpack
 import numpy as np
@@ -423,12 +423,14 @@ def decode(
     partition: str | None = None,
     verify: bool = True,
     device: torch.device | str | None = None,
+    verified: Collection[str] = (),
 ) -> dict[str, Any]:
     """Turn wire columns back into fields: the exact inverse of :func:`encode`.
 
     First (``verify``) every row's bytes are checked against the digest its writer
     recorded (the column's, else the sample's tags): IntegrityError naming
-    ``partition``, sample and field when they differ. ``device``: where tensors land
+    ``partition``, sample and field when they differ; ``verified``: fields whose rows the
+    transport checked so as it copied them out of the store (not digested again). ``device``: where tensors land
     (default: where the columns are, the host): each field's checked bytes are copied
     there once, and padding, masks and packing are done there.
 
@@ -454,10 +456,11 @@ def decode(
     where = partition if partition is not None else "?"
     # Token fields padded here are checked as they are padded (each piece's rows digested
     # while in cache, before they are copied out); the rest first, here.
-    padded_here = {name for name, col in columns.items()
-                   if verify and device is None and _pads_on_host(registry.get(name), col, layout)}
+    padded_here = {name for name, col in columns.items() if verify and device is None and name not in verified
+                   and _pads_on_host(registry.get(name), col, layout)}
     if verify:
-        check_sums(where, named, {n: c for n, c in columns.items() if n not in padded_here}, tags)
+        check_sums(where, named, {n: c for n, c in columns.items() if n not in padded_here and n not in verified},
+                   tags)
     out: dict[str, Any] = {}
     leads: dict[str, np.ndarray | None] = {}
     masks = _Masks()  # the token fields of one read share their samples' lengths: one mask for all

@@ -29,6 +29,8 @@ import torch
 import xxhash
 
 from rlplane import parallel
+from rlplane.copies import copy_ranges
+from rlplane.gather import BIG_RUN, MAX_RUNS
 from rlplane.column import Column
 from rlplane.errors import IntegrityError
 from rlplane.tags import SUM_TAG
@@ -80,6 +82,48 @@ def range_sums(buf: memoryview, bounds: np.ndarray) -> np.ndarray:
 
 #: A row's digest: xxh3-64 of its bytes (anything with the buffer protocol), as an int.
 digest = _digest = xxhash.xxh3_64_intdigest
+
+#: Bytes a fused copy moves before it digests them (they are still in cache then).
+_STEP = 2 << 20
+
+
+def copied_sums(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.ndarray,
+                lens: np.ndarray) -> np.ndarray:
+    """Copy rows ``src[src_at[k] : src_at[k] + lens[k]]`` to ``dst[dst_at[k]:]`` (uint8
+    arrays) and return each row's xxh3-64 digest of the bytes as copied (uint64): a read
+    checks what it hands out without a pass of its own. Big rows that follow one another
+    in both go a few MB at a time, each piece digested right after its copy while it is
+    in cache, on a few threads; a few MB of rows, or many small runs, are copied at once
+    (:func:`~rlplane.copies.copy_ranges`), then digested.
+
+    Example: ``got = copied_sums(out, out_at, slab.u8, slab_at, lens)``.
+    """
+    n = lens.size
+    ends = np.concatenate([[0], np.cumsum(lens)])  # each row's place were the rows packed
+    brk = np.ones(n, dtype=bool)
+    if n:
+        brk[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])
+    runs = int(brk.sum())
+    if int(ends[-1]) < parallel.PARALLEL_MIN_BYTES or (runs > MAX_RUNS and int(ends[-1]) < 8 * BIG_RUN * runs):
+        copy_ranges(dst, dst_at, src, src_at, lens)
+        raw = memoryview(dst)
+        return np.array([_digest(raw[a : a + m]) for a, m in zip(dst_at.tolist(), lens.tolist())], np.uint64)
+    # Steps: rows of one run, a new one every _STEP bytes into it (a bigger row is a step of its own).
+    run_of = np.cumsum(brk) - 1
+    into_run = ends[:-1] - ends[:-1][np.flatnonzero(brk)][run_of]
+    key = run_of * (int(ends[-1]) // _STEP + 2) + into_run // _STEP
+    steps = np.append(np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]])), n)
+    sums = np.empty(n, np.uint64)
+    raw = memoryview(dst)
+
+    def piece(a: int, z: int) -> None:
+        for x, y in zip(steps[a:z].tolist(), steps[a + 1 : z + 1].tolist()):
+            d, s, size = int(dst_at[x]), int(src_at[x]), int(ends[y] - ends[x])
+            dst[d : d + size] = src[s : s + size]
+            sums[x:y] = range_sums(raw, d + (ends[x : y + 1] - ends[x]))
+
+    parallel.run(piece, parallel.spans(ends[steps], parallel.workers()))
+    return sums
 
 
 def check_sums(partition: str, sample_ids: Sequence[str], columns: Mapping[str, Column],

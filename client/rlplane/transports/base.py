@@ -77,6 +77,10 @@ class Transport(ABC):
     #: e.g. token rows a padded read pads): they may come back as read-only views of the
     #: store's memory, as with ``copy=False`` (native, shared memory).
     lends_views: bool = False
+    #: Whether ``get`` takes ``verified=`` (a set): rows it copies out of the store's memory
+    #: are checked against their digests as they are copied, and the fields checked whole
+    #: are added to the set, for the caller not to digest them again (native, shared memory).
+    verifies_reads: bool = False
 
     @abstractmethod
     def put(

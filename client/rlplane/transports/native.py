@@ -81,6 +81,7 @@ from rlplane.copies import copy as _copy
 from rlplane.copies import copy_ranges
 from rlplane.gather import BIG_RUN as _BIG_RUN
 from rlplane.gather import MAX_RUNS as _MAX_RUNS
+from rlplane.integrity import check_rows, copied_sums
 from rlplane.wire import RawColumn, check_same, int_array, ints, numpy_dtype, raw
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ class NativeTransport(Transport):
     checks_lengths = True  # a write's token rows are checked against the sample's length (put(aligned=))
     checks_born = True  # a meta naming samples cleared and put again since is refused (put/get(born=))
     lends_views = True  # a padded read's token rows are padded out of the slab, not copied first (get(lend=))
+    verifies_reads = True  # rows copied out of a slab are digested as they are copied (get(verified=))
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
                  pool: ReadPool | None = None, te: TeOptions | None = None) -> None:
@@ -441,6 +443,7 @@ class NativeTransport(Transport):
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
         shared: bool = False, born: np.ndarray | None = None, lend: Collection[str] = (),
+        verified: set[str] | None = None,
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         """``copy=False``: a field whose rows lie in order in one mapped slab comes back as
         a read-only view of it (zero copy), its blocks pinned until the last view is gone.
@@ -456,7 +459,11 @@ class NativeTransport(Transport):
         read in turn, then put together in pooled memory (owned, never views; one copy more;
         lent or zero-copy pieces keep their pins until then). Each piece is a moment of its
         own (a write of the same samples between two pieces shows in the later one), and a
-        MissingDataError names the missing samples of the first piece that has any."""
+        MissingDataError names the missing samples of the first piece that has any.
+        ``verified`` (a set): rows copied out of a mapped slab are checked against their
+        digests as they are copied (IntegrityError naming the sample and field), and the
+        fields whose every row was checked so are added to it (a read in one piece only):
+        the caller need not digest them again."""
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
         ids, names, lend = list(sample_ids), list(fields), frozenset(lend)
@@ -464,9 +471,12 @@ class NativeTransport(Transport):
         step = max(1, min(READ_CELLS // max(1, len(names)),
                           len(ids) * READ_ID_BYTES // max(1, sum(map(len, ids))) if ids else 1))
         pieces = [p for a in range(0, max(len(ids), 1), step)  # (an empty read: one piece, as before)
-                  for p in self._in_pieces(partition, ids, names, copy, shared, born, lend, a, min(a + step, len(ids)))]
+                  for p in self._in_pieces(partition, ids, names, copy, shared, born, lend, a, min(a + step, len(ids)),
+                                           verified)]
         if len(pieces) == 1:
             return pieces[0]
+        if verified is not None:  # each piece was checked, but what is handed out is a copy of them
+            verified.clear()
         for f in names:  # (as one locate's read says it)
             if len(written := {str(cols[f].dtype) for cols, _ in pieces}) > 1:
                 raise ShapeError(f"the requested samples were written with different dtypes {sorted(written)}", field=f)
@@ -478,24 +488,25 @@ class NativeTransport(Transport):
                 RowTags.concat([tags for _, tags in pieces]))
 
     def _in_pieces(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool,
-                   born: np.ndarray | None, lend: frozenset[str], a: int, z: int
+                   born: np.ndarray | None, lend: frozenset[str], a: int, z: int, verified: set[str] | None = None
                    ) -> list[tuple[dict[str, Column], RowTags]]:
         """The read of ``ids[a:z]`` as one locate's, or, when its answer is too big to send
         (the samples carry big tags), as two halves, each again if need be."""
         try:
             return [self._get_once(partition, ids[a:z], fields, copy, shared, None if born is None else born[a:z],
-                                   lend)]
+                                   lend, verified)]
         except PayloadTooLargeError:
             if z - a < 2:
                 raise
         m = (a + z) // 2
         return [p for x, y in ((a, m), (m, z)) for p in self._in_pieces(partition, ids, fields, copy, shared, born,
-                                                                          lend, x, y)]
+                                                                          lend, x, y, verified)]
 
     def _get_once(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool,
-                  born: np.ndarray | None, lend: frozenset[str]) -> tuple[dict[str, Column], RowTags]:
+                  born: np.ndarray | None, lend: frozenset[str], verified: set[str] | None = None
+                  ) -> tuple[dict[str, Column], RowTags]:
         """One locate's read (see :meth:`get`), again after a unit was lost or a block moved."""
-        args = (partition, ids, fields, copy, shared, born, lend)
+        args = (partition, ids, fields, copy, shared, born, lend, verified)
         try:
             try:
                 return self._get(*args)
@@ -699,9 +710,11 @@ class NativeTransport(Transport):
             pass
 
     def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool = False,
-             born: np.ndarray | None = None, lend: frozenset[str] = frozenset()
+             born: np.ndarray | None = None, lend: frozenset[str] = frozenset(), verified: set[str] | None = None
              ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
+        if verified is not None:  # (what an attempt before this one checked is not what this one hands out)
+            verified.clear()
         ask = {"op": "locate", "p": partition, "ids": ids, "fields": fields,
                "shm": sorted(self._slabs.keys() | self._remote.keys())}  # the units read at addresses
         if shared:
@@ -714,7 +727,8 @@ class NativeTransport(Transport):
         pin = loc.get("pin")
         kept = False
         try:
-            columns, tags, views = self.fetch(loc, partition, ids, fields, copy=copy, deadline=deadline, lend=lend)
+            columns, tags, views = self.fetch(loc, partition, ids, fields, copy=copy, deadline=deadline, lend=lend,
+                                              verified=verified)
             if views and isinstance(pin, str):
                 self._views.hold(pin, views, float(loc.get("pin_lease_s") or 60.0))
                 kept = True
@@ -724,16 +738,20 @@ class NativeTransport(Transport):
         return columns, tags
 
     def fetch(self, loc: dict[str, Any], partition: str, ids: list[str], fields: list[str], *, copy: bool = True,
-              deadline: float | None = None, lend: frozenset[str] = frozenset()
+              deadline: float | None = None, lend: frozenset[str] = frozenset(), verified: set[str] | None = None
               ) -> tuple[dict[str, Column], RowTags, list[np.ndarray]]:
         """The rows a locate (or a snapshot's cut) answered: the columns, the tags and any
         zero-copy views (``copy=False``, or the ``lend`` fields; see :meth:`get`). The caller
-        holds and releases the pin."""
+        holds and releases the pin. ``verified``: see :meth:`get`."""
         deadline = deadline if deadline is not None else time.monotonic() + self.timeout
-        columns, views = self._gather(loc, partition, len(ids), fields, copy, deadline, lend)
+        copied: dict[str, np.ndarray] | None = {} if verified is not None else None
+        columns, views = self._gather(loc, partition, len(ids), fields, copy, deadline, lend, copied)
         user = loc["user"]
         geoms = {f: Geometry.from_wire(loc["g"][f], f) for f in fields}
         sums = {f: np.frombuffer(loc["h"][f], "<u8") for f in fields}
+        for f, got in (copied or {}).items():  # rows digested as they were copied out of the slabs
+            check_rows(partition, ids, f, got, sums[f])
+            verified.add(f)  # type: ignore[union-attr]
         if user is not None and (not isinstance(user, list) or len(user) != len(ids)):
             raise WireFormatError("the controller answered tags for other samples than asked")
         columns = {f: c.with_meta(sums[f], geoms[f]) for f, c in columns.items()}
@@ -781,10 +799,14 @@ class NativeTransport(Transport):
         self._ask({"op": "consumed", "p": partition, "task": task, "ids": ids, "states": states})
 
     def _gather(self, loc: dict[str, Any], partition: str, n: int, fields: list[str], copy: bool, deadline: float,
-                lend: frozenset[str] = frozenset()) -> tuple[dict[str, Column], list[np.ndarray]]:
+                lend: frozenset[str] = frozenset(), copied: dict[str, np.ndarray] | None = None
+                ) -> tuple[dict[str, Column], list[np.ndarray]]:
         """Every requested field's rows in request order: out of the mapped slabs, and from
         the other units over ZMQ (their shares received straight into place when they are
-        contiguous rows of the request). Returns the columns and any zero-copy views."""
+        contiguous rows of the request). Returns the columns and any zero-copy views.
+        ``copied`` (a dict): each field whose every row was copied out of a mapped slab
+        gets its rows' digests of the bytes as copied (a field of rows read once for
+        several samples is not digested here)."""
         row_bytes = {f: int_array(loc["nb"][f], "row bytes") for f in fields}
         starts = {f: np.concatenate([[0], np.cumsum(row_bytes[f])]) for f in fields}
         entries_of: dict[str, list[tuple[int, list[Any]]]] = {f: [] for f in fields}
@@ -810,6 +832,8 @@ class NativeTransport(Transport):
                  and not self._mapped(*entries_of[f][0])}
         out = {f: self.pool.take(int(starts[f][-1])) for f in fields if f not in columns and f not in whole}
         dtypes: dict[str, set[str]] = {f: set() for f in out}
+        got = {f: np.zeros(n, np.uint64) for f in out if f not in shared} if copied is not None else {}
+        mapped_rows = dict.fromkeys(got, 0)  # rows of each field copied out of a mapped slab here
         sent = []
         for u, entries in loc["units"]:
             direct = [e for e in entries if e[0] not in columns and self._mapped(u, e)]
@@ -817,7 +841,9 @@ class NativeTransport(Transport):
                 self._read_remote(self._remote[u], direct, out, starts, row_bytes)
             for e in direct:  # rows in a mapped slab: copied out here, no message
                 if u in self._slabs:
-                    self._copy_out(self._slabs[u], e, out[e[0]], starts[e[0]], row_bytes[e[0]])
+                    rows = self._copy_out(self._slabs[u], e, out[e[0]], starts[e[0]], row_bytes[e[0]], got.get(e[0]))
+                    if e[0] in mapped_rows:
+                        mapped_rows[e[0]] += rows
                 dtypes[e[0]].add(str(e[5]))
             mine = [e for e in entries if e[0] not in columns and not self._mapped(u, e)]
             if not mine:
@@ -846,6 +872,8 @@ class NativeTransport(Transport):
                 columns[f] = _whole(f, parts[f], n, row_bytes[f])
             else:
                 columns[f] = _assemble(f, parts[f], n, out[f], row_bytes[f], dtypes[f])
+        if copied is not None:
+            copied.update((f, got[f]) for f, rows in mapped_rows.items() if rows == n)
         return columns, views
 
     def _mapped(self, u: int, entry: list[Any]) -> bool:
@@ -905,8 +933,10 @@ class NativeTransport(Transport):
                   np.concatenate(dst_at))
 
     @staticmethod
-    def _copy_out(view: SlabView, entry: list[Any], out: np.ndarray, starts: np.ndarray, row_bytes: np.ndarray) -> None:
-        """Rows of one unit's share out of its mapped slab into their places in ``out``."""
+    def _copy_out(view: SlabView, entry: list[Any], out: np.ndarray, starts: np.ndarray, row_bytes: np.ndarray,
+                  sums: np.ndarray | None = None) -> int:
+        """Rows of one unit's share out of its mapped slab into their places in ``out``;
+        how many. ``sums``: each row's digest of its bytes as copied goes to its place there."""
         pos, at = int_array(entry[3], "positions"), int_array(entry[4], "addresses")
         if pos.size != at.size or (pos.size and (int(pos.min()) < 0 or int(pos.max()) >= row_bytes.size)):
             raise WireFormatError("the controller located rows it was not asked for", field=entry[0])
@@ -917,7 +947,11 @@ class NativeTransport(Transport):
             lo, hi = int(at.min()), int((at + lens).max())
             if hi - lo <= 2 * int(lens.sum()):  # rows close together (one put's): their span mapped at once
                 view.prefault(lo, hi)
-        copy_ranges(out, starts[pos], view.u8, at, lens)
+        if sums is not None:
+            sums[pos] = copied_sums(out, starts[pos], view.u8, at, lens)
+        else:
+            copy_ranges(out, starts[pos], view.u8, at, lens)
+        return int(pos.size)
 
 def _described(columns: Mapping[str, Column], geoms: Mapping[str, Geometry], sums: Mapping[str, bytes],
                user: list[Any] | None, aligned: list[str] | None, born: np.ndarray | None, durable: bool

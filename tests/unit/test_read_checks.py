@@ -1,0 +1,122 @@
+"""A read checks the rows it copies out of a mapped slab as it copies them: each row's
+digest of the bytes as copied against the one its writer recorded, in the same pass
+(``integrity.copied_sums``), so the decode does not digest them again."""
+
+import numpy as np
+import pytest
+import torch
+
+from rlplane import Client, default_registry
+from rlplane import errors as E
+from rlplane import integrity
+from rlplane.copies import copy_ranges
+from rlplane.testing.verify import diff_fields
+from rlplane.testing.workloads import vlm_step
+from rlplane.transports import native as native_transport
+from rlplane.transports.native import NativeTransport
+from rlplane_service.native.local import LocalEngine
+
+SECRET = b"read-checks-secret"
+
+
+def layouts():
+    """(name, src_at, dst_at, lens): rows in order and big (a row several steps long), many
+    small ones in order, shuffled small ones (many runs), gaps between rows, empty rows."""
+    rng = np.random.default_rng(3)
+    big = np.array([5 << 20, 3 << 20, 1, 7 << 20, 0], np.int64)
+    small = rng.integers(0, 300, 5000).astype(np.int64)
+    out = []
+    for name, lens in (("big", big), ("small", small)):
+        ends = np.concatenate([[0], np.cumsum(lens)])
+        out.append((f"{name} in order", ends[:-1] + 64, ends[:-1], lens))
+        order = rng.permutation(lens.size)  # the source's rows in another order, back to back in the destination
+        out.append((f"{name} shuffled", (ends[:-1] + 64)[order], np.cumsum(lens[order]) - lens[order], lens[order]))
+        gaps = ends[:-1] + np.arange(lens.size) * 8
+        out.append((f"{name} with gaps", gaps + 64, gaps, lens))
+    return out
+
+
+@pytest.mark.parametrize("name,src_at,dst_at,lens", layouts(), ids=[x[0] for x in layouts()])
+def test_copied_sums_copies_as_copy_ranges_does_and_digests_each_row_as_copied(name, src_at, dst_at, lens):
+    size = int(max((src_at + lens).max(), (dst_at + lens).max())) + 64
+    src = np.random.default_rng(4).integers(0, 256, size, dtype=np.uint8)
+    want, got = np.zeros(size, np.uint8), np.zeros(size, np.uint8)
+    copy_ranges(want, dst_at, src, src_at, lens)
+    sums = integrity.copied_sums(got, dst_at, src, src_at, lens)
+    assert np.array_equal(got, want)
+    raw = memoryview(want)
+    assert sums.tolist() == [integrity.digest(raw[a:a + m]) for a, m in zip(dst_at.tolist(), lens.tolist())]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng:
+        yield eng
+
+
+def connect(engine, path):
+    info = {"controller": engine.server.endpoint, "secret": SECRET.decode()}
+    return Client(default_registry(), NativeTransport(info, timeout=30, data_path=path))
+
+
+def damage(engine, client, partition, sample, field):
+    """Flip a bit of ``sample``'s row of ``field`` where a unit stores it; the unit's core."""
+    loc = client.transport._ctrl().call({"op": "locate", "p": partition, "ids": [sample], "fields": [field]},
+                                        timeout=10)[0]
+    unit, entries = loc["units"][0]
+    bid, row = (int.from_bytes(entries[0][k][:8], "little") for k in (1, 2))
+    assert engine.cores[unit].damage(bid, field, row)
+    return lambda: engine.cores[unit].damage(bid, field, row)  # flips it back
+
+
+@pytest.mark.parametrize("path", ["shm", "zmq"])
+def test_rows_copied_out_of_a_slab_are_checked_there_and_a_damaged_one_is_named(engine, path):
+    c = connect(engine, path)
+    w = vlm_step(6, 128, seed=9)
+    meta = c.put_samples(f"checked-{path}", w.fields)
+    names = ["input_ids", "pixel_values", "image_grid_thw"]
+    try:
+        verified: set[str] = set()
+        c.transport.get(meta.partition, meta.sample_ids, names, verified=verified)
+        assert verified == (set(names) if path == "shm" else set())  # over ZMQ the decode digests them
+        got = c.read_columns(meta, names)
+        assert diff_fields(c.registry, {k: w.fields[k] for k in names}, got, w.lengths,
+                           sample_ids=meta.sample_ids) == []
+        k = max(i for i, r in enumerate(w.fields["pixel_values"].rows) if r is not None)  # a sample with images
+        undo = damage(engine, c, meta.partition, meta.sample_ids[k], "pixel_values")
+        named = f"sample '{meta.sample_ids[k]}', field 'pixel_values'"
+        if path == "shm":  # the transport's own check finds it, as it copies
+            with pytest.raises(E.IntegrityError, match=named):
+                c.transport.get(meta.partition, meta.sample_ids, names, verified=set())
+        for read in (lambda: c.read_columns(meta, names), lambda: c.read_columns(meta, names, layout="jagged")):
+            with pytest.raises(E.IntegrityError, match=named):
+                read()
+        rest = [i for i in range(6) if i != k]
+        assert diff_fields(c.registry, {k: w.select(rest).fields[k] for k in names},
+                           c.read_columns(meta.subset(rest), names), w.select(rest).lengths,
+                           sample_ids=meta.subset(rest).sample_ids) == []  # the rest reads
+        undo()
+        assert diff_fields(c.registry, {k: w.fields[k] for k in names}, c.read_columns(meta, names), w.lengths,
+                           sample_ids=meta.sample_ids) == []
+    finally:
+        c.clear(meta.partition)
+        c.close()
+
+
+def test_a_read_in_pieces_reports_nothing_checked_and_the_decode_finds_a_damaged_row(engine, monkeypatch):
+    """The pieces are put together in a copy of their own: the decode digests that."""
+    c = connect(engine, "shm")
+    w = vlm_step(6, 128, seed=10)
+    meta = c.put_samples("checked-pieces", w.fields)
+    monkeypatch.setattr(native_transport, "READ_CELLS", 2 * 3)  # 3 samples a piece for 2 fields
+    try:
+        verified: set[str] = set()
+        c.transport.get(meta.partition, meta.sample_ids, ["input_ids", "pixel_values"], verified=verified)
+        assert verified == set()
+        k = min(i for i, r in enumerate(w.fields["pixel_values"].rows) if r is not None)  # a sample with images
+        damage(engine, c, meta.partition, meta.sample_ids[k], "pixel_values")
+        with pytest.raises(E.IntegrityError, match=f"sample '{meta.sample_ids[k]}', field 'pixel_values'"):
+            c.read_columns(meta, ["input_ids", "pixel_values"])
+    finally:
+        c.clear(meta.partition)
+        c.close()

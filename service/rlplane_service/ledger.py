@@ -42,6 +42,9 @@ VERSION_TAG, GROUP_SIZE_TAG = "policy_version", "group_size"
 FINISHED_KEY, VERSION_KEY = "@finished", "@policy_version"
 #: ``policy_version`` of a sample without one: never stale.
 NO_VERSION = np.iinfo(np.int64).max
+#: Slots a claim of the oldest ``batch_size`` looks at first (at least 4 x its batch); then
+#: twice as many, and so on, until it found them: a claim costs what it takes, not the backlog.
+SCAN_WINDOW = 4096
 #: Upper bounds (seconds) of the claim-wait histogram's buckets.
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0)
 
@@ -51,12 +54,17 @@ class Index(Protocol):
     :class:`SimpleIndex`)."""
 
     used: int  # slots handed out so far; slot order is commit order
+    #: Whether every change that can make a slot claimable (new samples, rows, tags) reaches
+    #: :meth:`Ledger.touch` with its slots: claims then skip the slots that did not change
+    #: since they last found nothing there (:attr:`TaskState.clean`). False: claims look at
+    #: every unseen slot each time.
+    touches: bool
 
-    def live(self) -> np.ndarray:
-        """Bool per slot < used: the sample is stored and visible."""
+    def live(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Bool per slot in ``[start, stop)`` (``stop`` None: ``used``): the sample is stored and visible."""
 
-    def has(self, field: str) -> np.ndarray:
-        """Bool per slot < used: the sample holds ``field``."""
+    def has(self, field: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Bool per slot in ``[start, stop)`` (``stop`` None: ``used``): the sample holds ``field``."""
 
     def field_names(self) -> list[str]:
         """Every field some sample of the partition holds."""
@@ -66,6 +74,10 @@ class Index(Protocol):
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
         """Each slot's tags as written (user tags and wire geometry)."""
+
+    def user_tags(self, slots: np.ndarray) -> list[dict[str, Any] | None]:
+        """Each slot's user tags (what the ledger's caches read: versions, groups,
+        ``finished``), None where it has none; cheaper than :meth:`tags_of`."""
 
     def leads(self, field: str, slots: np.ndarray) -> np.ndarray:
         """Int64 per one of ``slots``: the leading dim of its row of ``field`` (a token
@@ -83,6 +95,13 @@ class TaskState:
     state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
     lease: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     cursor: int = 0  # every slot below it is not UNSEEN
+    # Where the last claim of ``scan`` (its fields, whether it takes partial rollouts) found
+    # the first slot it could take: none in [cursor, clean) could, and none changed since
+    # (a commit or a release there lowers it: Ledger.touch), so the next such claim starts
+    # there, on an index that reports its changes (Index.touches). A claim that waits for a
+    # field the backlog lacks looks at new slots only.
+    scan: tuple[Any, ...] = ()
+    clean: int = 0
     fields: tuple[str, ...] = ()  # what this task's last claim asked for ("ready" in consumption())
     redelivered: int = 0
 
@@ -105,18 +124,19 @@ class PartState:
     filled: dict[str, np.ndarray] = field(default_factory=dict)  # per cache: the tag epoch it holds per slot (-1: none)
     open: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # a partial rollout, still being written
 
-    def _todo(self, key: str) -> np.ndarray:
-        """Live slots whose ``key`` cache does not hold their current tags (never read, or
-        their tags changed since: :meth:`Index.epochs`), marked read. A reserved slot of a
-        put in flight has no tags yet: it is read once it is live."""
+    def _todo(self, key: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Live slots in ``[start, stop)`` whose ``key`` cache does not hold their current
+        tags (never read, or their tags changed since: :meth:`Index.epochs`), marked read.
+        A reserved slot of a put in flight has no tags yet: it is read once it is live."""
         n = self.index.used
+        z = n if stop is None else min(stop, n)
         seen = self.filled.get(key, np.zeros(0, np.int64))
         if seen.size < n:
             seen = self.filled[key] = np.concatenate([seen, np.full(max(n, 2 * seen.size, 64) - seen.size, -1,
                                                                     np.int64)])
-        epoch = self.index.epochs()[:n]
-        todo = np.flatnonzero(self.index.live()[:n] & (seen[:n] != epoch))
-        seen[todo] = epoch[todo]
+        epoch = self.index.epochs()[start:z]
+        todo = start + np.flatnonzero(self.index.live(start, z) & (seen[start:z] != epoch))
+        seen[todo] = epoch[todo - start]
         return todo
 
     @staticmethod
@@ -129,19 +149,19 @@ class PartState:
         self.version = self._fit(self.version, n, NO_VERSION)
         todo = self._todo(VERSION_KEY)
         if todo.size:
-            self.version[todo] = [_version(t) for t in self.index.tags_of(todo)]
+            self.version[todo] = [_version(t) for t in self.index.user_tags(todo)]
         return self.version[:n]
 
-    def unfinished(self) -> np.ndarray:
-        """Per slot: its ``finished`` tag is False (a partial rollout: never claimed, not
-        ready), read once per sample and again whenever its tags change."""
+    def unfinished(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Per slot in ``[start, stop)``: its ``finished`` tag is False (a partial rollout:
+        never claimed, not ready), read once per sample and again whenever its tags change."""
         n = self.index.used
         if self.open.size < n:
             self.open = np.concatenate([self.open, np.zeros(max(n, 2 * self.open.size, 64) - self.open.size, bool)])
-        todo = self._todo(FINISHED_KEY)
+        todo = self._todo(FINISHED_KEY, start, stop)
         if todo.size:
-            self.open[todo] = [unfinished(t) for t in self.index.tags_of(todo)]
-        return self.open[:n]
+            self.open[todo] = [unfinished(t) for t in self.index.user_tags(todo)]
+        return self.open[start : n if stop is None else min(stop, n)]
 
     def tokens(self, name: str, slots: np.ndarray) -> np.ndarray:
         """The length of each of ``slots`` in token field ``name`` (-1 without a row)."""
@@ -156,7 +176,7 @@ class PartState:
         todo = self._todo("group:" + key)
         if todo.size:
             ids = self.codes.setdefault(key, {})
-            tags = self.index.tags_of(todo)
+            tags = [t or {} for t in self.index.user_tags(todo)]
             code[todo] = [ids.setdefault(_hashable(t.get(key)), len(ids)) if t.get(key) is not None else -1 for t in tags]
             size[todo] = [_int(t.get(GROUP_SIZE_TAG), 1) for t in tags]
         return code[:n], size[:n]
@@ -241,17 +261,35 @@ class Ledger:
         ts.fit(n)
         ts.fields = req.fields
         lo = ts.cursor
-        live = idx.live()[lo:n]
-        st = ts.state[lo:n]
-        if req.max_staleness is not None:
-            stale = (ps.versions()[lo:n] < req.current_version - req.max_staleness) & live & (st == UNSEEN)  # type: ignore[operator]
-            st[stale] = EXPIRED
-        ready = live & (st == UNSEEN)
-        if not req.unfinished:  # a partial rollout is claimed once it is finished
-            ready &= ~ps.unfinished()[lo:n]
-        for f in req.fields:
-            ready &= idx.has(f)[lo:n]
-        cand = np.flatnonzero(ready) + lo
+        # (A claim that expires stale samples looks at every unseen one, as it marks them.)
+        scan = (tuple(req.fields), req.unfinished) if req.max_staleness is None and getattr(idx, "touches", False) \
+            else ()
+        start = max(lo, min(ts.clean, n)) if scan and ts.scan == scan else lo
+
+        def ready_in(a: int, z: int) -> np.ndarray:
+            """The slots in [a, z) this claim may take, in order."""
+            live = idx.live(a, z)
+            st = ts.state[a:z]
+            if req.max_staleness is not None:
+                stale = (ps.versions()[a:z] < req.current_version - req.max_staleness) & live & (st == UNSEEN)  # type: ignore[operator]
+                st[stale] = EXPIRED
+            ready = live & (st == UNSEEN)
+            if not req.unfinished:  # a partial rollout is claimed once it is finished
+                ready &= ~ps.unfinished(a, z)
+            for f in req.fields:
+                ready &= idx.has(f, a, z)
+            return np.flatnonzero(ready) + a
+
+        if req.max_staleness is None and req.group_key is None and req.max_tokens is None:
+            # The oldest batch_size: windows of growing size, as far as it takes to find them.
+            found, z, step = [], start, max(4 * req.batch_size, SCAN_WINDOW)
+            while z < n and sum(f.size for f in found) < req.batch_size:
+                found.append(ready_in(z, min(n, z + step)))
+                z, step = min(n, z + step), 2 * step
+            cand = np.concatenate(found) if found else np.zeros(0, np.int64)
+        else:
+            cand = ready_in(start, n)
+        ts.scan, ts.clean = scan, int(cand[0]) if cand.size else n
         over, tokens = False, 0
         if req.max_tokens is not None:
             take, full, over, tokens = self._within_budget(ps, req, cand)
@@ -268,8 +306,9 @@ class Ledger:
             lid = self._new_lease_id()
             ts.state[take] = LEASED
             ts.lease[take] = lid
-        unseen = np.flatnonzero(ts.state[lo:n] == UNSEEN)
-        ts.cursor = lo + (int(unseen[0]) if unseen.size else n - lo)
+        if lo >= n or ts.state[lo] != UNSEEN:  # (else the cursor stays: its slot is still unseen)
+            unseen = np.flatnonzero(ts.state[lo:n] == UNSEEN)
+            ts.cursor = lo + (int(unseen[0]) if unseen.size else n - lo)
         if not answer:
             return self._not_ready(req, int(take.size), final, tokens)
         lease_s = req.lease_s or self.lease_s
@@ -438,6 +477,7 @@ class Ledger:
         for ts in ps.tasks.values():
             ts.state, ts.lease = kept(ts.state, keep, UNSEEN), kept(ts.lease, keep)
             ts.cursor = int(np.searchsorted(keep, ts.cursor))  # the kept slots below it are not UNSEEN either
+            ts.clean = 0
         fresh = PartState(index)  # the tag caches are read again, for the samples held only
         ps.version, ps.open, ps.groups, ps.codes, ps.filled = (fresh.version, fresh.open, fresh.groups, fresh.codes,
                                                                 fresh.filled)
@@ -452,9 +492,18 @@ class Ledger:
         Example: ``ledger.forget("step-7")`` after the index dropped the partition."""
         self._parts.pop(partition, None)
 
-    def touch(self, partition: str) -> None:
-        """Something a parked claim on ``partition`` may wait for happened (a commit, a loss)."""
+    def touch(self, partition: str, slots: np.ndarray | None = None) -> None:
+        """Something a parked claim on ``partition`` may wait for happened: a commit of
+        ``slots`` (new samples, or new rows or tags of stored ones), samples given back to
+        a task, or (``slots`` None) anything anywhere, e.g. a loss. Claims look at those
+        slots again (:attr:`TaskState.clean`)."""
         self._touched.add(partition)
+        ps = self._parts.get(partition)
+        if ps is None or (slots is not None and not slots.size):
+            return
+        low = int(slots.min()) if slots is not None else 0
+        for ts in ps.tasks.values():
+            ts.clean = min(ts.clean, low)
 
     def touched(self) -> set[str]:
         """The partitions touched since the last call (and forget them)."""
@@ -520,7 +569,7 @@ class Ledger:
             ts.state[slots] = UNSEEN
             ts.lease[slots] = 0
             ts.cursor = min(ts.cursor, int(slots.min()))
-            self.touch(partition)
+            self.touch(partition, slots)
 
     # -- reporting -------------------------------------------------------------------
     def consumption(self, partition: str, task: str) -> dict[str, int]:
@@ -604,6 +653,8 @@ class SimpleIndex:
         parts.record("step-0", ["a", "b"], ["input_ids"], [{}, {}], create=True)
     """
 
+    touches = False  # its writers record into it directly: claims look at every unseen slot
+
     def __init__(self) -> None:
         self.used = 0
         self.slot: dict[str, int] = {}
@@ -614,12 +665,13 @@ class SimpleIndex:
         self._leads: dict[str, np.ndarray] = {}  # field -> each slot's row length (_UNREAD until read)
         self.retagged = np.zeros(0, np.int64)  # per slot: tag changes after its first write (Index.epochs)
 
-    def live(self) -> np.ndarray:
-        return self.alive[: self.used]
+    def live(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.alive[start : self.used if stop is None else min(stop, self.used)]
 
-    def has(self, name: str) -> np.ndarray:
+    def has(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        z = self.used if stop is None else min(stop, self.used)
         got = self.present.get(name)
-        return got[: self.used] if got is not None else np.zeros(self.used, bool)
+        return got[start:z] if got is not None else np.zeros(max(0, z - start), bool)
 
     def field_names(self) -> list[str]:
         return list(self.present)
@@ -632,6 +684,9 @@ class SimpleIndex:
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
         return [dict(t or {}) for t in self.tags[slots].tolist()]
+
+    def user_tags(self, slots: np.ndarray) -> list[dict[str, Any] | None]:
+        return self.tags[slots].tolist()  # (as written: the ledger only looks keys up)
 
     def leads(self, name: str, slots: np.ndarray) -> np.ndarray:
         """From the rows' wire geometry in the tags, read once per sample (then cached)."""

@@ -136,6 +136,11 @@ class FieldIndex:
 class Partition:
     """The index of one partition (see the module docstring)."""
 
+    #: Every change that can make a slot claimable (a commit: new samples, or rows or tags
+    #: of stored ones, a journal's or the commit log's replay included) goes through the
+    #: controller's ``_apply_commit``, which hands its slots to the ledger (Ledger.touch).
+    touches = True
+
     ids: dict[str, int] = field(default_factory=dict)
     names: np.ndarray = field(default_factory=lambda: np.empty(0, object))
     state: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8))
@@ -203,12 +208,13 @@ class Partition:
         return np.flatnonzero(self.state[: self.used] == COMMITTED)
 
     # -- the ledger's view (rlplane_service.ledger.Index) -----------------------------------------
-    def live(self) -> np.ndarray:
-        return self.state[: self.used] == COMMITTED
+    def live(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        return self.state[start : self.used if stop is None else min(stop, self.used)] == COMMITTED
 
-    def has(self, name: str) -> np.ndarray:
+    def has(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        z = self.used if stop is None else min(stop, self.used)
         fi = self.fields.get(name)
-        return fi.block[: self.used] >= 0 if fi is not None else np.zeros(self.used, bool)
+        return fi.block[start:z] >= 0 if fi is not None else np.zeros(max(0, z - start), bool)
 
     def field_names(self) -> list[str]:
         return list(self.fields)
@@ -237,6 +243,9 @@ class Partition:
         return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]},
                  **({BORN_TAG: born[i]} if born[i] else {})}
                 for i, u in enumerate(self.user[slots].tolist())]
+
+    def user_tags(self, slots: np.ndarray) -> list[dict[str, Any] | None]:
+        return self.user[slots].tolist()
 
     def stale(self, slots: np.ndarray, born: np.ndarray) -> np.ndarray:
         """Which of ``slots`` a meta naming incarnations ``born`` (0: not known) does not

@@ -457,7 +457,7 @@ class WriteOps:
                 self._drop_blocks([b])
         self._res.pop(res.rid, None)
         self._committed(res.rid, n)
-        self.ledger.touch(res.partition)  # parked claims on it may be ready now
+        self.ledger.touch(res.partition, res.slots)  # parked claims on it may be ready now
 
     def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], run: dict[str, np.ndarray]) -> None:
         """Every copy of every block the commit names must come with its unit's seal of

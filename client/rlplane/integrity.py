@@ -99,7 +99,7 @@ def copied_sums(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np
     Example: ``got = copied_sums(out, out_at, slab.u8, slab_at, lens)``.
     """
     n = lens.size
-    ends = np.concatenate([[0], np.cumsum(lens)])  # each row's place were the rows packed
+    ends = np.concatenate([[0], np.cumsum(lens)])  # where each row would start if the rows were packed
     brk = np.ones(n, dtype=bool)
     if n:
         brk[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])

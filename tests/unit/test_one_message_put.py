@@ -75,6 +75,14 @@ def put_message(t: NativeTransport, partition: str, ids: list[str], enc) -> dict
                 {f: col.sums.astype("<u8").tobytes() for f, col in cols.items()}, None, None, None, False)}
 
 
+def small_put(c, partition: str, prefix: str):
+    """A small_step batch encoded, its ids and the ``put`` that sends it by hand."""
+    w = small_step()
+    enc = encode(c.registry, w.fields, w.fields["input_lengths"])
+    ids = [f"{prefix}{i}" for i in range(len(w.lengths))]
+    return w, enc, ids, put_message(c.transport, partition, ids, enc)
+
+
 @pytest.mark.parametrize("path", ["shm", "zmq"])
 def test_a_small_put_is_one_message_and_reads_back_bit_exact(engine, monkeypatch, path):
     with connect(engine, path) as c:
@@ -134,11 +142,8 @@ def test_a_unit_that_cannot_store_the_rows_fails_the_put_typed_and_leaves_nothin
 
 def test_a_put_sent_again_is_answered_as_done_also_after_a_controller_restart(engine):
     with connect(engine) as c:
-        w = small_step()
-        enc = encode(c.registry, w.fields, w.fields["input_lengths"])
-        ids = [f"s{i}" for i in range(len(w.lengths))]
+        w, enc, ids, header = small_put(c, "again", "s")
         t = c.transport
-        header = put_message(t, "again", ids, enc)
         first = t._ask(header, 10, dict(enc.columns))
         assert first["committed"] == len(ids) and "again" not in first
         assert t._ask(header, 10, dict(enc.columns))["again"] is True
@@ -156,11 +161,8 @@ def test_a_put_sent_again_is_answered_as_done_also_after_a_controller_restart(en
 
 def test_hostile_one_message_puts_are_refused_typed_and_reserve_nothing(engine):
     with connect(engine) as c:
-        w = small_step()
-        enc = encode(c.registry, w.fields, w.fields["input_lengths"])
-        ids = [f"h{i}" for i in range(len(w.lengths))]
+        w, enc, ids, good = small_put(c, "h", "h")
         t = c.transport
-        good = put_message(t, "h", ids, enc)
         ch = Channel(engine.server.endpoint, "controller", secret=SECRET)
         cols = dict(enc.columns)
         some = dict(list(cols.items())[:2])

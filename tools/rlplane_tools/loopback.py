@@ -42,6 +42,10 @@ from rlplane_service.settings import ServiceSettings
 
 HEAD_IP, NODE_IP = "127.0.0.3", "127.0.0.2"
 STORAGE_RESOURCE = "rlplane_storage"
+#: How long a stop lets the nodes' processes end on SIGTERM before it kills them. Ray's own
+#: shutdown of a node (raylet, GCS, Serve's actors) ran past 15 s on the 2-core VM; nothing
+#: of this throwaway cluster outlives it (its temp dir is removed, the units' slabs are memfds).
+STOP_GRACE_S = 3.0
 
 
 class ClusterError(RuntimeError):
@@ -167,7 +171,7 @@ class LoopbackCluster:
                 proc.terminate()
             except psutil.Error:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=15)
+        _, alive = psutil.wait_procs(procs, timeout=STOP_GRACE_S)
         for proc in alive:
             try:
                 proc.kill()

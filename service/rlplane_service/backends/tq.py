@@ -68,10 +68,10 @@ class TQStore(StoreBackend):
         ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
         streams = stream_actor_class().options(name=f"{prefix}-streams", **common).remote(
             settings.native_host or None, data_secret(settings), settings.claim_lease_s, settings.put_lease_s)
-        try:
+        try:  # the units start while those three do (each a process of its own, importing for seconds)
+            master, master_info, units, unit_infos = cls._start_units(settings, common)
             streams_info = ray.get(streams.info.remote(), timeout=PING_TIMEOUT_S)
             controller_info = ray.get(controller.get_zmq_server_info.remote(), timeout=PING_TIMEOUT_S)
-            master, master_info, units, unit_infos = cls._start_units(settings, common)
         except (ray.exceptions.RayError, TimeoutError) as err:
             raise TransportError(f"the store's actors did not start: {_cause(err)}") from err
         log.info("store %r (%s): controller %s, %d storage units", prefix, cls.name, controller_info, len(units))

@@ -25,7 +25,7 @@ from rlplane_service.native.local import LocalEngine
 SECRET = b"hygiene-secret"
 #: The suite runs this many connect/put/read/drop cycles; the issue's 10,000 run the same
 #: loop with RLPLANE_HYGIENE_CYCLES=10000.
-CYCLES = int(os.environ.get("RLPLANE_HYGIENE_CYCLES", "1000"))
+CYCLES = int(os.environ.get("RLPLANE_HYGIENE_CYCLES", "500"))
 
 
 @pytest.fixture(scope="module")

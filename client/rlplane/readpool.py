@@ -4,7 +4,8 @@ A read copies its rows into memory the caller owns (the native transport's copie
 a slab, and the padded tensors the codec builds from token rows). Into fresh memory that copy costs
 a page fault per page (168 MB of vlm-step pixels: ~370 ms fresh, ~9 ms into pages
 touched before, on a 2-core VM), so the copy would cost 40x the bytes. The pool hands
-out buffers backed by anonymous maps it keeps: when every tensor made from a buffer is
+out buffers backed by anonymous maps it keeps (asking for huge pages, which fault in
+~2.5x faster: :func:`fresh_map`): when every tensor made from a buffer is
 gone (the caller dropped the batch), the buffer comes back to the pool, already faulted
 in, and the next read of a similar size reuses it. The caller never sees memory another
 read writes: a buffer is reused only once nothing refers to it any more.
@@ -60,7 +61,7 @@ class ReadPool:
             else:
                 self.fresh += 1
         if mm is None:
-            mm = mmap.mmap(-1, -(-nbytes // _ROUND) * _ROUND)
+            mm = fresh_map(-(-nbytes // _ROUND) * _ROUND)
         buf = np.frombuffer(mm, np.uint8, count=nbytes)
         weakref.finalize(buf, self._give_back, mm)
         return buf
@@ -104,8 +105,29 @@ class ReadPool:
             return _SHARED
 
 
+def fresh_map(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of new private anonymous memory that asks for transparent huge pages
+    (``MADV_HUGEPAGE``; hosts whose THP setting is ``madvise`` give them only when asked).
+    Its first touch then faults 2 MiB at a time: 100 MB copied into fresh memory took
+    35-41 ms here, against 96-100 ms in a shared anonymous map (Python's ``mmap(-1, n)``)
+    and 78 ms in a private one without the advice. A host without THP, or a kernel without
+    the advice, gives small pages as before. (Linux >= 6.7 starts such maps on a 2 MiB
+    boundary; older kernels leave the first and last few pages small.)
+
+    Example: ``buf = np.frombuffer(fresh_map(8 << 20), np.uint8)``.
+    """
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+        except OSError:  # (a kernel built without THP)
+            pass
+    return mm
+
+
 _SHARED: ReadPool | None = None
 _SHARED_LOCK = threading.Lock()
 
 
-__all__ = ["ReadPool"]
+__all__ = ["ReadPool", "fresh_map"]

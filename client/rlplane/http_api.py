@@ -17,7 +17,9 @@ import weakref
 from typing import Any
 
 import httpx
+import numpy as np
 
+from rlplane.readpool import ReadPool
 from rlplane.shared import Refcounted
 from rlplane.errors import (
     AuthenticationError,
@@ -98,9 +100,12 @@ class ServiceAPI:
             return response
         raise self._error(response, f"{method} {path}")
 
-    def read_into(self, method: str, path: str, **kwargs: Any) -> bytearray:
-        """A data call whose answer is streamed into one writable buffer (sized by the
-        answer's Content-Length: no joining of chunks, no second copy)."""
+    def read_into(self, method: str, path: str, **kwargs: Any) -> np.ndarray | bytearray:
+        """A data call whose answer is streamed into one writable buffer, each piece copied
+        once into place: an answer that declares its length (the service's do) lands in
+        memory of the process's :class:`~rlplane.readpool.ReadPool` (pages an earlier
+        answer faulted in, reused once nothing refers to it), else in a growing ``bytearray``.
+        TransportError when the answer's length is not the one it declared."""
         http = self.http
         try:
             with http.stream(method, path, **kwargs) as response:
@@ -108,18 +113,22 @@ class ServiceAPI:
                     response.read()
                     raise self._error(response, f"{method} {path}")
                 size = response.headers.get("content-length")
-                out = bytearray(int(size)) if size and size.isdigit() else bytearray()
-                pos = 0
+                if not (size and size.isdigit()):
+                    grown = bytearray()
+                    for chunk in response.iter_raw():
+                        grown += chunk
+                    return grown
+                out = ReadPool.shared().take(int(size))
+                into, pos = memoryview(out), 0
                 for chunk in response.iter_raw():
-                    if pos + len(chunk) > len(out):
-                        out[pos:] = chunk  # longer than declared (or undeclared): grow
-                    else:
-                        out[pos : pos + len(chunk)] = chunk
+                    if pos + len(chunk) > out.size:
+                        raise TransportError(f"{method} {path}: the answer is longer than the {out.size} bytes it declared")
+                    into[pos : pos + len(chunk)] = chunk
                     pos += len(chunk)
         except httpx.HTTPError as err:
             raise TransportError(f"{method} {self.url}{path} failed: {err}. Is the service running (rlplane serve)?") from err
-        if pos != len(out):
-            raise TransportError(f"{method} {path}: the answer ended after {pos} of {len(out)} bytes")
+        if pos != out.size:
+            raise TransportError(f"{method} {path}: the answer ended after {pos} of {out.size} bytes")
         return out
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:

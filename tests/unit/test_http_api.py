@@ -341,3 +341,32 @@ def test_a_body_of_another_length_than_it_declares_is_422_and_nothing_is_stored(
     else:
         assert (status, answer["error"]) == (422, "WireFormatError") and f"{length} bytes" in answer["message"]
         assert "p" not in store.partitions()
+
+
+def _answering(body: bytes, length: str | None) -> ServiceAPI:
+    """A ServiceAPI whose every call is answered 200 with ``body``, declaring Content-Length
+    ``length`` (None: no length)."""
+    import httpx
+
+    def handler(request):
+        headers = {"content-length": length} if length is not None else {}
+        return httpx.Response(200, headers=headers, stream=httpx.ByteStream(body))
+
+    return ServiceAPI("http://rlplane.test", http=httpx.Client(transport=httpx.MockTransport(handler),
+                                                                base_url="http://rlplane.test"))
+
+
+def test_an_answer_is_read_whole_into_memory_of_the_read_pool_or_refused_when_its_length_lies():
+    import numpy as np
+
+    from rlplane.readpool import ReadPool
+
+    body = bytes(range(256)) * (8 << 10)  # 2 MiB: from the pool (not plain numpy memory)
+    got = _answering(body, str(len(body))).read_into("POST", "/v1/data/p/get")
+    assert isinstance(got, np.ndarray) and got.tobytes() == body and got.flags.writeable
+    assert ReadPool.shared().fresh + ReadPool.shared().reused >= 1
+    assert _answering(b"abcd", None).read_into("POST", "/x") == bytearray(b"abcd")  # no length: grown
+    with pytest.raises(E.TransportError, match="ended after 50 of 100 bytes"):
+        _answering(b"x" * 50, "100").read_into("POST", "/x")
+    with pytest.raises(E.TransportError, match="longer than the 100 bytes it declared"):
+        _answering(b"x" * 150, "100").read_into("POST", "/x")

@@ -31,10 +31,8 @@ def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np
                   and bool((dst_at[1:] - dst_at[:-1] == lens[:-1]).all())):  # one run: the usual read of one put
         copy(dst[d0 : d0 + total], src[s0 : s0 + total])
         return
-    breaks = np.ones(n, dtype=bool)
-    breaks[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])
-    run_at = np.flatnonzero(breaks)
-    if run_at.size <= MAX_RUNS or total >= 8 * BIG_RUN * run_at.size:
+    run_at = np.flatnonzero(run_starts(dst_at, src_at, lens))
+    if not gathers(total, run_at.size):
         run_end = np.append(run_at[1:], n)
         ends = np.concatenate([[0], np.cumsum(lens)])
         for k0, k1 in zip(run_at.tolist(), run_end.tolist()):
@@ -44,6 +42,24 @@ def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np
         return
     within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
     dst[np.repeat(dst_at, lens) + within] = src[np.repeat(src_at, lens) + within]
+
+
+def run_starts(dst_at: np.ndarray, src_at: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Bool per range ``k`` of :func:`copy_ranges`: it starts a run (it does not follow
+    range ``k - 1`` in both source and destination).
+
+    Example: ``run_starts(np.array([0, 4]), np.array([8, 12]), np.array([4, 4]))`` is ``[True, False]``.
+    """
+    starts = np.ones(lens.size, dtype=bool)
+    if lens.size:
+        starts[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])
+    return starts
+
+
+def gathers(total: int, runs: int) -> bool:
+    """Whether ``runs`` runs of ``total`` bytes in all move by one index gather (many small
+    runs) rather than by a copy per run."""
+    return runs > MAX_RUNS and total < 8 * BIG_RUN * runs
 
 
 def copy(dst: np.ndarray, src: np.ndarray) -> None:
@@ -58,4 +74,4 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     parallel.run(piece, parallel.chunks(int(dst.size), parallel.workers()))
 
 
-__all__ = ["copy", "copy_ranges"]
+__all__ = ["copy", "copy_ranges", "gathers", "run_starts"]

@@ -29,8 +29,7 @@ import torch
 import xxhash
 
 from rlplane import parallel
-from rlplane.copies import copy_ranges
-from rlplane.gather import BIG_RUN, MAX_RUNS
+from rlplane.copies import copy_ranges, gathers, run_starts
 from rlplane.column import Column
 from rlplane.errors import IntegrityError
 from rlplane.tags import SUM_TAG
@@ -100,11 +99,8 @@ def copied_sums(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np
     """
     n = lens.size
     ends = np.concatenate([[0], np.cumsum(lens)])  # where each row would start if the rows were packed
-    brk = np.ones(n, dtype=bool)
-    if n:
-        brk[1:] = (src_at[1:] != src_at[:-1] + lens[:-1]) | (dst_at[1:] != dst_at[:-1] + lens[:-1])
-    runs = int(brk.sum())
-    if int(ends[-1]) < parallel.PARALLEL_MIN_BYTES or (runs > MAX_RUNS and int(ends[-1]) < 8 * BIG_RUN * runs):
+    brk = run_starts(dst_at, src_at, lens)
+    if int(ends[-1]) < parallel.PARALLEL_MIN_BYTES or gathers(int(ends[-1]), int(brk.sum())):
         copy_ranges(dst, dst_at, src, src_at, lens)
         raw = memoryview(dst)
         return np.array([_digest(raw[a : a + m]) for a, m in zip(dst_at.tolist(), lens.tolist())], np.uint64)

@@ -262,7 +262,7 @@ class Ledger:
         ts.fields = req.fields
         lo = ts.cursor
         # (A claim that expires stale samples looks at every unseen one, as it marks them.)
-        scan = (tuple(req.fields), req.unfinished) if req.max_staleness is None and getattr(idx, "touches", False) \
+        scan = (tuple(req.fields), req.unfinished) if req.max_staleness is None and idx.touches \
             else ()
         start = max(lo, min(ts.clean, n)) if scan and ts.scan == scan else lo
 

@@ -67,6 +67,9 @@ def copy(dst: np.ndarray, src: np.ndarray) -> None:
     (:mod:`rlplane.parallel`)."""
     if dst.size != src.size:
         raise ValueError(f"copy of {src.size} bytes into {dst.size}")
+    if dst.size < parallel.PARALLEL_MIN_BYTES:  # one piece: on this thread, no split
+        dst[:] = src
+        return
 
     def piece(a: int, z: int) -> None:
         dst[a:z] = src[a:z]

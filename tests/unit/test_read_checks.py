@@ -120,3 +120,61 @@ def test_a_read_in_pieces_reports_nothing_checked_and_the_decode_finds_a_damaged
     finally:
         c.clear(meta.partition)
         c.close()
+
+
+@pytest.mark.parametrize("sides", [(2, 4), None], ids=["small: one buffer", "big: a buffer per field"])
+def test_every_field_of_a_small_read_moves_in_one_pass_into_a_buffer_of_its_own_slices(engine, monkeypatch, sides):
+    """A read smaller than the read pool's buffers copies every field's rows out of a slab
+    in one pass into one buffer: each field a slice of its own (aligned, no overlap), checked
+    and bit-exact as a bigger read's, which copies field by field into pooled buffers."""
+    c = connect(engine, "shm")
+    w = vlm_step(8, 256, seed=11, **({"sides": sides} if sides else {}))
+    meta = c.put_samples(f"one-pass-{sides is None}", w.fields)
+    names = sorted(meta.fields)
+    passes = {"all": 0, "one": 0}
+    real, real_all = NativeTransport._copy_out, NativeTransport._copy_out_all
+    monkeypatch.setattr(NativeTransport, "_copy_out", staticmethod(
+        lambda *a: passes.__setitem__("one", passes["one"] + 1) or real(*a)))
+    monkeypatch.setattr(NativeTransport, "_copy_out_all", staticmethod(
+        lambda *a: passes.__setitem__("all", passes["all"] + 1) or real_all(*a)))
+    try:
+        verified: set[str] = set()
+        cols, _ = c.transport.get(meta.partition, meta.sample_ids, names, verified=verified)
+        small = sum(col.nbytes for col in cols.values()) < c.transport.pool.min_bytes
+        assert small == (sides is not None)
+        assert passes == ({"all": 1, "one": 0} if small else {"all": 0, "one": len(names)})
+        assert verified == set(names)
+        spans = sorted((col.values.data_ptr(), col.values.data_ptr() + col.nbytes) for col in cols.values())
+        assert all(z <= a for (_, z), (a, _) in zip(spans, spans[1:])), "two fields' rows overlap"
+        if small:
+            assert len({a % 64 for a, _ in spans}) == 1, "a field does not start on its own cache line"
+        assert diff_fields(c.registry, w.fields, c.read_columns(meta, names), w.lengths,
+                           sample_ids=meta.sample_ids) == []
+    finally:
+        c.clear(meta.partition)
+        c.close()
+
+
+def test_a_location_naming_rows_past_the_request_is_refused_before_anything_is_copied(engine, monkeypatch):
+    c = connect(engine, "shm")
+    w = vlm_step(4, 64, seed=12)
+    meta = c.put_samples("hostile-locate", w.fields)
+    real = NativeTransport._ask
+
+    def lying(self, header, *a, **k):  # the controller answers a position past the 4 samples asked
+        out = real(self, header, *a, **k)
+        if header.get("op") == "locate":
+            for _, entries in out["units"]:
+                entries[0][3] = (np.frombuffer(entries[0][3], "<i8") + 4).astype("<i8").tobytes()
+        return out
+
+    monkeypatch.setattr(NativeTransport, "_ask", lying)
+    try:
+        with pytest.raises(E.WireFormatError, match="located rows it was not asked for"):
+            c.read_columns(meta, ["input_ids", "input_lengths"])
+    finally:
+        monkeypatch.setattr(NativeTransport, "_ask", real)
+        assert diff_fields(c.registry, {k: w.fields[k] for k in ("input_ids",)},
+                           c.read_columns(meta, ["input_ids"]), w.lengths, sample_ids=meta.sample_ids) == []
+        c.clear(meta.partition)
+        c.close()

@@ -114,6 +114,7 @@ READ_ID_BYTES = 8 << 20
 #: A field lent to a read that copies it out itself (``get(lend=...)``) is lent from this size
 #: on: below it, holding the views' pin costs about what the copy saves.
 LEND_MIN_BYTES = 1 << 20
+_ALIGN = 64  # each field's rows start on a cache line in a small read's one buffer
 
 
 def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
@@ -830,7 +831,7 @@ class NativeTransport(Transport):
         shared = loc.get("s") or {}  # fields with rows read once for several samples: not every row is asked
         whole = {f for f in fields if f not in columns and f not in shared and len(entries_of[f]) == 1
                  and not self._mapped(*entries_of[f][0])}
-        out = {f: self.pool.take(int(starts[f][-1])) for f in fields if f not in columns and f not in whole}
+        out, base = self._outputs({f: int(starts[f][-1]) for f in fields if f not in columns and f not in whole})
         dtypes: dict[str, set[str]] = {f: set() for f in out}
         got = {f: np.zeros(n, np.uint64) for f in out if f not in shared} if copied is not None else {}
         mapped_rows = dict.fromkeys(got, 0)  # rows of each field copied out of a mapped slab here
@@ -839,11 +840,16 @@ class NativeTransport(Transport):
             direct = [e for e in entries if e[0] not in columns and self._mapped(u, e)]
             if u in self._remote and direct:  # one batched one-sided read of every field's rows there
                 self._read_remote(self._remote[u], direct, out, starts, row_bytes)
-            for e in direct:  # rows in a mapped slab: copied out here, no message
-                if u in self._slabs:
-                    rows = self._copy_out(self._slabs[u], e, out[e[0]], starts[e[0]], row_bytes[e[0]], got.get(e[0]))
-                    if e[0] in mapped_rows:
-                        mapped_rows[e[0]] += rows
+            if u in self._slabs and direct:  # rows in a mapped slab: copied out here, no message
+                if base is not None:  # a small read: every field's rows there in one pass
+                    copied_here = self._copy_out_all(self._slabs[u], direct, base, starts, row_bytes, got)
+                else:
+                    copied_here = [(e[0], self._copy_out(self._slabs[u], e, out[e[0]], starts[e[0]], row_bytes[e[0]],
+                                                         got.get(e[0]))) for e in direct]
+                for f, rows in copied_here:
+                    if f in mapped_rows:
+                        mapped_rows[f] += rows
+            for e in direct:
                 dtypes[e[0]].add(str(e[5]))
             mine = [e for e in entries if e[0] not in columns and not self._mapped(u, e)]
             if not mine:
@@ -931,6 +937,58 @@ class NativeTransport(Transport):
             dst_at.append(starts[e[0]][pos])
         slab.read(np.concatenate(at), np.concatenate(lens), [out[f] for f in names], np.concatenate(which),
                   np.concatenate(dst_at))
+
+    def _outputs(self, sizes: dict[str, int]) -> tuple[dict[str, np.ndarray], tuple[np.ndarray, dict[str, int]] | None]:
+        """Where each field's rows are read to. A read smaller than the pool's smallest buffer
+        gets one buffer for every field (each field a 64-byte-aligned slice of it), so rows
+        of all fields in one slab move in one pass (returned as ``(buffer, each field's
+        offset in it)``); a bigger read a pooled buffer per field (None)."""
+        at, total = {}, 0
+        for f, size in sizes.items():
+            at[f] = total
+            total += -(-size // _ALIGN) * _ALIGN
+        if total >= self.pool.min_bytes:
+            return {f: self.pool.take(size) for f, size in sizes.items()}, None
+        buf = np.empty(total, np.uint8)
+        return {f: buf[at[f] : at[f] + size] for f, size in sizes.items()}, (buf, at)
+
+    @staticmethod
+    def _copy_out_all(view: SlabView, entries: list[list[Any]], base: tuple[np.ndarray, dict[str, int]],
+                      starts: dict[str, np.ndarray], row_bytes: dict[str, np.ndarray], sums: dict[str, np.ndarray]
+                      ) -> list[tuple[str, int]]:
+        """Rows of every field of one unit's share (``entries``) out of its mapped slab, in
+        one pass, into their places in ``base``'s buffer (see :meth:`_outputs`); per entry
+        its field and how many rows. A field in ``sums`` gets each row's digest of its
+        bytes as copied (as :meth:`_copy_out`)."""
+        buf, at_of = base
+        pos = [int_array(e[3], "positions") for e in entries]
+        src = [int_array(e[4], "addresses") for e in entries]
+        for e, p, a in zip(entries, pos, src):
+            if p.size != a.size:
+                raise WireFormatError("the controller located rows it was not asked for", field=e[0])
+        all_pos = np.concatenate(pos)
+        rows = min(row_bytes[e[0]].size for e in entries)
+        if all_pos.size and (int(all_pos.min()) < 0 or int(all_pos.max()) >= rows):
+            raise WireFormatError("the controller located rows it was not asked for", field=entries[0][0])
+        all_at = np.concatenate(src)
+        lens = np.concatenate([row_bytes[e[0]][p] for e, p in zip(entries, pos)])
+        if all_at.size and (int(all_at.min()) < 0 or int((all_at + lens).max()) > view.nbytes):
+            raise WireFormatError("the controller located rows outside a storage unit's slab", field=entries[0][0])
+        if all_at.size:
+            lo, hi = int(all_at.min()), int((all_at + lens).max())
+            if hi - lo <= 2 * int(lens.sum()):  # rows close together (one put's): their span mapped at once
+                view.prefault(lo, hi)
+        dst = np.concatenate([at_of[e[0]] + starts[e[0]][p] for e, p in zip(entries, pos)])
+        if any(e[0] in sums for e in entries):
+            got = copied_sums(buf, dst, view.u8, all_at, lens)
+            k = 0
+            for e, p in zip(entries, pos):
+                if e[0] in sums:
+                    sums[e[0]][p] = got[k : k + p.size]
+                k += p.size
+        else:
+            copy_ranges(buf, dst, view.u8, all_at, lens)
+        return [(e[0], int(p.size)) for e, p in zip(entries, pos)]
 
     @staticmethod
     def _copy_out(view: SlabView, entry: list[Any], out: np.ndarray, starts: np.ndarray, row_bytes: np.ndarray,
@@ -1050,12 +1108,14 @@ def _assemble(name: str, parts: list[tuple[RawColumn, np.ndarray, bool]], n: int
     if not dtypes:
         return Column.empty(torch.uint8)
     dtype = dtypes.pop()
-    itemsize = np.dtype(numpy_dtype(dtype_from_name(dtype))).itemsize
-    if out.size % itemsize or bool((row_bytes % itemsize).any()):
+    torch_dtype = dtype_from_name(dtype)
+    np_dtype = np.dtype(numpy_dtype(torch_dtype))
+    itemsize = np_dtype.itemsize
+    if out.size % itemsize or (itemsize > 1 and bool((row_bytes % itemsize).any())):
         raise WireFormatError(f"row sizes are not whole {dtype} elements", field=name)
     offsets = np.zeros(n + 1, np.int64)
-    np.cumsum(row_bytes // itemsize, out=offsets[1:])
-    values = out.view(numpy_dtype(dtype_from_name(dtype)))
+    np.cumsum(row_bytes // itemsize if itemsize > 1 else row_bytes, out=offsets[1:])
+    values = out.view(np_dtype)
     for col, pos, in_place in parts:
         if col.num_rows != pos.size:
             raise WireFormatError(f"a storage unit returned {col.num_rows} rows for {pos.size}", field=name)
@@ -1064,7 +1124,7 @@ def _assemble(name: str, parts: list[tuple[RawColumn, np.ndarray, bool]], n: int
             raise WireFormatError("a storage unit returned rows of other sizes than the controller recorded", field=name)
         if not in_place:
             _scatter(values, offsets, pos, col.values, col.offsets)
-    return Column(torch.from_numpy(values).view(dtype_from_name(dtype)), torch.from_numpy(offsets))
+    return Column(torch.from_numpy(values).view(torch_dtype), torch.from_numpy(offsets))
 
 
 def _offsets(x: Any, part: Mapping[str, Column], unit: str) -> dict[str, int]:

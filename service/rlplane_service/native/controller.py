@@ -320,8 +320,10 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
     def _forget(self, p: str, part: Partition, slots: np.ndarray) -> None:
         """Drop samples ``slots`` of partition ``p`` from the index (their rows' blocks are
         released); the partition goes when nothing of it is left to answer for."""
+        going = [self._release_rows(fi, slots) for fi in part.fields.values()]
+        if going:
+            self._release(np.concatenate([b for b, _ in going]), np.concatenate([nb for _, nb in going]))
         for fi in part.fields.values():
-            self._release_rows(fi, slots)
             fi.block[slots] = -1
             fi.forget(slots)
             fi.sums[slots] = 0
@@ -403,13 +405,17 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         hint = E.lost_hint(lost, "they held the only copy; RLPLANE_REPLICAS=2 keeps two") if lost else ""
         return E.MissingDataError(p, {s: [] for s in ids}, hint=hint)
 
-    def _release_rows(self, fi: FieldIndex, slots: np.ndarray) -> None:
-        """The rows of ``fi`` at ``slots`` go (cleared or overwritten): their blocks lose a
-        reference each; a row sharing another's bytes gives back no stored bytes of its own,
-        and a row whose bytes others still share hands them on (the first of those others
-        holds them from now on), so live bytes count what is still read."""
+    def _release_rows(self, fi: FieldIndex, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The rows of ``fi`` at ``slots`` go (cleared or overwritten): returns their blocks
+        and the stored bytes they give back, for :meth:`_release` (the caller releases
+        every field's at once: each block then loses a reference per row). A row sharing
+        another's bytes gives back no stored bytes of its own, and a row whose bytes others
+        still share hands them on (the first of those others holds them from now on), so
+        live bytes count what is still read."""
+        blocks, nbytes = fi.block[slots], fi.nbytes[slots]
+        if not fi.shares:  # no row of the field shares bytes (the usual case): nothing to hand on
+            return blocks, nbytes
         dup = fi.dup[slots]
-        nbytes = fi.nbytes[slots]
         heirs = _heirs(fi, slots)  # before the going rows stop counting as sharers
         if bool(dup.any()):
             held = dup & (fi.block[slots] >= 0)
@@ -423,7 +429,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
             self._shared_bytes -= handed
             for b, nb in zip(*_per_block(fi.block[heirs], fi.nbytes[heirs])):
                 self._block_bytes[b][1] += nb
-        self._release(fi.block[slots], nbytes)
+        return blocks, nbytes
 
     def _release(self, blocks: np.ndarray, nbytes: np.ndarray) -> None:
         """Drop references from rows to blocks; free blocks nothing points at any more."""

@@ -67,6 +67,7 @@ class FieldIndex:
     # checked against the slot's row when found: a stale entry names nothing).
     keyed: dict[bytes, int] = field(default_factory=dict)
     _shape_kind: dict[tuple[int, ...], int] = field(default_factory=dict)
+    shares: bool = False  # some row was ever marked ``dup`` (False: none is; releases skip the sharing bookkeeping)
 
     _COLUMNS = (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0), ("off", 0), ("lead", -1),
                 ("kind", -1), ("dup", False), ("k0", 0), ("k1", 0))

@@ -397,9 +397,10 @@ class WriteOps:
             self.book.put(res.seq, part, res.slots, [b for b, _, _, _ in res.blocks], pins=res.create or user is not None)
         row_in_block = np.arange(n, dtype=np.int64) - c.first_row
         refs: collections.Counter[int] = collections.Counter({b: (z - a) * len(res.fields) for b, _, a, z in res.blocks})
+        going = []  # the rows this write replaces: released at once below
         for k, name in enumerate(res.fields):
             fi = part.field_index(name)
-            self._release_rows(fi, res.slots)  # rows this write replaces
+            going.append(self._release_rows(fi, res.slots))
             block, row, off = c.bid_of_row, row_in_block, c.run[k, :n] - c.run[k, c.first_row]
             same, kept = c.same.get(name), c.held.get(name)
             own = np.ones(n, bool)
@@ -411,6 +412,7 @@ class WriteOps:
                 refs.update(where[:, 0].tolist())
                 block[rows], row[rows], off[rows] = where[:, 0], where[:, 1], where[:, 2]
                 fi.dup[res.slots[rows]] = True
+                fi.shares = True
                 own[rows] = False
                 self._shared_bytes += int(c.row_bytes[name][rows].sum())
             if same is not None:  # a repeated row points at its twin's bytes, wherever they are stored
@@ -421,6 +423,7 @@ class WriteOps:
                     refs[now] += cnt
                 block[dup], row[dup], off[dup] = block[same[dup]], row[same[dup]], off[same[dup]]
                 fi.dup[res.slots[dup]] = True
+                fi.shares = True
                 own[dup] = False
                 self._shared_bytes += int(c.row_bytes[name][dup].sum())
             fi.block[res.slots] = block
@@ -432,6 +435,8 @@ class WriteOps:
             if kept is not None:  # the digests the rows were stored with
                 fi.sums[res.slots[kept[0]]] = kept[1][:, 4].view(np.uint64)
             register(part, name, res.slots, c.keys.get(name), own)
+        if going:
+            self._release(np.concatenate([b for b, _ in going]), np.concatenate([nb for _, nb in going]))
         mine = {b for b, _, _, _ in res.blocks}
         for b, cnt in refs.items():  # rows now pointing at blocks of earlier puts (checked live)
             if b not in mine and cnt:

@@ -320,9 +320,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
     def _forget(self, p: str, part: Partition, slots: np.ndarray) -> None:
         """Drop samples ``slots`` of partition ``p`` from the index (their rows' blocks are
         released); the partition goes when nothing of it is left to answer for."""
-        going = [self._release_rows(fi, slots) for fi in part.fields.values()]
-        if going:
-            self._release(np.concatenate([b for b, _ in going]), np.concatenate([nb for _, nb in going]))
+        self._release([self._release_rows(fi, slots) for fi in part.fields.values()])
         for fi in part.fields.values():
             fi.block[slots] = -1
             fi.forget(slots)
@@ -431,8 +429,13 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 self._block_bytes[b][1] += nb
         return blocks, nbytes
 
-    def _release(self, blocks: np.ndarray, nbytes: np.ndarray) -> None:
-        """Drop references from rows to blocks; free blocks nothing points at any more."""
+    def _release(self, going: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Drop references from rows to blocks (``going``: per field, the rows' blocks and
+        the bytes they give back, from :meth:`_release_rows`); free blocks nothing points
+        at any more."""
+        if not going:
+            return
+        blocks, nbytes = np.concatenate([b for b, _ in going]), np.concatenate([nb for _, nb in going])
         held = blocks >= 0
         if not held.any():
             return

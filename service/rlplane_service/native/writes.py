@@ -435,8 +435,7 @@ class WriteOps:
             if kept is not None:  # the digests the rows were stored with
                 fi.sums[res.slots[kept[0]]] = kept[1][:, 4].view(np.uint64)
             register(part, name, res.slots, c.keys.get(name), own)
-        if going:
-            self._release(np.concatenate([b for b, _ in going]), np.concatenate([nb for _, nb in going]))
+        self._release(going)
         mine = {b for b, _, _, _ in res.blocks}
         for b, cnt in refs.items():  # rows now pointing at blocks of earlier puts (checked live)
             if b not in mine and cnt:

@@ -59,6 +59,12 @@ def connect(engine, path):
     return Client(default_registry(), NativeTransport(info, timeout=30, data_path=path))
 
 
+def reads_back(c, w, meta, names):
+    """How ``names`` of the samples of ``meta`` read back differ from workload ``w``'s ([]: bit-exact)."""
+    return diff_fields(c.registry, {k: w.fields[k] for k in names}, c.read_columns(meta, names), w.lengths,
+                       sample_ids=meta.sample_ids)
+
+
 def damage(engine, client, partition, sample, field):
     """Flip a bit of ``sample``'s row of ``field`` where a unit stores it; the unit's core."""
     loc = client.transport._ctrl().call({"op": "locate", "p": partition, "ids": [sample], "fields": [field]},
@@ -79,9 +85,7 @@ def test_rows_copied_out_of_a_slab_are_checked_there_and_a_damaged_one_is_named(
         verified: set[str] = set()
         c.transport.get(meta.partition, meta.sample_ids, names, verified=verified)
         assert verified == (set(names) if path == "shm" else set())  # over ZMQ the decode digests them
-        got = c.read_columns(meta, names)
-        assert diff_fields(c.registry, {k: w.fields[k] for k in names}, got, w.lengths,
-                           sample_ids=meta.sample_ids) == []
+        assert reads_back(c, w, meta, names) == []
         k = max(i for i, r in enumerate(w.fields["pixel_values"].rows) if r is not None)  # a sample with images
         undo = damage(engine, c, meta.partition, meta.sample_ids[k], "pixel_values")
         named = f"sample '{meta.sample_ids[k]}', field 'pixel_values'"
@@ -92,12 +96,9 @@ def test_rows_copied_out_of_a_slab_are_checked_there_and_a_damaged_one_is_named(
             with pytest.raises(E.IntegrityError, match=named):
                 read()
         rest = [i for i in range(6) if i != k]
-        assert diff_fields(c.registry, {k: w.select(rest).fields[k] for k in names},
-                           c.read_columns(meta.subset(rest), names), w.select(rest).lengths,
-                           sample_ids=meta.subset(rest).sample_ids) == []  # the rest reads
+        assert reads_back(c, w.select(rest), meta.subset(rest), names) == []  # the rest reads
         undo()
-        assert diff_fields(c.registry, {k: w.fields[k] for k in names}, c.read_columns(meta, names), w.lengths,
-                           sample_ids=meta.sample_ids) == []
+        assert reads_back(c, w, meta, names) == []
     finally:
         c.clear(meta.partition)
         c.close()
@@ -131,25 +132,21 @@ def test_every_field_of_a_small_read_moves_in_one_pass_into_a_buffer_of_its_own_
     w = vlm_step(8, 256, seed=11, **({"sides": sides} if sides else {}))
     meta = c.put_samples(f"one-pass-{sides is None}", w.fields)
     names = sorted(meta.fields)
-    passes = {"all": 0, "one": 0}
-    real, real_all = NativeTransport._copy_out, NativeTransport._copy_out_all
-    monkeypatch.setattr(NativeTransport, "_copy_out", staticmethod(
-        lambda *a: passes.__setitem__("one", passes["one"] + 1) or real(*a)))
-    monkeypatch.setattr(NativeTransport, "_copy_out_all", staticmethod(
-        lambda *a: passes.__setitem__("all", passes["all"] + 1) or real_all(*a)))
+    passes: list[int] = []  # fields copied by each pass out of a slab
+    real = NativeTransport._copy_out
+    monkeypatch.setattr(NativeTransport, "_copy_out", staticmethod(lambda *a: passes.append(len(a[1])) or real(*a)))
     try:
         verified: set[str] = set()
         cols, _ = c.transport.get(meta.partition, meta.sample_ids, names, verified=verified)
         small = sum(col.nbytes for col in cols.values()) < c.transport.pool.min_bytes
         assert small == (sides is not None)
-        assert passes == ({"all": 1, "one": 0} if small else {"all": 0, "one": len(names)})
+        assert passes == ([len(names)] if small else [1] * len(names))
         assert verified == set(names)
         spans = sorted((col.values.data_ptr(), col.values.data_ptr() + col.nbytes) for col in cols.values())
         assert all(z <= a for (_, z), (a, _) in zip(spans, spans[1:])), "two fields' rows overlap"
         if small:
             assert len({a % 64 for a, _ in spans}) == 1, "a field does not start on its own cache line"
-        assert diff_fields(c.registry, w.fields, c.read_columns(meta, names), w.lengths,
-                           sample_ids=meta.sample_ids) == []
+        assert reads_back(c, w, meta, names) == []
     finally:
         c.clear(meta.partition)
         c.close()
@@ -174,7 +171,6 @@ def test_a_location_naming_rows_past_the_request_is_refused_before_anything_is_c
             c.read_columns(meta, ["input_ids", "input_lengths"])
     finally:
         monkeypatch.setattr(NativeTransport, "_ask", real)
-        assert diff_fields(c.registry, {k: w.fields[k] for k in ("input_ids",)},
-                           c.read_columns(meta, ["input_ids"]), w.lengths, sample_ids=meta.sample_ids) == []
+        assert reads_back(c, w, meta, ["input_ids"]) == []
         c.clear(meta.partition)
         c.close()

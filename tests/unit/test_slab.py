@@ -165,10 +165,9 @@ def test_a_padded_read_pads_big_token_rows_out_of_the_slab_into_memory_it_owns(e
         x = torch.randint(0, 10**9, (512, 1024), generator=g) * (torch.arange(1024) < lens[:, None])
         meta = client.put_samples("lent", {"input_ids": x, "input_lengths": lens})
         copied = []  # the fields whose rows were copied out of the slab (one field at a time, or a small read's at once)
-        real, real_all = NativeTransport._copy_out, NativeTransport._copy_out_all
-        monkeypatch.setattr(NativeTransport, "_copy_out", staticmethod(lambda *a: copied.append(a[1][0]) or real(*a)))
-        monkeypatch.setattr(NativeTransport, "_copy_out_all",
-                            staticmethod(lambda *a: copied.extend(e[0] for e in a[1]) or real_all(*a)))
+        real = NativeTransport._copy_out
+        monkeypatch.setattr(NativeTransport, "_copy_out", staticmethod(lambda *a: copied.extend(e[0] for e in a[1])
+                                                                        or real(*a)))
         got = client.read_columns(meta, ["input_ids", "input_lengths"])
         assert copied == ["input_lengths"], "the token rows were copied out before they were padded"
         assert torch.equal(got["input_ids"], x) and torch.equal(got["input_lengths"], lens)

@@ -841,14 +841,12 @@ class NativeTransport(Transport):
             if u in self._remote and direct:  # one batched one-sided read of every field's rows there
                 self._read_remote(self._remote[u], direct, out, starts, row_bytes)
             if u in self._slabs and direct:  # rows in a mapped slab: copied out here, no message
-                if base is not None:  # a small read: every field's rows there in one pass
-                    copied_here = self._copy_out_all(self._slabs[u], direct, base, starts, row_bytes, got)
-                else:
-                    copied_here = [(e[0], self._copy_out(self._slabs[u], e, out[e[0]], starts[e[0]], row_bytes[e[0]],
-                                                         got.get(e[0]))) for e in direct]
-                for f, rows in copied_here:
-                    if f in mapped_rows:
-                        mapped_rows[f] += rows
+                # a small read: every field's rows there in one pass; else field by field
+                passes = [(direct, *base)] if base is not None else [([e], out[e[0]], {e[0]: 0}) for e in direct]
+                for share, buf, at in passes:
+                    for f, rows in self._copy_out(self._slabs[u], share, buf, at, starts, row_bytes, got):
+                        if f in mapped_rows:
+                            mapped_rows[f] += rows
             for e in direct:
                 dtypes[e[0]].add(str(e[5]))
             mine = [e for e in entries if e[0] not in columns and not self._mapped(u, e)]
@@ -953,14 +951,13 @@ class NativeTransport(Transport):
         return {f: buf[at[f] : at[f] + size] for f, size in sizes.items()}, (buf, at)
 
     @staticmethod
-    def _copy_out_all(view: SlabView, entries: list[list[Any]], base: tuple[np.ndarray, dict[str, int]],
-                      starts: dict[str, np.ndarray], row_bytes: dict[str, np.ndarray], sums: dict[str, np.ndarray]
-                      ) -> list[tuple[str, int]]:
-        """Rows of every field of one unit's share (``entries``) out of its mapped slab, in
-        one pass, into their places in ``base``'s buffer (see :meth:`_outputs`); per entry
-        its field and how many rows. A field in ``sums`` gets each row's digest of its
-        bytes as copied (as :meth:`_copy_out`)."""
-        buf, at_of = base
+    def _copy_out(view: SlabView, entries: list[list[Any]], buf: np.ndarray, at_of: dict[str, int],
+                  starts: dict[str, np.ndarray], row_bytes: dict[str, np.ndarray], sums: dict[str, np.ndarray]
+                  ) -> list[tuple[str, int]]:
+        """Rows of ``entries`` (of one unit's share: one field's, or a small read's every
+        field, see :meth:`_outputs`) out of its mapped slab in one pass, each field's rows
+        at ``at_of[field]`` in ``buf`` onwards; per entry its field and how many rows. A field
+        in ``sums`` gets each row's digest of its bytes as copied, at its place there."""
         pos = [int_array(e[3], "positions") for e in entries]
         src = [int_array(e[4], "addresses") for e in entries]
         for e, p, a in zip(entries, pos, src):
@@ -989,27 +986,6 @@ class NativeTransport(Transport):
         else:
             copy_ranges(buf, dst, view.u8, all_at, lens)
         return [(e[0], int(p.size)) for e, p in zip(entries, pos)]
-
-    @staticmethod
-    def _copy_out(view: SlabView, entry: list[Any], out: np.ndarray, starts: np.ndarray, row_bytes: np.ndarray,
-                  sums: np.ndarray | None = None) -> int:
-        """Rows of one unit's share out of its mapped slab into their places in ``out``;
-        how many. ``sums``: each row's digest of its bytes as copied goes to its place there."""
-        pos, at = int_array(entry[3], "positions"), int_array(entry[4], "addresses")
-        if pos.size != at.size or (pos.size and (int(pos.min()) < 0 or int(pos.max()) >= row_bytes.size)):
-            raise WireFormatError("the controller located rows it was not asked for", field=entry[0])
-        lens = row_bytes[pos]
-        if at.size and (int(at.min()) < 0 or int((at + lens).max()) > view.nbytes):
-            raise WireFormatError("the controller located rows outside a storage unit's slab", field=entry[0])
-        if at.size:
-            lo, hi = int(at.min()), int((at + lens).max())
-            if hi - lo <= 2 * int(lens.sum()):  # rows close together (one put's): their span mapped at once
-                view.prefault(lo, hi)
-        if sums is not None:
-            sums[pos] = copied_sums(out, starts[pos], view.u8, at, lens)
-        else:
-            copy_ranges(out, starts[pos], view.u8, at, lens)
-        return int(pos.size)
 
 def _described(columns: Mapping[str, Column], geoms: Mapping[str, Geometry], sums: Mapping[str, bytes],
                user: list[Any] | None, aligned: list[str] | None, born: np.ndarray | None, durable: bool

@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 from typing import Sequence
 
 import numpy as np
@@ -129,7 +130,7 @@ def _against_first(rows: Sequence[Row], members: list[int], same: np.ndarray) ->
                 if not left:
                     return left
                 part = lead[lo:lo + step]
-                left = [i for i in left if np.array_equal(part, words[i][s][lo:lo + step])]
+                left = [i for i in left if _equal(part, words[i][s][lo:lo + step])]
         return left
 
     # Candidates split over threads (each reads its own rows; the first row's chunk is
@@ -232,6 +233,17 @@ def _u8(seg: torch.Tensor) -> torch.Tensor:
 def _bytes(seg: torch.Tensor) -> memoryview:
     flat = _u8(seg)
     return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+
+
+#: libc's memcmp (bytes, int, int -> int). It runs without the GIL (ctypes lets it go), and
+#: ~3x faster than numpy's ``==`` on a chunk in cache: no array of results is written.
+_memcmp = ctypes.CDLL(None).memcmp
+_memcmp.restype, _memcmp.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two contiguous 1-D arrays hold the same bytes (memcmp)."""
+    return a.nbytes == b.nbytes and (not a.nbytes or _memcmp(a.ctypes.data, b.ctypes.data, a.nbytes) == 0)
 
 
 def _words(seg: torch.Tensor) -> np.ndarray:

@@ -93,6 +93,22 @@ def test_a_forced_digest_collision_is_caught_by_the_byte_compare(monkeypatch):
         assert got[2][0].data_ptr() == got[0][0].data_ptr()
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_rows_longer_than_a_compare_chunk_differ_anywhere_in_any_chunk(dtype):
+    """Rows of several compare chunks (an odd byte count for uint8: not 8-byte words): one
+    bit flipped in the last byte of a later chunk, or near the end, keeps two rows apart;
+    equal rows are still twins."""
+    n = 3 * (dedup._CHUNK // torch.tensor([], dtype=dtype).element_size()) + 1001
+    base = torch.randint(0, 100, (n,)).to(dtype)
+    rows = [(base,), (base.clone(),)]
+    nbytes = n * base.element_size()
+    for at in (2 * dedup._CHUNK - 1, nbytes - 1500):  # a chunk's last byte; near the end (not in the edge key)
+        other = base.clone()
+        other.view(torch.uint8)[at] ^= 1
+        rows.append((other,))
+    assert dedup.twins(rows).tolist() == [-1, 0, -1, -1]
+
 # -- the store -----------------------------------------------------------------------------
 @pytest.mark.parametrize("path", ["shm", "zmq"])
 def test_a_groups_shared_images_are_stored_once_and_read_back_equal_for_every_member(path):

@@ -49,6 +49,9 @@ class ClaimRequest:
     tokens_field: str | None = None  # the token field whose rows' lengths count (one of ``fields``)
     #: Hand out partial rollouts too (samples whose ``finished`` tag is False: rlplane.tags).
     unfinished: bool = False
+    #: The answer's tags as columns (``g``: each field's wire geometry, ``user``: each
+    #: sample's user tags) where the store keeps them so, instead of a map per sample.
+    columnar: bool = False
 
     def to_header(self) -> dict[str, Any]:
         out = {"p": self.partition, "task": self.task, "n": self.batch_size, "fields": list(self.fields),
@@ -58,6 +61,8 @@ class ClaimRequest:
             out.update({"tok": self.max_tokens, "mintok": self.min_tokens, "tokf": self.tokens_field})
         if self.unfinished:
             out["unf"] = True
+        if self.columnar:
+            out["cols"] = True
         return out
 
     @classmethod
@@ -122,7 +127,8 @@ class ClaimRequest:
                   _num(h.get("min") or n, int, "min"), _opt(h.get("group"), str, "group"),
                   _opt(h.get("version"), int, "version"), _opt(h.get("stale"), int, "stale"),
                   _opt(h.get("lease_s"), float, "lease_s"), _opt(h.get("tok"), int, "tok"),
-                  _opt(h.get("mintok"), int, "mintok"), _opt(h.get("tokf"), str, "tokf"), _flag(h.get("unf"), "unf"))
+                  _opt(h.get("mintok"), int, "mintok"), _opt(h.get("tokf"), str, "tokf"), _flag(h.get("unf"), "unf"),
+                  _flag(h.get("cols"), "cols"))
         req.check()
         return req
 

@@ -31,8 +31,9 @@ import torch
 
 from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, Encoded, Prepared, alloc_sizes, decode, encode, prepare
 from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
-                            TransportError)
+                            TransportError, WireFormatError)
 from rlplane.fields import LENGTHS_FIELD, Registry
+from rlplane.geometry import Geometry
 from rlplane.gcpause import gc_paused
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.extension import Appending, token_fields
@@ -332,12 +333,8 @@ class Client:
                                       timeout=timeout, min_batch=min_batch, group_key=group_key,
                                       current_version=current_version, max_staleness=max_staleness, lease_s=lease_s,
                                       max_tokens=max_tokens, min_tokens=min_tokens, unfinished=unfinished)
-            reply = self._claim(want, timeout)
-        tags = reply["tags"]
-        lengths = self._stored_lengths(tags)
-        born = reply.get("born")  # each sample's incarnation (also in its tags): kept as one array for the checks
-        if isinstance(born, list) and isinstance(tags, list) and len(born) == len(tags):
-            tags = RowTags(tags, {}, {}, len(tags), np.asarray(born, np.int64))
+            reply = self._claim(replace(want, columnar=True), timeout)
+        tags, lengths = self._claimed(reply)
         return SampleMeta(partition, reply["ids"], lengths, frozenset(reply["fields"]), tags,
                           pad_to_seqlen=max(lengths) if lengths and max(lengths) > 0 else None, lease=int(reply["lease"]),
                           over_budget=bool(reply.get("over_budget", False)))
@@ -391,15 +388,33 @@ class Client:
                              "acked or nacked")
         return meta.lease
 
-    def _stored_lengths(self, tags: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Each sample's length, from the wire geometry of its token fields."""
+    def _claimed(self, reply: Mapping[str, Any]) -> tuple[Sequence[Mapping[str, Any]], list[int]]:
+        """A claim's tags and each sample's length (the leading dim of its first token field's
+        row, 0 for none): from the columns a store answers with (``g``: each field's wire
+        geometry, ``user``: each sample's user tags; no map built per sample), or from the
+        tag map it sends per sample."""
+        born = reply.get("born")  # each sample's incarnation (also in its tags): kept as one array for the checks
+        n = len(reply["ids"])
+        born = np.asarray(born, np.int64) if isinstance(born, list) and len(born) == n else None
         token = self.registry.token_fields()
+        if "g" in reply:
+            user = reply.get("user")
+            if not isinstance(reply["g"], dict) or not (user is None or isinstance(user, list) and len(user) == n):
+                raise WireFormatError("a claim's tag columns need 'g' (geometry per field) and one 'user' map per sample")
+            geoms = {f: Geometry.from_wire(g, f, n) for f, g in reply["g"].items()}
+            lengths = np.full(n, -1, np.int64)
+            for f in (f for f in token if f in geoms):
+                lengths = np.where(lengths < 0, geoms[f].leads(), lengths)
+            return RowTags(user, geoms, {}, n, born), np.maximum(lengths, 0).tolist()
+        tags = reply["tags"]
         out = []
         for tag in tags:
             wire = tag.get(WIRE_TAG) or {}
             g = next((wire[f] for f in token if isinstance(wire.get(f), list) and wire[f]), None)
             out.append(int(g[0]) if g is not None else 0)
-        return out
+        if born is not None and isinstance(tags, list) and len(tags) == n:
+            tags = RowTags(tags, {}, {}, n, born)
+        return tags, out
 
     # -- housekeeping ----------------------------------------------------------------
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:

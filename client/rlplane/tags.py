@@ -230,7 +230,7 @@ class RowTags(Sequence[dict[str, Any]]):
             # a built tag map handed on (take) keeps its own geometry and digests
             if self.geoms or WIRE_TAG not in tag:  # (maps handed on whole keep their own as they are)
                 tag[WIRE_TAG] = {**(tag.get(WIRE_TAG) or {}), **{f: g[i] for f, g in self.geoms.items()}}
-            if self.sums or (SUM_TAG not in tag and self.geoms):
+            if self.sums:
                 tag[SUM_TAG] = {**(tag.get(SUM_TAG) or {}), **{f: int(s[i]) for f, s in self.sums.items()}}
             if self.born is not None and self.born[i] > 0:
                 tag[BORN_TAG] = int(self.born[i])

@@ -79,6 +79,11 @@ class Index(Protocol):
         """Each slot's user tags (what the ledger's caches read: versions, groups,
         ``finished``), None where it has none; cheaper than :meth:`tags_of`."""
 
+    def wire_columns(self, slots: np.ndarray) -> dict[str, Any] | None:
+        """:meth:`tags_of`'s wire geometry as one column per field (``Geometry.to_wire``),
+        for the fields every one of ``slots`` holds; None where some field is held by only
+        some of them, or the index keeps no such columns."""
+
     def leads(self, field: str, slots: np.ndarray) -> np.ndarray:
         """Int64 per one of ``slots``: the leading dim of its row of ``field`` (a token
         field's: the sample's length), -1 where it has none."""
@@ -315,7 +320,7 @@ class Ledger:
         ids = idx.ids_of(take)
         groups = ps.group_of(req.group_key)[0][take].copy() if req.group_key is not None else None  # type: ignore[arg-type]
         self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s, ids, req.group_key, groups)
-        out = {"lease": lid, "lease_s": lease_s, "ids": ids, "tags": idx.tags_of(take),
+        out = {"lease": lid, "lease_s": lease_s, "ids": ids, **_tags(idx, take, req.columnar),
                "fields": [f for f in idx.field_names() if bool(idx.has(f)[take].all())]}
         born = getattr(idx, "born", None)  # each sample's incarnation, where the index keeps them (native)
         if born is not None:
@@ -688,6 +693,9 @@ class SimpleIndex:
     def user_tags(self, slots: np.ndarray) -> list[dict[str, Any] | None]:
         return self.tags[slots].tolist()  # (as written: the ledger only looks keys up)
 
+    def wire_columns(self, slots: np.ndarray) -> dict[str, Any] | None:
+        return None  # (the geometry lives in each sample's tags here)
+
     def leads(self, name: str, slots: np.ndarray) -> np.ndarray:
         """From the rows' wire geometry in the tags, read once per sample (then cached)."""
         n = self.used
@@ -817,6 +825,15 @@ class SimpleIndexes(dict):
             keep = np.flatnonzero(keep)
             ledger.renumber(partition, index, keep, index.repack(keep))
 
+
+
+def _tags(idx: Index, take: np.ndarray, columnar: bool) -> dict[str, Any]:
+    """A claim's tags of the samples ``take``: asked for as columns (``columnar``) and where
+    the index keeps them, each field's rows' wire geometry (``g``) and each sample's user
+    tags (``user``), so neither side builds a map per sample; else a tag map per sample
+    (``tags``: user tags and wire geometry)."""
+    g = idx.wire_columns(take) if columnar else None
+    return {"tags": idx.tags_of(take)} if g is None else {"g": g, "user": idx.user_tags(take)}
 
 __all__ = ["Ledger", "ClaimRequest", "SimpleIndex", "SimpleIndexes", "Index", "UNSEEN", "LEASED", "ACKED", "EXPIRED",
            "MAX_WAIT_S", "WAIT_BUCKETS"]

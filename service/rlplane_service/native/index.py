@@ -248,6 +248,16 @@ class Partition:
     def user_tags(self, slots: np.ndarray) -> list[dict[str, Any] | None]:
         return self.user[slots].tolist()
 
+    def wire_columns(self, slots: np.ndarray) -> dict[str, Any] | None:
+        out = {}
+        for name, fi in self.fields.items():
+            has = fi.block[slots] >= 0
+            if bool(has.all()):
+                out[name] = fi.geometry(slots).to_wire()
+            elif bool(has.any()):
+                return None  # (a field some of them hold: a tag map each says which)
+        return out
+
     def stale(self, slots: np.ndarray, born: np.ndarray) -> np.ndarray:
         """Which of ``slots`` a meta naming incarnations ``born`` (0: not known) does not
         name as they are now: the positions where both are known and differ."""

@@ -320,8 +320,9 @@ class Ledger:
         ids = idx.ids_of(take)
         groups = ps.group_of(req.group_key)[0][take].copy() if req.group_key is not None else None  # type: ignore[arg-type]
         self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s, ids, req.group_key, groups)
+        a, z = int(take.min()), int(take.max()) + 1  # (the slots it takes, not the partition's every one)
         out = {"lease": lid, "lease_s": lease_s, "ids": ids, **_tags(idx, take, req.columnar),
-               "fields": [f for f in idx.field_names() if bool(idx.has(f)[take].all())]}
+               "fields": [f for f in idx.field_names() if bool(idx.has(f, a, z)[take - a].all())]}
         born = getattr(idx, "born", None)  # each sample's incarnation, where the index keeps them (native)
         if born is not None:
             out["born"] = born[take].tolist()
@@ -699,7 +700,8 @@ class SimpleIndex:
     def leads(self, name: str, slots: np.ndarray) -> np.ndarray:
         """From the rows' wire geometry in the tags, read once per sample (then cached)."""
         n = self.used
-        has = self.has(name)[slots]
+        a = int(slots.min()) if slots.size else 0
+        has = self.has(name, a, int(slots.max()) + 1 if slots.size else 0)[slots - a]  # (their span only)
         lead = self._leads.get(name, np.zeros(0, np.int64))
         if lead.size < n:
             lead = self._leads[name] = np.concatenate([lead, np.full(max(n, 2 * lead.size, 64) - lead.size, _UNREAD,

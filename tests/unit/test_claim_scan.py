@@ -40,15 +40,17 @@ def tokens(b, s=4, start=0):
 
 @pytest.fixture
 def looked(monkeypatch):
-    """The slot ranges claims look at (the spans the ledger asks the index's live())."""
+    """The slot ranges claims look at (the spans the ledger asks the index's live() and has())."""
     spans = []
-    real = Partition.live
+    live, has = Partition.live, Partition.has
 
-    def live(self, start=0, stop=None):
+    def looking(self, start=0, stop=None):
         spans.append((start, self.used if stop is None else min(stop, self.used)))
-        return real(self, start, stop)
 
-    monkeypatch.setattr(Partition, "live", live)
+    monkeypatch.setattr(Partition, "live", lambda self, start=0, stop=None: looking(self, start, stop) or
+                        live(self, start, stop))
+    monkeypatch.setattr(Partition, "has", lambda self, name, start=0, stop=None: looking(self, start, stop) or
+                        has(self, name, start, stop))
     return spans
 
 

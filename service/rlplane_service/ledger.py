@@ -27,6 +27,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
@@ -320,9 +321,8 @@ class Ledger:
         ids = idx.ids_of(take)
         groups = ps.group_of(req.group_key)[0][take].copy() if req.group_key is not None else None  # type: ignore[arg-type]
         self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s, ids, req.group_key, groups)
-        a, z = int(take.min()), int(take.max()) + 1  # (the slots it takes, not the partition's every one)
         out = {"lease": lid, "lease_s": lease_s, "ids": ids, **_tags(idx, take, req.columnar),
-               "fields": [f for f in idx.field_names() if bool(idx.has(f, a, z)[take - a].all())]}
+               "fields": [f for f in idx.field_names() if bool(_at(partial(idx.has, f), take).all())]}
         born = getattr(idx, "born", None)  # each sample's incarnation, where the index keeps them (native)
         if born is not None:
             out["born"] = born[take].tolist()
@@ -533,15 +533,16 @@ class Ledger:
         slots = le.slots[le.state.lease[le.slots] == lid]
         slots = slots[le.state.state[slots] == LEASED]
         if ps.index is not None and slots.size:  # samples cleared since the claim: nothing to ack (or journal)
-            slots = slots[ps.index.live()[slots]]
+            slots = slots[_at(ps.index.live, slots)]
         if ids is not None:
             held = dict(zip(le.ids, le.slots.tolist()))
             unknown = [s for s in ids if s not in held]
             if unknown:
                 raise E.LeaseError(f"cannot {verb}: samples {unknown[:5]} are not held by lease {lid}")
             mine = set(slots.tolist())
-            live = ps.index.live() if ps.index is not None else np.zeros(0, bool)
-            settled = [s for s in ids if held[s] not in mine and held[s] < live.size and live[held[s]]]
+            at = np.asarray([held[s] for s in ids], np.int64)
+            live = _at(ps.index.live, at).tolist() if ps.index is not None else [False] * len(ids)
+            settled = [s for s, alive in zip(ids, live) if held[s] not in mine and alive]
             if settled:  # acked or given back already (a sample cleared since the claim is left out instead)
                 raise E.LeaseError(f"cannot {verb}: samples {settled[:5]} are not held by lease {lid} any more")
             named = np.asarray([held[s] for s in ids if held[s] in mine], np.int64)
@@ -700,8 +701,7 @@ class SimpleIndex:
     def leads(self, name: str, slots: np.ndarray) -> np.ndarray:
         """From the rows' wire geometry in the tags, read once per sample (then cached)."""
         n = self.used
-        a = int(slots.min()) if slots.size else 0
-        has = self.has(name, a, int(slots.max()) + 1 if slots.size else 0)[slots - a]  # (their span only)
+        has = _at(partial(self.has, name), slots)
         lead = self._leads.get(name, np.zeros(0, np.int64))
         if lead.size < n:
             lead = self._leads[name] = np.concatenate([lead, np.full(max(n, 2 * lead.size, 64) - lead.size, _UNREAD,
@@ -827,6 +827,16 @@ class SimpleIndexes(dict):
             keep = np.flatnonzero(keep)
             ledger.renumber(partition, index, keep, index.repack(keep))
 
+
+
+def _at(look: Callable[[int, int], np.ndarray], slots: np.ndarray) -> np.ndarray:
+    """``look(start, stop)`` (a bool per slot of the range, e.g. ``Index.live``) at ``slots``,
+    looking at their span only: a request's cost follows the slots it names, not how many
+    the partition has.
+
+    Example: ``_at(index.live, np.array([7, 3]))`` asks ``live(3, 8)``."""
+    a = int(slots.min()) if slots.size else 0
+    return look(a, int(slots.max()) + 1 if slots.size else 0)[slots - a]
 
 
 def _tags(idx: Index, take: np.ndarray, columnar: bool) -> dict[str, Any]:

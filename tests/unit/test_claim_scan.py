@@ -63,8 +63,13 @@ def test_the_oldest_batch_of_a_big_backlog_comes_first_found_in_windows_not_the_
     metas = [client.put_samples(p, tokens(4096, start=k * 4096 * 4), sample_ids=[f"s{k * 4096 + i}" for i in range(4096)])
              for k in range(6)]
     looked.clear()
-    assert claim(client, p, "t", 64).sample_ids == [f"s{i}" for i in range(64)]
+    first = claim(client, p, "t", 64)
+    assert first.sample_ids == [f"s{i}" for i in range(64)]
     assert max(z - a for a, z in looked) <= max(4 * 64, SCAN_WINDOW)  # not the 24,576 slots
+    looked.clear()
+    assert client.ack(first.subset(list(range(32))), "t") == 32  # a shard (names its samples), then the rest
+    assert client.ack(first.subset(list(range(32, 64))), "t") == 32
+    assert looked and max(z - a for a, z in looked) <= 64  # the lease's slots, not the backlog
     # Sparse readiness: only every 5,000th sample holds the field asked for. The windows
     # grow until they found the batch, oldest first; a short claim names an exact count.
     sparse = [100, 5100, 10100, 15100, 20100]

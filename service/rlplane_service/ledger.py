@@ -828,7 +828,6 @@ class SimpleIndexes(dict):
             ledger.renumber(partition, index, keep, index.repack(keep))
 
 
-
 def _at(look: Callable[[int, int], np.ndarray], slots: np.ndarray) -> np.ndarray:
     """``look(start, stop)`` (a bool per slot of the range, e.g. ``Index.live``) at ``slots``,
     looking at their span only: a request's cost follows the slots it names, not how many
@@ -846,6 +845,7 @@ def _tags(idx: Index, take: np.ndarray, columnar: bool) -> dict[str, Any]:
     (``tags``: user tags and wire geometry)."""
     g = idx.wire_columns(take) if columnar else None
     return {"tags": idx.tags_of(take)} if g is None else {"g": g, "user": idx.user_tags(take)}
+
 
 __all__ = ["Ledger", "ClaimRequest", "SimpleIndex", "SimpleIndexes", "Index", "UNSEEN", "LEASED", "ACKED", "EXPIRED",
            "MAX_WAIT_S", "WAIT_BUCKETS"]

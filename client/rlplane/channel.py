@@ -148,6 +148,35 @@ def _close_sockets(sock: zmq.Socket, monitor: zmq.Socket, pid: int) -> None:
     sock.close(linger=0)
 
 
+
+#: zmq's SNDMORE as a plain int (pyzmq's own send_multipart ors the flag enum per frame).
+_MORE = int(zmq.SNDMORE)
+
+
+def send_frames(sock: Any, frames: Sequence[Any], flags: int = 0) -> None:
+    """``sock.send_multipart(frames, flags, copy=False)`` without pyzmq's per-frame flag
+    arithmetic (its enum costs ~1.5 µs a frame, and a put's messages carry a dozen frames).
+
+    Example: ``send_frames(sock, [ident, *reply])``."""
+    last = len(frames) - 1
+    send = sock.send
+    for k, frame in enumerate(frames):
+        send(frame, flags | _MORE if k < last else flags, copy=False)
+
+
+def recv_frames(sock: Any, flags: int = 0) -> list[Any]:
+    """``sock.recv_multipart(flags, copy=False)``, asking each frame whether more follow
+    (``Frame.more``) where pyzmq asks the socket (a getsockopt, ~2 µs a frame).
+
+    Example: ``ident, *body = recv_frames(sock, zmq.NOBLOCK)``."""
+    frame = sock.recv(flags, copy=False)
+    out = [frame]
+    while frame.more:
+        frame = sock.recv(flags, copy=False)
+        out.append(frame)
+    return out
+
+
 class Channel:
     """A deadline-bound request/reply connection (see the module docstring)."""
 
@@ -234,7 +263,7 @@ class Channel:
 
     def _send(self, frames: list[Any]) -> None:
         try:
-            self._sock.send_multipart(frames, copy=False)
+            send_frames(self._sock, frames)
         except zmq.Again:  # no peer took the connection within connect_timeout
             try:
                 self._drain_monitor()  # a refused handshake says so
@@ -294,7 +323,8 @@ class Channel:
 
     def _read(self, rid: int, sink: Sink | None) -> list[Any]:
         """One whole message; data frames of the reply to ``rid`` go where ``sink`` says."""
-        head = self._sock.recv(copy=True)
+        first = self._sock.recv(copy=False)
+        head, more = first.bytes, first.more  # (a frame says whether more follow: no socket option asked)
         frames: list[Any] = [head]
         header = None
         if sink is not None:
@@ -305,15 +335,18 @@ class Channel:
             if header is not None and header.get("rid") != rid:
                 header = None
         k = 0
-        while self._sock.rcvmore:
+        while more:
             dest = sink(header, k) if header is not None and sink is not None else None
             if dest is None:
-                frames.append(self._sock.recv(copy=False))
+                frame = self._sock.recv(copy=False)
+                frames.append(frame)
+                more = frame.more
             else:
                 got = self._sock.recv_into(dest)
+                more = self._sock.rcvmore
                 if got != len(dest):
-                    while self._sock.rcvmore:  # keep the socket in step before refusing the message
-                        self._sock.recv(copy=False)
+                    while more:  # keep the socket in step before refusing the message
+                        more = self._sock.recv(copy=False).more
                     raise WireFormatError(f"{self.name} sent a frame of {got} bytes where {len(dest)} were announced")
                 frames.append(dest)
             k += 1
@@ -522,4 +555,5 @@ async def acall(endpoint: str, name: str, header: Mapping[str, Any], *, secret: 
         sock.close(linger=0)
 
 
-__all__ = ["Channel", "ChannelPool", "SharedChannels", "PLAIN_USER", "CONNECT_TIMEOUT_S", "acall"]
+__all__ = ["Channel", "ChannelPool", "SharedChannels", "PLAIN_USER", "CONNECT_TIMEOUT_S", "acall", "send_frames",
+           "recv_frames"]

@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -278,6 +279,28 @@ def test_wire_refuses_what_is_not_a_message():
     assert int_array(ints([1, 2])).tolist() == [1, 2]
     with pytest.raises(E.WireFormatError):
         int_array(b"123")
+
+
+@pytest.mark.parametrize("frames", [[b"only"], [b"", b"a", b""], [b"h" * 200, memoryview(bytearray(70_000)), np.arange(9)]])
+def test_frames_go_and_come_as_one_message_each(frames):
+    """send_frames / recv_frames (the servers' and channels' own multipart loops): every
+    message whole, in order, each frame's bytes as sent; nothing waiting is an Again."""
+    from rlplane.channel import recv_frames, send_frames
+
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        b.connect(f"tcp://127.0.0.1:{a.bind_to_random_port('tcp://127.0.0.1')}")
+        with pytest.raises(zmq.Again):
+            recv_frames(a, zmq.NOBLOCK)
+        for _ in range(2):
+            send_frames(b, frames)
+        for _ in range(2):
+            assert a.poll(5000) and [bytes(f.buffer) for f in recv_frames(a)] == [bytes(memoryview(f)) for f in frames]
+        assert not a.poll(50)
+    finally:
+        a.close(0)
+        b.close(0)
 
 
 def test_concurrent_puts_of_the_same_ids_in_one_process(engine):

@@ -62,7 +62,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from rlplane import errors as E
-from rlplane.channel import PLAIN_USER
+from rlplane.channel import PLAIN_USER, recv_frames, send_frames
 from rlplane.gcpause import gc_paused
 from rlplane.wire import pack_message, unpack_header, unpack_message
 
@@ -168,7 +168,7 @@ class Server:
                     wait_ms = max(0, min(wait_ms, int((first - time.monotonic()) * 1000) + 1))
                 for sock, _ in poller.poll(wait_ms):
                     if flush is None:
-                        frames = sock.recv_multipart(copy=False)
+                        frames = recv_frames(sock)
                         if len(frames) >= 2:  # else not even an identity and a header: nothing to answer
                             self._answer(sock, frames[0], frames[1:], time.monotonic(), final=False)
                     else:
@@ -195,7 +195,7 @@ class Server:
         try:
             for _ in range(MAX_BATCH):
                 try:
-                    frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                    frames = recv_frames(sock, zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 if len(frames) < 2:
@@ -219,7 +219,7 @@ class Server:
             if k in failed:
                 reply = pack_message({"ok": False, "rid": _rid(body), "error": _payload(failed[k])})
             try:
-                sock.send_multipart([ident, *reply], copy=False)
+                send_frames(sock, [ident, *reply])
             except zmq.ZMQError as err:
                 log.warning("%s: could not answer a peer: %s", self.name, err)
         if later is not None:  # (a writer's commit is indexed here, off its clock)
@@ -257,7 +257,7 @@ class Server:
             return reply, then
         try:
             if reply is not None:  # else a one-way message (``nr``): nobody waits for an answer
-                sock.send_multipart([ident, *reply], copy=False)
+                send_frames(sock, [ident, *reply])
         except zmq.ZMQError as err:
             log.warning("%s: could not answer a peer: %s", self.name, err)
         finally:

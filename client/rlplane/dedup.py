@@ -118,19 +118,18 @@ def _against_first(rows: Sequence[Row], members: list[int], same: np.ndarray) ->
     """Compare every row of ``members[1:]`` with ``members[0]`` byte for byte (not ``==``
     on values: -0.0 equals 0.0 there, and NaN nothing), chunk by chunk; the equal ones
     become its twins; returns the others, in order."""
-    first, words = members[0], {i: [_words(seg) for seg in rows[i]] for i in members}
-    alive = [i for i in members[1:] if all(x.size == y.size for x, y in zip(words[i], words[first]))]
-    row_bytes = sum(x.nbytes for x in words[first])
-    step = _CHUNK // 8
+    first, raw = members[0], {i: [_u8(seg).numpy() for seg in rows[i]] for i in members}
+    alive = [i for i in members[1:] if all(x.size == y.size for x, y in zip(raw[i], raw[first]))]
+    row_bytes = sum(x.nbytes for x in raw[first])
 
     def equal(a: int, z: int) -> list[int]:  # the candidates alive[a:z] equal to the first row
         left = alive[a:z]
-        for s, lead in enumerate(words[first]):
-            for lo in range(0, lead.size, step):
+        for s, lead in enumerate(raw[first]):
+            for lo in range(0, lead.size, _CHUNK):
                 if not left:
                     return left
-                part = lead[lo:lo + step]
-                left = [i for i in left if _equal(part, words[i][s][lo:lo + step])]
+                part = lead[lo:lo + _CHUNK]
+                left = [i for i in left if _equal(part, raw[i][s][lo:lo + _CHUNK])]
         return left
 
     # Candidates split over threads (each reads its own rows; the first row's chunk is
@@ -242,15 +241,8 @@ _memcmp.restype, _memcmp.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_voi
 
 
 def _equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two contiguous 1-D arrays hold the same bytes (memcmp)."""
+    """Whether two contiguous uint8 arrays hold the same bytes (memcmp)."""
     return a.nbytes == b.nbytes and (not a.nbytes or _memcmp(a.ctypes.data, b.ctypes.data, a.nbytes) == 0)
-
-
-def _words(seg: torch.Tensor) -> np.ndarray:
-    """A segment's bytes as numpy words (8 bytes where they divide evenly: numpy on one
-    thread; torch.equal ran at 0.2 GB/s on a busy 2-core host)."""
-    a = _u8(seg).numpy()
-    return a.view(np.uint64) if a.size % 8 == 0 else a
 
 
 __all__ = ["twins", "digest", "row_keys", "same_bytes"]

@@ -155,8 +155,10 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
     try:
         tmp = dest.temporary()
         files, parts, samples, nbytes = {}, [], 0, 0
-        # One thread writes (and fsyncs) a partition's file while the next one's bytes are
-        # copied out of the units: at most two partitions' bytes are held at once.
+        # One thread writes (and fsyncs) a partition's file while the next one's rows are
+        # collected: views of the slabs mapped here, copied once, into the file's buffers;
+        # rows on other hosts are copied out of their units first (at most two partitions'
+        # bytes held at once).
         with ThreadPoolExecutor(1, thread_name_prefix="rlplane-snapshot-write", initializer=_yield_cpu) as disk:
             pending: Future | None = None
             for k, entry in enumerate(cut["partitions"]):
@@ -166,7 +168,7 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
                 if pending is not None:
                     pending.result()
                 pending = disk.submit(_write_file, tmp, header, blobs, files, name)
-                size = sum(b.nbytes for b in blobs)
+                size = sum(r.nbytes for runs in blobs for r in runs)
                 parts.append({"name": entry["p"], "file": name, "samples": len(entry["ids"]), "nbytes": size,
                               "fields": sorted(entry["fields"]), "tasks": sorted(entry["tasks"])})
                 samples += len(entry["ids"])
@@ -200,25 +202,31 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
     return info
 
 
-def _collect(transport: Any, entry: dict[str, Any]) -> tuple[bytes, list[memoryview]]:
-    """One partition's file contents, copied out of the units: the header (ids, tags,
-    consumption, per field its rows' positions, dtype, offsets, geometry, digests and where
-    its values are) and each field's values."""
+def _collect(transport: Any, entry: dict[str, Any]) -> tuple[bytes, list[list[memoryview]]]:
+    """One partition's file contents: the header (ids, tags, consumption, per field its
+    rows' positions, dtype, offsets, geometry, digests and where its values are) and each
+    field's values, as the runs of bytes that make them up. Rows in a slab mapped here are
+    handed over as views of it (the cut's pin holds them; the file's writer copies them
+    once, straight into its buffers); others are copied out of their units first."""
     p, ids = entry["p"], list(entry["ids"])
     fields, blobs, at = {}, [], 0
     for name, fe in sorted(entry["fields"].items()):
         pos = np.frombuffer(fe["at"], "<i8")
         sub = [ids[i] for i in pos.tolist()] if pos.size != len(ids) else ids
-        columns, _, _ = transport.fetch(fe["loc"], p, sub, [name])
-        col = columns[name]
-        values = raw(col.values)
-        fields[name] = {"at": fe["at"], "dtype": dtype_name(col.dtype),
-                        "offsets": col.offsets.numpy().astype("<i8", copy=False).tobytes(),
-                        "g": fe["loc"]["g"][name], "h": fe["loc"]["h"][name], "start": at, "nbytes": values.nbytes}
-        if col.same is not None:  # rows stored once for several samples stay so on disk and after a restore
-            fields[name]["s"] = col.same.astype("<i8").tobytes()
-        blobs.append(values)
-        at += -(-values.nbytes // _ALIGN) * _ALIGN
+        loc = fe["loc"]
+        mapped = transport.slab_runs(loc, len(sub), name)
+        if mapped is not None:
+            dtype, runs, offsets, same = mapped
+        else:
+            col = transport.fetch(loc, p, sub, [name])[0][name]
+            dtype, runs, offsets, same = dtype_name(col.dtype), [raw(col.values)], col.offsets.numpy(), col.same
+        nbytes = sum(r.nbytes for r in runs)
+        fields[name] = {"at": fe["at"], "dtype": dtype, "offsets": offsets.astype("<i8", copy=False).tobytes(),
+                        "g": loc["g"][name], "h": loc["h"][name], "start": at, "nbytes": nbytes}
+        if same is not None:  # rows stored once for several samples stay so on disk and after a restore
+            fields[name]["s"] = same.astype("<i8").tobytes()
+        blobs.append(runs)
+        at += -(-nbytes // _ALIGN) * _ALIGN
     head = {"p": p, "ids": ids, "user": entry.get("user"), "tasks": entry["tasks"], "fields": fields}
     if isinstance(entry.get("bn"), bytes):  # each sample's incarnation: metas from before the snapshot still name them
         head["bn"] = entry["bn"]
@@ -230,15 +238,20 @@ def _collect(transport: Any, entry: dict[str, Any]) -> tuple[bytes, list[memoryv
 _PIECE = 1 << 20
 
 
-def _write_file(where: Local | Remote, header: bytes, blobs: list[memoryview], files: dict[str, Any], name: str
-                ) -> None:
-    """Write a partition's file (magic, header, values, each 64-byte aligned) and fsync it;
-    its size and xxh3-128 go into ``files[name]``."""
+def _write_file(where: Local | Remote, header: bytes, blobs: list[list[memoryview]], files: dict[str, Any],
+                name: str) -> None:
+    """Write a partition's file (magic, header, each field's values 64-byte aligned; a
+    field's values are the runs of ``blobs``) and fsync it; its size and xxh3-128 go into
+    ``files[name]``."""
     h = xxhash.xxh3_128()
     with where.open(name) as f:  # around the page cache where it can: puts elsewhere keep their latency
         head = MAGIC + struct.pack("<Q", len(header)) + header
         head += b"\0" * (-len(head) % _ALIGN)
-        for chunk in [head] + [b for blob in blobs for b in (blob, b"\0" * (-blob.nbytes % _ALIGN))]:
+        chunks: list[Any] = [head]
+        for runs in blobs:
+            chunks += runs
+            chunks.append(b"\0" * (-sum(r.nbytes for r in runs) % _ALIGN))
+        for chunk in chunks:
             whole = memoryview(chunk).cast("B")
             for at in range(0, whole.nbytes, _PIECE):  # digested while the piece is in cache
                 piece = whole[at:at + _PIECE]

@@ -177,25 +177,53 @@ def test_a_snapshot_while_writers_and_claimers_run_is_one_consistent_cut(source,
             assert not set(before) & set(rest.sample_ids if rest else [])  # acked before the cut: never again
 
 
-def test_a_clear_after_the_cut_does_not_reach_into_the_snapshot(source, target, tmp_path, monkeypatch):
-    with connect(source) as a, connect(target) as b:
+@pytest.mark.parametrize("path", ["shm", "zmq"])  # rows written from the mapped slabs / copied over sockets
+def test_a_clear_after_the_cut_does_not_reach_into_the_snapshot(source, target, tmp_path, monkeypatch, path):
+    with connect(source, path) as a, connect(target) as b:
         text = text_step(32, 64, seed=9)
         m = a.put_samples("p", text.fields)
         before = wire(a, "p", m.sample_ids, list(text.fields))
-        fetch = a.transport.fetch
+        collect = snapshot._collect
         cleared = []
 
-        def clear_then_fetch(*args, **kw):
-            if not cleared:  # the cut is taken: clear the partition and overwrite its memory
+        def clear_then_collect(*args, **kw):
+            if not cleared:  # the cut is taken, no byte read yet: clear the partition and overwrite its memory
                 cleared.append(a.clear("p"))
                 a.put_samples("q", text_step(32, 64, seed=10).fields)
-            return fetch(*args, **kw)
+            return collect(*args, **kw)
 
-        monkeypatch.setattr(a.transport, "fetch", clear_then_fetch)
+        monkeypatch.setattr(snapshot, "_collect", clear_then_collect)
         info = snapshot.take(a.transport, tmp_path / "s")
         assert cleared == [32] and info.samples == 32 and info.partition_names == ["p"]
         snapshot.restore(b.transport, tmp_path / "s")
         assert same(wire(b, "p", m.sample_ids, list(text.fields)), before)
+
+
+def test_rows_written_from_the_mapped_slabs_make_the_same_files_as_rows_copied_over_sockets(tmp_path):
+    """A snapshot hands the file writer views of the slabs mapped on its host (no copy
+    first); over ZMQ it copies the rows out. Both write the same bytes, shared rows and
+    a field some samples hold included."""
+    from rlplane.testing.workloads import vlm_grpo
+
+    with LocalEngine(2, secret=SECRET, lease_s=30, slab_bytes=128 << 20) as eng:
+        with connect(eng) as a:
+            filled(a)
+            a.put_samples("grpo", vlm_grpo(batch=16, seqlen=64, seed=6).fields)
+            for k in range(3):  # several puts: a field's rows lie in several runs
+                a.put_samples("many", text_step(8, 32, seed=20 + k).fields)
+            assert a.transport.stats()["shared_bytes"] > 0
+            views = a.transport.slab_runs
+            runs = []
+            a.transport.slab_runs = lambda *args: runs.append(views(*args)) or runs[-1]
+            snapshot.take(a.transport, tmp_path / "shm")
+            assert runs and all(r is not None for r in runs)
+            assert any(r.same is not None for r in runs) and any(len(r.runs) > 1 for r in runs)
+        with connect(eng, "zmq") as z:
+            snapshot.take(z.transport, tmp_path / "zmq")
+    files = sorted(f.name for f in (tmp_path / "shm").iterdir() if f.suffix == ".rlsnap")
+    assert files == sorted(f.name for f in (tmp_path / "zmq").iterdir() if f.suffix == ".rlsnap") and len(files) == 4
+    for name in files:
+        assert (tmp_path / "shm" / name).read_bytes() == (tmp_path / "zmq" / name).read_bytes(), name
 
 
 def test_an_empty_store_snapshots_and_restores_nothing(source, target, tmp_path):
@@ -273,6 +301,7 @@ def test_a_snapshot_never_overwrites_and_leaves_nothing_when_it_fails(source, tm
             raise E.UnavailableError("storage unit u0 does not answer", component="u0")
 
         monkeypatch.setattr(a.transport, "fetch", broken)
+        monkeypatch.setattr(a.transport, "slab_runs", broken)
         with pytest.raises(E.UnavailableError):
             a.snapshot(str(tmp_path / "half"))
         assert sorted(os.listdir(tmp_path)) == ["taken"]  # no half snapshot, no temporary
@@ -376,6 +405,7 @@ def test_a_snapshot_at_a_url_that_fails_leaves_nothing_there(source, memfs, monk
             raise E.UnavailableError("storage unit u0 does not answer", component="u0")
 
         monkeypatch.setattr(a.transport, "fetch", broken)
+        monkeypatch.setattr(a.transport, "slab_runs", broken)
         with pytest.raises(E.UnavailableError):
             snapshot.take(a.transport, f"{root}/half")
         assert fs.ls(root, detail=False) == []

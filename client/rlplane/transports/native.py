@@ -58,7 +58,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from typing import Any, Collection, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -114,6 +114,9 @@ READ_ID_BYTES = 8 << 20
 #: A field lent to a read that copies it out itself (``get(lend=...)``) is lent from this size
 #: on: below it, holding the views' pin costs about what the copy saves.
 LEND_MIN_BYTES = 1 << 20
+#: Most runs :meth:`NativeTransport.slab_runs` hands out (each is one write of its user): rows
+#: scattered wider than this are copied out by :meth:`NativeTransport.fetch`, vectorized.
+MAX_SLAB_RUNS = 4096
 _ALIGN = 64  # each field's rows start on a cache line in a small read's one buffer
 
 
@@ -918,6 +921,65 @@ class NativeTransport(Transport):
             tensor = torch.from_numpy(values)
         return Column(tensor.view(dtype), torch.from_numpy(offsets)), values
 
+    def slab_runs(self, loc: dict[str, Any], n: int, field: str) -> SlabRuns | None:
+        """Where a locate (or a snapshot's cut) says ``field``'s rows of ``n`` samples are,
+        as views of the slabs mapped here (:class:`SlabRuns`: the runs of bytes, rows one
+        after another in one slab as one put wrote them, whose concatenation is the field's
+        values in request order). None where a row is elsewhere (a unit read over ZMQ or the
+        transfer engine) or the rows break into more than :data:`MAX_SLAB_RUNS` runs: read
+        them with :meth:`fetch`. The views are valid while the locate's pin holds.
+
+        Example: ``runs = transport.slab_runs(cut_loc, len(ids), "pixel_values")``.
+        """
+        row_bytes = int_array(loc["nb"][field], "row bytes")
+        pos, at, unit, dtypes = [], [], [], set()
+        for u, entries in loc["units"]:
+            for e in entries:
+                if not (isinstance(e, list) and len(e) >= 4) or e[0] != field:
+                    continue
+                if u not in self._slabs or len(e) < 6:
+                    return None
+                p, a = int_array(e[3], "positions"), int_array(e[4], "addresses")
+                if p.size != a.size:
+                    raise WireFormatError("the controller located rows it was not asked for", field=field)
+                pos.append(p)
+                at.append(a)
+                unit.append(np.full(p.size, u, np.int64))
+                dtypes.add(str(e[5]))
+        if len(dtypes) != 1 or row_bytes.size != n:
+            return None  # no row located (nothing to map), or rows of several dtypes: fetch says which
+        p, a, u = np.concatenate(pos), np.concatenate(at), np.concatenate(unit)
+        order = np.argsort(p, kind="stable")
+        p, a, u = p[order], a[order], u[order]
+        if p.size and (int(p[0]) < 0 or int(p[-1]) >= n or bool((p[1:] == p[:-1]).any())):
+            raise WireFormatError("the controller located rows it was not asked for", field=field)
+        covered = np.zeros(n, bool)
+        covered[p] = True
+        if bool(row_bytes[~covered].any()):  # (a row read once for several samples is stored empty for its twins)
+            raise WireFormatError("the controller located fewer rows than it has bytes for", field=field)
+        same = (loc.get("s") or {}).get(field)
+        torch_dtype = dtype_from_name(str(dtypes.pop()))
+        dtype, itemsize = dtype_name(torch_dtype), torch_dtype.itemsize
+        if bool((row_bytes % itemsize).any()):
+            raise WireFormatError(f"row sizes are not whole {dtype} elements", field=field)
+        offsets = np.zeros(n + 1, np.int64)
+        np.cumsum(row_bytes // itemsize, out=offsets[1:])
+        lens = row_bytes[p]
+        keep = lens > 0
+        a, u, lens = a[keep], u[keep], lens[keep]
+        starts = np.flatnonzero(np.concatenate([[True], (u[1:] != u[:-1]) | (a[1:] != a[:-1] + lens[:-1])]))
+        if starts.size > MAX_SLAB_RUNS:
+            return None
+        runs = []
+        if a.size:
+            for k, start, size in zip(u[starts].tolist(), a[starts].tolist(), np.add.reduceat(lens, starts).tolist()):
+                view = self._slabs[k]
+                if start < 0 or start + size > view.nbytes:
+                    raise WireFormatError("the controller located rows outside a storage unit's slab", field=field)
+                view.prefault(start, start + size)
+                runs.append(memoryview(view.u8).toreadonly()[start : start + size])  # (the mapping prefault maps)
+        return SlabRuns(dtype, runs, offsets, _same(same, n, field) if same is not None else None)
+
     @staticmethod
     def _read_remote(slab: RemoteSlab, entries: list[list[Any]], out: dict[str, np.ndarray],
                      starts: dict[str, np.ndarray], row_bytes: dict[str, np.ndarray]) -> None:
@@ -1034,6 +1096,18 @@ def _sink(sinks: dict[str, memoryview]) -> Any:
         return sinks.get(entry[0]) if isinstance(entry, list) and entry else None
 
     return where
+
+
+class SlabRuns(NamedTuple):
+    """A field's rows as views of mapped slabs (:meth:`NativeTransport.slab_runs`): its
+    dtype's name, the runs of bytes in request order, the rows' element offsets (int64,
+    one more than rows), and for rows stored once for several samples, each row's
+    earlier twin (-1: none; None: no row is shared)."""
+
+    dtype: str
+    runs: list[memoryview]
+    offsets: np.ndarray
+    same: np.ndarray | None
 
 
 def _same(given: Any, n: int, field: str) -> np.ndarray:

@@ -16,6 +16,7 @@ from rlplane import errors as E
 from rlplane import snapshot
 from rlplane.testing.verify import diff_fields
 from rlplane.testing.workloads import text_step, vlm_step
+from rlplane.shm import populate as shm_populate
 from rlplane.transports.native import NativeTransport
 from rlplane_service.native.local import LocalEngine
 
@@ -224,6 +225,27 @@ def test_rows_written_from_the_mapped_slabs_make_the_same_files_as_rows_copied_o
     assert files == sorted(f.name for f in (tmp_path / "zmq").iterdir() if f.suffix == ".rlsnap") and len(files) == 4
     for name in files:
         assert (tmp_path / "shm" / name).read_bytes() == (tmp_path / "zmq" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("advice", [True, False])  # the kernel maps the read-ahead / reads it into a buffer
+def test_a_restore_reads_its_files_ahead_with_or_without_the_kernels_populate_advice(source, target, tmp_path,
+                                                                                    monkeypatch, advice):
+    monkeypatch.setattr(snapshot, "_READ_CHUNK", 64 << 10)  # several pieces per file, on every read-ahead stream
+    faulted = []
+    monkeypatch.setattr(snapshot, "populate", lambda u8, write: faulted.append(u8.size) or (advice and
+                                                                                           shm_populate(u8, write=write)))
+    with connect(source) as a, connect(target) as b:
+        got = filled(a)
+        mv, vlm = got["vlm"]
+        before = wire(a, "vlm", mv.sample_ids, sorted(vlm.fields))
+        a.snapshot(str(tmp_path / "snap"))
+        snapshot.restore(b.transport, tmp_path / "snap")
+        assert same(wire(b, "vlm", mv.sample_ids, sorted(vlm.fields)), before)
+    for t in [t for t in threading.enumerate() if t.name == "rlplane-restore-readahead"]:
+        t.join(timeout=10)  # (they may outlive the restore, which faults in what they have not reached)
+    sizes = sum(f.stat().st_size for f in (tmp_path / "snap").iterdir() if f.suffix == ".rlsnap")
+    # with the advice every piece is faulted in; without it, each stream's first piece is tried
+    assert (sum(faulted) == sizes) if advice else (0 < len(faulted) <= 2 * snapshot.READ_STREAMS)
 
 
 def test_an_empty_store_snapshots_and_restores_nothing(source, target, tmp_path):

@@ -148,7 +148,6 @@ def _close_sockets(sock: zmq.Socket, monitor: zmq.Socket, pid: int) -> None:
     sock.close(linger=0)
 
 
-
 #: zmq's SNDMORE as a plain int (pyzmq's own send_multipart ors the flag enum per frame).
 _MORE = int(zmq.SNDMORE)
 

@@ -15,7 +15,7 @@ from rlplane import Client, default_registry
 from rlplane import errors as E
 from rlplane import snapshot
 from rlplane.testing.verify import diff_fields
-from rlplane.testing.workloads import text_step, vlm_step
+from rlplane.testing.workloads import text_step, vlm_grpo, vlm_step
 from rlplane.shm import populate as shm_populate
 from rlplane.transports.native import NativeTransport
 from rlplane_service.native.local import LocalEngine
@@ -204,8 +204,6 @@ def test_rows_written_from_the_mapped_slabs_make_the_same_files_as_rows_copied_o
     """A snapshot hands the file writer views of the slabs mapped on its host (no copy
     first); over ZMQ it copies the rows out. Both write the same bytes, shared rows and
     a field some samples hold included."""
-    from rlplane.testing.workloads import vlm_grpo
-
     with LocalEngine(2, secret=SECRET, lease_s=30, slab_bytes=128 << 20) as eng:
         with connect(eng) as a:
             filled(a)

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 
@@ -213,8 +214,21 @@ def _call(url: str, token: Optional[str], method: str, path: str, *, timeout: fl
         api.close()
 
 
+def prose(doc: str) -> str:
+    """A command's docstring as ``--help`` shows it: each paragraph on one line, for the
+    terminal to wrap (Typer keeps a docstring's line breaks, which then wrap raggedly).
+
+    Example: ``prose("Run it\n    until Ctrl-C.\n\n    Example: x")`` is ``"Run it until Ctrl-C.\n\nExample: x"``.
+    """
+    paragraphs = inspect.cleandoc(doc).split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs if p.strip())
+
+
 def main() -> None:
-    """Entry point of the ``rlplane`` script."""
+    """Entry point of the ``rlplane`` script (the tools' commands registered on ``app`` first)."""
+    for command in app.registered_commands:
+        if command.help is None and command.callback is not None and command.callback.__doc__:
+            command.help = prose(command.callback.__doc__)
     app()
 
 

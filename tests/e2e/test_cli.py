@@ -1,6 +1,7 @@
 """The rlplane command line, run as a user runs it (a separate process)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -90,6 +91,32 @@ def test_help_lists_every_command_and_each_has_help_of_its_own():
         assert own.returncode == 0, (command, own.stderr)
         assert f"{command} [OPTIONS]" in own.stdout and "--help" in own.stdout, command
         assert says[command] in own.stdout, (command, says[command])
+
+
+def test_help_shows_each_paragraph_of_a_commands_docstring_whole_for_the_terminal_to_wrap():
+    """Typer keeps a docstring's line breaks: unjoined, they wrapped raggedly in every width."""
+    from rlplane_service.cli import prose
+    from rlplane_tools.cli import app
+
+    docs = {c.name or c.callback.__name__.replace("_", "-"): prose(c.callback.__doc__) for c in app.registered_commands}
+    assert docs and all("\n" not in p for doc in docs.values() for p in doc.split("\n\n"))
+    code = ("import sys; from rlplane_tools.cli import main\n"
+            f"for argv in ([], *[[c] for c in {sorted(docs)!r}]):\n"
+            "    sys.argv = ['rlplane', *argv, '--help']\n"
+            "    print('=====' + ' '.join(argv))\n"
+            "    try:\n"
+            "        main()\n"
+            "    except SystemExit:\n"
+            "        pass\n")
+    res = subprocess.run([sys.executable, "-c", code], timeout=60, capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "2000"})
+    assert res.returncode == 0, res.stderr[-2000:]
+    shown = {block.split("\n", 1)[0].strip(): block for block in res.stdout.split("=====")[1:]}
+    for name, doc in docs.items():
+        first, *rest = doc.split("\n\n")
+        assert first in shown[""], (name, first)  # the command list
+        for paragraph in (first, *rest):
+            assert paragraph in shown[name], (name, paragraph)
 
 
 def test_help_answers_without_loading_torch():

@@ -24,6 +24,7 @@ from typing import Optional
 import typer
 
 from rlplane_service.cli import TOKEN_OPTION, URL_OPTION, Backend, app, console
+from rlplane_service.cli import main as service_main
 from rlplane_service.quiet import captured_output
 
 
@@ -197,17 +198,26 @@ def bench(
 ) -> None:
     """Move the same batch writer process -> reader process through every path and compare.
 
-    Paths: rlplane on its native engine (the default), on TransferQueue (tq), over HTTP
-    and on Mooncake (put_samples / read_columns, encode and decode included); raw
-    TransferQueue on the same store and bytes; the Ray object store (ray.put / ray.get); the legacy object array pickled
-    through a Ray actor call; memcpy of the same bytes as the bound. Workloads:
-    vlm-step (DESIGN.md), text-step, small (latency p50/p99), text-scale (µs per sample
-    as B grows). Sweeps: vlm-step batch sizes, concurrent writers (every sample checked after). Reports median and min..max
-    ms, GB/s of stored bytes, the ratio to raw TransferQueue and whether each target is
-    met. One warm-up per path is checked bit for bit; a mismatch fails the run (exit 1).
+    Paths: rlplane on its native engine over shared memory (the default), ZMQ and the
+    transfer engine (te), on TransferQueue (tq), over HTTP and on Mooncake (put_samples /
+    read_columns, encode, checksums and decode included); raw TransferQueue on the same
+    store and bytes; Mooncake's DataProto store; the Ray object store (ray.put / ray.get);
+    the legacy object array pickled through a Ray actor call; memcpy of the same bytes as
+    the bound.
 
-    Examples: rlplane bench --quick --plot out/bench.png;
+    Workloads: vlm-step (DESIGN.md), vlm-grpo, text-step, small (latency p50/p99),
+    text-scale (µs per sample as B grows), dp-shard, claim (streaming) and controller
+    (operations per second); sweeps of vlm-step batch sizes and concurrent writers (every
+    sample checked after). Reports median and min..max ms, GB/s of stored bytes, the ratio
+    to raw TransferQueue and whether each target is met. One warm-up per path is checked
+    bit for bit; a mismatch fails the run (exit 1). --codec, --ledger, --rebuild and
+    --durability each run one section of their own instead.
+
+    Examples: rlplane bench --quick --plot out/bench.png
+
     rlplane bench --url http://127.0.0.1:8000 --workload vlm-step --no-sweeps --json out/bench.json
+
+    rlplane bench --durability --gib 1 --dir /mnt/snapshots
     """
     from rlplane.errors import RlplaneError
     if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
@@ -388,8 +398,8 @@ def soak(
 
 
 def main() -> None:
-    """Entry point of the ``rlplane`` script."""
-    app()
+    """Entry point of the ``rlplane`` script: the service's commands and these."""
+    service_main()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Clients give back what they open: dropped without close(), by the hundred, across a
 fork, inside an event loop; a closed client says so; running out of descriptors is a
-typed error (the native engine in one process, no Ray)."""
+typed error (the native engine in a process of its own, no Ray)."""
 
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 import gc
+import json
 import multiprocessing as mp
 import os
 import subprocess
@@ -20,7 +21,6 @@ from rlplane import Client, default_registry
 from rlplane import errors as E
 from rlplane.channel import reap
 from rlplane.transports.native import NativeTransport
-from rlplane_service.native.local import LocalEngine
 
 SECRET = b"hygiene-secret"
 #: The suite runs this many connect/put/read/drop cycles; the issue's 10,000 run the same
@@ -28,10 +28,34 @@ SECRET = b"hygiene-secret"
 CYCLES = int(os.environ.get("RLPLANE_HYGIENE_CYCLES", "500"))
 
 
+#: The engine runs in a process of its own: every descriptor of this process is then a
+#: client's (an engine here opens channels of its own lazily, when its background threads
+#: first have work, and a test's count would take them for a client's).
+ENGINE = textwrap.dedent("""
+    import json, sys
+    from rlplane_service.native.local import LocalEngine
+    with LocalEngine(2, secret=sys.argv[1].encode(), slab_bytes=32 << 20, lease_s=30) as eng:
+        print(json.dumps(eng.info), flush=True)
+        sys.stdin.read()  # until the test closes it
+""")
+
+
+
 @pytest.fixture(scope="module")
 def engine():
-    with LocalEngine(2, secret=SECRET, slab_bytes=32 << 20, lease_s=30) as eng:
-        yield dict(eng.info)
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, SECRET.decode()], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, "the engine process did not start"
+        yield json.loads(line)
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # our own child, by its pid
+            proc.wait(timeout=10)
 
 
 def fds() -> int:

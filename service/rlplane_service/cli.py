@@ -215,7 +215,7 @@ def _call(url: str, token: Optional[str], method: str, path: str, *, timeout: fl
 
 
 def prose(doc: str) -> str:
-    """A command's docstring as ``--help`` shows it: each paragraph on one line, for the
+    r"""A command's docstring as ``--help`` shows it: each paragraph on one line, for the
     terminal to wrap (Typer keeps a docstring's line breaks, which then wrap raggedly).
 
     Example: ``prose("Run it\n    until Ctrl-C.\n\n    Example: x")`` is ``"Run it until Ctrl-C.\n\nExample: x"``.

@@ -40,7 +40,6 @@ ENGINE = textwrap.dedent("""
 """)
 
 
-
 @pytest.fixture(scope="module")
 def engine():
     proc = subprocess.Popen([sys.executable, "-c", ENGINE, SECRET.decode()], stdin=subprocess.PIPE,

@@ -23,8 +23,7 @@ from typing import Optional
 
 import typer
 
-from rlplane_service.cli import TOKEN_OPTION, URL_OPTION, Backend, app, console
-from rlplane_service.cli import main as service_main
+from rlplane_service.cli import TOKEN_OPTION, URL_OPTION, Backend, app, console, main as service_main
 from rlplane_service.quiet import captured_output
 
 

@@ -21,6 +21,7 @@ import contextlib
 import errno
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,40 @@ def replace_durably(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+class _Spare(threading.local):
+    """The two buffers the last StreamedFile closed on this thread: the next one on the
+    same thread takes them (a snapshot writes its files one after another on one thread),
+    so their pages are faulted in once, not per file (fresh ones cost about as much CPU as
+    the copies into them here: 0.29-0.38 s per GiB written against 0.14-0.21). They go
+    with the thread."""
+
+    bufs: list[mmap.mmap] | None = None
+
+
+_spare = _Spare()
+
+
+def _take_buffers(chunk: int) -> list[mmap.mmap]:
+    """Two page-aligned buffers of ``chunk`` bytes: this thread's spare pair, else new ones."""
+    have, _spare.bufs = _spare.bufs, None
+    if have is not None and len(have[0]) == chunk:
+        return have
+    for buf in have or []:
+        with contextlib.suppress(BufferError):
+            buf.close()
+    return [mmap.mmap(-1, chunk), mmap.mmap(-1, chunk)]
+
+
+def _give_back(bufs: list[mmap.mmap]) -> None:
+    """Keep ``bufs`` (no write in flight on them) as this thread's spare pair, or unmap them."""
+    if _spare.bufs is None:
+        _spare.bufs = bufs
+        return
+    for buf in bufs:
+        with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes
+            buf.close()
+
+
 class StreamedFile:
     """A new file written front to back and fsynced at :meth:`close`, through two aligned
     buffers of ``chunk`` bytes: one fills while the other is written (a thread of its
@@ -85,12 +120,11 @@ class StreamedFile:
             self._fd = os.open(self.path, flags, 0o666)
         self._bufs: list[mmap.mmap] = []
         try:
-            self._bufs = [mmap.mmap(-1, self._chunk), mmap.mmap(-1, self._chunk)]  # page aligned, as direct I/O needs
+            self._bufs = _take_buffers(self._chunk)  # page aligned, as direct I/O needs
             self._io = ThreadPoolExecutor(1, thread_name_prefix="rlplane-file-write")
         except BaseException:
             os.close(self._fd)
-            for buf in self._bufs:
-                buf.close()
+            _give_back(self._bufs)
             raise
         self._cur, self._fill, self._size = 0, 0, 0
         self._pending: Future | None = None
@@ -188,11 +222,9 @@ class StreamedFile:
 
     def _release(self) -> None:
         self._closed = True
-        self._io.shutdown(wait=True)
+        self._io.shutdown(wait=True)  # (no write in flight on the buffers after this)
         os.close(self._fd)
-        for buf in self._bufs:
-            with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes
-                buf.close()
+        _give_back(self._bufs)
 
 
 __all__ = ["fsync_dir", "write_durably", "replace_durably", "StreamedFile", "DIRECT_ALIGN"]

@@ -5,6 +5,7 @@ the first write gets the same bytes through the cache."""
 
 import errno
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,33 @@ def test_the_files_mode_is_the_umasks_like_every_other_snapshot_file(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "f.bin").stat().st_mode & 0o777 == 0o640
+
+
+def test_files_written_one_after_another_on_a_thread_reuse_its_buffers_and_files_open_together_do_not(tmp_path):
+    """A snapshot writes its partition files in turn on one thread: their buffers' pages
+    are faulted in once (fresh ones cost about what the copies into them cost). Two files
+    open at once never share a buffer, and each holds exactly its bytes."""
+    def ids(f):
+        return [id(x) for x in f._bufs]
+
+    def bufs_on_another_thread() -> list:
+        with StreamedFile(tmp_path / "d", chunk=1 << 20) as f:
+            return ids(f)
+
+    a, b, c = pieces([5 << 20, 3], 1), pieces([3 << 20, 1 << 20], 2), pieces([(4 << 20) + 9], 3)
+    with StreamedFile(tmp_path / "a", chunk=1 << 20) as fa:
+        with StreamedFile(tmp_path / "b", chunk=1 << 20) as fb:  # open together: buffers of its own
+            assert not set(ids(fb)) & set(ids(fa))
+            for d in a:
+                fa.write(d)
+            for d in b:
+                fb.write(d)
+            last_closed = list(fb._bufs)  # (held: ids of freed objects may come back)
+    with StreamedFile(tmp_path / "c", chunk=1 << 20) as fc:  # next on this thread: the spare pair
+        assert all(x is y for x, y in zip(fc._bufs, last_closed, strict=True))
+        for d in c:
+            fc.write(d)
+        with ThreadPoolExecutor(1) as other:  # another thread's are its own
+            assert not set(other.submit(bufs_on_another_thread).result(timeout=30)) & set(ids(fc))
+    for name, data in (("a", a), ("b", b), ("c", c)):
+        assert (tmp_path / name).read_bytes() == b"".join(d.tobytes() for d in data), name

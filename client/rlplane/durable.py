@@ -93,8 +93,9 @@ def _give_back(bufs: list[mmap.mmap]) -> None:
 
 class StreamedFile:
     """A new file written front to back and fsynced at :meth:`close`, through two aligned
-    buffers of ``chunk`` bytes: one fills while the other is written (a thread of its
-    own) with ``O_DIRECT`` (no page cache, no writeback afterwards). Where the filesystem
+    buffers of ``chunk`` bytes (the pair the last file closed on this thread, when it is
+    free): one fills while the other is written (a thread of its own) with ``O_DIRECT``
+    (no page cache, no writeback afterwards). Where the filesystem
     refuses direct I/O (tmpfs before Linux 6.6, some network ones) the same bytes go
     through the page cache; ``direct`` says which it was. An error of a write is raised
     by a later :meth:`write` or by :meth:`close`.

@@ -75,9 +75,7 @@ def _take_buffers(chunk: int) -> list[mmap.mmap]:
     have, _spare.bufs = _spare.bufs, None
     if have is not None and len(have[0]) == chunk:
         return have
-    for buf in have or []:
-        with contextlib.suppress(BufferError):
-            buf.close()
+    _unmap(have or [])
     return [mmap.mmap(-1, chunk), mmap.mmap(-1, chunk)]
 
 
@@ -85,7 +83,11 @@ def _give_back(bufs: list[mmap.mmap]) -> None:
     """Keep ``bufs`` (no write in flight on them) as this thread's spare pair, or unmap them."""
     if _spare.bufs is None:
         _spare.bufs = bufs
-        return
+    else:
+        _unmap(bufs)
+
+
+def _unmap(bufs: list[mmap.mmap]) -> None:
     for buf in bufs:
         with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes
             buf.close()

@@ -33,12 +33,14 @@ def copy_ranges(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np
         return
     run_at = np.flatnonzero(run_starts(dst_at, src_at, lens))
     if not gathers(total, run_at.size):
-        run_end = np.append(run_at[1:], n)
         ends = np.concatenate([[0], np.cumsum(lens)])
-        for k0, k1 in zip(run_at.tolist(), run_end.tolist()):
-            size = int(ends[k1] - ends[k0])
-            s0, d0 = int(src_at[k0]), int(dst_at[k0])
-            copy(dst[d0 : d0 + size], src[s0 : s0 + size])
+        size = (ends[np.append(run_at[1:], n)] - ends[run_at]).tolist()  # (plain ints: no numpy scalar per run)
+        small = parallel.PARALLEL_MIN_BYTES
+        for s0, d0, m in zip(src_at[run_at].tolist(), dst_at[run_at].tolist(), size):
+            if m < small:  # (copy's own test, without its call per run)
+                dst[d0 : d0 + m] = src[s0 : s0 + m]
+            else:
+                copy(dst[d0 : d0 + m], src[s0 : s0 + m])
         return
     within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
     dst[np.repeat(dst_at, lens) + within] = src[np.repeat(src_at, lens) + within]

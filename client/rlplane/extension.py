@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
+from rlplane.copies import copy_ranges
 from rlplane.errors import ShapeError
 from rlplane.fields import LENGTHS_FIELD, Registry
 
@@ -95,7 +96,15 @@ class Appending:
         out = (into(numel, stored.dtype) if into is not None else torch.empty(numel, dtype=stored.dtype)).view(
             -1, *stored.shape[1:])
         width = stored.element_size() * inner  # bytes per token
-        if width and self.total:  # two masked copies on the values' bit patterns (bit-exact for every dtype)
+        if not width or not self.total:
+            return out
+        if self.total >= _RUN_TOKENS * self.lengths.numel():  # long rows: each sample's two runs copied whole
+            grown, old_n = _starts(self.lengths), self.old_n.numpy()
+            dst = _bytes(out)
+            copy_ranges(dst, grown * width, _bytes(stored), _starts(self.old_n) * width, old_n * width)
+            copy_ranges(dst, (grown + old_n) * width, _bytes(rows), _starts(self.add_n) * width,
+                        self.add_n.numpy() * width)
+        else:  # two masked copies on the values' bit patterns (bit-exact for every dtype)
             keep = self._stored_positions()
             dst = _tokens(out, width)
             dst[keep] = _tokens(stored, width)
@@ -151,10 +160,27 @@ class Appending:
 _ITEMS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 
 
+#: Tokens per grown row (on average) from which an extend copies each sample's stored and new
+#: tokens as two runs of bytes rather than by two masked copies over every token: a masked copy
+#: costs ~1.5 ns a token, a run ~2 µs plus its bytes (64 rows of 12,800 tokens: int64 1.6 ->
+#: 1.1 ms, float32 1.2 -> 0.8 ms; of 1,024 tokens the runs cost 3x more; measured 2026-12-06).
+_RUN_TOKENS = 4096
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """``t`` (CPU, contiguous or made so) as its bytes, a flat uint8 array."""
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy()  # (1-D first: a token may span several dims)
+
+
+def _starts(lengths: torch.Tensor) -> np.ndarray:
+    """Where each of rows of ``lengths`` starts when they lie one after another (int64)."""
+    n = lengths.numpy().astype(np.int64)
+    return np.cumsum(n) - n
+
+
 def _tokens(t: torch.Tensor, width: int) -> np.ndarray:
     """``t`` (CPU, ``width`` bytes per token, contiguous or made so) as one numpy item per token."""
-    flat = t.contiguous().view(torch.uint8).reshape(-1)  # (1-D first: a token may span several trailing dims)
-    return flat.numpy().view(_ITEMS.get(width) or np.dtype((np.void, width)))
+    return _bytes(t).view(_ITEMS.get(width) or np.dtype((np.void, width)))
 
 
 __all__ = ["token_fields", "Appending"]

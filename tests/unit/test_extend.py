@@ -9,6 +9,7 @@ import torch
 
 from rlplane import Client, default_registry, snapshot
 from rlplane import errors as E
+from rlplane import extension
 from rlplane.extension import Appending, token_fields
 from rlplane.transports.native import NativeTransport
 from rlplane_service.native.local import LocalEngine
@@ -57,7 +58,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
                          ids=["alike", "mixed", "empty-rows"])
 @pytest.mark.parametrize("inner", [(), (2,), (2, 3)], ids=["scalar", "per-token-vector", "per-token-matrix"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.int32])
-def test_appended_packed_equals_the_padded_concatenation(old, add, inner, dtype):
+@pytest.mark.parametrize("runs", [False, True], ids=["masked", "runs"])  # short rows / rows long enough to copy as runs
+def test_appended_packed_equals_the_padded_concatenation(old, add, inner, dtype, runs, monkeypatch):
+    if runs:
+        monkeypatch.setattr(extension, "_RUN_TOKENS", 1)
     gen = torch.Generator().manual_seed(7)
     width = max(add)
     stored = [(torch.randn(n, *inner, generator=gen) * 9).to(dtype) for n in old]

@@ -246,6 +246,23 @@ def test_a_restore_reads_its_files_ahead_with_or_without_the_kernels_populate_ad
     assert (sum(faulted) == sizes) if advice else (len(faulted) == len(list((tmp_path / "snap").glob("*.rlsnap"))))
 
 
+def test_a_restore_has_the_next_files_read_while_it_checks_and_loads_one(source, target, tmp_path, monkeypatch):
+    """The disk keeps streaming: when partition k is checked, files up to k + _FILES_AHEAD
+    have been asked for (each read on a thread of its own while k loads)."""
+    asked, ahead = [], []
+    prefetch, part = snapshot.Snapshot.prefetch, snapshot.Snapshot.part
+    monkeypatch.setattr(snapshot.Snapshot, "prefetch", lambda self, k: asked.append(k) or prefetch(self, k))
+    monkeypatch.setattr(snapshot.Snapshot, "part", lambda self, k: ahead.append((k, max(asked))) or part(self, k))
+    with connect(source) as a, connect(target) as b:
+        metas = [a.put_samples(f"p{k}", text_step(4, 16, seed=k).fields) for k in range(5)]
+        a.snapshot(str(tmp_path / "snap"))
+        snapshot.restore(b.transport, tmp_path / "snap")
+        for m in metas:
+            assert b.transport.describe(m.partition).num_samples == 4
+    assert [k for k, _ in ahead] == list(range(5))
+    assert all(most >= min(k + snapshot._FILES_AHEAD - (k == 0), 4) for k, most in ahead), ahead
+
+
 def test_an_empty_store_snapshots_and_restores_nothing(source, target, tmp_path):
     with connect(source) as a, connect(target) as b:
         info = a.snapshot(str(tmp_path / "e"))

@@ -52,6 +52,7 @@ from zmq.utils.monitor import parse_monitor_message
 from rlplane.shared import Refcounted
 from rlplane.errors import AuthenticationError, TransportError, UnavailableError, WireFormatError, error_from_payload
 from rlplane.wire import RawColumn, pack_message, unpack_header, unpack_message
+from rlplane.opstats import add_wait
 
 if TYPE_CHECKING:
     from rlplane.column import Column
@@ -299,6 +300,13 @@ class Channel:
             raise
 
     def _wait(self, deadline: float) -> None:
+        start = time.monotonic()
+        try:
+            self._wait_ready(deadline)
+        finally:
+            add_wait(time.monotonic() - start)  # (the op's time blocked on the store: rlplane.opstats)
+
+    def _wait_ready(self, deadline: float) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)

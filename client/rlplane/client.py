@@ -39,7 +39,7 @@ from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.extension import Appending, token_fields
 from rlplane.meta import SampleMeta
 from rlplane.names import check_partition
-from rlplane.opstats import OpStats
+from rlplane.opstats import OpEvent, OpStats
 from rlplane import snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
@@ -115,24 +115,25 @@ class Client:
             # if a clear takes them before the commit, the put writes them itself.
             lookup = getattr(self.transport, "held_rows", None) if self._shares and not durable else None
             try:
-                enc, merged = self._put_once(partition, ids, fields, prep, user, tags is not None or not finished,
+                enc, merged = self._put_once(op, partition, ids, fields, prep, user, tags is not None or not finished,
                                              durable, lookup)
             except LeaseError as err:
                 if lookup is None or getattr(err, "component", "") != HELD_GONE:
                     raise
-                enc, merged = self._put_once(partition, ids, fields, prep, user, tags is not None or not finished,
+                enc, merged = self._put_once(op, partition, ids, fields, prep, user, tags is not None or not finished,
                                              durable, _none_held)
             op.nbytes = enc.nbytes
         stored_lengths = lengths.tolist() if lengths is not None else [0] * batch
         return SampleMeta(partition, ids, stored_lengths, frozenset(enc.columns), merged)
 
-    def _put_once(self, partition: str, ids: list[str], fields: Mapping[str, Any], prep: Prepared,
+    def _put_once(self, op: OpEvent, partition: str, ids: list[str], fields: Mapping[str, Any], prep: Prepared,
                   user: list[dict[str, Any]], tagged: bool, durable: bool, lookup: Any) -> tuple[Encoded, Any]:
         held = (lambda name, keys: lookup(partition, name, keys)) if lookup is not None else None
         sizes = alloc_sizes(self.registry, fields, prep)  # (staged at once, where the store stages)
         with self._buffers() as mine, self.transport.put_buffers(len(ids), mine, sizes) as alloc:
-            enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep, share_rows=self._shares,
-                         held=held)
+            with op.part("codec"):
+                enc = encode(self.registry, fields, sample_ids=ids, alloc=alloc, prepared=prep,
+                             share_rows=self._shares, held=held)
             merged = enc.tags.with_user(user) if tagged else enc.tags
             if durable:
                 born = self.transport.put(partition, ids, enc.columns, merged, create=True, durable=True)
@@ -159,8 +160,9 @@ class Client:
             _ready_for(self.transport, fields)
             sizes = alloc_sizes(self.registry, fields, prep)
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine, sizes) as alloc:
-                enc = encode(self.registry, fields, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
-                             share_rows=self._shares)
+                with op.part("codec"):
+                    enc = encode(self.registry, fields, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
+                                 share_rows=self._shares)
                 if not enc.columns:
                     return meta
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, enc.tags, create=False,
@@ -194,8 +196,9 @@ class Client:
                                                    **born)  # (views, where the store has them: read once, then let go)
             except MissingDataError as err:  # a stale meta is the extend's, not the read's it starts with
                 raise stale_as(err, meta.sample_ids, "extend") from None
-            stored = decode(self.registry, columns, tags, "packed", None, sample_ids=meta.sample_ids,
-                            partition=meta.partition)  # (checks every token row against input_lengths)
+            with op.part("codec"):
+                stored = decode(self.registry, columns, tags, "packed", None, sample_ids=meta.sample_ids,
+                                partition=meta.partition)  # (checks every token row against input_lengths)
             user = [{FINISHED_TAG: bool(finished)}] * len(meta)  # one map for all: nothing edits it
             plan, out = Appending(stored[LENGTHS_FIELD], given.lengths), {}
             sizes = {name: (plan.total * math.prod(stored[name].shape[1:]), stored[name].dtype) for name in names}
@@ -208,8 +211,9 @@ class Client:
                     out[name] = plan.rows(stored[name], new, field=name, into=into)  # where the put lands them
                 out[LENGTHS_FIELD] = lengths = plan.lengths
                 prep = Prepared(len(meta), lengths)  # the stored rows and the given ones, both checked
-                enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
-                             packed=frozenset(names))
+                with op.part("codec"):
+                    enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
+                                 packed=frozenset(names))
                 written = enc.tags.with_user(user)
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False, **born)
                 op.nbytes = enc.nbytes
@@ -280,8 +284,9 @@ class Client:
             columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, **more)
             op.nbytes = sum(col.nbytes for col in columns.values())
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
-            return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
-                          partition=meta.partition, device=device, verified=verified)
+            with op.part("codec"):
+                return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
+                              partition=meta.partition, device=device, verified=verified)
 
     # -- streaming -------------------------------------------------------------------
     def claim(

@@ -13,12 +13,14 @@ Example::
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from typing import Any
 
 import httpx
 import numpy as np
 
+from rlplane.opstats import add_wait
 from rlplane.readpool import ReadPool
 from rlplane.shared import Refcounted
 from rlplane.errors import (
@@ -92,10 +94,13 @@ class ServiceAPI:
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One request; a non-2xx answer raises the typed error it carries."""
         http = self.http
+        start = time.monotonic()
         try:
             response = http.request(method, path, **kwargs)
         except httpx.HTTPError as err:
             raise TransportError(f"{method} {self.url}{path} failed: {err}. Is the service running (rlplane serve)?") from err
+        finally:
+            add_wait(time.monotonic() - start)  # (blocked on the service: rlplane.opstats)
         if response.is_success:
             return response
         raise self._error(response, f"{method} {path}")
@@ -107,8 +112,10 @@ class ServiceAPI:
         answer faulted in, reused once nothing refers to it), else in a growing ``bytearray``.
         TransportError when the answer's length is not the one it declared."""
         http = self.http
+        start = time.monotonic()
         try:
             with http.stream(method, path, **kwargs) as response:
+                add_wait(time.monotonic() - start)  # (until the answer starts: its body is copied below)
                 if not response.is_success:
                     response.read()
                     raise self._error(response, f"{method} {path}")

@@ -5,12 +5,22 @@ Every :class:`~rlplane.Client` keeps one. ``summary()`` is for the trainer's own
 so that ``/metrics`` also counts the operations that went straight to the store over the
 ``tq`` transport, which the service never sees.
 
+Each op also says where its time went (``OpEvent.parts``, and ``parts_p50_s`` in the
+summary): ``wait``, the time its thread spent blocked on the store's answers (the native
+engine's round trips: :func:`add_wait`, called by :mod:`rlplane.channel`); ``codec``, its
+own work encoding or decoding the fields (row digests and shared-row matching included,
+waits inside excluded); ``client``, the rest of its wall time in the client (copies into
+and out of the store's memory, checks, messages).
+
 Example::
 
     stats = OpStats()
     with stats.timed("read_columns") as op:
         op.nbytes = 1024
+        with op.part("codec"):
+            ...                                     # decode
     stats.summary()["read_columns"]["count"]    # 1
+    stats.last("read_columns").parts            # {"wait": 0.0, "codec": ..., "client": ...}
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import statistics
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 #: The operations a client reports (the ``op`` label of rlplane's metrics).
@@ -27,6 +37,19 @@ OPS = ("put_samples", "write_columns", "read_columns", "clear", "delete_partitio
 
 _WINDOW = 1024  # recent durations kept per op for the percentiles
 _PENDING_LIMIT = 10_000  # events kept for the service when it cannot be reached
+#: Where an op's time goes (see the module docstring), in the order a report lists them.
+PARTS = ("wait", "codec", "client")
+
+_waits = threading.local()
+
+
+def add_wait(seconds: float) -> None:
+    """Count ``seconds`` this thread spent blocked on a store's answer (the channel calls it)."""
+    _waits.total = getattr(_waits, "total", 0.0) + seconds
+
+
+def _waited() -> float:
+    return getattr(_waits, "total", 0.0)
 
 
 @dataclass
@@ -38,6 +61,19 @@ class OpEvent:
     seconds: float
     nbytes: int = 0
     error: str | None = None
+    #: Seconds per part of the op (:data:`PARTS`), once it has finished.
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        """Count the block's wall time, less what its thread waited on the store in it, as
+        part ``name`` of the op (``codec``)."""
+        start, waited = time.perf_counter(), _waited()
+        try:
+            yield
+        finally:
+            own = time.perf_counter() - start - (_waited() - waited)
+            self.parts[name] = self.parts.get(name, 0.0) + max(own, 0.0)
 
     @property
     def direction(self) -> str:
@@ -58,6 +94,8 @@ class OpStats:
         self._bytes: dict[str, int] = {}
         self._wall: dict[str, float] = {}
         self._recent: dict[str, list[float]] = {}
+        self._recent_parts: dict[str, list[dict[str, float]]] = {}
+        self._last: dict[str, OpEvent] = {}
         self._pending: list[OpEvent] = []
 
     @contextmanager
@@ -65,7 +103,7 @@ class OpStats:
         """Time the block as one ``op``; set ``.nbytes`` on the yielded event. An exception
         is recorded as an error of its class and re-raised."""
         event = OpEvent(op, self.transport, 0.0)
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), _waited()
         try:
             yield event
         except BaseException as err:
@@ -73,6 +111,8 @@ class OpStats:
             raise
         finally:
             event.seconds = time.perf_counter() - start
+            wait, codec = _waited() - waited, event.parts.get("codec", 0.0)
+            event.parts = {"wait": wait, "codec": codec, "client": max(event.seconds - wait - codec, 0.0)}
             self.record(event)
 
     def record(self, event: OpEvent) -> None:
@@ -87,16 +127,22 @@ class OpStats:
             recent = self._recent.setdefault(op, [])
             recent.append(event.seconds)
             del recent[:-_WINDOW]
+            parts = self._recent_parts.setdefault(op, [])
+            parts.append(event.parts)
+            del parts[:-_WINDOW]
+            self._last[op] = event
             self._pending.append(event)
             del self._pending[:-_PENDING_LIMIT]
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per op: ``count``, ``errors``, ``bytes`` (of the successful ones), ``wall_s``
-        (total) and ``p50_s`` / ``p90_s`` over the last 1024 calls."""
+        (total), ``p50_s`` / ``p90_s`` over the last 1024 calls, and ``parts_p50_s``: the
+        median of each part of their time (:data:`PARTS`)."""
         with self._lock:
             out = {}
             for op, n in self._count.items():
                 recent = sorted(self._recent[op])
+                parts = self._recent_parts[op]
                 out[op] = {
                     "count": n,
                     "errors": self._errors.get(op, 0),
@@ -104,8 +150,14 @@ class OpStats:
                     "wall_s": round(self._wall[op], 6),
                     "p50_s": round(_quantile(recent, 0.5), 6),
                     "p90_s": round(_quantile(recent, 0.9), 6),
+                    "parts_p50_s": {k: round(statistics.median(p[k] for p in parts), 6) for k in PARTS},
                 }
             return out
+
+    def last(self, op: str) -> OpEvent | None:
+        """The last finished ``op`` of this client (None before the first)."""
+        with self._lock:
+            return self._last.get(op)
 
     def drain(self) -> list[OpEvent]:
         """The events not handed out before (oldest first), now marked as handed out."""
@@ -128,4 +180,4 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return statistics.quantiles(sorted_values, n=100, method="inclusive")[int(q * 100) - 1]
 
 
-__all__ = ["OPS", "OpEvent", "OpStats"]
+__all__ = ["OPS", "PARTS", "OpEvent", "OpStats", "add_wait"]

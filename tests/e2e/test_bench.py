@@ -16,6 +16,17 @@ SELECTING = {"rlplane-native", "rlplane-native-zmq", "rlplane-native-te", "rlpla
 LIVE = PATHS - {"rlplane-native-te"}
 #: The rows only vlm-grpo runs (its batch one put per sample).
 BATCH = LIVE - {"rlplane-native-apart"}
+#: The rows that say where each op's time went (their client counts its waits on the store).
+TELLS = {"rlplane-native", "rlplane-native-zmq", "rlplane-native-te", "rlplane-http"}
+PARTS = {"wait", "codec", "client"}
+
+
+def told(op: dict, path: str) -> bool:
+    """Whether ``op`` of ``path`` says where its time went exactly where it can (TELLS)."""
+    parts = op.get("parts_ms")
+    if path not in TELLS:
+        return parts is None
+    return set(parts) == PARTS and parts["wait"] > 0 and parts["codec"] > 0 and all(v >= 0 for v in parts.values())
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -56,11 +67,13 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
         for r in w["paths"]:
             assert set(r["ops"]) == {"put", "get", "round trip"} and r["ops"]["put"]["reps"] == 1
             assert r["ratio_to_raw_tq"]["put"] > 0
+            assert told(r["ops"]["put"], r["path"]) and told(r["ops"]["get"], r["path"]), (w["workload"], r)
         assert {b["op"] for b in w["bounds"]} == {"memcpy (warm dst)", "memcpy (fresh dst)"}
         assert w["checksum_ms"] > 0  # what the row digests cost, each way
     lat = data["latency"]
     assert lat["workload"] == "small" and {r["path"] for r in lat["paths"]} == BATCH
     assert all(r[op]["ops"] == 3 and r[op]["p99_ms"] >= r[op]["p50_ms"] for r in lat["paths"] for op in ("put", "get"))
+    assert all(told(r[op], r["path"]) for r in lat["paths"] for op in ("put", "get"))
     assert [s["batch"] for s in data["sweeps"]["batch"]] == [2]
     assert [(s["writers"], s["verified_samples"]) for s in data["sweeps"]["writers"]] == [(1, 2), (2, 2)]
     scale = data["sweeps"]["scale"]
@@ -75,6 +88,7 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     assert claim["claim_tokens"]["ops"] == 3 and claim["claim_tokens"]["max_tokens"] > 0
     ext = claim["extend"]  # the finished rollouts were claimed whole after the extends (checked by the bench)
     assert ext["extends"] == 3 and ext["first"]["ops"] == ext["last"]["ops"] == 1 and ext["length"] == 4 * 128
+    assert told(ext["first"], "rlplane-native") and told(ext["last"], "rlplane-native")
     assert claim["stream"]["rounds"] == 100 and claim["stream"]["repacked"] is not None  # native counts its renumberings
     assert claim["drain"]["exactly_once"] and claim["drain"]["samples"] == 8 * 2 and claim["drain"]["claimers"] == 4
     ctl = data["controller"]
@@ -83,6 +97,10 @@ def test_bench_quick_against_a_live_service_reports_every_path_and_writes_json_a
     te = [t for t in data["targets"] if ": te " in t["name"]]  # the te row sat this run out: not judged
     others = [t for t in data["targets"] if t not in te]
     assert len(others) == 35 and all(t["met"] in (True, False) for t in others)
+    # a miss on rows that tell their parts says where the time went (the rest cannot)
+    wheres = [t for t in others if t["met"] is False and t["name"].startswith(("small: native", "text-step: native"))]
+    assert all("waited on the store" in t["where"] for t in wheres), wheres
+    assert "where rlplane's time went" in res.stdout
     assert len(te) == 5 and all(t["met"] is None for t in te)
     assert "µs per sample" in res.stdout
     assert data["machine"]["cpus"] >= 1 and data["machine"]["transferqueue"]

@@ -98,6 +98,12 @@ class BenchPath:
         written = {f: sub.fields[f] for f in fields or sub.fields}
         return diff_fields(self.registry, written, got, sub.lengths, sample_ids=[batch.ids[i] for i in rows])
 
+    def parts(self, op: str) -> dict[str, float] | None:
+        """Where this path's last timed ``op`` (``put`` or ``get``) spent its time: seconds
+        per part (:data:`rlplane.opstats.PARTS`: waiting on the store, encoding or
+        decoding, the rest in the client); None where the path cannot tell."""
+        return None
+
     def held_bytes(self) -> int | None:
         """Bytes the path's store holds now (None: it cannot tell): the bench takes the
         difference across one write to see what that write stored."""
@@ -115,3 +121,12 @@ def percentiles(seconds: list[float]) -> dict:
     ms = sorted(s * 1e3 for s in seconds)
     q = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
     return {"p50_ms": statistics.median(ms), "p99_ms": q[98], "min_ms": ms[0], "max_ms": ms[-1], "ops": len(ms)}
+
+
+def median_parts(parts: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """The median ms of each part over timed ops' :meth:`BenchPath.parts` (None when the
+    path told none)."""
+    told = [p for p in parts if p]
+    if not told:
+        return None
+    return {k: statistics.median(p[k] for p in told) * 1e3 for k in told[0]}

@@ -158,7 +158,7 @@ def _extends(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any
     """Partial rollouts grown by ``cfg.ops`` extends (see the module docstring)."""
     import torch
 
-    from rlplane_tools.bench.base import percentiles
+    from rlplane_tools.bench.base import median_parts, percentiles
 
     p = f"bench-extend-{uuid.uuid4().hex[:8]}"
     work = text_step(batch=cfg.batch, seqlen=EXTEND_TOKENS, seed=8)
@@ -167,11 +167,13 @@ def _extends(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any
     ops = max(1, cfg.ops)  # the last extend finishes the rollouts
     task = progress.add_task(f"extend: {ops} x {EXTEND_TOKENS} tokens", total=ops + 1)
     meta = c.put_samples(p, step, finished=False)
-    seconds = []
+    seconds, parts = [], []
     for i in range(ops):
         t0 = time.perf_counter()
         meta = c.extend(meta, step, finished=i == ops - 1)
         seconds.append(time.perf_counter() - t0)
+        told = c.ops.last("extend") if c.transport.name in ("native", "http") else None  # (where the time went)
+        parts.append(dict(told.parts) if told is not None else None)
         progress.advance(task)
     got = c.claim(p, "bench", batch_size=cfg.batch, fields=list(step), timeout=10)
     want = EXTEND_TOKENS * (ops + 1)
@@ -182,7 +184,8 @@ def _extends(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any
     progress.remove_task(task)
     tenth = max(1, ops // 10)
     return {"batch": cfg.batch, "tokens": EXTEND_TOKENS, "extends": ops, "fields": sorted(set(step) - {"input_lengths"}),
-            "first": percentiles(seconds[:tenth]), "last": percentiles(seconds[-tenth:]), "length": want}
+            "first": {**percentiles(seconds[:tenth]), "parts_ms": median_parts(parts[:tenth])},
+            "last": {**percentiles(seconds[-tenth:]), "parts_ms": median_parts(parts[-tenth:])}, "length": want}
 
 
 def _long_stream(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any]:

@@ -71,6 +71,12 @@ class RlplanePath(BenchPath):
         got = self.client.read_columns(meta, fields)
         return got, t0, time.monotonic()
 
+    def parts(self, op: str) -> dict[str, float] | None:
+        if self.transport not in ("native", "http"):  # (TransferQueue's own waits are not counted)
+            return None
+        event = self.client.ops.last("put_samples" if op == "put" else "read_columns")
+        return dict(event.parts) if event is not None and not event.error else None
+
     def clear(self, key: str) -> None:
         self.client.clear(key)
 
@@ -117,6 +123,9 @@ class RlplaneNativeApart(RlplaneNative):
         rich = [i for i, m in enumerate(metas) if m.fields >= set(extra)]
         handle = {"meta": every.to_dict(), "extra": extra, "rich": rich}
         return Sent(msgpack.packb(handle, use_bin_type=True), t0, t1)
+
+    def parts(self, op: str) -> dict[str, float] | None:
+        return None  # (a put per sample, and two reads: no one op's parts)
 
     def read(self, batch: Batch, handle: Any) -> tuple[Any, float, float]:
         """The batch as written: the fields every sample holds in one read, the image

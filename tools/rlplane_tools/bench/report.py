@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
+from rlplane.opstats import PARTS
 
 #: Short names of the rows a title names (the tables' rows carry their own labels).
 PATH_LABELS = {"rlplane-native": "native", "rlplane-native-apart": "native, a put per sample,"}
@@ -67,6 +68,9 @@ def print_report(results: dict, console: Console) -> None:
         console.print(claim_table(results["claim"]))
     if results.get("controller"):
         console.print(controller_table(results["controller"]))
+    parts = parts_table(results)
+    if parts is not None:
+        console.print(parts)
     for section in [*results["workloads"], results.get("latency"), results.get("dp_shard"), *sweeps.get("batch", []),
                     *sweeps.get("scale", [])]:
         for path, why in ((section or {}).get("wrong") or {}).items():
@@ -93,6 +97,36 @@ def workload_table(w: dict) -> Table:
     if w.get("checksum_ms") is not None:
         t.add_row("row checksums (xxh3)", "each way", f"{w['checksum_ms']:.1f}", "", "", "")
     return t
+
+
+def parts_table(results: dict) -> Table | None:
+    """Where each rlplane op's time went, per section and path (median ms of each part,
+    :data:`rlplane.opstats.PARTS`): waiting on the store's answers, encoding or decoding
+    in the client, and the rest of the client's work. None when no row told."""
+    t = Table(title="where rlplane's time went: median ms of each part")
+    for col in ("section", "path", "op", "ms", "waited on store", "codec", "client"):
+        t.add_column(col, justify="left" if col in ("section", "path", "op") else "right")
+    sweeps = results.get("sweeps", {})
+    for section in [*results["workloads"], results.get("latency"), results.get("dp_shard"), *sweeps.get("scale", [])]:
+        for r in (section or {}).get("paths", []):
+            for op in ("put", "get"):
+                d = (r.get("ops") or r).get(op) or {}
+                if d.get("parts_ms"):
+                    ms = d.get("median_ms", d.get("p50_ms"))
+                    t.add_row(f"{section['workload']} B={section['batch']}", r["label"], op, _num(ms),
+                              *(_num(d["parts_ms"][k]) for k in PARTS))
+    return t if t.row_count else None
+
+
+def parts_text(parts: dict[str, float] | None) -> str | None:
+    """Where one op's time went, in words (a missed target's):
+    ``waited on the store 2.10 + codec 0.70 + client 0.80 ms``; None where not told."""
+    if not parts:
+        return None
+    return " + ".join(f"{_PART_WORDS[k]} {parts[k]:.2f}" for k in PARTS) + " ms"
+
+
+_PART_WORDS = {"wait": "waited on the store", "codec": "codec", "client": "client"}
 
 
 def latency_table(lat: dict) -> Table:
@@ -176,7 +210,8 @@ def targets_table(targets: list[dict]) -> Table:
         t.add_column(col, justify="right" if col in ("value", "threshold") else "left")
     for g in targets:
         verdict = {True: "[green]met[/]", False: "[red]missed[/]", None: "[dim]not run[/]"}[g["met"]]
-        t.add_row(g["name"], _num(g["value"]), _num(g["threshold"]), verdict, g["detail"])
+        where = f"\n[dim]where the time went: {g['where']}[/]" if g.get("where") else ""
+        t.add_row(g["name"], _num(g["value"]), _num(g["threshold"]), verdict, g["detail"] + where)
     return t
 
 
@@ -194,8 +229,10 @@ def claim_table(c: dict) -> Table:
     if c.get("extend"):
         e = c["extend"]
         for which in ("first", "last"):
+            split = parts_text(e[which].get("parts_ms"))
             t.add_row(f"extend {e['tokens']} tokens ({which} {e[which]['ops']} of {e['extends']})", _num(e[which]["p50_ms"]),
-                      _num(e[which]["p99_ms"]), f"{e['batch']} samples, {len(e['fields'])} token fields, to {e['length']} tokens")
+                      _num(e[which]["p99_ms"]), f"{e['batch']} samples, {len(e['fields'])} token fields, to {e['length']} tokens"
+                      + (f"; {split}" if split else ""))
     if c.get("stream"):
         s = c["stream"]
         for which in ("first", "last"):

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rlplane.errors import RlplaneError
 
-from rlplane_tools.bench.base import percentiles
+from rlplane_tools.bench.base import median_parts, percentiles
 from rlplane_tools.bench.paths import PATHS, REFERENCE, WorkerEnv
 from rlplane_tools.bench.report import machine_facts, print_report
 from rlplane_tools.bench.targets import evaluate
@@ -327,10 +327,11 @@ def _share(cfg: BenchConfig, workload: str, batch: int | None, seqlen: int | Non
 
 
 def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None, rows: list[int] | None = None,
-          fields: list[str] | None = None, stored: dict[str, int] | None = None) -> tuple[float, float]:
+          fields: list[str] | None = None, stored: dict[str, int] | None = None) -> _Moved:
     """One writer -> reader move through ``path`` (the reader reads ``fields`` of ``rows``
-    when given); (put s, get s). Raises on any difference. With ``stored``, the bytes the
-    put added to its store are recorded there under ``path`` (where the path can tell)."""
+    when given): put s, get s, and where each one's time went (where the path can tell).
+    Raises on any difference. With ``stored``, the bytes the put added to its store are
+    recorded there under ``path`` (where the path can tell)."""
     import ray
 
     writer = writer or pool.writers[0]
@@ -343,7 +344,17 @@ def _move(pool: _Pool, path: str, key: str, verify: bool, writer: Any = None, ro
     if got["problems"]:
         error = BenchError if path.startswith("rlplane-") else PeerMismatch
         raise error(f"{path}: what the reader got is not what the writer wrote: " + "; ".join(got["problems"]))
-    return sent["end"] - sent["start"], got["end"] - got["start"]
+    return _Moved(sent["end"] - sent["start"], got["end"] - got["start"], sent["parts"], got["parts"])
+
+
+@dataclass
+class _Moved:
+    """One move's put and get seconds, and their parts (BenchPath.parts; None: not told)."""
+
+    put: float
+    get: float
+    put_parts: dict[str, float] | None
+    get_parts: dict[str, float] | None
 
 
 def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, ...], progress: Progress,
@@ -357,6 +368,7 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
     nbytes = pool.prepare([pool.writers[0], pool.reader], [share, share])[0]
     puts = {path: Phase("put", share.batch, nbytes) for path in paths}
     gets = {path: Phase("get", share.batch, nbytes) for path in paths}
+    parts: dict[tuple[str, str], list[dict[str, float] | None]] = {(p, op): [] for p in paths for op in ("put", "get")}
     wrong: dict[str, str] = {}
     held: dict[str, int] | None = {} if stored else None
     for rep in range(cfg.reps + 1):
@@ -364,15 +376,20 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
         for path in [p for p in paths if p not in wrong]:
             moved = _checked_move(pool, path, _key(path, rep), rep == 0, wrong, stored=held if rep == 0 else None)
             if moved and rep:
-                puts[path].seconds.append(moved[0])
-                gets[path].seconds.append(moved[1])
+                puts[path].seconds.append(moved.put)
+                gets[path].seconds.append(moved.get)
+                parts[path, "put"].append(moved.put_parts)
+                parts[path, "get"].append(moved.get_parts)
             progress.advance(task)
     paths = tuple(p for p in paths if p not in wrong)
     rows = []
     for path in paths:
         put, get = puts[path], gets[path]
         trip = Phase("round trip", share.batch, nbytes, [a + b for a, b in zip(put.seconds, get.seconds)])
-        rows.append({"path": path, "label": PATHS[path].label, "ops": {ph.op: ph.to_dict() for ph in (put, get, trip)}})
+        ops = {ph.op: ph.to_dict() for ph in (put, get, trip)}
+        for op in ("put", "get"):
+            ops[op]["parts_ms"] = median_parts(parts[path, op])
+        rows.append({"path": path, "label": PATHS[path].label, "ops": ops})
     progress.remove_task(task)
     warm, fresh = memcpy_phases(nbytes, cfg.reps)
     _ratios(rows)
@@ -387,7 +404,7 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
 
 
 def _checked_move(pool: _Pool, path: str, key: str, verify: bool, wrong: dict[str, str],
-                  **read: Any) -> tuple[float, float] | None:
+                  **read: Any) -> _Moved | None:
     """:func:`_move`; a peer's wrong bytes are recorded in ``wrong`` (None returned) instead of ending the run."""
     try:
         return _move(pool, path, key, verify, **read)
@@ -417,15 +434,20 @@ def _latency(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     task = progress.add_task(f"{share.workload} latency", total=len(paths) * (cfg.ops + 1))
     put: dict[str, list[float]] = {path: [] for path in paths}
     get: dict[str, list[float]] = {path: [] for path in paths}
+    parts: dict[tuple[str, str], list[dict[str, float] | None]] = {(p, op): [] for p in paths for op in ("put", "get")}
     wrong: dict[str, str] = {}
     for op in range(cfg.ops + 1):  # in rounds, like _throughput
         for path in [p for p in paths if p not in wrong]:
             moved = _checked_move(pool, path, _key(path, op), op == 0, wrong)
             if moved and op:
-                put[path].append(moved[0])
-                get[path].append(moved[1])
+                put[path].append(moved.put)
+                get[path].append(moved.get)
+                parts[path, "put"].append(moved.put_parts)
+                parts[path, "get"].append(moved.get_parts)
             progress.advance(task)
-    rows = [{"path": path, "label": PATHS[path].label, "put": percentiles(put[path]), "get": percentiles(get[path])}
+    rows = [{"path": path, "label": PATHS[path].label,
+             "put": {**percentiles(put[path]), "parts_ms": median_parts(parts[path, "put"])},
+             "get": {**percentiles(get[path]), "parts_ms": median_parts(parts[path, "get"])}}
             for path in paths if path not in wrong]
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
@@ -441,17 +463,20 @@ def _dp_shard(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     paths = [p for p in cfg.paths if PATHS[p].selects_rows]
     task = progress.add_task(f"DP shard of {share.workload} B={share.batch}", total=len(paths) * (cfg.reps + 1))
     gets: dict[str, list[float]] = {p: [] for p in paths}
+    parts: dict[str, list[dict[str, float] | None]] = {p: [] for p in paths}
     wrong: dict[str, str] = {}
     for rep in range(cfg.reps + 1):
         for path in [p for p in paths if p not in wrong]:
             moved = _checked_move(pool, path, _key(path, rep, "-dp"), rep == 0, wrong, rows=rows, fields=DP_SHARD_FIELDS)
             if moved and rep:
-                gets[path].append(moved[1])
+                gets[path].append(moved.get)
+                parts[path].append(moved.get_parts)
             progress.advance(task)
     progress.remove_task(task)
     return {"workload": share.workload, "batch": share.batch, "seqlen": share.seqlen, "bytes_stored": nbytes,
             "rows": len(rows), "fields": DP_SHARD_FIELDS, "wrong": wrong,
-            "paths": [{"path": p, "label": PATHS[p].label, "get": percentiles(gets[p])} for p in paths if p not in wrong]}
+            "paths": [{"path": p, "label": PATHS[p].label, "get": {**percentiles(gets[p]), "parts_ms": median_parts(parts[p])}}
+                      for p in paths if p not in wrong]}
 
 
 def _writers(cfg: BenchConfig, pool: _Pool, n: int, progress: Progress) -> dict:

@@ -76,29 +76,32 @@ def evaluate(results: dict) -> list[dict]:
         ours, copy = _median(w, NATIVE, "round trip"), w["bounds"][0]["median_ms"]
         out.append(_target(f"text-scale B={b4k}: native round trip <= {MEMCPY_MULTIPLE}x memcpy",
                            None if ours is None else ours / copy, MEMCPY_MULTIPLE,
-                           ours is not None and ours / copy <= MEMCPY_MULTIPLE, "round trip ms / memcpy ms of its bytes"))
+                           ours is not None and ours / copy <= MEMCPY_MULTIPLE, "round trip ms / memcpy ms of its bytes",
+                           _where(w, NATIVE)))
     ours, ray = _median(text, NATIVE, "round trip"), _median(text, RAY, "round trip")
     out.append(_target(f"text-step: native round trip <= {TEXT_VS_RAY}x the Ray object store's",
                        None if ours is None or not ray else ours / ray, TEXT_VS_RAY,
-                       ours is not None and bool(ray) and ours / ray <= TEXT_VS_RAY, "put+get ms ratio (median)"))
+                       ours is not None and bool(ray) and ours / ray <= TEXT_VS_RAY, "put+get ms ratio (median)",
+                       _where(text, NATIVE)))
     for op in ("put", "get"):
         ours_p50 = lat.get(NATIVE, {}).get(op, {}).get("p50_ms")
         ray_p50 = lat.get(RAY, {}).get(op, {}).get("p50_ms")
         limit = ray_p50 + SMALL_OVERHEAD_MS if ray_p50 is not None else None
         out.append(_target(f"small: native {op} p50 <= Ray object store p50 + {SMALL_OVERHEAD_MS:g} ms", ours_p50, limit,
-                           ours_p50 is not None and limit is not None and ours_p50 <= limit, f"ms, p50 of {op}"))
+                           ours_p50 is not None and limit is not None and ours_p50 <= limit, f"ms, p50 of {op}",
+                           _where(results.get("latency"), NATIVE, (op,))))
     ours, ref = _median(vlm, NATIVE, "round trip"), _median(vlm, REFERENCE, "round trip")
     out.append(_target(f"{TARGET_WORKLOAD}: native round trip <= raw TransferQueue's", ours, ref,
-                       ours is not None and ref is not None and ours <= ref, "put+get ms (median)"))
+                       ours is not None and ref is not None and ours <= ref, "put+get ms (median)", _where(vlm, NATIVE)))
     for op in ("put", "get"):
         mine, theirs = gbps.get((NATIVE, op)), gbps.get((REFERENCE, op))
         value = mine / theirs if mine is not None and theirs else None
         out.append(_target(f"{TARGET_WORKLOAD}: native {op} >= {TQ_SHARE_OF_RAW}x raw TQ", value, TQ_SHARE_OF_RAW,
-                           value is not None and value >= TQ_SHARE_OF_RAW, f"GB/s ratio of {op}"))
+                           value is not None and value >= TQ_SHARE_OF_RAW, f"GB/s ratio of {op}", _where(vlm, NATIVE, (op,))))
 
     out.extend(_versus_dataproto(results, vlm, lat, scale))
     out.extend(_slab_targets(results, vlm))
-    out.extend(_te_targets(vlm, lat, scale))
+    out.extend(_te_targets(vlm, lat, scale, results.get("latency")))
     out.extend(_grpo_targets(work.get(GRPO_WORKLOAD)))
     ours, sums = _median(vlm, NATIVE, "round trip"), (vlm or {}).get("checksum_ms")
     value = 2 * sums / ours if ours and sums is not None else None
@@ -134,10 +137,12 @@ def evaluate(results: dict) -> list[dict]:
         if ext:
             v = ext["first"]["p50_ms"]
             out.append(_target(f"extend: {ext['tokens']} tokens to {ext['batch']} samples p50 <= {EXTEND_P50_MS:g} ms", v,
-                               EXTEND_P50_MS, v <= EXTEND_P50_MS, "ms, p50 of the first tenth of the extends"))
+                               EXTEND_P50_MS, v <= EXTEND_P50_MS, "ms, p50 of the first tenth of the extends",
+                               _parts_of(ext, ("first",))))
             v = ext["last"]["p50_ms"] / ext["first"]["p50_ms"]
             out.append(_target(f"extend: p50 after {ext['extends']} extends <= {EXTEND_FLAT}x the first ones'", v,
-                               EXTEND_FLAT, v <= EXTEND_FLAT, "p50 ratio, last tenth / first tenth"))
+                               EXTEND_FLAT, v <= EXTEND_FLAT, "p50 ratio, last tenth / first tenth",
+                               _parts_of(ext, ("first", "last"))))
         v = (claim.get("wake") or {}).get("p50_ms")
         out.append(_target(f"claim: wake-up p50 <= {WAKE_P50_MS:g} ms after the commit", v, WAKE_P50_MS,
                            v is not None and v <= WAKE_P50_MS and not claim["wake_missed"], "ms from put's return"))
@@ -161,21 +166,25 @@ def _versus_dataproto(results: dict, vlm: dict | None, lat: dict, scale: dict) -
 
     out = []
 
-    def faster(name: str, ours: float | None, theirs: float | None, detail: str) -> None:
-        out.append(_target(name, ours, theirs, ours is not None and theirs is not None and ours < theirs, detail))
+    def faster(name: str, ours: float | None, theirs: float | None, detail: str, where: str | None) -> None:
+        out.append(_target(name, ours, theirs, ours is not None and theirs is not None and ours < theirs, detail, where))
 
     if scale:
         b = 4096 if 4096 in scale else max(scale)
         for op in ("put", "get"):
             faster(f"text-scale B={b}: native {op} µs/sample < Mooncake DataProto's",
-                   per_sample_us(scale[b], NATIVE, op), per_sample_us(scale[b], DATAPROTO, op), f"µs/sample of {op}")
+                   per_sample_us(scale[b], NATIVE, op), per_sample_us(scale[b], DATAPROTO, op), f"µs/sample of {op}",
+                   _where(scale[b], NATIVE, (op,)))
     faster(f"{TARGET_WORKLOAD}: native round trip < Mooncake DataProto's",
-           _median(vlm, NATIVE, "round trip"), _median(vlm, DATAPROTO, "round trip"), "put+get ms (median)")
+           _median(vlm, NATIVE, "round trip"), _median(vlm, DATAPROTO, "round trip"), "put+get ms (median)",
+           _where(vlm, NATIVE))
     shard = {r["path"]: r["get"]["p50_ms"] for r in (results.get("dp_shard") or {}).get("paths", [])}
-    faster("DP shard read: native p50 < Mooncake DataProto's", shard.get(NATIVE), shard.get(DATAPROTO), "ms, p50")
+    faster("DP shard read: native p50 < Mooncake DataProto's", shard.get(NATIVE), shard.get(DATAPROTO), "ms, p50",
+           _where(results.get("dp_shard"), NATIVE, ("get",)))
     for op in ("put", "get"):
         faster(f"small: native {op} p50 < Mooncake DataProto's", lat.get(NATIVE, {}).get(op, {}).get("p50_ms"),
-               lat.get(DATAPROTO, {}).get(op, {}).get("p50_ms"), f"ms, p50 of {op}")
+               lat.get(DATAPROTO, {}).get(op, {}).get("p50_ms"), f"ms, p50 of {op}",
+               _where(results.get("latency"), NATIVE, (op,)))
     return out
 
 
@@ -185,21 +194,24 @@ def _slab_targets(results: dict, vlm: dict | None) -> list[dict]:
     sweep whose get holds its GB/s as B grows and beats raw TransferQueue's at every B."""
     out = []
 
-    def at_most(name: str, ours: float | None, theirs: float | None, share: float, detail: str) -> None:
+    def at_most(name: str, ours: float | None, theirs: float | None, share: float, detail: str, where: str | None) -> None:
         value = ours / theirs if ours is not None and theirs else None
-        out.append(_target(name, value, share, value is not None and value <= share, detail))
+        out.append(_target(name, value, share, value is not None and value <= share, detail, where))
 
     at_most(f"{TARGET_WORKLOAD}: native round trip <= {SLAB_TRIP_VS_TQ}x raw TransferQueue's",
-            _median(vlm, NATIVE, "round trip"), _median(vlm, REFERENCE, "round trip"), SLAB_TRIP_VS_TQ, "time ratio (median)")
+            _median(vlm, NATIVE, "round trip"), _median(vlm, REFERENCE, "round trip"), SLAB_TRIP_VS_TQ, "time ratio (median)",
+            _where(vlm, NATIVE))
     at_most(f"{TARGET_WORKLOAD}: native get <= {SLAB_GET_VS_TQ}x raw TransferQueue's",
-            _median(vlm, NATIVE, "get"), _median(vlm, REFERENCE, "get"), SLAB_GET_VS_TQ, "time ratio (median)")
+            _median(vlm, NATIVE, "get"), _median(vlm, REFERENCE, "get"), SLAB_GET_VS_TQ, "time ratio (median)",
+            _where(vlm, NATIVE, ("get",)))
     at_most(f"{TARGET_WORKLOAD}: native round trip < {SLAB_TRIP_VS_DATAPROTO}x Mooncake DataProto's",
             _median(vlm, NATIVE, "round trip"), _median(vlm, DATAPROTO, "round trip"), SLAB_TRIP_VS_DATAPROTO,
-            "time ratio (median)")
+            "time ratio (median)", _where(vlm, NATIVE))
     shard = {r["path"]: r["get"]["p50_ms"] for r in (results.get("dp_shard") or {}).get("paths", [])}
     ours, ref = shard.get(NATIVE), shard.get(REFERENCE)
     out.append(_target("DP shard read: native p50 < raw TransferQueue's", ours, ref,
-                       ours is not None and ref is not None and ours < ref, "ms, p50"))
+                       ours is not None and ref is not None and ours < ref, "ms, p50",
+                       _where(results.get("dp_shard"), NATIVE, ("get",))))
     sweep = sorted(results.get("sweeps", {}).get("batch", []), key=lambda w: w["batch"])
     if sweep:
         gets = [_gbps(w) for w in sweep]
@@ -227,11 +239,12 @@ def _grpo_targets(grpo: dict | None) -> list[dict]:
     ours, ref = _median(grpo, NATIVE, "round trip"), _median(grpo, REFERENCE, "round trip")
     value = ours / ref if ours is not None and ref else None
     out.append(_target(f"{GRPO_WORKLOAD}: native round trip <= {GRPO_TRIP_VS_TQ}x raw TransferQueue's", value,
-                       GRPO_TRIP_VS_TQ, value is not None and value <= GRPO_TRIP_VS_TQ, "time ratio (median)"))
+                       GRPO_TRIP_VS_TQ, value is not None and value <= GRPO_TRIP_VS_TQ, "time ratio (median)",
+                       _where(grpo, NATIVE)))
     return out
 
 
-def _te_targets(vlm: dict | None, lat: dict, scale: dict) -> list[dict]:
+def _te_targets(vlm: dict | None, lat: dict, scale: dict, latency: dict | None) -> list[dict]:
     """The transfer-engine path: vlm-step round trip against the zmq path's and raw
     TransferQueue's, small p50s in absolute ms, text-scale B=4096 against the shm path."""
     from rlplane_tools.bench.report import per_sample_us
@@ -241,23 +254,49 @@ def _te_targets(vlm: dict | None, lat: dict, scale: dict) -> list[dict]:
     for other, label in ((ZMQ, "the zmq path's"), (REFERENCE, "raw TransferQueue's")):
         theirs = _median(vlm, other, "round trip")
         out.append(_target(f"{TARGET_WORKLOAD}: te round trip <= {label}", ours, theirs,
-                           ours is not None and theirs is not None and ours <= theirs, "put+get ms (median)"))
+                           ours is not None and theirs is not None and ours <= theirs, "put+get ms (median)",
+                           _where(vlm, TE)))
     for op in ("put", "get"):
         v = lat.get(TE, {}).get(op, {}).get("p50_ms")
         out.append(_target(f"small: te {op} p50 <= {TE_SMALL_MS:g} ms", v, TE_SMALL_MS,
-                           v is not None and v <= TE_SMALL_MS, f"ms, p50 of {op}"))
+                           v is not None and v <= TE_SMALL_MS, f"ms, p50 of {op}", _where(latency, TE, (op,))))
     if scale:
         b = 4096 if 4096 in scale else max(scale)
         te, shm = per_sample_us(scale[b], TE, "round trip"), per_sample_us(scale[b], NATIVE, "round trip")
         value = te / shm if te is not None and shm else None
         out.append(_target(f"text-scale B={b}: te µs/sample <= {TE_SCALE_VS_SHM}x the shm path's", value,
-                           TE_SCALE_VS_SHM, value is not None and value <= TE_SCALE_VS_SHM, "round trip µs/sample ratio"))
+                           TE_SCALE_VS_SHM, value is not None and value <= TE_SCALE_VS_SHM, "round trip µs/sample ratio",
+                           _where(scale[b], TE)))
     return out
 
 
-def _target(name: str, value: float | None, threshold: float | None, met: bool, detail: str) -> dict[str, Any]:
-    return {"name": name, "met": met if value is not None and threshold is not None else None,
-            "value": value, "threshold": threshold, "detail": detail}
+def _target(name: str, value: float | None, threshold: float | None, met: bool, detail: str,
+            where: str | None = None) -> dict[str, Any]:
+    """One target's entry; a missed one says ``where`` the time of the rlplane ops it
+    measures went, when the bench could tell (:func:`_where`)."""
+    verdict = met if value is not None and threshold is not None else None
+    out = {"name": name, "met": verdict, "value": value, "threshold": threshold, "detail": detail}
+    if verdict is False and where:
+        out["where"] = where
+    return out
+
+
+def _parts_of(section: dict, keys: tuple[str, ...]) -> str | None:
+    """:func:`_where` for a section whose ``keys`` each hold one measure's ``parts_ms``."""
+    from rlplane_tools.bench.report import parts_text
+
+    said = [(k, parts_text(section.get(k, {}).get("parts_ms"))) for k in keys]
+    return "; ".join(f"{k}: {text}" for k, text in said if text) or None
+
+
+def _where(section: dict | None, path: str, ops: tuple[str, ...] = ("put", "get")) -> str | None:
+    """Where ``path``'s ``ops`` spent their time in one section of the results (its rows'
+    ``parts_ms``: waiting on the store, codec, client), in words; None where not told."""
+    from rlplane_tools.bench.report import parts_text
+
+    row = next((r for r in (section or {}).get("paths", []) if r["path"] == path), None)
+    said = [(op, parts_text(((row or {}).get("ops") or row or {}).get(op, {}).get("parts_ms"))) for op in ops]
+    return "; ".join(f"{op}: {text}" for op, text in said if text) or None
 
 
 def _gbps(workload: dict) -> dict[tuple[str, str], float]:

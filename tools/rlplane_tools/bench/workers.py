@@ -80,7 +80,7 @@ class BenchWorker:
         before = p.held_bytes() if measure else None
         sent = p.write(self._batch(), key, peer)
         after = p.held_bytes() if before is not None else None
-        return {"handle": sent.handle, "start": sent.start, "end": sent.end,
+        return {"handle": sent.handle, "start": sent.start, "end": sent.end, "parts": p.parts("put"),
                 "stored": None if after is None else after - before}
 
     def unique_bytes(self) -> int:
@@ -97,8 +97,9 @@ class BenchWorker:
             got, start, end = p.read(self._batch(), handle)
         else:
             got, start, end = p.read_rows(self._batch(), handle, rows, fields)
+        parts = p.parts("get")
         problems = p.verify(self._batch(), got, rows, fields) if verify else []
-        return {"start": start, "end": end, "problems": problems}
+        return {"start": start, "end": end, "parts": parts, "problems": problems}
 
     def read_share(self, path: str, handle: Any, share: dict) -> list[str]:
         """Read another writer's share and check every sample of it (untimed)."""

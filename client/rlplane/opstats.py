@@ -7,7 +7,9 @@ so that ``/metrics`` also counts the operations that went straight to the store 
 
 Each op also says where its time went (``OpEvent.parts``, and ``parts_p50_s`` in the
 summary): ``wait``, the time its thread spent blocked on the store's answers (the native
-engine's round trips: :func:`add_wait`, called by :mod:`rlplane.channel`); ``codec``, its
+engine's round trips and the service's HTTP answers: :func:`add_wait`, called by
+:mod:`rlplane.channel` and :mod:`rlplane.http_api`; TransferQueue's client counts none,
+so there its waits are ``client``); ``codec``, its
 own work encoding or decoding the fields (row digests and shared-row matching included,
 waits inside excluded); ``client``, the rest of its wall time in the client (copies into
 and out of the store's memory, checks, messages).

@@ -52,7 +52,7 @@ from zmq.utils.monitor import parse_monitor_message
 from rlplane.shared import Refcounted
 from rlplane.errors import AuthenticationError, TransportError, UnavailableError, WireFormatError, error_from_payload
 from rlplane.wire import RawColumn, pack_message, unpack_header, unpack_message
-from rlplane.opstats import add_wait
+from rlplane.opstats import add_engine, add_wait
 
 if TYPE_CHECKING:
     from rlplane.column import Column
@@ -294,6 +294,9 @@ class Channel:
                 self._pending.discard(rid)
                 if not reply.get("ok"):
                     raise error_from_payload(reply.get("error"))
+                took = reply.get("took")
+                if type(took) is float and 0.0 <= took < 1e6:  # the server's time over it (rlplane.opstats)
+                    add_engine(took)
                 return reply, cols, extra
         except (UnavailableError, AuthenticationError):
             self.close()  # a typed error in a reply leaves the channel usable; these do not

@@ -12,7 +12,10 @@ engine's round trips and the service's HTTP answers: :func:`add_wait`, called by
 so there its waits are ``client``); ``codec``, its
 own work encoding or decoding the fields (row digests and shared-row matching included,
 waits inside excluded); ``client``, the rest of its wall time in the client (copies into
-and out of the store's memory, checks, messages).
+and out of the store's memory, checks, messages). The three add up to the op's time.
+Where the native engine's answers say how long its servers took over them
+(:func:`add_engine`), ``engine`` is that share of ``wait`` (the rest of the wait is the way
+there and back: sockets, the network, threads waking up).
 
 Example::
 
@@ -39,8 +42,9 @@ OPS = ("put_samples", "write_columns", "read_columns", "clear", "delete_partitio
 
 _WINDOW = 1024  # recent durations kept per op for the percentiles
 _PENDING_LIMIT = 10_000  # events kept for the service when it cannot be reached
-#: Where an op's time goes (see the module docstring), in the order a report lists them.
-PARTS = ("wait", "codec", "client")
+#: Where an op's time goes (see the module docstring), in the order a report lists them;
+#: and the share of ``wait`` the engine's servers said they took, where they said it.
+PARTS, ENGINE = ("wait", "codec", "client"), "engine"
 
 _waits = threading.local()
 
@@ -50,8 +54,18 @@ def add_wait(seconds: float) -> None:
     _waits.total = getattr(_waits, "total", 0.0) + seconds
 
 
+def add_engine(seconds: float) -> None:
+    """Count ``seconds`` an engine server said it took over a request this thread made."""
+    _waits.engine = getattr(_waits, "engine", 0.0) + seconds
+    _waits.answers = getattr(_waits, "answers", 0) + 1
+
+
 def _waited() -> float:
     return getattr(_waits, "total", 0.0)
+
+
+def _engine() -> tuple[float, int]:
+    return getattr(_waits, "engine", 0.0), getattr(_waits, "answers", 0)
 
 
 @dataclass
@@ -105,7 +119,7 @@ class OpStats:
         """Time the block as one ``op``; set ``.nbytes`` on the yielded event. An exception
         is recorded as an error of its class and re-raised."""
         event = OpEvent(op, self.transport, 0.0)
-        start, waited = time.perf_counter(), _waited()
+        start, waited, (engine, answers) = time.perf_counter(), _waited(), _engine()
         try:
             yield event
         except BaseException as err:
@@ -115,6 +129,9 @@ class OpStats:
             event.seconds = time.perf_counter() - start
             wait, codec = _waited() - waited, event.parts.get("codec", 0.0)
             event.parts = {"wait": wait, "codec": codec, "client": max(event.seconds - wait - codec, 0.0)}
+            took, told = _engine()
+            if told > answers:  # (requests in flight at once each took their time: at most the wait)
+                event.parts[ENGINE] = min(took - engine, wait)
             self.record(event)
 
     def record(self, event: OpEvent) -> None:
@@ -152,7 +169,7 @@ class OpStats:
                     "wall_s": round(self._wall[op], 6),
                     "p50_s": round(_quantile(recent, 0.5), 6),
                     "p90_s": round(_quantile(recent, 0.9), 6),
-                    "parts_p50_s": {k: round(statistics.median(p[k] for p in parts), 6) for k in PARTS},
+                    "parts_p50_s": {k: round(statistics.median(p[k] for p in parts), 6) for k in _common(parts)},
                 }
             return out
 
@@ -174,6 +191,11 @@ class OpStats:
             del self._pending[:-_PENDING_LIMIT]
 
 
+def _common(parts: list[dict[str, float]]) -> list[str]:
+    """The parts every one of ``parts`` has (``engine`` only where every answer said it)."""
+    return [k for k in (*PARTS, ENGINE) if all(k in p for p in parts)]
+
+
 def _quantile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0
@@ -182,4 +204,4 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return statistics.quantiles(sorted_values, n=100, method="inclusive")[int(q * 100) - 1]
 
 
-__all__ = ["OPS", "PARTS", "OpEvent", "OpStats", "add_wait"]
+__all__ = ["OPS", "PARTS", "ENGINE", "OpEvent", "OpStats", "add_wait", "add_engine"]

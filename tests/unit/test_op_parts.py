@@ -9,7 +9,7 @@ import time
 import pytest
 import rlplane
 import torch
-from rlplane.opstats import PARTS, OpStats, add_wait
+from rlplane.opstats import ENGINE, PARTS, OpStats, add_engine, add_wait
 from rlplane_tools.bench.report import parts_table, parts_text
 from rlplane_tools.bench.targets import evaluate
 
@@ -30,7 +30,7 @@ def test_an_ops_parts_split_its_wall_time_into_waiting_codec_and_the_rest():
     assert parts["wait"] == pytest.approx(0.02)
     assert parts["codec"] == pytest.approx(block - 0.015, abs=1e-3) and parts["codec"] > 0.004
     assert parts["client"] == pytest.approx(event.seconds - block - 0.005, abs=1e-3) and parts["client"] > 0.004
-    assert sum(parts.values()) == pytest.approx(event.seconds)
+    assert sum(parts.values()) == pytest.approx(event.seconds) and ENGINE not in parts
 
 
 def test_waits_of_other_threads_and_of_ops_before_are_not_counted():
@@ -61,6 +61,50 @@ def test_the_summary_gives_each_parts_median_and_a_failed_op_still_has_its_parts
     assert stats.last("put_samples") is None
 
 
+def test_the_engines_share_is_what_its_answers_said_and_never_more_than_the_wait():
+    stats = OpStats("native")
+    with stats.timed("put_samples"):
+        add_wait(0.01)
+        add_engine(0.004)
+        add_engine(0.003)  # two requests' answers
+    assert stats.last("put_samples").parts[ENGINE] == pytest.approx(0.007)
+    with stats.timed("put_samples"):  # requests in flight at once: their times overlap the one wait
+        add_wait(0.01)
+        add_engine(0.008)
+        add_engine(0.008)
+    assert stats.last("put_samples").parts[ENGINE] == pytest.approx(0.01)
+    assert list(stats.summary()["put_samples"]["parts_p50_s"]) == [*PARTS, ENGINE]
+    with stats.timed("put_samples"):  # no answer said it (an HTTP or TransferQueue transport)
+        add_wait(0.01)
+    assert ENGINE not in stats.last("put_samples").parts
+    assert list(stats.summary()["put_samples"]["parts_p50_s"]) == list(PARTS)  # not every op told it
+
+
+def test_a_servers_answer_says_how_long_it_took_over_the_request():
+    from rlplane.channel import Channel
+    from rlplane_service.native.server import Server
+
+    class Handler:
+        def op_slow(self, header, columns, extra):
+            time.sleep(0.05)
+            return {}, {}, []
+
+    server = Server(Handler(), name="took").start()
+    try:
+        ch = Channel(server.endpoint, "took")
+        stats = OpStats("native")
+        with stats.timed("read_columns"):
+            t0 = time.monotonic()
+            reply = ch.call({"op": "slow"}, timeout=10)[0]
+            wall = time.monotonic() - t0
+        assert 0.05 <= reply["took"] <= wall
+        parts = stats.last("read_columns").parts
+        assert parts[ENGINE] == pytest.approx(reply["took"]) and parts[ENGINE] <= parts["wait"]
+        ch.close()
+    finally:
+        server.stop()
+
+
 def test_a_native_put_and_read_say_what_they_waited_for_and_what_the_codec_took():
     from rlplane.transports.native import NativeTransport
     from rlplane_service.native.local import LocalEngine
@@ -74,7 +118,8 @@ def test_a_native_put_and_read_say_what_they_waited_for_and_what_the_codec_took(
         for op in ("put_samples", "read_columns"):
             event = client.ops.last(op)
             assert event.parts["wait"] > 0 and event.parts["codec"] > 0, (op, event.parts)
-            assert sum(event.parts.values()) == pytest.approx(event.seconds)
+            assert 0 < event.parts[ENGINE] <= event.parts["wait"]  # the controller's (and its units') time
+            assert sum(event.parts[k] for k in PARTS) == pytest.approx(event.seconds)
         client.close()
 
 

@@ -24,7 +24,10 @@ group commit), and only then are their answers sent, then the last one's after-a
 work runs (off its writer's clock, as outside a batch); ``flush()`` names the requests
 whose staged work failed, and those are answered with its error. Headers carry ``_t0``, when the
 request arrived; keys starting with ``_`` from the network are dropped. A request
-whose header has ``nr: true`` is one-way: it is handled and never answered.
+whose header has ``nr: true`` is one-way: it is handled and never answered. A successful
+answer says how long the server took over it (``took``: seconds from its arrival, a
+parked request's wait included, to its answer; a batch's ``flush()`` not included), so a
+client can tell the engine's time from the time on the way (:mod:`rlplane.opstats`).
 
 With a secret, the socket is a ZMQ PLAIN server and a ZAP handler admits only peers
 that present it: unauthenticated peers cannot deliver a single message. With a
@@ -308,7 +311,10 @@ class Server:
                                  "error": {"error": "TransportError", "message": f"{self.name} failed: {type(err).__name__}: {err}"}}), None
         after = then[0] if then else None
         try:
-            return (None if one_way else pack_message({**out, "ok": True, "rid": rid}, cols, bufs)), after
+            if one_way:
+                return None, after
+            took = {"took": time.monotonic() - t0} if t0 else {}  # (the client's view of where its time went)
+            return pack_message({**out, "ok": True, "rid": rid, **took}, cols, bufs), after
         except E.WireFormatError as err:  # an answer over the header limit: the request asked for too much at once
             unsent = getattr(self.handler, "unsent", None)
             if unsent is not None:  # what the answer would have handed out (a locate's pin) is taken back

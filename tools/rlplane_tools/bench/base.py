@@ -129,4 +129,4 @@ def median_parts(parts: list[dict[str, float] | None]) -> dict[str, float] | Non
     told = [p for p in parts if p]
     if not told:
         return None
-    return {k: statistics.median(p[k] for p in told) * 1e3 for k in told[0]}
+    return {k: statistics.median(p[k] for p in told) * 1e3 for k in told[0] if all(k in p for p in told)}

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.table import Table
-from rlplane.opstats import PARTS
+from rlplane.opstats import ENGINE, PARTS
 
 #: Short names of the rows a title names (the tables' rows carry their own labels).
 PATH_LABELS = {"rlplane-native": "native", "rlplane-native-apart": "native, a put per sample,"}
@@ -103,8 +103,9 @@ def parts_table(results: dict) -> Table | None:
     """Where each rlplane op's time went, per section and path (median ms of each part,
     :data:`rlplane.opstats.PARTS`): waiting on the store's answers, encoding or decoding
     in the client, and the rest of the client's work. None when no row told."""
-    t = Table(title="where rlplane's time went: median ms of each part")
-    for col in ("section", "path", "op", "ms", "waited on store", "codec", "client"):
+    t = Table(title="where rlplane's time went: median ms of each part (the engine's: of the wait, what its "
+                    "servers said they took)")
+    for col in ("section", "path", "op", "ms", "waited on store", "of it, engine", "codec", "client"):
         t.add_column(col, justify="left" if col in ("section", "path", "op") else "right")
     sweeps = results.get("sweeps", {})
     for section in [*results["workloads"], results.get("latency"), results.get("dp_shard"), *sweeps.get("scale", [])]:
@@ -113,17 +114,21 @@ def parts_table(results: dict) -> Table | None:
                 d = (r.get("ops") or r).get(op) or {}
                 if d.get("parts_ms"):
                     ms = d.get("median_ms", d.get("p50_ms"))
+                    parts = d["parts_ms"]
                     t.add_row(f"{section['workload']} B={section['batch']}", r["label"], op, _num(ms),
-                              *(_num(d["parts_ms"][k]) for k in PARTS))
+                              _num(parts["wait"]), _num(parts.get(ENGINE)), _num(parts["codec"]), _num(parts["client"]))
     return t if t.row_count else None
 
 
 def parts_text(parts: dict[str, float] | None) -> str | None:
-    """Where one op's time went, in words (a missed target's):
-    ``waited on the store 2.10 + codec 0.70 + client 0.80 ms``; None where not told."""
+    """Where one op's time went, in words (a missed target's): ``waited on the store 2.10
+    (the engine took 1.60) + codec 0.70 + client 0.80 ms``; None where not told."""
     if not parts:
         return None
-    return " + ".join(f"{_PART_WORDS[k]} {parts[k]:.2f}" for k in PARTS) + " ms"
+    words = [f"{_PART_WORDS[k]} {parts[k]:.2f}" for k in PARTS]
+    if ENGINE in parts:
+        words[0] += f" (the engine took {parts[ENGINE]:.2f})"
+    return " + ".join(words) + " ms"
 
 
 _PART_WORDS = {"wait": "waited on the store", "codec": "codec", "client": "client"}

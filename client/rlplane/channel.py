@@ -294,8 +294,8 @@ class Channel:
                 self._pending.discard(rid)
                 if not reply.get("ok"):
                     raise error_from_payload(reply.get("error"))
-                took = reply.get("took")
-                if type(took) is float and 0.0 <= took < 1e6:  # the server's time over it (rlplane.opstats)
+                took = reply.pop("took", None)  # the server's time over it (rlplane.opstats), not an answer's
+                if type(took) is float and 0.0 <= took < 1e6:
                     add_engine(took)
                 return reply, cols, extra
         except (UnavailableError, AuthenticationError):

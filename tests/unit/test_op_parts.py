@@ -97,9 +97,9 @@ def test_a_servers_answer_says_how_long_it_took_over_the_request():
             t0 = time.monotonic()
             reply = ch.call({"op": "slow"}, timeout=10)[0]
             wall = time.monotonic() - t0
-        assert 0.05 <= reply["took"] <= wall
+        assert "took" not in reply  # (the channel takes it: callers get the answer, not its timing)
         parts = stats.last("read_columns").parts
-        assert parts[ENGINE] == pytest.approx(reply["took"]) and parts[ENGINE] <= parts["wait"]
+        assert 0.05 <= parts[ENGINE] <= parts["wait"] <= wall
         ch.close()
     finally:
         server.stop()

@@ -101,7 +101,8 @@ class BenchPath:
     def parts(self, op: str) -> dict[str, float] | None:
         """Where this path's last timed ``op`` (``put`` or ``get``) spent its time: seconds
         per part (:data:`rlplane.opstats.PARTS`: waiting on the store, encoding or
-        decoding, the rest in the client); None where the path cannot tell."""
+        decoding, the rest in the client; and ``engine``, the share of the wait the
+        engine's servers took, where they said it); None where the path cannot tell."""
         return None
 
     def held_bytes(self) -> int | None:
@@ -125,7 +126,7 @@ def percentiles(seconds: list[float]) -> dict:
 
 def median_parts(parts: list[dict[str, float] | None]) -> dict[str, float] | None:
     """The median ms of each part over timed ops' :meth:`BenchPath.parts` (None when the
-    path told none)."""
+    path told none; a part only some ops told is left out)."""
     told = [p for p in parts if p]
     if not told:
         return None

@@ -52,6 +52,9 @@ class Transport(ABC):
     """Moves encoded columns to and from a store (see the module docstring)."""
 
     name: str = "transport"
+    #: Whether its waits on the store are counted (rlplane.opstats: an op's ``wait`` part);
+    #: where they are not, they fall in ``client``.
+    counts_waits: bool = False
     #: Whether its ops bypass the service's HTTP edge (the client then reports them to the
     #: service's /metrics itself; the service counts HTTP ops as it serves them).
     direct: bool = False

@@ -40,6 +40,7 @@ class HttpTransport(Transport):
     """Moves columns over the service's ``/v1/data`` endpoints (see the module docstring)."""
 
     name = "http"
+    counts_waits = True  # (rlplane.http_api counts them)
     durable_puts = True  # the service decides (InvalidArgumentError without a journal)
     checks_lengths = True  # the service checks a write's token rows when its store does (native)
     checks_born = True  # the service refuses a stale meta when its store keeps incarnations (native)

@@ -137,6 +137,7 @@ class NativeTransport(Transport):
     """Direct data path to the native engine (see the module docstring)."""
 
     name = "native"
+    counts_waits = True  # (rlplane.channel counts them)
     direct = True
     durable_puts = True  # the controller answers InvalidArgumentError without a journal
     shares_rows = True  # a row several samples share is stored once and read once (Column.same)

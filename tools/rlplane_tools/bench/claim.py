@@ -172,7 +172,7 @@ def _extends(c: Any, cfg: ClaimBenchConfig, progress: Progress) -> dict[str, Any
         t0 = time.perf_counter()
         meta = c.extend(meta, step, finished=i == ops - 1)
         seconds.append(time.perf_counter() - t0)
-        told = c.ops.last("extend") if c.transport.name in ("native", "http") else None  # (where the time went)
+        told = c.ops.last("extend") if c.transport.counts_waits else None  # (where the time went)
         parts.append(dict(told.parts) if told is not None else None)
         progress.advance(task)
     got = c.claim(p, "bench", batch_size=cfg.batch, fields=list(step), timeout=10)

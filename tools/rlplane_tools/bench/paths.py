@@ -72,7 +72,7 @@ class RlplanePath(BenchPath):
         return got, t0, time.monotonic()
 
     def parts(self, op: str) -> dict[str, float] | None:
-        if self.transport not in ("native", "http"):  # (TransferQueue's own waits are not counted)
+        if not self.client.transport.counts_waits:  # (TransferQueue's own waits are not counted)
             return None
         event = self.client.ops.last("put_samples" if op == "put" else "read_columns")
         return dict(event.parts) if event is not None and not event.error else None

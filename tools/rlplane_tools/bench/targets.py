@@ -292,11 +292,8 @@ def _parts_of(section: dict, keys: tuple[str, ...]) -> str | None:
 def _where(section: dict | None, path: str, ops: tuple[str, ...] = ("put", "get")) -> str | None:
     """Where ``path``'s ``ops`` spent their time in one section of the results (its rows'
     ``parts_ms``: waiting on the store, codec, client), in words; None where not told."""
-    from rlplane_tools.bench.report import parts_text
-
-    row = next((r for r in (section or {}).get("paths", []) if r["path"] == path), None)
-    said = [(op, parts_text(((row or {}).get("ops") or row or {}).get(op, {}).get("parts_ms"))) for op in ops]
-    return "; ".join(f"{op}: {text}" for op, text in said if text) or None
+    row = next((r for r in (section or {}).get("paths", []) if r["path"] == path), None) or {}
+    return _parts_of(row.get("ops") or row, ops)
 
 
 def _gbps(workload: dict) -> dict[tuple[str, str], float]:

@@ -42,7 +42,7 @@ from rlplane.errors import (
 )
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry, check_dtype
 from rlplane.geometry import Geometry
-from rlplane import parallel
+from rlplane import parallel, rowkernels
 from rlplane.integrity import check_rows, check_sums, range_sums, recorded, row_sums, shared_sums
 from rlplane.packed import PackedTensor
 from rlplane.readpool import ReadPool
@@ -780,12 +780,11 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
                    ) -> tuple[torch.Tensor, np.ndarray | None]:
     """``value[mask]``: each sample's first tokens of a [B, S, ...] tensor, one after
     another, where the [B, S] ``mask`` holds; and each sample's row digest
-    (:func:`~rlplane.integrity.range_sums`; None where it is not computed here). On CPU
-    through numpy (~10x faster than torch), written straight into ``into(numel, dtype)``
-    (the put's kept or staged buffer: no fresh pages, no copy after) a few MB at a time,
-    each piece digested while it is in cache, samples split over a few threads
-    (:mod:`rlplane.parallel`; numpy copies without the interpreter lock, so one thread's
-    copy runs while another digests)."""
+    (:func:`~rlplane.integrity.range_sums`; None where it is not computed here). On CPU,
+    written straight into ``into(numel, dtype)`` (the put's kept or staged buffer: no fresh
+    pages, no copy after): by the compiled row kernels (:mod:`rlplane.rowkernels`: a memcpy
+    and a digest per row, samples split over a few threads), else through numpy (~10x
+    faster than torch) a few MB at a time, each piece digested while it is in cache."""
     if value.device.type != "cpu" or value.dtype not in _NUMPY_OK:
         return value[mask], None
     rest = value.shape[2:]
@@ -799,6 +798,11 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
                 range_sums(memoryview(picked.reshape(-1).view(np.uint8)), bounds))
     out = into(total * math.prod(rest), value.dtype) if into is not None else \
         torch.empty(total * math.prod(rest), dtype=value.dtype)
+    if rowkernels.ready() and value.is_contiguous():  # each row one memcpy and one digest, compiled
+        row = value[0].numel() * value.element_size() if value.shape[0] else 0
+        sums = rowkernels.copy_rows(_as_numpy(out).view(np.uint8), bounds[:-1], _as_numpy(value).reshape(-1).view(np.uint8),
+                                    np.arange(value.shape[0], dtype=np.int64) * row, np.diff(bounds))
+        return out.view(total, *rest), sums
     dst = _as_numpy(out).reshape(total, *rest)
     raw = memoryview(_as_numpy(out).view(np.uint8))
     sums = np.empty(value.shape[0], np.uint64)
@@ -812,9 +816,16 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
 
 
 def _in_pieces(value: torch.Tensor) -> bool:
-    """Whether a masked select of ``value`` (on the host) runs in pieces, into the buffer
-    it is given (else in one numpy step, into memory of its own)."""
-    return value.numel() * value.element_size() >= _PIECE_BYTES
+    """Whether a masked select of ``value`` (on the host) runs into the buffer it is given,
+    by the compiled row kernels (:mod:`rlplane.rowkernels`) or in pieces (else in one numpy
+    step, into memory of its own)."""
+    return _big(value.numel() * value.element_size())
+
+
+def _big(nbytes: int) -> bool:
+    """Whether token rows of ``nbytes`` are cut or padded by the kernels or in numpy pieces
+    (else in one numpy step). Small work never loads the kernels."""
+    return nbytes >= _PIECE_BYTES or (nbytes >= _KERNEL_BYTES and rowkernels.ready())
 
 
 def _in_steps(batch: int, per_sample: int, step: Callable[[int, int], None]) -> None:
@@ -832,6 +843,9 @@ def _in_steps(batch: int, per_sample: int, step: Callable[[int, int], None]) -> 
 #: Bytes a masked select reads, or a padding writes, per step (numpy boolean indexing; 2-4 MB ran
 #: fastest), so the rows a step digests are still in cache.
 _PIECE_BYTES = 4 << 20
+#: Bytes of a token field from which the compiled kernels cut or pad its rows (below, one
+#: numpy step costs less than the call; and a process with only small work never loads them).
+_KERNEL_BYTES = 256 << 10
 
 
 def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: tuple[int, ...],
@@ -839,10 +853,10 @@ def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: t
     """A ``shape`` ([B, S, ...]) tensor of ``pad`` with each sample's ``lens`` rows of
     ``rows`` (packed) at its start, where the [B, S] ``mask`` holds. On the host, in a
     buffer of the process's :class:`~rlplane.readpool.ReadPool` (pages faulted in by an
-    earlier read: fresh ones cost ~3x the fill and copy on this VM), a few MB at a time,
-    samples split over a few threads (numpy, ~5x faster than torch's masked copy); each
-    piece's rows digested first while they are in cache, and ``check`` called with every
-    sample's digest. Elsewhere by torch (``check`` not called)."""
+    earlier read: fresh ones cost ~3x the fill and copy on this VM): by the compiled row
+    kernels (:mod:`rlplane.rowkernels`), else a few MB at a time through numpy (~5x faster
+    than torch's masked copy), samples split over a few threads; ``check`` called with
+    every sample's digest. Elsewhere by torch (``check`` not called)."""
     if rows.device.type != "cpu" or rows.dtype not in _NUMPY_OK:
         out = torch.full(shape, pad, dtype=rows.dtype, device=rows.device)
         if rows.numel():
@@ -854,7 +868,7 @@ def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: t
     starts = np.concatenate([[0], np.cumsum(lens.numpy())])
     raw = memoryview(src.reshape(-1).view(np.uint8))
     bounds = starts * (inner * rows.element_size())
-    if nbytes < _PIECE_BYTES:  # one step, here: a pool, pieces and threads cost more than they save
+    if not _big(nbytes):  # one step, here: a pool, pieces and threads cost more than they save
         if check is not None:
             check(range_sums(raw, bounds))
         out = torch.full(shape, pad, dtype=rows.dtype)
@@ -862,6 +876,14 @@ def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: t
         return out
     out = torch.from_numpy(ReadPool.shared().take(nbytes)).view(rows.dtype).view(shape)
     dst = _as_numpy(out)
+    if rowkernels.ready():  # each row one memcpy of its tokens, one of the padding and a digest, compiled
+        row = nbytes // batch if batch else 0
+        fill = _as_numpy(torch.full((row // rows.element_size(),), pad, dtype=rows.dtype)).view(np.uint8)
+        sums = rowkernels.pad_rows(dst.reshape(-1).view(np.uint8), row, np.frombuffer(raw, np.uint8), bounds[:-1],
+                                   np.diff(bounds), fill, digest=check is not None)
+        if check is not None:
+            check(sums)
+        return out
     fill = _as_numpy(torch.tensor(pad, dtype=rows.dtype).reshape(()))
     sums = np.zeros(batch, np.uint64)
 

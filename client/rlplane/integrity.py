@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
-from rlplane import parallel
+from rlplane import parallel, rowkernels
 from rlplane.copies import copy_ranges, gathers, run_starts
 from rlplane.column import Column
 from rlplane.errors import IntegrityError
@@ -74,6 +74,8 @@ def range_sums(buf: memoryview, bounds: np.ndarray) -> np.ndarray:
 
     Example: ``range_sums(memoryview(b"abcd"), np.array([0, 2, 4]))`` digests ``ab`` and ``cd``.
     """
+    if bounds.size > _KERNEL_ROWS and rowkernels.ready():  # compiled: no Python call per row
+        return rowkernels.digests(np.frombuffer(buf, np.uint8), bounds, split=False)  # (callers split the work)
     edges = bounds.tolist()
     digest = _digest  # (a comprehension over plain ints: ~0.17 µs a row here, a chain of maps ~0.25)
     return np.array([digest(buf[a:z]) for a, z in zip(edges, edges[1:])], np.uint64)
@@ -81,6 +83,10 @@ def range_sums(buf: memoryview, bounds: np.ndarray) -> np.ndarray:
 
 #: A row's digest: xxh3-64 of its bytes (anything with the buffer protocol), as an int.
 digest = _digest = xxhash.xxh3_64_intdigest
+
+#: Rows from which :func:`range_sums` digests them with the compiled kernels (a Python call
+#: per row costs ~0.3 µs; the kernels' call ~20 µs).
+_KERNEL_ROWS = 128
 
 #: Bytes a fused copy moves before it digests them (they are still in cache then).
 _STEP = 2 << 20

@@ -88,6 +88,9 @@ digest = _digest = xxhash.xxh3_64_intdigest
 #: per row costs ~0.3 µs; the kernels' call ~20 µs).
 _KERNEL_ROWS = 128
 
+#: The biggest row :func:`copied_sums` copies with the kernels (a row is one thread's work).
+_KERNEL_MAX_ROW = 4 << 20
+
 #: Bytes a fused copy moves before it digests them (they are still in cache then).
 _STEP = 2 << 20
 
@@ -99,11 +102,15 @@ def copied_sums(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np
     checks what it hands out without a pass of its own. Big rows that follow one another
     in both go a few MB at a time, each piece digested right after its copy while it is
     in cache, on a few threads; a few MB of rows, or many small runs, are copied at once
-    (:func:`~rlplane.copies.copy_ranges`), then digested.
+    (:func:`~rlplane.copies.copy_ranges`), then digested. Many rows, or MBs of rows of at
+    most 4 MiB each, go through the compiled kernels instead (:mod:`rlplane.rowkernels`).
 
     Example: ``got = copied_sums(out, out_at, slab.u8, slab_at, lens)``.
     """
     n = lens.size
+    if n and int(lens.max()) <= _KERNEL_MAX_ROW and (n > _KERNEL_ROWS or int(lens.sum()) >= parallel.PARALLEL_MIN_BYTES) \
+            and rowkernels.ready():  # many rows, or MBs of them: one memcpy and one digest a row, compiled
+        return rowkernels.copy_rows(dst, dst_at, src, src_at, lens)
     ends = np.concatenate([[0], np.cumsum(lens)])  # where each row would start if the rows were packed
     brk = run_starts(dst_at, src_at, lens)
     if int(ends[-1]) < parallel.PARALLEL_MIN_BYTES or gathers(int(ends[-1]), int(brk.sum())):

@@ -248,7 +248,7 @@ class _TokenRows:
     def __init__(self, lens: torch.Tensor) -> None:
         self.lens = lens
         self._longest: int | None = None
-        self._masks: dict[tuple[int, str], torch.Tensor | None] = {}
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
         self._offsets: dict[int, torch.Tensor] = {}
 
     def longest(self) -> int:
@@ -256,12 +256,16 @@ class _TokenRows:
             self._longest = int(self.lens.max()) if self.lens.numel() else 0
         return self._longest
 
-    def mask(self, seq: int, device: torch.device) -> torch.Tensor | None:
-        """Where a [B, seq] tensor holds real tokens (None: everywhere)."""
+    def full(self, seq: int) -> bool:
+        """Whether every sample fills a [B, seq] tensor (no row is cut)."""
+        return not self.lens.numel() or bool((self.lens == seq).all())
+
+    def mask(self, seq: int, device: torch.device) -> torch.Tensor:
+        """Where a [B, seq] tensor holds real tokens (made once per seq and device; the
+        compiled kernels need none: ~1 ms a field at B=4096, S=1024)."""
         key = (seq, str(device))
         if key not in self._masks:
-            full = not self.lens.numel() or bool((self.lens == seq).all())
-            self._masks[key] = None if full else torch.arange(seq, device=device) < self.lens.to(device)[:, None]
+            self._masks[key] = torch.arange(seq, device=device) < self.lens.to(device)[:, None]
         return self._masks[key]
 
     def offsets(self, inner: int) -> torch.Tensor:
@@ -302,12 +306,12 @@ def _encode_token_dense(
                 field=spec.name,
                 sample=_name(ids, i),
             )
-        mask = tokens.mask(seq, value.device)
-        if mask is None or spec.stored_dtype(value.dtype) != value.dtype:  # (a cast copies, and digests after)
-            values = value if mask is None else _masked_select(value, mask, tokens)[0]
+        full = tokens.full(seq)
+        if full or spec.stored_dtype(value.dtype) != value.dtype:  # (a cast copies, and digests after)
+            values = value if full else _masked_select(value, tokens)[0]
             return _token_column(_cast(spec, values).reshape(-1), rest, tokens)
         # Into the put's buffer (kept, or staged in the slab), digested on the way.
-        values, sums = _masked_select(value, mask, tokens, partial(alloc, spec.name) if alloc is not None else None)
+        values, sums = _masked_select(value, tokens, partial(alloc, spec.name) if alloc is not None else None)
         col, geom = _token_column(values.reshape(-1), rest, tokens)
         return (col if sums is None else col.with_meta(sums, None)), geom
     return _token_column(values, rest, tokens)
@@ -767,7 +771,8 @@ def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: s
             field=spec.name,
             sample=_name(ids, i),
         )
-    return _padded(rows, lens_t, masks.mask(lens_t, width, rows.device), (batch, width, *rest), spec.pad_value, check)
+    return _padded(rows, lens_t, partial(masks.mask, lens_t, width, rows.device), (batch, width, *rest), spec.pad_value,
+                   check)
 
 
 def _as_numpy(t: torch.Tensor) -> Any:
@@ -775,25 +780,25 @@ def _as_numpy(t: torch.Tensor) -> Any:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
+def _masked_select(value: torch.Tensor, tokens: _TokenRows,
                    into: Callable[[int, torch.dtype], torch.Tensor] | None = None
                    ) -> tuple[torch.Tensor, np.ndarray | None]:
-    """``value[mask]``: each sample's first tokens of a [B, S, ...] tensor, one after
-    another, where the [B, S] ``mask`` holds; and each sample's row digest
+    """Each sample's first ``tokens.lens`` tokens of a [B, S, ...] tensor, one after
+    another (``value[mask]``, the mask of :meth:`_TokenRows.mask`); and each sample's row digest
     (:func:`~rlplane.integrity.range_sums`; None where it is not computed here). On CPU,
     written straight into ``into(numel, dtype)`` (the put's kept or staged buffer: no fresh
     pages, no copy after): by the compiled row kernels (:mod:`rlplane.rowkernels`: a memcpy
     and a digest per row, samples split over a few threads), else through numpy (~10x
     faster than torch) a few MB at a time, each piece digested while it is in cache."""
     if value.device.type != "cpu" or value.dtype not in _NUMPY_OK:
-        return value[mask], None
+        return value[tokens.mask(value.shape[1], value.device)], None
     rest = value.shape[2:]
     starts = tokens.offsets(1).numpy()
     total = int(starts[-1])
-    src, where = _as_numpy(value), mask.numpy()
+    src = _as_numpy(value)
     bounds = starts * (math.prod(rest) * value.element_size())
     if not _in_pieces(value):  # one step, here: pieces and threads cost more than they save
-        picked = src[where]
+        picked = src[tokens.mask(value.shape[1], value.device).numpy()]
         return (torch.from_numpy(picked).view(value.dtype),
                 range_sums(memoryview(picked.reshape(-1).view(np.uint8)), bounds))
     out = into(total * math.prod(rest), value.dtype) if into is not None else \
@@ -803,7 +808,7 @@ def _masked_select(value: torch.Tensor, mask: torch.Tensor, tokens: _TokenRows,
         sums = rowkernels.copy_rows(_as_numpy(out).view(np.uint8), bounds[:-1], _as_numpy(value).reshape(-1).view(np.uint8),
                                     np.arange(value.shape[0], dtype=np.int64) * row, np.diff(bounds))
         return out.view(total, *rest), sums
-    dst = _as_numpy(out).reshape(total, *rest)
+    dst, where = _as_numpy(out).reshape(total, *rest), tokens.mask(value.shape[1], value.device).numpy()
     raw = memoryview(_as_numpy(out).view(np.uint8))
     sums = np.empty(value.shape[0], np.uint64)
 
@@ -848,10 +853,11 @@ _PIECE_BYTES = 4 << 20
 _KERNEL_BYTES = 256 << 10
 
 
-def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: tuple[int, ...],
+def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: Callable[[], torch.Tensor], shape: tuple[int, ...],
             pad: int | float | bool, check: Callable[[np.ndarray], None] | None = None) -> torch.Tensor:
     """A ``shape`` ([B, S, ...]) tensor of ``pad`` with each sample's ``lens`` rows of
-    ``rows`` (packed) at its start, where the [B, S] ``mask`` holds. On the host, in a
+    ``rows`` (packed) at its start, where the [B, S] ``mask()`` holds (made only where a
+    path needs it: the compiled kernels do not). On the host, in a
     buffer of the process's :class:`~rlplane.readpool.ReadPool` (pages faulted in by an
     earlier read: fresh ones cost ~3x the fill and copy on this VM): by the compiled row
     kernels (:mod:`rlplane.rowkernels`), else a few MB at a time through numpy (~5x faster
@@ -860,11 +866,11 @@ def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: t
     if rows.device.type != "cpu" or rows.dtype not in _NUMPY_OK:
         out = torch.full(shape, pad, dtype=rows.dtype, device=rows.device)
         if rows.numel():
-            out[mask] = rows
+            out[mask()] = rows
         return out
     batch, inner = shape[0], math.prod(shape[2:])
     nbytes = math.prod(shape) * rows.element_size()
-    src, where = _as_numpy(rows), mask.numpy()
+    src = _as_numpy(rows)
     starts = np.concatenate([[0], np.cumsum(lens.numpy())])
     raw = memoryview(src.reshape(-1).view(np.uint8))
     bounds = starts * (inner * rows.element_size())
@@ -872,7 +878,7 @@ def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: t
         if check is not None:
             check(range_sums(raw, bounds))
         out = torch.full(shape, pad, dtype=rows.dtype)
-        _as_numpy(out)[where] = src
+        _as_numpy(out)[mask().numpy()] = src
         return out
     out = torch.from_numpy(ReadPool.shared().take(nbytes)).view(rows.dtype).view(shape)
     dst = _as_numpy(out)
@@ -884,7 +890,7 @@ def _padded(rows: torch.Tensor, lens: torch.Tensor, mask: torch.Tensor, shape: t
         if check is not None:
             check(sums)
         return out
-    fill = _as_numpy(torch.tensor(pad, dtype=rows.dtype).reshape(()))
+    fill, where = _as_numpy(torch.tensor(pad, dtype=rows.dtype).reshape(())), mask().numpy()
     sums = np.zeros(batch, np.uint64)
 
     def step(x: int, y: int) -> None:

@@ -171,7 +171,7 @@ def test_token_rows_padded_over_threads_land_where_one_masked_assign_puts_them(s
         want = torch.full((512, 4096, 2), pad, dtype=torch.int64)
         want[mask] = rows
         reused = pool.reused
-        got = _padded(rows, lens, mask, (512, 4096, 2), pad)
+        got = _padded(rows, lens, lambda: mask, (512, 4096, 2), pad)
         assert torch.equal(got, want)
         del got
     assert pool.reused > reused and split == [3, 3]
@@ -188,7 +188,7 @@ def test_token_rows_selected_over_threads_into_a_given_buffer_with_each_rows_dig
     tokens = _TokenRows(lens)
     mask = tokens.mask(2048, value.device)
     given = torch.full((int(lens.sum()) * 3,), -5, dtype=torch.int64)
-    got, sums = _masked_select(value, mask, tokens, lambda numel, dtype: given[:numel])
+    got, sums = _masked_select(value, tokens, lambda numel, dtype: given[:numel])
     assert got.data_ptr() == given.data_ptr() and torch.equal(got, value[mask])
     assert split == [3]  # (the select, over three threads)
     assert np.array_equal(sums, row_sums(Column(given, tokens.offsets(3))))

@@ -803,7 +803,7 @@ def _masked_select(value: torch.Tensor, tokens: _TokenRows,
                 range_sums(memoryview(picked.reshape(-1).view(np.uint8)), bounds))
     out = into(total * math.prod(rest), value.dtype) if into is not None else \
         torch.empty(total * math.prod(rest), dtype=value.dtype)
-    if rowkernels.ready() and value.is_contiguous():  # each row one memcpy and one digest, compiled
+    if rowkernels.ready() and value.is_contiguous() and out.is_contiguous():  # a memcpy and a digest a row, compiled
         row = value[0].numel() * value.element_size() if value.shape[0] else 0
         sums = rowkernels.copy_rows(_as_numpy(out).view(np.uint8), bounds[:-1], _as_numpy(value).reshape(-1).view(np.uint8),
                                     np.arange(value.shape[0], dtype=np.int64) * row, np.diff(bounds))

@@ -12,8 +12,9 @@ over a few threads (:mod:`rlplane.parallel`).
 Every function checks that each range lies inside its buffers before any byte moves (an
 offset out of bounds is a ValueError, never a stray write). Where numba cannot be
 loaded, :func:`ready` is False and callers keep their numpy path (same bytes, same
-digests). Compiled once per machine (numba's cache beside this file, else the user's
-cache directory; ~1 s), loaded by a process on its first big copy (~0.3 s).
+digests). The loops themselves are in :mod:`rlplane._rowkernels_jit`, compiled once per
+machine (numba's cache beside it, else the user's cache directory; ~1.5 s) and loaded
+by a process on its first big copy (~0.5 s, numba's import included).
 
 Example::
 
@@ -23,10 +24,9 @@ Example::
 
 from __future__ import annotations
 
-import ctypes
 import logging
+import os
 import threading
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ from rlplane import parallel
 
 log = logging.getLogger(__name__)
 
-_kernels: Any = None  # the compiled functions (a namespace), False when they cannot be loaded
+_kernels: Any = None  # the compiled functions (their module), False when they cannot be loaded
 _lock = threading.Lock()
 
 
@@ -69,7 +69,7 @@ def copy_rows(dst: np.ndarray, dst_at: np.ndarray, src: np.ndarray, src_at: np.n
               lens: np.ndarray, *, digest: bool = True) -> np.ndarray | None:
     """``dst[dst_at[k] : dst_at[k] + lens[k]] = src[src_at[k] : ...]`` for every row ``k``
     (uint8 buffers, 1-D, contiguous), and each row's xxh3-64 digest (uint64; None with
-    ``digest=False``).
+    ``digest=False``). Destination rows must not overlap (rows run on several threads).
 
     Example: ``sums = copy_rows(out, np.array([0]), slab, np.array([4096]), np.array([64]))``.
     """
@@ -89,14 +89,14 @@ def pad_rows(dst: np.ndarray, row_bytes: int, src: np.ndarray, src_at: np.ndarra
     """Padded rows from packed ones: row ``k`` of ``dst`` (``row_bytes`` each, one after
     another) gets ``src[src_at[k] : src_at[k] + lens[k]]`` then the rest of ``fill`` (one
     row's bytes of the pad value); returns each source row's xxh3-64 digest (uint64; None
-    with ``digest=False``).
+    with ``digest=False``). Bytes of ``dst`` past ``len(lens)`` rows are not written.
 
     Example: ``sums = pad_rows(out, 8 * seq, packed, starts, lens, pad_row)``.
     """
     k = _need()
     src_at, lens = _offsets(src_at), _offsets(lens)
     n = lens.size
-    if dst.size < n * row_bytes or fill.size < row_bytes or bool((lens > row_bytes).any()):
+    if row_bytes < 0 or dst.size < n * row_bytes or fill.size < row_bytes or bool((lens > row_bytes).any()):
         raise ValueError(f"{n} rows of {row_bytes} bytes do not fit the padded buffer or its fill")
     _inside(src, src_at, lens, "source")
     sums = np.empty(n, np.uint64)
@@ -106,13 +106,20 @@ def pad_rows(dst: np.ndarray, row_bytes: int, src: np.ndarray, src_at: np.ndarra
 
 
 def _offsets(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"row offsets and lengths must be integers, not {a.dtype}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+        raise ValueError("a row offset or length beyond int64")
     return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
 
 
 def _inside(buf: np.ndarray, at: np.ndarray, lens: np.ndarray, what: str) -> None:
+    """ValueError unless every row ``[at[k], at[k] + lens[k])`` lies in ``buf`` (compared
+    without adding, so no sum can wrap around)."""
     if at.size != lens.size:
         raise ValueError(f"{at.size} {what} offsets for {lens.size} rows")
-    if lens.size and (int(lens.min()) < 0 or int(at.min()) < 0 or int((at + lens).max()) > buf.size):
+    if lens.size and (int(lens.min()) < 0 or int(at.min()) < 0 or bool((at > buf.size - lens).any())):
         raise ValueError(f"a row outside the {what} buffer of {buf.size} bytes")
 
 
@@ -138,64 +145,26 @@ def _load() -> Any:
 
 
 def _compile() -> Any:
-    """Define and compile the kernels; check their digest against the xxhash package's."""
-    import llvmlite.binding as llvm
-    import numba
-    from numba import types
-
-    # The xxh3 the xxhash package calls, by its library's exported symbol. Pointers are
-    # passed as integers (same registers in the x86-64 and AArch64 calling conventions).
-    lib = ctypes.CDLL(xxhash._xxhash.__file__)
-    llvm.add_symbol("XXH3_64bits", ctypes.cast(lib.XXH3_64bits, ctypes.c_void_p).value)
-    xxh3 = types.ExternalFunction("XXH3_64bits", types.uint64(types.uintp, types.uintp))
-    memcpy = types.ExternalFunction("memcpy", types.uintp(types.uintp, types.uintp, types.uintp))
-
-    src, dst = types.Array(types.uint8, 1, "C", readonly=True), types.uint8[::1]  # (a writable source converts)
-    at, sums, row = types.int64[::1], types.uint64[::1], types.int64
-
-    def jit(*args: Any) -> Any:  # compiled now, for these argument types only
-        sig = types.void(*args, row, row)  # (..., first row, end row)
-
-        def compiled(fn: Any) -> Any:
-            try:
-                return numba.njit(sig, nogil=True, cache=True)(fn)
-            except RuntimeError:  # no writable cache directory: compiled in each process instead
-                return numba.njit(sig, nogil=True)(fn)
-
-        return compiled
-
-    @jit(src, at, sums)
-    def digest_ranges(buf, bounds, sums, a, z):  # type: ignore[no-untyped-def]
-        p = buf.ctypes.data
-        for i in range(a, z):
-            sums[i] = xxh3(p + bounds[i], bounds[i + 1] - bounds[i])
-
-    @jit(dst, at, src, at, at, sums, types.boolean)
-    def copy_rows(dst, dst_at, src, src_at, lens, sums, digest, a, z):  # type: ignore[no-untyped-def]
-        d, s = dst.ctypes.data, src.ctypes.data
-        for i in range(a, z):
-            memcpy(d + dst_at[i], s + src_at[i], lens[i])
-            if digest:
-                sums[i] = xxh3(d + dst_at[i], lens[i])
-
-    @jit(dst, row, src, at, at, src, sums, types.boolean)
-    def pad_rows(dst, row_bytes, src, src_at, lens, fill, sums, digest, a, z):  # type: ignore[no-untyped-def]
-        d, s, f = dst.ctypes.data, src.ctypes.data, fill.ctypes.data
-        for i in range(a, z):
-            n = lens[i]
-            memcpy(d + i * row_bytes, s + src_at[i], n)
-            memcpy(d + i * row_bytes + n, f + n, row_bytes - n)
-            if digest:
-                sums[i] = xxh3(d + i * row_bytes, n)
+    """Import (compile, or load from numba's cache) the kernels; check their digest against
+    the xxhash package's."""
+    from rlplane import _rowkernels_jit as jit
 
     probe = np.frombuffer(b"rlplane row kernels", np.uint8)
     got = np.empty(2, np.uint64)
-    digest_ranges(probe, np.array([0, 7, probe.size], np.int64), got, 0, 2)
+    jit.digest_ranges(probe, np.array([0, 7, probe.size], np.int64), got, 0, 2)
     want = [xxhash.xxh3_64_intdigest(probe[:7].tobytes()), xxhash.xxh3_64_intdigest(probe[7:].tobytes())]
     if got.tolist() != want:
         raise RuntimeError("the compiled xxh3 disagrees with the xxhash package's")
+    return jit
 
-    return SimpleNamespace(digest_ranges=digest_ranges, copy_rows=copy_rows, pad_rows=pad_rows)
+
+def _forget_lock() -> None:  # in a forked child: a load another thread had under way is not there
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_lock)
 
 
 __all__ = ["ready", "digests", "copy_rows", "pad_rows"]

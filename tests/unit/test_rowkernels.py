@@ -31,11 +31,14 @@ def test_digests_are_xxhash_of_each_range_empty_rows_included(seed, n):
     assert got.tolist() == [xxh(buf, a, z) for a, z in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
 
 
-def test_digests_of_rows_split_over_threads_are_in_row_order():
+def test_digests_of_rows_split_over_threads_are_in_row_order(monkeypatch):
+    monkeypatch.setattr(parallel, "workers", lambda: 2)  # (whatever this host has)
+    runs = []
+    monkeypatch.setattr(parallel, "run", lambda fn, parts, run=parallel.run: runs.append(len(parts)) or run(fn, parts))
     buf = np.random.default_rng(1).integers(0, 256, 3 * parallel.PARALLEL_MIN_BYTES, dtype=np.uint8)
     bounds = np.linspace(0, buf.size, 1001).astype(np.int64)
-    assert len(parallel.spans(bounds, 2)) == 2  # (the work is big enough to be split)
     got = rowkernels.digests(buf, bounds)
+    assert runs == [2]  # (split over two threads)
     assert got.tolist() == [xxh(buf, a, z) for a, z in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
     assert range_sums(memoryview(buf), bounds).tolist() == got.tolist()  # (range_sums takes this path)
 
@@ -89,6 +92,17 @@ def test_a_range_outside_a_buffer_is_refused_before_any_byte_moves():
         rowkernels.copy_rows(dst, ok[0], src, np.array([0, 95]), ok[2])
     with pytest.raises(ValueError):
         rowkernels.copy_rows(dst, ok[0], src, ok[1], np.array([10, -1]))
+    huge = np.array([2**62, 2**62])  # offset + length wraps around int64: refused, not a wild copy
+    with pytest.raises(ValueError):
+        rowkernels.copy_rows(dst, huge, src, huge, huge, digest=False)
+    with pytest.raises(ValueError):
+        rowkernels.copy_rows(dst, ok[0], src, np.array([0, 2**63 - 4]), np.array([10, 8]))
+    with pytest.raises(ValueError):
+        rowkernels.pad_rows(dst, 16, src, np.array([2**63 - 4]), np.array([8]), np.zeros(16, np.uint8))
+    with pytest.raises(ValueError, match="integers"):
+        rowkernels.copy_rows(dst, np.array([0.9, 10.0]), src, ok[1], ok[2])
+    with pytest.raises(ValueError):
+        rowkernels.copy_rows(dst, np.array([-1, 10]), src, ok[1], ok[2])
     with pytest.raises(ValueError):
         rowkernels.digests(src, np.array([0, 50, 101]))
     with pytest.raises(ValueError):
@@ -108,33 +122,50 @@ def _batch(b=512, s=1024):
 
 
 @pytest.fixture
-def without_kernels(monkeypatch):
-    def off():
-        monkeypatch.setattr(rowkernels, "_kernels", False)
-        assert not rowkernels.ready()
-    return off
+def kernel_calls(monkeypatch):
+    """How many times the codec called each kernel (the kernels loaded)."""
+    assert rowkernels.ready()
+    calls = {"copy_rows": 0, "pad_rows": 0}
+    for name in calls:
+        def counted(*a, _name=name, _fn=getattr(rowkernels, name), **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(rowkernels, name, counted)
+    return calls
 
 
-def test_the_codec_encodes_and_pads_the_same_bytes_and_digests_with_and_without_kernels(without_kernels):
-    reg = default_registry()
-    fields, lens = _batch()  # 4 MiB of input_ids: the numpy path cuts it in pieces, the kernels at once
-    assert fields["input_ids"].numel() * 8 >= codec._PIECE_BYTES
+@pytest.mark.parametrize("dtype,rest,pad,zeros", [
+    (torch.int64, (), None, False), (torch.float32, (3,), -2.5, True), (torch.bfloat16, (2, 3), 1.0, False),
+    (torch.bool, (), True, True), (torch.int8, (5,), -3, False)])
+def test_the_codec_cuts_and_pads_the_same_bytes_and_digests_with_and_without_kernels(monkeypatch, kernel_calls,
+                                                                                    dtype, rest, pad, zeros):
+    from rlplane.fields import FieldSpec, Registry
+
+    reg = Registry([*default_registry().specs(), FieldSpec("tok", "token", "dense", dtype=dtype, pad_value=pad or 0)])
+    g = torch.Generator().manual_seed(7)
+    b, s = 300, 1024
+    lens = torch.randint(0, s + 1, (b,), generator=g) if zeros else torch.randint(1, s + 1, (b,), generator=g)
+    value = (torch.rand(b, s, *rest, generator=g) * 100).to(dtype) if dtype != torch.bool else \
+        torch.rand(b, s, *rest, generator=g) > 0.5
+    assert value.numel() * value.element_size() >= codec._KERNEL_BYTES
+    fields = {"tok": value, "input_lengths": lens}
     fast = codec.encode(reg, fields, lens)
-    fast_out = codec.decode(reg, fast.columns, fast.tags, "padded")
-    without_kernels()
+    fast_out = codec.decode(reg, fast.columns, fast.tags, "padded", s)
+    assert kernel_calls == {"copy_rows": 1, "pad_rows": 1}  # (the kernels did the work)
+    monkeypatch.setattr(rowkernels, "_kernels", False)  # the numpy path
     slow = codec.encode(reg, fields, lens)
-    slow_out = codec.decode(reg, slow.columns, slow.tags, "padded")
-    for name, col in fast.columns.items():
-        assert torch.equal(col.values.view(torch.uint8), slow.columns[name].values.view(torch.uint8)), name
-        assert np.array_equal(col.sums, slow.columns[name].sums), name
-    for name, t in fast_out.items():
-        assert torch.equal(t, slow_out[name]), name
-    mask = torch.arange(1024)[None, :] < lens[:, None]
-    assert torch.equal(fast_out["input_ids"][mask], fields["input_ids"][mask])
-    assert not fast_out["input_ids"][~mask].any()  # (input_ids pads with 0)
+    slow_out = codec.decode(reg, slow.columns, slow.tags, "padded", s)
+    assert kernel_calls == {"copy_rows": 1, "pad_rows": 1}
+    col = fast.columns["tok"]
+    assert torch.equal(col.values.view(torch.uint8), slow.columns["tok"].values.view(torch.uint8))
+    assert np.array_equal(col.sums, slow.columns["tok"].sums)
+    assert torch.equal(fast_out["tok"].view(torch.uint8), slow_out["tok"].view(torch.uint8))
+    mask = torch.arange(s)[None, :] < lens[:, None]
+    assert torch.equal(fast_out["tok"][mask], value[mask])
+    assert bool((fast_out["tok"][~mask] == torch.tensor(pad or 0, dtype=dtype)).all())
 
 
-def test_a_damaged_row_padded_by_the_kernels_is_named():
+def test_a_damaged_row_padded_by_the_kernels_is_named(kernel_calls):
     reg = default_registry()
     fields, lens = _batch()
     enc = codec.encode(reg, fields, lens)
@@ -144,6 +175,7 @@ def test_a_damaged_row_padded_by_the_kernels_is_named():
     with pytest.raises(IntegrityError) as err:
         codec.decode(reg, enc.columns, enc.tags, "padded", sample_ids=ids, partition="p")
     assert "sample 's100'" in str(err.value) and "field 'input_ids'" in str(err.value)
+    assert kernel_calls["pad_rows"] >= 1 and kernel_calls["copy_rows"] >= 1
 
 
 def test_without_numba_the_kernels_say_so_and_the_codec_keeps_its_numpy_path(monkeypatch, caplog):
@@ -162,3 +194,45 @@ def test_without_numba_the_kernels_say_so_and_the_codec_keeps_its_numpy_path(mon
     out = codec.decode(reg, enc.columns, enc.tags, "padded", 1024)
     mask = torch.arange(1024)[None, :] < lens[:, None]
     assert torch.equal(out["input_ids"][mask], fields["input_ids"][mask])
+
+
+def _child_loads(q):
+    from rlplane import _rowkernels_jit
+
+    rowkernels._compile = lambda: _rowkernels_jit  # (the parent's slow load is not the child's)
+    q.put(rowkernels.ready())
+
+
+def test_a_process_forked_while_another_thread_loads_the_kernels_loads_them_itself(monkeypatch):
+    """The loading thread's lock is not the child's: its ready() does not wait forever."""
+    import multiprocessing
+    import threading
+
+    from rlplane import _rowkernels_jit
+
+    holding, release = threading.Event(), threading.Event()
+
+    def slow():
+        holding.set()
+        release.wait(30)
+        return _rowkernels_jit
+
+    monkeypatch.setattr(rowkernels, "_kernels", None)
+    monkeypatch.setattr(rowkernels, "_compile", slow)
+    loader = threading.Thread(target=rowkernels.ready)
+    loader.start()
+    try:
+        assert holding.wait(30)  # the loader holds the load's lock now
+        ctx = multiprocessing.get_context("fork")
+        q = ctx.Queue()
+        child = ctx.Process(target=_child_loads, args=(q,))
+        child.start()
+        child.join(20)
+        if child.exitcode is None:  # waited on a lock no thread of its will release
+            child.kill()
+            child.join(5)
+        assert child.exitcode == 0 and q.get(timeout=5) is True
+    finally:
+        release.set()
+        loader.join(30)
+    assert rowkernels.ready()

@@ -1032,7 +1032,7 @@ class NativeTransport(Transport):
             raise WireFormatError("the controller located rows it was not asked for", field=entries[0][0])
         all_at = np.concatenate(src)
         lens = np.concatenate([row_bytes[e[0]][p] for e, p in zip(entries, pos)])
-        if all_at.size and (int(all_at.min()) < 0 or int((all_at + lens).max()) > view.nbytes):
+        if all_at.size and (int(all_at.min()) < 0 or int(lens.min()) < 0 or bool((all_at > view.nbytes - lens).any())):
             raise WireFormatError("the controller located rows outside a storage unit's slab", field=entries[0][0])
         if all_at.size:
             lo, hi = int(all_at.min()), int((all_at + lens).max())

@@ -13,8 +13,8 @@ Every function checks that each range lies inside its buffers before any byte mo
 offset out of bounds is a ValueError, never a stray write). Where numba cannot be
 loaded, :func:`ready` is False and callers keep their numpy path (same bytes, same
 digests). The loops themselves are in :mod:`rlplane._rowkernels_jit`, compiled once per
-machine (numba's cache beside it, else the user's cache directory; ~1.5 s) and loaded
-by a process on its first big copy (~0.5 s, numba's import included).
+machine (numba's cache beside it, else the user's cache directory; ~2.4 s here) and
+loaded by a process on its first big copy (~0.4 s, numba's import included).
 
 Example::
 

@@ -174,3 +174,19 @@ def test_a_location_naming_rows_past_the_request_is_refused_before_anything_is_c
         assert reads_back(c, w, meta, ["input_ids"]) == []
         c.clear(meta.partition)
         c.close()
+
+
+@pytest.mark.parametrize("address", [2**63 - 4, 2**62, -8, 60])
+def test_a_controller_locating_rows_beyond_the_slab_is_refused_before_a_byte_is_copied(address):
+    """An address whose sum with the row's length wraps around int64 is refused like any
+    other out-of-slab address (a WireFormatError naming the field), never copied from."""
+    from types import SimpleNamespace
+
+    slab = np.arange(64, dtype=np.uint8)
+    view = SimpleNamespace(nbytes=slab.size, u8=slab, prefault=lambda lo, hi: None)
+    entry = ["input_ids", None, None, np.array([0], "<i8").tobytes(), np.array([address], "<i8").tobytes()]
+    buf = np.zeros(8, np.uint8)
+    with pytest.raises(E.WireFormatError) as err:
+        NativeTransport._copy_out(view, [entry], buf, {"input_ids": 0}, {"input_ids": np.array([0, 8])},
+                                  {"input_ids": np.array([8])}, {"input_ids": np.zeros(1, np.uint64)})
+    assert err.value.field == "input_ids" and not buf.any()

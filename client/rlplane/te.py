@@ -14,11 +14,14 @@ transfer per unit (``batch_transfer_sync_read``) straight into the memory the re
 back. Over ``tcp`` the caller's buffers are registered for the transfer (cheap there);
 over ``rdma`` (registering pins pages) the bytes go through the staging buffer, in
 batches of its size. ZMQ carries control as on the other data paths, so commits, pins,
-replicas and digests work as there.
+replicas and digests work as there. A transfer to a peer that stops answering fails
+after STALL_S without progress; the memory of a failed transfer is quarantined (the
+engine may still move its bytes when the peer comes back).
 
-Trust: the engine authenticates nobody. Whoever reaches its ports and knows a
-registered address reads and writes that memory (the engine refuses addresses outside
-what was registered, nothing more). The installed engine binds its two listeners (the
+Trust: the engine authenticates nobody. Whoever reaches its ports reads and writes the
+memory registered with it: the handshake hands the registered buffers' addresses to any
+peer that asks (``get_first_buffer_address``), and the engine refuses only ranges outside
+what was registered. The installed engine binds its two listeners (the
 handshake port and the TCP data port, drawn at random, observed in 15000-17000) on every
 interface whatever ``MC_TCP_BIND_ADDRESS`` says, so the transfer engine is off unless
 configured and its ports must be confined by the network (the chart's NetworkPolicy).
@@ -55,6 +58,11 @@ log = logging.getLogger(__name__)
 PROTOCOLS = ("tcp", "rdma")
 #: A client's staging buffer unless RLPLANE_TE_STAGING_BYTES says otherwise.
 DEFAULT_STAGING_BYTES = 64 << 20
+#: Seconds a TCP transfer may go without progress (or wait for its peer's status) before the
+#: engine fails it: a unit whose engine stops answering is then UnavailableError well within
+#: 10 s (the engine's own default is 30 s). Set MC_TCP_PROGRESS_TIMEOUT_SEC /
+#: MC_TCP_STATUS_TIMEOUT_SEC to choose otherwise.
+STALL_S = 4
 
 
 def open_engine(hostname: str, protocol: str, devices: str = "") -> Any:
@@ -69,6 +77,8 @@ def open_engine(hostname: str, protocol: str, devices: str = "") -> Any:
     # The engine's glog INFO lines (every handshake, every segment) would go to stderr;
     # warnings and errors still do. Read when the library loads: set MC_LOG_LEVEL=INFO to see them.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+    for knob in ("MC_TCP_PROGRESS_TIMEOUT_SEC", "MC_TCP_STATUS_TIMEOUT_SEC"):  # (read by each transfer)
+        os.environ.setdefault(knob, str(STALL_S))
     try:
         from mooncake.engine import TransferEngine
     except ImportError as err:
@@ -121,13 +131,20 @@ class TransferPool:
         self.direct = protocol == "tcp" if direct is None else direct
         self.engine = open_engine(hostname, protocol, devices)
         self.nbytes = staging_bytes - staging_bytes % mmap.PAGESIZE
+        self._stage_afresh()
+        self._lock = threading.Lock()
+        # Memory of transfers that failed: the engine may still move bytes of them (a peer
+        # that stalled and came back), so it is never freed, reused or unregistered.
+        self.quarantined: list[Any] = []
+
+    def _stage_afresh(self) -> None:
+        """A new staging buffer, pre-faulted and registered."""
         self._mm = mmap.mmap(-1, self.nbytes)
         self.u8 = np.frombuffer(self._mm, np.uint8)
         if not populate(self.u8, write=True):  # older kernels: touch a byte a page
             self.u8[:: mmap.PAGESIZE] = 0
         self.base = self.u8.ctypes.data
         register(self.engine, self.base, self.nbytes, "the client's staging buffer")
-        self._lock = threading.Lock()
 
     def write(self, peer: str, unit: str, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
         """Each ``(uint8 values, remote address)`` into the peer's memory."""
@@ -136,7 +153,7 @@ class TransferPool:
         lens = np.array([src.size for src in srcs], np.int64)
         if not lens.size:
             return
-        with self._lock, self._registered(srcs) as direct:
+        with self._lock, self._registered(srcs) as direct, self._staging_kept_on_failure(direct):
             if direct:
                 self._move(peer, unit, "write", np.array([src.ctypes.data for src in srcs], np.int64), remote, lens)
                 return
@@ -154,7 +171,7 @@ class TransferPool:
         at, lens, which, dst_at = at[keep], lens[keep], which[keep], dst_at[keep]
         if not lens.size:
             return
-        with self._lock, self._registered(dsts) as direct:
+        with self._lock, self._registered(dsts) as direct, self._staging_kept_on_failure(direct):
             if direct:
                 local = np.array([d.ctypes.data for d in dsts], np.int64)[which] + dst_at
                 starts = _runs(at, lens, local)
@@ -179,9 +196,26 @@ class TransferPool:
         spans = self._register(arrays) if self.direct else None
         try:
             yield spans is not None
+        except BaseException:
+            if spans is not None:  # a failed transfer's memory stays alive and registered (see __init__)
+                self.quarantined.append(list(arrays))
+                spans = None
+            raise
         finally:
             if spans is not None:
                 self._unregister(spans)
+
+    @contextmanager
+    def _staging_kept_on_failure(self, direct: bool) -> Iterator[None]:
+        """A transfer through the staging buffer that fails leaves that buffer to the engine
+        (quarantined) and takes a new one: no later transfer shares memory with it."""
+        try:
+            yield
+        except BaseException:
+            if not direct:
+                self.quarantined.append(self._mm)
+                self._stage_afresh()
+            raise
 
     def _register(self, arrays: Sequence[np.ndarray]) -> list[int] | None:
         """Register the memory of ``arrays`` (as disjoint spans) for one transfer; the spans'

@@ -97,6 +97,45 @@ def test_data_path_te_needs_every_unit_on_the_engine_and_says_what_to_set():
         t.close()
 
 
+def test_memory_of_a_failed_transfer_is_never_freed_reused_or_unregistered(peer, monkeypatch):
+    """A transfer the engine failed (a peer that stalled) may still be moving bytes when the
+    peer comes back: the caller's registered buffers are kept alive and registered, and a
+    staging buffer is set aside for a new one, so no later use of that memory sees them."""
+    for direct in (True, False):
+        pool = TransferPool("tcp", hostname="127.0.0.1", staging_bytes=3 * 4096, direct=direct)
+        base = peer["memory"].ctypes.data
+        src = np.arange(5000, dtype=np.uint8)
+        stage, unregistered = pool._mm, []
+        monkeypatch.setattr(pool, "engine", _Failing(pool.engine, unregistered))
+        with pytest.raises(E.UnavailableError, match="did not take a write"):
+            pool.write(peer["name"], "peer", [(src, base)])
+        if direct:
+            assert pool.quarantined == [[src]] and unregistered == [] and pool._mm is stage
+        else:
+            assert pool.quarantined == [stage] and pool._mm is not stage
+        monkeypatch.undo()
+        again = np.full(5000, 7, np.uint8)  # the pool works on, with memory of its own
+        pool.write(peer["name"], "peer", [(again, base)])
+        assert np.array_equal(peer["memory"][:5000], again)
+
+
+class _Failing:
+    """An engine whose writes fail (as a stalled peer's do) and whose unregisters are counted."""
+
+    def __init__(self, engine, unregistered):
+        self._engine, self._unregistered = engine, unregistered
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def batch_transfer_sync_write(self, *args):
+        return -1
+
+    def unregister_memory(self, addr):
+        self._unregistered.append(addr)
+        return self._engine.unregister_memory(addr)
+
+
 def test_auto_reaches_units_it_cannot_map_over_the_engine(monkeypatch):
     """A unit on another host cannot be mapped (its socket is in another network
     namespace); auto then takes the engine, and the bytes round-trip bit for bit."""
@@ -170,6 +209,42 @@ def test_a_units_engine_killed_mid_read_leaves_the_read_to_the_other_copy(monkey
             monkeypatch.setattr(te.TransferPool, "read", read_then_die)
             got = client.read_columns(meta, list(w.fields))
             assert killed, "no read went to unit 0"
+            assert diff_fields(client.registry, w.fields, got, w.lengths) == []
+            assert 0 in client.transport.down
+
+
+def test_a_unit_whose_engine_stops_answering_is_left_within_ten_seconds():
+    """SIGSTOP (not a kill: the unit's sockets stay open and nothing refuses a connection)
+    of a unit's process after the locate named it: its engine's transfer fails within the
+    stall bound the client sets (rlplane.te.STALL_S), the unit is named down, and the read
+    completes from the other copy, bit for bit, well within 10 s."""
+    import os
+    import signal
+    import time
+
+    import rlplane.te as te
+
+    with LocalEngine(2, secret=SECRET, slab_bytes=64 << 20, processes=True, replicas=2, grace_s=3600,
+                     te_protocol="tcp") as eng:
+        with Client(default_registry(), NativeTransport(eng.info, timeout=30, data_path="te")) as client:
+            w = vlm_step(6, 256, seed=21)
+            meta = client.put_samples("stopped", w.fields)
+            victim = client.transport._remote[0].peer
+            original, stopped = te.TransferPool.read, []
+
+            def read_after_stop(self, peer, *args, **kwargs):
+                if peer == victim and not stopped:
+                    os.kill(eng.unit_pid(0), signal.SIGSTOP)  # between the locate and the transfer
+                    stopped.append(time.monotonic())
+                return original(self, peer, *args, **kwargs)
+
+            te.TransferPool.read = read_after_stop
+            try:
+                got = client.read_columns(meta, list(w.fields))
+            finally:
+                te.TransferPool.read = original
+            took = time.monotonic() - stopped[0]
+            assert took < 10.0, f"the read waited {took:.1f} s on a unit that stopped answering"
             assert diff_fields(client.registry, w.fields, got, w.lengths) == []
             assert 0 in client.transport.down
 

@@ -178,6 +178,15 @@ class ServiceSettings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _no_transfer_engine_for_tenants(self) -> "ServiceSettings":
+        if self.te_protocol and self.tokens_file is not None:
+            raise ValueError("RLPLANE_TE_PROTOCOL with RLPLANE_TOKENS_FILE: Mooncake's transfer engine authenticates "
+                             "nobody (any peer that reaches a storage unit's engine port learns its slab's address "
+                             "and reads and writes every tenant's samples), so tenants would not be kept apart; "
+                             "run a store per tenant, or leave the transfer engine off")
+        return self
+
+    @model_validator(mode="after")
     def _durability_is_native(self) -> "ServiceSettings":
         if self.snapshot_interval_s and self.snapshot_dir is None:
             raise ValueError("RLPLANE_SNAPSHOT_INTERVAL_S needs RLPLANE_SNAPSHOT_DIR (where the periodic snapshots go)")

@@ -249,6 +249,35 @@ def test_a_unit_whose_engine_stops_answering_is_left_within_ten_seconds():
             assert 0 in client.transport.down
 
 
+def test_the_engine_hands_a_units_slab_to_any_peer_that_reaches_its_port():
+    """The trust boundary is the network, as the README's Security section says: a stranger
+    engine with no credential learns a unit's slab address from the handshake and reads
+    its bytes. (Should a Mooncake release authenticate peers, this fails: update the
+    README, the chart's NetworkPolicy comment and the tenants refusal.)"""
+    with LocalEngine(1, secret=SECRET, slab_bytes=16 << 20, te_protocol="tcp") as eng:
+        with Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="te")) as client:
+            slab = client.transport._remote[0]
+            w = text_step(4, 64, seed=2)
+            client.put_samples("private", w.fields)
+            stranger = open_engine("127.0.0.1", "tcp")
+            assert stranger.get_first_buffer_address(slab.peer) == slab.base
+            out = np.zeros(1 << 20, np.uint8)
+            register(stranger, out.ctypes.data, out.size, "the stranger's memory")
+            assert stranger.transfer_sync_read(slab.peer, out.ctypes.data, slab.base, out.size) == 0
+            ids = w.fields["input_ids"][0, :8].numpy().tobytes()
+            assert ids in out.tobytes()  # a sample's tokens, read without any secret
+
+
+def test_a_service_with_tenants_refuses_the_transfer_engine(tmp_path):
+    from rlplane_service.settings import ServiceSettings
+
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text("{}")
+    with pytest.raises(ValueError, match="tenants would not be kept apart"):
+        ServiceSettings(te_protocol="tcp", tokens_file=tokens)
+    assert ServiceSettings(tokens_file=tokens).te_protocol == ""
+
+
 def test_a_client_with_a_wrong_secret_learns_no_engine_address():
     with LocalEngine(2, secret=SECRET, slab_bytes=16 << 20, te_protocol="tcp") as eng:
         asked = []

@@ -533,7 +533,8 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
     """Load snapshot ``path`` (a directory, or an fsspec URL whose files are fetched into
     ``TMPDIR`` first) into the (empty of its partitions) store ``transport`` reaches: every sample with its id, rows and tags, then each task's consumption; then,
     with ``journal`` (a journal directory, RLPLANE_JOURNAL_DIR), every change the journal
-    holds after the snapshot's cut (``path=None``: the journal alone, on an empty store).
+    holds after the snapshot's cut (``path=None``: the journal alone, on an empty store;
+    a journal a snapshot truncated continues that snapshot, which is then loaded first).
     SnapshotError (naming the file) when any of it is missing, truncated or damaged, or
     when the journal was truncated after this snapshot; with ``declared`` (the service's
     registry's names), UnregisteredFieldError for a field that is not declared. Either
@@ -550,13 +551,18 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
         raise E.InvalidArgumentError("restore needs a snapshot, a journal, or both")
     say = progress or (lambda msg: None)
     t0 = time.monotonic()
+    jr = J.Journal.open(journal) if journal is not None else None
+    if path is None and jr is not None and jr.base > 1 and jr.base_snapshot:
+        # A journal a snapshot truncated continues that snapshot (the newest: BASE only rises):
+        # a store that died after its periodic snapshots comes back from the journal alone.
+        path = jr.base_snapshot
+        say(f"restore: the journal in {journal} continues snapshot {path}: loading it first")
     with _opened(path) as snap:
         # Every file is there at its size (checked on open), the journal read and checked
         # whole. Each partition's file is checked against its digest just before it is
         # loaded, while the next ones are read ahead; a damaged one takes back every
         # partition loaded before it.
         since = int(snap.manifest.get("seq") or 0)
-        jr = J.Journal.open(journal) if journal is not None else None
         if jr is not None:
             if path is not None and not since and jr.changes:
                 raise E.SnapshotError(f"snapshot {path} records no change number (taken by an older rlplane): it "

@@ -75,8 +75,9 @@ class ServiceSettings(BaseSettings):
     journal_dir: Optional[Path] = Field(
         None, description="Backend native: each storage unit appends every commit (with its bytes), clear and ack "
         "to a write-ahead journal in JOURNAL_DIR/<unit> (on the units' hosts; a shared volume when they are several). "
-        "put_samples(..., durable=True) returns once its commit is on disk. A new store replays it (after "
-        "RLPLANE_RESTORE_FROM's snapshot, if set) before it reports ready; each snapshot truncates it.",
+        "put_samples(..., durable=True) returns once its commit is on disk. A new store replays it before it reports "
+        "ready: after RLPLANE_RESTORE_FROM's snapshot, or, unset, after the snapshot that last truncated it (each "
+        "snapshot does).",
     )
     journal_flush_ms: float = Field(
         20.0, gt=0, le=1000, description="Backend native, with a journal: how often the units fsync what was appended "

@@ -172,6 +172,44 @@ def test_a_snapshot_truncates_the_journal_and_an_older_snapshot_cannot_be_contin
         assert sorted(b.partitions()) == ["a", "b", "c"] and info.journal["changes"] == 1
 
 
+def test_a_journal_a_snapshot_truncated_brings_the_store_back_alone_from_that_snapshot(tmp_path):
+    """What a store with periodic snapshots needs after a crash: restarted with only its
+    journal directory (no RLPLANE_RESTORE_FROM), it loads the snapshot the journal's
+    truncation names, then the changes after it, bit for bit. Were that snapshot gone, the
+    restore says which one and loads nothing."""
+    import shutil
+
+    jdir, s1, s2 = tmp_path / "journal", tmp_path / "auto-1", tmp_path / "auto-2"
+    with engine(jdir) as eng, connect(eng) as a:
+        first = text_step(8, 16, seed=1)
+        m1 = a.put_samples("a", first.fields)
+        a.snapshot(str(s1))
+        second = vlm_step(4, 64, seed=2)
+        m2 = a.put_samples("b", second.fields)
+        a.snapshot(str(s2))  # the newest: the journal continues it
+        third = text_step(4, 16, seed=3)
+        m3 = a.put_samples("c", third.fields, durable=True)
+        deadline = time.monotonic() + 20  # (the truncations run on a thread of the controller's)
+        while time.monotonic() < deadline and not all(J.read_base(d).get("snapshot") == str(s2) for d in jdir.iterdir()):
+            time.sleep(0.05)
+        want = {"a": wire(a, "a", m1.sample_ids, sorted(first.fields)),
+                "b": wire(a, "b", m2.sample_ids, sorted(second.fields)),
+                "c": wire(a, "c", m3.sample_ids, sorted(third.fields))}
+    said: list[str] = []
+    with engine(None) as new, connect(new) as b:
+        info = snapshot.restore(b.transport, None, journal=jdir, progress=said.append)
+        assert sorted(b.partitions()) == ["a", "b", "c"] and info.journal["changes"] == 1
+        assert same(wire(b, "a", m1.sample_ids, sorted(first.fields)), want["a"])
+        assert same(wire(b, "b", m2.sample_ids, sorted(second.fields)), want["b"])
+        assert same(wire(b, "c", m3.sample_ids, sorted(third.fields)), want["c"])
+        assert any(str(s2) in line for line in said)
+    shutil.rmtree(s2)
+    with engine(None) as new, connect(new) as b:
+        with pytest.raises(E.SnapshotError) as err:
+            snapshot.restore(b.transport, None, journal=jdir)
+        assert str(s2) in str(err.value) and b.partitions() == []
+
+
 def test_a_restored_store_journals_on_after_the_old_journal(tmp_path):
     """The new store's own changes continue the old journal's numbers: a second crash is
     restored from the same snapshot and journal, old and new changes alike."""

@@ -176,7 +176,8 @@ class Client:
         ``input_lengths`` how many each sample gets (0 for none). The samples' lengths grow;
         every other field stays as it is. ``finished=True`` marks them done: claims hand
         them out from then on. Returns the meta with the new lengths. A token field left
-        out, or one the samples do not hold, is a ShapeError naming it, and nothing changes.
+        out (the store says which the samples hold, whatever the meta lists), or one the
+        samples do not hold, is a ShapeError naming it, and nothing changes.
         One writer extends a sample at a time (the rollout that owns it): two extends of
         the same sample at once keep one of them.
 
@@ -215,7 +216,8 @@ class Client:
                     enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
                                  packed=frozenset(names))
                 written = enc.tags.with_user(user)
-                self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False, **born)
+                self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False, **born,
+                                   **length_check(self.registry, self.transport, grows=True))
                 op.nbytes = enc.nbytes
         grown = meta.with_fields(enc.columns, written)
         new = lengths.tolist()

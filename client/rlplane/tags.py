@@ -9,7 +9,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Mapping
 
 #: Reserved key in each sample's tags: ``{field: geometry}`` for every field written.
@@ -187,6 +187,33 @@ def check_lengths(ids: Sequence[str], stored: Sequence[Mapping[str, Any]], writt
             raise older_meta(f, int(new[i]), int(have[i]), ref[i], int(bad.size), len(ids), ids[i])
 
 
+def left_out(field: str, sample: Any) -> Any:
+    """The ShapeError for an extend that does not carry a token field the sample holds
+    (a stage wrote it after the put whose meta the extend was given)."""
+    from rlplane.errors import ShapeError
+
+    return ShapeError(
+        "the sample holds this token field and an extend grows every token field together (their rows stay as long "
+        "as the sample); nothing of the extend was stored: extend it too, with a meta that names it (the one the "
+        "stage's write_columns returned, or a claim's)", field=field, sample=sample)
+
+
+def check_grown(ids: Sequence[str], stored: Sequence[Mapping[str, Any]], written: Collection[str],
+                aligned: Sequence[str]) -> None:
+    """For a store that keeps each sample's tags: an extend (``written``: the fields it
+    writes) of stored samples (``stored``: their tags) that leaves out a token field (of
+    ``aligned``) a sample holds is :func:`left_out`, naming the first such field and sample.
+
+    Example: ``check_grown(["a"], [{WIRE_TAG: {"input_ids": [4], "prev_logprobs": [4]}}], {"input_ids"},
+    ["input_ids", "prev_logprobs"])`` raises ShapeError."""
+    others = [f for f in aligned if f not in written]
+    for i, tag in enumerate(stored):
+        rows = (tag or {}).get(WIRE_TAG) or {}
+        for f in others:
+            if rows.get(f) is not None:
+                raise left_out(f, ids[i])
+
+
 class RowTags(Sequence[dict[str, Any]]):
     """Each sample's tags, built only when asked for: the user's tags (``user``, one
     map or None per sample; None: no user tags) plus the rows' wire geometry and
@@ -331,4 +358,4 @@ def _take(rows: Any, pick: list[int]) -> Any:
 
 
 __all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "RowTags", "born_of", "incarnation", "merge_tags",
-           "stale", "stale_meta", "stale_as", "older_meta", "check_lengths"]
+           "stale", "stale_meta", "stale_as", "older_meta", "check_lengths", "left_out", "check_grown"]

@@ -434,20 +434,24 @@ def build_api(state: ServiceState) -> FastAPI:
 
     @v1.post("/data/{partition}/put", tags=["data"])
     async def put(partition: str, request: Request, create: bool = Query(True), durable: bool = Query(False),
-                  aligned: bool = Query(False), who: Access = Depends(caller)) -> dict[str, Any]:
+                  aligned: bool = Query(False), grows: bool = Query(False),
+                  who: Access = Depends(caller)) -> dict[str, Any]:
         """Store encoded columns (body: rlplane envelope with ``sample_ids`` and ``tags``).
 
         Checked against the registry first; a body that fails stores nothing. ``durable``:
         answered once the put is in the journal on disk (native with RLPLANE_JOURNAL_DIR).
-        ``aligned`` (a write of stored samples, not an extend): token rows of another length
-        than their sample's are a 422 ShapeError naming the field and sample (native stores).
+        ``aligned`` (a write of stored samples): token rows of another length than their
+        sample's are a 422 ShapeError naming the field and sample; with ``grows`` (an
+        extend) the rows grow instead, and leaving out a token field a sample holds is that
+        422.
         """
         async with observed("put_samples" if create else "write_columns") as event:
             check_partition(partition)
             who.check(partition, write=True)
             body = await _read_body(request, state.settings.max_request_bytes)
             (stored, event["nbytes"]), born = await offload(_check_and_store, registry, transport, partition, body,
-                                                            create, durable, aligned and not create)
+                                                            create, durable, aligned and not create,
+                                                            grows)
         return {"partition": partition, "stored": stored, "nbytes": len(body), **({"born": born} if born else {})}
 
     @v1.post("/data/{partition}/get", tags=["data"])
@@ -621,7 +625,7 @@ def births(born: Any, n: int) -> np.ndarray:
 
 def _check_and_store(
     registry: Registry, transport: Transport, partition: str, body: np.ndarray | bytearray, create: bool,
-    durable: bool = False, check_lengths: bool = False,
+    durable: bool = False, check_lengths: bool = False, grows: bool = False,
 ) -> tuple[int, int]:
     """Parse, check and store one put body; returns ((samples, column bytes), the
     incarnation a create gave its samples or None). Parsing and checking touch every byte,
@@ -642,7 +646,7 @@ def _check_and_store(
                                      f"(RLPLANE_JOURNAL_DIR); this service stores on {transport.name!r}")
     extra = {"durable": True} if durable else {}
     if check_lengths:
-        extra.update(length_check(registry, transport))
+        extra.update(length_check(registry, transport, grows=grows))
     born = header.get("born")
     if born is not None:
         arr = births(born, len(ids))

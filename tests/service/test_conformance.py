@@ -220,13 +220,18 @@ def test_a_meta_of_samples_cleared_and_put_again_is_refused_for_writes_extends_a
         assert torch.equal(got["input_ids"][0], step["input_ids"][1])  # b: nothing of the refused calls stored
         assert "prev_logprobs" not in client.transport.describe(p).fields
         lp = torch.randn(1, 8)
-        client.write_columns(new, {"prev_logprobs": lp})
+        wrote = client.write_columns(new, {"prev_logprobs": lp})
         assert torch.equal(client.read_columns(new, ["prev_logprobs"])["prev_logprobs"], lp)
+        grown = client.extend(wrote, {"input_ids": torch.ones(1, 2, dtype=torch.int64),  # a: both its token fields
+                                      "prev_logprobs": torch.zeros(1, 2), "input_lengths": torch.full((1,), 2)})
+        assert grown.lengths == [10]
         if request.node.callspec.params["conn"] != "memory":  # a claim's meta names the new sample
             claimed = client.claim(p, "peek", batch_size=2, fields=["input_ids"], timeout=5, unfinished=True)
             by_id = dict(zip(claimed.sample_ids, claimed.tags))
             assert by_id["a"][BORN_TAG] == new.tags[0][BORN_TAG] and by_id["b"][BORN_TAG] == old.tags[1][BORN_TAG]
-            client.extend(claimed, {"input_ids": torch.ones(2, 2, dtype=torch.int64), "input_lengths": torch.full((2,), 2)})
+            b = claimed.subset([claimed.sample_ids.index("b")])  # (a holds prev_logprobs too: a claim of
+            client.extend(b, {"input_ids": torch.ones(1, 2, dtype=torch.int64),  # input_ids alone cannot grow it)
+                              "input_lengths": torch.full((1,), 2)})
         client.clear(p)
 
 
@@ -237,6 +242,27 @@ def _partial_step(g: torch.Generator, lens: list[int]) -> dict:
             "token_mask": torch.randint(0, 2, (n, width), generator=g).to(torch.int32),
             "generation_logprobs": torch.randn(n, width, generator=g),
             "input_lengths": torch.tensor(lens)}
+
+
+def test_an_extend_leaving_out_a_token_field_a_stage_wrote_is_refused_and_stores_nothing(conn):
+    """The store, not the caller's meta, says which token fields the samples hold: an extend
+    with the put's meta after a stage wrote prev_logprobs (with its own meta) is a ShapeError
+    naming that field and sample, and the samples read back as they were."""
+    g = torch.Generator().manual_seed(8)
+    with conn() as client:
+        p = part()
+        first = _partial_step(g, [2, 3])
+        meta = client.put_samples(p, first, finished=False)
+        client.write_columns(meta.subset([1]), {"prev_logprobs": torch.zeros(1, 3)})
+        with pytest.raises(E.ShapeError) as err:
+            client.extend(meta, _partial_step(g, [1, 1]), finished=True)
+        assert (err.value.field, err.value.sample) == ("prev_logprobs", meta.sample_ids[1])
+        got = client.read_columns(meta, [*first], layout="jagged")
+        assert got["input_lengths"].tolist() == [2, 3]
+        for f in first:
+            if f != "input_lengths":
+                assert all(torch.equal(got[f][i], first[f][i, : (2, 3)[i]]) for i in range(2)), f
+        client.clear(p)
 
 
 def test_partial_rollouts_grow_bit_exactly_through_extends_and_are_claimed_once_finished(conn, request):

@@ -150,17 +150,24 @@ def test_a_claim_by_tokens_counts_the_lengths_an_extend_grew():
         assert got.sample_ids == meta.sample_ids[1:] and got.lengths == [10]
 
 
-def test_a_token_field_an_extend_did_not_know_of_fails_loudly_when_read_with_the_lengths():
+def test_an_extend_that_leaves_out_a_token_field_a_stage_wrote_is_refused_and_changes_nothing():
     """A stage wrote prev_logprobs with its own meta; the rollout extends with the put's meta,
-    which does not list it: a read of it with input_lengths names the field and the sample."""
+    which does not list it. The store knows the sample holds it: the extend is a ShapeError
+    naming the field and the sample, and nothing of it is stored (lengths, rows, readiness).
+    With the stage's meta, which names it, the extend carries it too and grows both."""
     with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
         meta = c.put_samples("p", tokens([2, 3], 0), finished=False)
-        c.write_columns(meta, {"prev_logprobs": torch.zeros(2, 3)})
-        grown = c.extend(meta, tokens([1, 1], 100), finished=True)
+        staged = c.write_columns(meta.subset([1]), {"prev_logprobs": torch.zeros(1, 3)})
         with pytest.raises(E.ShapeError) as err:
-            c.read_columns(grown, ["prev_logprobs", "input_lengths"])
-        assert err.value.field == "prev_logprobs" and err.value.sample == meta.sample_ids[0]
-        assert c.read_columns(grown, ["input_ids", "input_lengths"])["input_lengths"].tolist() == [3, 4]
+            c.extend(meta, tokens([1, 1], 100), finished=True)
+        assert err.value.field == "prev_logprobs" and err.value.sample == meta.sample_ids[1]
+        after = c.read_columns(meta, ["input_ids", "input_lengths"], layout="jagged")
+        assert [r.tolist() for r in after["input_ids"]] == [[0, 1], [3, 4, 5]]
+        assert after["input_lengths"].tolist() == [2, 3] and c.consumption("p", "t")["ready"] == 0
+        grown = c.extend(staged, {**tokens([2], 100), "prev_logprobs": torch.ones(1, 2)}, finished=True)
+        got = c.read_columns(grown, ["input_ids", "prev_logprobs", "input_lengths"], layout="jagged")
+        assert got["input_ids"][0].tolist() == [3, 4, 5, 100, 101]
+        assert got["prev_logprobs"][0].tolist() == [0, 0, 0, 1, 1] and grown.lengths == [5]
 
 
 def test_an_extend_takes_jagged_rows_as_a_put_does():

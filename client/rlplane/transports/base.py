@@ -28,7 +28,7 @@ from rlplane.column import Column
 from rlplane.errors import ShapeError, WireFormatError
 from rlplane.scratch import Alloc
 from rlplane.geometry import Geometry
-from rlplane.tags import WIRE_TAG, born_of, check_lengths
+from rlplane.tags import WIRE_TAG, born_of, check_grown, check_lengths
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +69,8 @@ class Transport(ABC):
     shares_rows: bool = False
     #: Whether ``put(..., create=False)`` takes ``aligned=`` (the token-aligned field names):
     #: the store then refuses a write whose token rows are not as long as the sample it
-    #: writes to (a meta older than the sample: extended, or cleared and put again).
+    #: writes to (a meta older than the sample: extended, or cleared and put again), and
+    #: with ``grows=True`` (an extend) one that leaves out a token field a sample holds.
     checks_lengths: bool = False
     #: Whether ``put`` and ``get`` take ``born=`` (each sample's incarnation as the caller's
     #: meta names it, :data:`rlplane.tags.BORN_TAG`): the store then refuses a meta naming
@@ -175,26 +176,34 @@ def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Se
 
 def check_written_lengths(sample_ids: Sequence[str], stored: Sequence[Mapping[str, Any]],
                           columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
-                          aligned: Sequence[str]) -> None:
+                          aligned: Sequence[str], grows: bool = False) -> None:
     """For a store that keeps each sample's tags (``stored``): a write whose token rows
     (``columns`` of the ``aligned`` fields; their lengths from the column's geometry, else
     the written ``tags``) are not as long as the sample holds is a ShapeError naming field
-    and sample (:func:`rlplane.tags.check_lengths`), before anything is stored.
+    and sample (:func:`rlplane.tags.check_lengths`), before anything is stored. ``grows``
+    (an extend): its rows grow instead, and every ``aligned`` field a sample holds must be
+    among them (:func:`rlplane.tags.check_grown`).
 
     Example: ``check_written_lengths(ids, stored_tags, enc.columns, enc.tags, registry.token_fields())``."""
+    if grows:
+        check_grown(sample_ids, stored, set(columns), aligned)
+        return
     written = {f: Geometry.coerce(c.geom if c.geom is not None else
                                   [(t.get(WIRE_TAG) or {}).get(f) for t in tags]).leads()
                for f, c in columns.items() if f in aligned}
     check_lengths(sample_ids, stored, written, aligned)
 
 
-def length_check(registry: Any, transport: Transport) -> dict[str, Any]:
-    """The keyword a write of existing samples passes to ``transport.put`` so that a store
+def length_check(registry: Any, transport: Transport, *, grows: bool = False) -> dict[str, Any]:
+    """The keywords a write of existing samples passes to ``transport.put`` so that a store
     that checks lengths (:attr:`Transport.checks_lengths`) refuses token rows of another
-    length than their sample's; nothing for another store.
+    length than their sample's, or, ``grows`` (an extend), one that leaves out a token field
+    a sample holds; nothing for another store.
 
     Example: ``transport.put(p, ids, columns, tags, create=False, **length_check(registry, transport))``."""
-    return {"aligned": registry.token_fields()} if transport.checks_lengths else {}
+    if not transport.checks_lengths:
+        return {}
+    return {"aligned": registry.token_fields(), **({"grows": True} if grows else {})}
 
 
 def born_check(transport: Transport, tags: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

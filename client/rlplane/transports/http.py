@@ -60,10 +60,12 @@ class HttpTransport(Transport):
         durable: bool = False,
         aligned: Sequence[str] = (),
         born: Any = None,
+        grows: bool = False,
     ) -> int | None:
         """``durable``: the service answers once the put is in its journal on disk.
         ``aligned`` (a write of stored samples): the service checks the token rows' lengths
-        against the samples' (with its own registry's token fields) where its store can.
+        against the samples' (with its own registry's token fields) where its store can;
+        with ``grows`` (an extend) that no token field a sample holds is left out.
         ``born``: each sample's incarnation as the caller's meta names it (the service's
         store refuses a stale meta where it keeps them). Returns the incarnation a create
         gave its samples (None where the store keeps none)."""
@@ -73,7 +75,8 @@ class HttpTransport(Transport):
             head["born"] = np.asarray(born, np.int64).tolist()
         parts = pack_parts(head, columns)
         params = {"create": "true" if create else "false", **({"durable": "true"} if durable else {}),
-                  **({"aligned": "true"} if aligned and not create else {})}
+                  **({"aligned": "true"} if aligned and not create else {}),
+                  **({"grows": "true"} if aligned and grows and not create else {})}
         answer = self.api.request(
             "POST",
             f"/v1/data/{_p(partition)}/put",

@@ -57,12 +57,13 @@ class MemoryTransport(Transport):
         create: bool,
         born: Any = None,
         aligned: Sequence[str] = (),
+        grows: bool = False,
     ) -> int | None:
         """A put of new samples (``create``) gives them an incarnation and returns it (or
         keeps ``born``, one per sample, as given); a write with ``born`` naming samples
         cleared and put again since is refused (MissingDataError), and one with ``aligned``
-        (the token fields) whose token rows are not as long as the sample's (ShapeError):
-        nothing stored."""
+        (the token fields) whose token rows are not as long as the sample's, or, ``grows``
+        (an extend), that leaves out one a sample holds (ShapeError): nothing stored."""
         check_put(sample_ids, columns, tags)
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
@@ -86,7 +87,8 @@ class MemoryTransport(Transport):
                 if births is not None and (bad := stale(births, self._born(part, sample_ids))).size:
                     raise stale_meta(partition, list(sample_ids), bad, "write")
                 if aligned:
-                    check_written_lengths(list(sample_ids), [part[s].tags for s in sample_ids], columns, tags, aligned)
+                    check_written_lengths(list(sample_ids), [part[s].tags for s in sample_ids], columns, tags, aligned,
+                                          grows)
             part = self._parts.setdefault(partition, part)
             for i, sid in enumerate(sample_ids):
                 sample = part.setdefault(sid, _Sample())

@@ -244,11 +244,13 @@ class NativeTransport(Transport):
         durable: bool = False,
         aligned: Sequence[str] = (),
         born: np.ndarray | None = None,
+        grows: bool = False,
     ) -> int | None:
         """``durable``: answered once the commit is in the units' journals on disk
         (InvalidArgumentError from a store without a journal). ``aligned``: the token-aligned
         field names (a write of existing samples: ShapeError, nothing stored, when a token
-        row's length is not the one the sample's other token fields hold). ``born``: each
+        row's length is not the one the sample's other token fields hold; with ``grows``, an
+        extend, when it leaves out one of them that a sample holds). ``born``: each
         sample's incarnation as the caller's meta names it (a write: MissingDataError,
         nothing stored, for samples cleared and put again since; a create: what they become,
         as a snapshot kept it). Returns the incarnation a create gave its samples."""
@@ -257,14 +259,14 @@ class NativeTransport(Transport):
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
         try:
-            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born)
+            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born, grows)
         except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
             if not self._lost(err):
                 raise
             stage = getattr(self._stage, "put", None)
             if stage is not None and stage.kept:  # the fields encoded into its freed extents, as copied before
                 columns = {f: replace(c, values=stage.kept[f]) if f in stage.kept else c for f, c in columns.items()}
-            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born)
+            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born, grows)
 
     @contextmanager
     def put_buffers(self, batch: int, fallback: Alloc | None,
@@ -366,7 +368,7 @@ class NativeTransport(Transport):
 
     def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
              create: bool, durable: bool = False, aligned: list[str] | None = None,
-             born: np.ndarray | None = None) -> int | None:
+             born: np.ndarray | None = None, grows: bool = False) -> int | None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
         # Split tags: geometry and digests per field (kept in the controller's arrays; the
@@ -387,7 +389,7 @@ class NativeTransport(Transport):
         stage = self._staged(len(ids), columns) if names else None
         nbytes = sum(c.nbytes for c in columns.values())
         blocks = stage.blocks if stage is not None else self._place(len(ids), nbytes) if names else []
-        described = _described(columns, geoms, sums, user, aligned, born, durable)
+        described = _described(columns, geoms, sums, user, aligned, born, durable, grows)
         if len(blocks) == 1 and nbytes <= ONE_MESSAGE_BYTES and (stage is None or not stage.ready):
             # One round trip: the controller reserves, hands the rows to the block's units with
             # the put's record, and commits (sent again after a restart of the controller:
@@ -1051,17 +1053,20 @@ class NativeTransport(Transport):
         return [(e[0], int(p.size)) for e, p in zip(entries, pos)]
 
 def _described(columns: Mapping[str, Column], geoms: Mapping[str, Geometry], sums: Mapping[str, bytes],
-               user: list[Any] | None, aligned: list[str] | None, born: np.ndarray | None, durable: bool
-               ) -> dict[str, Any]:
+               user: list[Any] | None, aligned: list[str] | None, born: np.ndarray | None, durable: bool,
+               grows: bool = False) -> dict[str, Any]:
     """What a commit (or a put in one message) says of its rows: each field's geometry,
     digests and row bytes, and what the put carries besides (user tags, the token fields a
-    write must keep aligned, incarnations, rows stored once, durability)."""
+    write must keep aligned, or, growing them, must carry all of; incarnations, rows stored
+    once, durability)."""
     out: dict[str, Any] = {"g": {f: g.to_wire() for f, g in geoms.items()}, "h": dict(sums),
                            "nb": {f: ints(c.logical_numels() * c.values.element_size()) for f, c in columns.items()}}
     if user is not None and any(user):
         out["user"] = user
     if aligned:
         out["t"] = aligned
+        if grows:
+            out["gr"] = True
     if born is not None:
         out["bn"] = np.asarray(born, "<i8").tobytes()
     shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}

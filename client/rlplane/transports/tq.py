@@ -268,13 +268,15 @@ class TQTransport(Transport):
         create: bool,
         born: Any = None,
         aligned: Sequence[str] = (),
+        grows: bool = False,
     ) -> int | None:
         """Store the columns. A put of new samples (``create``) gives them an incarnation
         (:data:`~rlplane.tags.BORN_TAG`, kept in their tags) and returns it; a write of
         stored ones with ``born`` (the incarnations the caller's meta names) is refused
         when they were cleared and put again since (MissingDataError, nothing stored), and
         with ``aligned`` (the token fields) when its token rows are not as long as the
-        sample's (ShapeError, nothing stored)."""
+        sample's, or, ``grows`` (an extend), when it leaves out one a sample holds
+        (ShapeError, nothing stored)."""
         check_put(sample_ids, columns, tags)
         ids = list(sample_ids)
         if born is not None and len(born) != len(ids):
@@ -290,7 +292,7 @@ class TQTransport(Transport):
         res = self.streams.reserve(partition, ids) if self.streams is not None and create else None
         try:
             self._run(self._put(partition, ids, columns, tags, create, reserved=res is not None, born=born,
-                                aligned=() if create else aligned))
+                                aligned=() if create else aligned, grows=grows))
         except BaseException:
             if res is not None:
                 try:
@@ -473,6 +475,7 @@ class TQTransport(Transport):
         reserved: bool = False,
         born: Any = None,
         aligned: Sequence[str] = (),
+        grows: bool = False,
     ) -> None:
         existing = await self._meta(partition, ids, create=False)
         if create and existing.size and reserved:
@@ -490,7 +493,7 @@ class TQTransport(Transport):
                 (bad := stale(np.asarray(born, np.int64), now)).size:
             raise stale_meta(partition, ids, bad, "write")
         if aligned:
-            check_written_lengths(ids, old, columns, tags, aligned)
+            check_written_lengths(ids, old, columns, tags, aligned, grows)
         sizes = {name: (col.row_numels() * col.values.element_size()).tolist() for name, col in columns.items()}
         merged = [
             merge_tags(old[i], {**tags[i], NBYTES_TAG: {name: sizes[name][i] for name in columns}})

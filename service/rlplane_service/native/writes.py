@@ -45,7 +45,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.geometry import Geometry
 from rlplane.names import MAX_NAME_LEN
-from rlplane.tags import older_meta, stale_meta
+from rlplane.tags import left_out, older_meta, stale_meta
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects
@@ -253,7 +253,10 @@ class WriteOps:
                                         header.get("hx"))
             self._check_born(res, births(header.get("bn"), n))
             if not res.create and header.get("t") is not None:
-                self._check_aligned(res, parsed, header["t"])
+                if header.get("gr") is True:
+                    self._check_grown(res, header["t"])
+                else:
+                    self._check_aligned(res, parsed, header["t"])
             if rows is not None:  # the controller hands them to the units itself: no seals, sizes checked here
                 _check_rows(res, rows, parsed.run)
             elif self.seal_key is not None:
@@ -296,6 +299,23 @@ class WriteOps:
             self._abort(res)
             raise stale_meta(res.partition, res.ids or res.part.names[res.slots].tolist(), bad, "write")
 
+    def _check_grown(self, res: Reservation, aligned: Any) -> None:
+        """An extend (``gr``) grows every token field of its samples together: one that
+        leaves out a token field (of ``aligned``) a sample holds, e.g. one a stage wrote
+        after the put whose meta the extend was given, is a ShapeError naming the field and
+        the first such sample, and nothing of it is stored."""
+        _token_names(aligned)
+        part, mine = res.part, set(res.fields)
+        for f in aligned:
+            fi = part.fields.get(f)
+            if f in mine or fi is None:
+                continue
+            held = np.flatnonzero(fi.block[res.slots] >= 0)
+            if held.size:
+                i = int(held[0])
+                self._abort(res)
+                raise left_out(f, res.ids[i] if res.ids else part.names[res.slots[i]])
+
     def _check_aligned(self, res: Reservation, c: Parsed, aligned: Any) -> None:
         """A write of existing samples whose token rows (``aligned``: the token-aligned field
         names) are not as long as the sample's stored token rows: ShapeError naming the field
@@ -303,8 +323,7 @@ class WriteOps:
         changed by extends only (which do not check: they write every token field); a write
         of another length comes from a meta older than the sample (extended, or cleared and
         put again since)."""
-        if not isinstance(aligned, list) or not all(isinstance(f, str) for f in aligned) or len(aligned) > 1024:
-            raise E.WireFormatError("commit 't' must list field names")
+        _token_names(aligned)
         part, mine = res.part, set(aligned)
         refs = [f for f in aligned if f in part.fields]
         written = [f for f in res.fields if f in mine]
@@ -555,6 +574,12 @@ class WriteOps:
                             res.partition, res.slots.size)
                 self._abort(res)
             self.pins.expire(now)
+
+
+def _token_names(aligned: Any) -> None:
+    """A commit's ``t`` checked: a list of at most 1024 field names."""
+    if not isinstance(aligned, list) or not all(isinstance(f, str) for f in aligned) or len(aligned) > 1024:
+        raise E.WireFormatError("commit 't' must list field names")
 
 
 def _commit_header(header: dict, journaling: bool) -> bool:

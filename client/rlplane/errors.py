@@ -71,6 +71,11 @@ class UnregisteredFieldError(FieldValidationError):
     """A field name the registry does not declare."""
 
 
+#: The name the GRPO-pipeline issue and some callers use for :class:`UnregisteredFieldError`
+#: (the same class: ``except UnknownFieldError`` catches it).
+UnknownFieldError = UnregisteredFieldError
+
+
 class ContainerError(FieldValidationError):
     """The value's type does not match the field's container (dense/packed/object)."""
 
@@ -255,6 +260,7 @@ __all__ = [
     "UnknownStageError",
     "FieldValidationError",
     "UnregisteredFieldError",
+    "UnknownFieldError",
     "ContainerError",
     "DtypeError",
     "ShapeError",

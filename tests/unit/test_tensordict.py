@@ -8,7 +8,7 @@ from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from rlplane import FieldSpec, PackedTensor, default_registry
 from rlplane.client import Client
-from rlplane.errors import ContainerError, ShapeError, UnregisteredFieldError
+from rlplane.errors import ContainerError, ShapeError, UnknownFieldError
 from rlplane.integrations.tensordict import put_tensordict, read_tensordict
 from rlplane.testing.verify import diff_fields
 from rlplane.testing.workloads import vlm_step
@@ -88,7 +88,7 @@ def test_nested_keys_are_dotted_field_names_and_objects_are_per_sample(client):
 def test_an_undeclared_key_is_refused_by_name_and_nothing_is_stored(client):
     td = TensorDict({"input_ids": torch.ones(2, 3, dtype=torch.int64), "input_lengths": torch.tensor([3, 3]),
                      "logits_oops": torch.zeros(2, 3)}, batch_size=[2])
-    with pytest.raises(UnregisteredFieldError, match="logits_oops"):
+    with pytest.raises(UnknownFieldError, match="logits_oops"):
         put_tensordict(client, "p", td)
     assert client.partitions() == []
 

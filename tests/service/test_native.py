@@ -28,8 +28,9 @@ from rlplane.transports.native import NativeTransport
 from rlplane.wire import pack_message, unpack_message
 
 TOKEN = "native-test-token"
+UNIT_BYTES = 32 << 20  # each unit's slab: small, so a put can overflow it
 ARGS = {"store_name": "nat", "backend": "native", "storage_units": 2, "put_lease_s": 2.0, "api_token": TOKEN,
-        "te_protocol": "tcp"}
+        "te_protocol": "tcp", "unit_bytes": UNIT_BYTES}
 
 
 def part() -> str:
@@ -50,6 +51,74 @@ def info(url: str) -> dict:
 
 def batch(n: int, value: int) -> dict:
     return {"input_ids": torch.full((n, 8), value, dtype=torch.int64), "input_lengths": torch.full((n,), 8)}
+
+
+def test_a_put_over_http_that_does_not_fit_a_slab_is_507_naming_the_unit_and_keeps_nothing(nat):
+    """The native store full, over the HTTP API: 507 with the typed error, the unit, its slab
+    and what is free in the message; nothing of the put stored, what was stored reads on."""
+    from rlplane.codec import encode
+    from rlplane.envelope import pack
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with rlplane.connect(nat, token=TOKEN, transport="http") as client:
+        kept = client.put_samples(part(), batch(4, 9))
+        big = {"input_ids": torch.ones(2, UNIT_BYTES // 8, dtype=torch.int64),
+               "input_lengths": torch.full((2,), UNIT_BYTES // 8)}  # 64 MiB: more than either slab
+        enc = encode(client.registry, big, big["input_lengths"], sample_ids=["x", "y"])
+        body = pack({"sample_ids": ["x", "y"], "tags": list(enc.tags)}, enc.columns)
+        p = part()
+        r = httpx.post(f"{nat}/v1/data/{p}/put", content=body, headers=headers, timeout=60)
+        assert r.status_code == 507 and r.json()["error"] == "StorageFullError", r.text
+        msg = r.json()["message"]
+        assert "storage unit" in msg and f"slab of {UNIT_BYTES} bytes" in msg and "free" in msg, msg
+        assert p not in client.partitions()
+        assert torch.equal(client.read_columns(kept, ["input_ids"])["input_ids"], batch(4, 9)["input_ids"])
+        client.clear(kept.partition)
+
+
+def test_status_and_metrics_report_each_units_slab_as_puts_fill_and_clears_empty_it(nat):
+    """/v1/status' memory (per unit: slab, used, free bytes) moves by at least what a put
+    stored and back after its clear, and /metrics' rlplane_storage_unit_slab_bytes says the
+    same numbers."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    def memory() -> dict:
+        return httpx.get(f"{nat}/v1/status", headers=headers, timeout=30).json()["memory"]
+
+    def gauges() -> dict:
+        text = httpx.get(f"{nat}/metrics", headers=headers, timeout=30).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        return {(s.labels["unit"], s.labels["state"]): s.value for s in fams["rlplane_storage_unit_slab_bytes"].samples}
+
+    def used() -> int:
+        return sum(d["used_bytes"] for d in memory().values())
+
+    def settles(ok, what: str) -> None:  # the units report their slabs with the controller's pings (seconds)
+        deadline = time.monotonic() + 20
+        while not ok():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    with rlplane.connect(nat, token=TOKEN) as client:
+        before = used()
+        mem = memory()
+        assert len(mem) == 2 and all(d["slab_bytes"] == UNIT_BYTES for d in mem.values()), mem
+        work = {"input_ids": torch.ones(64, 4096, dtype=torch.int64), "input_lengths": torch.full((64,), 4096)}
+        meta = client.put_samples(part(), work)  # 2 MiB of rows
+        settles(lambda: used() - before >= 64 * 4096 * 8, f"used bytes never grew by the put's (from {before})")
+        for d in memory().values():
+            assert d["used_bytes"] + d["free_bytes"] == d["slab_bytes"] and 0.0 <= d["fragmentation"] <= 1.0, d
+
+        def same() -> bool:
+            want = {(u, state): float(d[key]) for u, d in memory().items()
+                    for state, key in (("total", "slab_bytes"), ("used", "used_bytes"), ("free", "free_bytes"))}
+            return gauges() == want
+
+        settles(same, "/metrics' slab gauges never said what /v1/status says")
+        client.clear(meta.partition)
+        settles(lambda: used() == before, "a clear did not give the put's extents back")
 
 
 def test_concurrent_puts_of_the_same_new_ids_have_exactly_one_winner(nat):

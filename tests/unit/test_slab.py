@@ -110,6 +110,7 @@ def test_a_put_that_does_not_fit_is_storage_full_keeps_nothing_and_the_rest_read
             client.put_samples(f"full-{path}", big, sample_ids=list("abcd"))
         msg = str(err.value)
         assert "has no room" in msg and "RLPLANE_UNIT_BYTES" in msg and "free" in msg
+        assert any(f"storage unit {c.name} " in msg for c in engine["cores"]) and f"slab of {SLAB} bytes" in msg, msg
         assert f"full-{path}" not in client.partitions()
         wait_for(lambda: used(engine) == before, "a refused put left extents behind")
         assert torch.equal(client.read_columns(kept, ["input_ids"])["input_ids"], small["input_ids"])

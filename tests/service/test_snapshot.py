@@ -95,15 +95,18 @@ def kill_engine(store: str, units: int) -> None:
     ray.kill(ray.get_actor(f"{store}-native-controller", namespace="rlplane"), no_restart=True)
 
 
-def test_a_snapshot_never_overwrites_and_the_tq_backends_refuse_snapshots(source, simple_service, tmp_path):
+def test_a_snapshot_never_overwrites_and_the_tq_backends_refuse_snapshots(source, simple_service, mooncake_service,
+                                                                         tmp_path):
     with rlplane.connect(source) as c:
         c.put_samples(f"t-{uuid.uuid4().hex[:6]}", text_step(4, 16, seed=1).fields)
         c.snapshot(str(tmp_path / "s"))
         with pytest.raises(E.InvalidArgumentError, match="exists already"):
             c.snapshot(str(tmp_path / "s"))
-    with rlplane.connect(simple_service.url, token=simple_service.token, transport="http") as c:
-        with pytest.raises(E.InvalidArgumentError, match="native backend"):
-            c.snapshot(str(tmp_path / "tq"))
+    for other, name in ((simple_service, "simple"), (mooncake_service, "mooncake")):
+        with rlplane.connect(other.url, token=other.token, transport="http") as c:
+            with pytest.raises(E.InvalidArgumentError, match="native backend"):
+                c.snapshot(str(tmp_path / name))
+            assert not (tmp_path / name).exists()
 
 
 def test_durable_puts_over_http_reach_the_journal_and_the_tq_backends_refuse_them(service, simple_service):

@@ -207,6 +207,33 @@ def test_a_token_claim_hands_out_whole_complete_groups():
     assert got["ids"] == ["s6", "s7", "c2"] and got["over_budget"] is True
 
 
+def test_a_token_claim_expires_stale_samples_and_its_lease_nacks_and_lapses_like_any_claim():
+    """Staleness, nack and lease expiry with a token budget: stale samples expire (never
+    counted in the budget, never handed out), a nacked token claim comes back at once, a
+    lapsed one is redelivered, and an ack of the lapsed lease is a LeaseError."""
+    led, idx = _ledger()
+    ids = [f"s{i}" for i in range(6)]
+    lens, versions = [100, 200, 300, 100, 200, 300], [0, 2, 2, 0, 2, 2]
+    tags = [{"_rlplane_wire": {"input_ids": [n]}, "policy_version": v} for n, v in zip(lens, versions)]
+    idx.record("p", ids, ["input_ids"], tags, create=True)
+    t = time.monotonic()
+    fresh = dict(current_version=2, max_staleness=1, lease_s=30.0)
+    got = led.claim(_tok(500, **fresh), final=False, now=t)  # the stale s0, s3 expire: 200 + 300 = 500, full
+    assert got["ids"] == ["s1", "s2"] and got["tokens"] == 500
+    assert led.consumption("p", "train")["expired"] == 2
+    assert led.nack("p", "train", got["lease"], None) == 2  # given back: the same samples, at once
+    again = led.claim(_tok(500, **fresh), final=False, now=t)
+    assert again["ids"] == ["s1", "s2"]
+    assert led.expire(now=t + 31) == 1  # the claimer died: its lease lapsed
+    with pytest.raises(E.LeaseError):
+        led.ack("p", "train", again["lease"], None)
+    third = led.claim(_tok(900, **fresh), final=False, now=t + 31)  # the lapsed ones first, never the stale
+    assert third["ids"] == ["s1", "s2", "s4"] and third["tokens"] == 700  # (+ s5's 300 would pass 900)
+    assert led.ack("p", "train", third["lease"], None) == 3
+    c = led.consumption("p", "train")
+    assert (c["expired"], c["acked"], c["pending"], c["redelivered"]) == (2, 3, 1, 2)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(max_tokens=0, min_tokens=0, tokens_field="input_ids"), "max_tokens must be at least 1"),
     (dict(max_tokens=10, min_tokens=11, tokens_field="input_ids"), "min_tokens between"),

@@ -65,15 +65,24 @@ DEFAULT_STAGING_BYTES = 64 << 20
 STALL_S = 4
 
 
-def open_engine(hostname: str, protocol: str, devices: str = "") -> Any:
+def open_engine(hostname: str, protocol: str, devices: str = "", ports: tuple[int, int] | None = None) -> Any:
     """A started ``TransferEngine`` advertising ``hostname`` (peer-to-peer handshake).
+    ``ports``: the range its two listeners (handshake RPC and TCP data port) are drawn from
+    (``MC_MIN_RPC_PORT`` / ``MC_MAX_RPC_PORT``, set for this process); None: the engine's
+    own choice (observed 15000-17000).
 
     TransportError when the mooncake wheel is missing or the engine does not start.
 
-    Example: ``engine = open_engine("127.0.0.1", "tcp")``
+    Example: ``engine = open_engine("127.0.0.1", "tcp", ports=(15000, 15099))``
     """
     if protocol not in PROTOCOLS:
         raise TransportError(f"transfer engine protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    if ports is not None:
+        lo, hi = ports
+        if not 1024 <= lo < hi <= 65535:
+            raise TransportError(f"the transfer engine's port range must lie in 1024-65535 with room for its two "
+                                 f"listeners, got {lo}-{hi}")
+        os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = str(lo), str(hi)
     # The engine's glog INFO lines (every handshake, every segment) would go to stderr;
     # warnings and errors still do. Read when the library loads: set MC_LOG_LEVEL=INFO to see them.
     os.environ.setdefault("MC_LOG_LEVEL", "WARNING")

@@ -155,6 +155,12 @@ class ServiceSettings(BaseSettings):
         "", description="native, with te_protocol 'rdma': the RDMA NICs the units' engines use, e.g. 'mlx5_0,mlx5_1' "
         "('' lets the engine pick)."
     )
+    te_port_min: int = Field(
+        0, ge=0, le=65535, description="native, with te_protocol: the lowest port the units' transfer engines may "
+        "listen on (each takes two: its handshake and its TCP data port), so a NetworkPolicy can name them; 0 (with "
+        "te_port_max 0): the engine's own choice, observed in 15000-17000.",
+    )
+    te_port_max: int = Field(0, ge=0, le=65535, description="native, with te_protocol: the highest such port.")
     storage_resource: Optional[str] = Field(
         None,
         description="Custom Ray resource each storage unit requests one of, so units run only on nodes that "
@@ -198,6 +204,17 @@ class ServiceSettings(BaseSettings):
             raise ValueError(f"{what} needs the native backend (snapshots and the journal are the native engine's); "
                              f"this service is configured for backend {self.backend!r}")
         return self
+
+    @model_validator(mode="after")
+    def _te_port_range(self) -> "ServiceSettings":
+        if (self.te_port_min or self.te_port_max) and not 1024 <= self.te_port_min < self.te_port_max:
+            raise ValueError(f"RLPLANE_TE_PORT_MIN/MAX must both be set, 1024 <= min < max (each transfer engine "
+                             f"listens on two ports of the range), got {self.te_port_min}-{self.te_port_max}")
+        return self
+
+    def te_ports(self) -> tuple[int, int] | None:
+        """The range the units' transfer engines listen in, or None (the engine's choice)."""
+        return (self.te_port_min, self.te_port_max) if self.te_port_min else None
 
     def engine_ports(self) -> tuple[int, int] | None:
         """The native engine's port range, or None (any free port)."""

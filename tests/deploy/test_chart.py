@@ -323,7 +323,8 @@ def _rules_reaching(out: dict, lo: int, hi: int) -> list[dict]:
 def test_transfer_engine_is_off_by_default():
     out = render()
     assert not [k for k in _app_args(out) if k.startswith("te_")]
-    assert render_values({})["storage"]["transferEngine"] == {"protocol": "", "devices": ""}
+    assert render_values({})["storage"]["transferEngine"] == {"protocol": "", "devices": "",
+                                                               "ports": {"min": 15000, "max": 17000}}
     assert _rules_reaching(out, *TE_PORTS) == []
     # The NIC list alone turns nothing on.
     out = render({"storage": {"transferEngine": {"devices": "mlx5_0"}}})
@@ -336,6 +337,7 @@ def test_transfer_engine_tcp_reaches_the_service_and_opens_its_ports_to_the_stor
     check_serve_config(config)  # ServiceSettings(**args) takes te_protocol / te_devices
     args = config["applications"][0]["args"]
     assert (args["te_protocol"], args["te_devices"]) == ("tcp", "")
+    assert (args["te_port_min"], args["te_port_max"]) == TE_PORTS  # the engines listen where the policy opens
     kubernetes_validate.validate(out["NetworkPolicy"], KUBE_VERSION, strict=True)
     own = {"podSelector": {"matchLabels": out["NetworkPolicy"]["spec"]["podSelector"]["matchLabels"]}}
     client = {"podSelector": {"matchLabels": {"rlplane.io/client": "true"}}}
@@ -353,6 +355,19 @@ def test_transfer_engine_tcp_reaches_the_service_and_opens_its_ports_to_the_stor
     # No NetworkPolicy, no rule (and the values still reach the service).
     out = render({**TE_TCP, "networkPolicy": {"enabled": False}})
     assert "NetworkPolicy" not in out and _app_args(out)["te_protocol"] == "tcp"
+
+
+def test_the_transfer_engine_port_range_is_the_units_and_the_network_policys():
+    out = render({"storage": {"transferEngine": {"protocol": "tcp", "ports": {"min": 31000, "max": 31099}}}})
+    config = yaml.safe_load(out["RayService"]["spec"]["serveConfigV2"])
+    check_serve_config(config)
+    args = config["applications"][0]["args"]
+    assert (args["te_port_min"], args["te_port_max"]) == (31000, 31099)
+    (rule,) = _rules_reaching(out, 31000, 31099)
+    assert rule["ports"] == [{"protocol": "TCP", "port": 31000, "endPort": 31099}]
+    assert _rules_reaching(out, 15000, 17000) == []
+    with pytest.raises(helm.HelmError, match="minimum"):
+        render({"storage": {"transferEngine": {"protocol": "tcp", "ports": {"min": 80, "max": 90}}}})
 
 
 def test_values_schema_refuses_an_unknown_transfer_engine_protocol():

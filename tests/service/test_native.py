@@ -30,7 +30,7 @@ from rlplane.wire import pack_message, unpack_message
 TOKEN = "native-test-token"
 UNIT_BYTES = 32 << 20  # each unit's slab: small, so a put can overflow it
 ARGS = {"store_name": "nat", "backend": "native", "storage_units": 2, "put_lease_s": 2.0, "api_token": TOKEN,
-        "te_protocol": "tcp", "unit_bytes": UNIT_BYTES}
+        "te_protocol": "tcp", "unit_bytes": UNIT_BYTES, "te_port_min": 21000, "te_port_max": 21999}
 
 
 def part() -> str:
@@ -74,6 +74,15 @@ def test_a_put_over_http_that_does_not_fit_a_slab_is_507_naming_the_unit_and_kee
         assert p not in client.partitions()
         assert torch.equal(client.read_columns(kept, ["input_ids"])["input_ids"], batch(4, 9)["input_ids"])
         client.clear(kept.partition)
+
+
+def test_the_units_transfer_engines_listen_in_the_configured_range(nat):
+    with rlplane.connect(nat, token=TOKEN, transport="native", data_path="te") as client:
+        ports = [int(r.peer.rpartition(":")[2]) for r in client.transport._remote.values()]
+        assert len(ports) == 2 and all(21000 <= p <= 21999 for p in ports), ports
+        meta = client.put_samples(part(), batch(4, 5))
+        assert torch.equal(client.read_columns(meta, ["input_ids"])["input_ids"], batch(4, 5)["input_ids"])
+        client.clear(meta.partition)
 
 
 def test_status_and_metrics_report_each_units_slab_as_puts_fill_and_clears_empty_it(nat):

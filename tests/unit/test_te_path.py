@@ -278,6 +278,15 @@ def test_a_service_with_tenants_refuses_the_transfer_engine(tmp_path):
     assert ServiceSettings(tokens_file=tokens).te_protocol == ""
 
 
+@pytest.mark.parametrize("lo, hi", [(15000, 0), (0, 17000), (100, 200), (17000, 15000), (20000, 20000)])
+def test_a_transfer_engine_port_range_must_be_whole_and_above_1023(lo, hi):
+    from rlplane_service.settings import ServiceSettings
+
+    with pytest.raises(ValueError, match="RLPLANE_TE_PORT_MIN/MAX"):
+        ServiceSettings(te_protocol="tcp", te_port_min=lo, te_port_max=hi)
+    assert ServiceSettings(te_protocol="tcp", te_port_min=15000, te_port_max=15099).te_ports() == (15000, 15099)
+
+
 def test_a_client_with_a_wrong_secret_learns_no_engine_address():
     with LocalEngine(2, secret=SECRET, slab_bytes=16 << 20, te_protocol="tcp") as eng:
         asked = []
@@ -319,9 +328,14 @@ def _listening(pid: int) -> list[tuple[str, int]]:
 def test_a_units_listeners_are_on_its_address_and_only_the_engines_two_are_on_every_interface():
     """rlplane's own sockets bind the unit's address. The transfer engine's two (its
     handshake and its TCP data port) bind every interface whatever MC_TCP_BIND_ADDRESS
-    says (the installed wheel): exactly those two, and none without the engine."""
-    for protocol in ("", "tcp"):
-        with LocalEngine(1, secret=SECRET, slab_bytes=16 << 20, processes=True, te_protocol=protocol) as eng:
+    says (the installed wheel): exactly those two, none without the engine, and, with a
+    port range (RLPLANE_TE_PORT_MIN/MAX, what the chart's NetworkPolicy opens), in it."""
+    import random
+
+    lo = random.randrange(20000, 30000)
+    for protocol, pinned in (("", None), ("tcp", None), ("tcp", (lo, lo + 9))):
+        with LocalEngine(1, secret=SECRET, slab_bytes=16 << 20, processes=True, te_protocol=protocol,
+                         te_ports=pinned) as eng:
             ports = _listening(eng.unit_pid(0))
             wild = [(ip, port) for ip, port in ports if ip not in ("127.0.0.1",)]
             assert all(ip in ("0.0.0.0", "::") for ip, _ in wild), ports
@@ -332,4 +346,5 @@ def test_a_units_listeners_are_on_its_address_and_only_the_engines_two_are_on_ev
             peer_port = int(t._remote[0].peer.rpartition(":")[2])
             t.close()
             assert len(wild) == 2 and peer_port in {port for _, port in wild}, (ports, peer_port)
-            assert all(15000 <= port <= 17000 for _, port in wild), wild
+            a, z = pinned or (15000, 17000)
+            assert all(a <= port <= z for _, port in wild), (wild, pinned)

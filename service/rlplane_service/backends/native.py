@@ -71,7 +71,8 @@ class NativeStore(StoreBackend):
             f"{prefix}-native-unit-{i}": Unit.options(name=f"{prefix}-native-unit-{i}", **unit_options(settings, common))
             .remote(f"{prefix}-native-unit-{i}", host, secret, settings.unit_bytes, control, settings.engine_ports(),
                     {name: s for name, (s, _) in scoped.items()},
-                    (settings.te_protocol, settings.te_devices) if settings.te_protocol else None,
+                    (settings.te_protocol, settings.te_devices, *(settings.te_ports() or ())) if settings.te_protocol
+                    else None,
                     (str(settings.journal_dir), settings.journal_flush_ms) if settings.journal_dir else None)
             for i in range(settings.storage_units)
         }

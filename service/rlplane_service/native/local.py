@@ -43,9 +43,10 @@ class LocalEngine:
                  slab_bytes: int = DEFAULT_SLAB_BYTES, hosts: Sequence[str] | None = None, processes: bool = False,
                  tenants: Mapping[str, tuple[bytes, tuple[Sequence[str], bool]]] | None = None,
                  te_protocol: str = "", journal_dir: str | os.PathLike[str] | None = None,
-                 journal_flush_ms: float = 20.0, **controller: Any) -> None:
+                 journal_flush_ms: float = 20.0, te_ports: tuple[int, int] | None = None, **controller: Any) -> None:
         """``tenants``: engine user -> (secret, (partition prefixes, may write)), as the
         service derives them from RLPLANE_TOKENS_FILE (in-process units only).
+        ``te_ports``: the range the units' engines listen in (RLPLANE_TE_PORT_MIN/MAX).
         ``te_protocol``: each unit registers its slab with a transfer engine (``tcp``).
         ``journal_dir``: each unit keeps a journal in ``journal_dir/<unit>`` (RLPLANE_JOURNAL_DIR)."""
         self.secret = secret
@@ -58,8 +59,8 @@ class LocalEngine:
         self.units: list[Server] = []
         self.procs: list[subprocess.Popen] = []
         if processes:
-            self.procs = [_spawn(f"u{i}", h, slab_bytes, secret, control, te_protocol, journal_dir, journal_flush_ms)
-                          for i, h in enumerate(hosts)]
+            self.procs = [_spawn(f"u{i}", h, slab_bytes, secret, control, te_protocol, journal_dir, journal_flush_ms,
+                                 te_ports) for i, h in enumerate(hosts)]
             started = [json.loads(p.stdout.readline() or "{}") for p in self.procs]  # type: ignore[union-attr]
             if not all("endpoint" in s for s in started):
                 self.stop()
@@ -67,7 +68,7 @@ class LocalEngine:
             endpoints = [(s["endpoint"], s["control"]) for s in started]
         else:
             self.cores = [UnitCore(f"u{i}", slab_bytes, seal_key=control,
-                                   te=TransferEngineConfig(h, te_protocol) if te_protocol else None,
+                                   te=TransferEngineConfig(h, te_protocol, ports=te_ports) if te_protocol else None,
                                    journal=_journal(journal_dir, f"u{i}", journal_flush_ms))
                           for i, h in zip(range(units), hosts)]
             self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control, users=users).start()
@@ -155,11 +156,12 @@ def _journal(root: str | os.PathLike[str] | None, name: str, flush_ms: float) ->
 
 def _spawn(name: str, host: str, slab_bytes: int, secret: bytes | None, control: bytes,
            te_protocol: str = "", journal_dir: str | os.PathLike[str] | None = None,
-           journal_flush_ms: float = 20.0) -> subprocess.Popen:
+           journal_flush_ms: float = 20.0, te_ports: tuple[int, int] | None = None) -> subprocess.Popen:
     env = dict(os.environ, RLPLANE_LOCAL_SECRET=(secret or b"").decode(), RLPLANE_LOCAL_CONTROL=control.decode())
     journal = ["--journal-dir", str(journal_dir), "--journal-flush-ms", str(journal_flush_ms)] if journal_dir else []
+    ports = ["--te-ports", f"{te_ports[0]}-{te_ports[1]}"] if te_ports else []
     return subprocess.Popen([sys.executable, "-m", "rlplane_service.native.local", "--name", name, "--host", host,
-                             "--slab-bytes", str(slab_bytes), "--te-protocol", te_protocol, *journal],
+                             "--slab-bytes", str(slab_bytes), "--te-protocol", te_protocol, *journal, *ports],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
 
@@ -173,12 +175,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--slab-bytes", type=int, default=DEFAULT_SLAB_BYTES)
     ap.add_argument("--te-protocol", default="", choices=["", "tcp", "rdma"],
                     help="register the slab with Mooncake's transfer engine over this protocol ('' = no)")
+    ap.add_argument("--te-ports", default="", help="MIN-MAX: the ports the transfer engine may listen on")
     ap.add_argument("--journal-dir", default=None, help="keep a write-ahead journal in JOURNAL_DIR/NAME")
     ap.add_argument("--journal-flush-ms", type=float, default=20.0, help="group fsync interval of the journal")
     args = ap.parse_args(argv)
     secret = os.environ.get("RLPLANE_LOCAL_SECRET", "").encode() or None
     control = os.environ.get("RLPLANE_LOCAL_CONTROL", "").encode() or None
-    te = TransferEngineConfig(args.host, args.te_protocol) if args.te_protocol else None
+    ports = tuple(int(x) for x in args.te_ports.split("-")) if args.te_ports else None
+    te = TransferEngineConfig(args.host, args.te_protocol, ports=ports) if args.te_protocol else None  # type: ignore[arg-type]
     core = UnitCore(args.name, args.slab_bytes, seal_key=control, te=te,
                     journal=_journal(args.journal_dir, args.name, args.journal_flush_ms))
     server = Server(core, host=args.host, secret=secret, name=args.name, control_secret=control).start()

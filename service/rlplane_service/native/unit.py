@@ -89,18 +89,20 @@ INVENTORY_PAGE_BYTES = 4 << 20
 @dataclass(frozen=True, slots=True)
 class TransferEngineConfig:
     """How a unit offers its slab to Mooncake's transfer engine: the address it advertises,
-    the protocol (``tcp`` or ``rdma``) and the RDMA NICs (``""``: the engine picks)."""
+    the protocol (``tcp`` or ``rdma``), the RDMA NICs (``""``: the engine picks) and the
+    range its listeners' ports are drawn from (None: the engine's choice)."""
 
     host: str
     protocol: str
     devices: str = ""
+    ports: tuple[int, int] | None = None
 
     def register(self, u8: np.ndarray, unit: str) -> tuple[Any, dict[str, Any]]:
         """Start an engine, register ``u8`` (the slab) with it; returns the engine and what
         the unit's ``te`` operation answers."""
         from rlplane.te import open_engine, register  # noqa: PLC0415 - mooncake only where configured
 
-        engine = open_engine(self.host, self.protocol, self.devices)
+        engine = open_engine(self.host, self.protocol, self.devices, self.ports)
         register(engine, u8.ctypes.data, u8.size, f"storage unit {unit}'s slab")
         log.info("storage unit %s: slab on the transfer engine (%s) at %s:%d", unit, self.protocol, self.host,
                  engine.get_rpc_port())
@@ -690,14 +692,15 @@ def unit_actor_class() -> Any:
                      ports: Sequence[int] | None = None, tenants: dict[str, str] | None = None,
                      te: Sequence[str] | None = None, journal: Sequence[Any] | None = None) -> None:
             """``tenants``: engine user -> secret of each tenant (they may not map the slab).
-            ``te``: ``(protocol, devices)`` of the transfer engine to register the slab with.
+            ``te``: ``(protocol, devices[, port min, port max])`` of the transfer engine to register the slab with.
             ``journal``: ``(directory, flush ms)`` of its write-ahead journal (RLPLANE_JOURNAL_DIR)."""
             from pathlib import Path
 
             from rlplane_service.native.server import Server
 
             bind = host or ray.util.get_node_ip_address()
-            engine = TransferEngineConfig(bind, str(te[0]), str(te[1])) if te else None
+            engine = TransferEngineConfig(bind, str(te[0]), str(te[1]),
+                                          (int(te[2]), int(te[3])) if len(te) == 4 else None) if te else None
             writer = JournalWriter(Path(journal[0]), name, flush_ms=float(journal[1])) if journal else None
             self._core = UnitCore(name, slab_bytes, seal_key=control_secret.encode() if control_secret else None,
                                   te=engine, journal=writer)

@@ -435,7 +435,9 @@ class Client:
         return self.transport.partitions()
 
     def stats(self) -> dict[str, Any]:
-        """What the store holds (per partition: sample count, fields present, bytes), how
+        """What the store holds (per partition: sample count, fields present, bytes; and,
+        where it stores rows identical across samples once, ``sharing``: bytes written,
+        stored and shared, :meth:`Transport.sharing`), how
         this client's bytes move (``paths``: per storage unit ``shm`` or ``zmq``) and
         what this client did (``ops``: per op count, errors, bytes, wall time p50/p90;
         see :meth:`rlplane.opstats.OpStats.summary`).
@@ -457,6 +459,7 @@ class Client:
             "partitions": parts,
             "samples": sum(p["num_samples"] for p in parts.values()),
             "nbytes": sum(p["nbytes"] for p in parts.values()),
+            **({"sharing": sharing} if (sharing := self.transport.sharing()) is not None else {}),
             "ops": self.ops.summary(),
         }
 

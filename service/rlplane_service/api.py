@@ -42,7 +42,7 @@ from rlplane.fields import Registry
 from rlplane.readpool import ReadPool
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.streams import DirectStreams
-from rlplane.transports.base import PartitionInfo, Transport, length_check
+from rlplane.transports.base import PartitionInfo, Transport, length_check, sharing_of
 from rlplane_service.backends.base import StoreBackend, described_sizes
 from rlplane_service.metrics import Ledger, OpsReport, ScrapeCache, render, store_view
 from rlplane_service.settings import ServiceSettings
@@ -515,6 +515,7 @@ def build_api(state: ServiceState) -> FastAPI:
             "consumption": streams.get("tasks", []),
             **({"loss": loss} if (loss := await loss_counts()) is not None else {}),
             **({"memory": memory} if (memory := await unit_memory()) else {}),
+            **({"sharing": sharing} if (sharing := await rows_shared()) else {}),
             "uptime_s": round(time.time() - state.started, 1),
         }
 
@@ -525,6 +526,14 @@ def build_api(state: ServiceState) -> FastAPI:
         if stats is None:
             return {}
         return {u: d["slab"] for u, d in stats.get("units", {}).items() if isinstance(d.get("slab"), dict)}
+
+    async def rows_shared() -> dict[str, int] | None:
+        """Bytes the samples hold as written, stored and shared, where the store keeps rows
+        identical across samples once (native)."""
+        stats = await offload(state.engine_stats)
+        if stats is None or "written_bytes" not in stats:
+            return None
+        return sharing_of(stats)
 
     async def loss_counts() -> dict[str, Any] | None:
         """Samples lost with dead storage units, the units, and (native) samples short of

@@ -91,6 +91,31 @@ def test_store_gauges_add_up(live):
     assert value(s, "rlplane_build_info", version=rlplane.__version__, backend=live.backend) == 1
 
 
+def test_bytes_written_stored_and_shared_of_a_grpo_batch_in_stats_status_and_metrics(service):
+    """A GRPO batch (8 groups of 8 sharing their images) on the native store: the client's
+    stats (direct and HTTP), /v1/status and /metrics all say that seven eighths of its
+    pixel bytes were written but not stored."""
+    from rlplane.testing.workloads import vlm_grpo
+
+    url, token = service.url, service.settings.token()
+    headers = {"Authorization": f"Bearer {token}"}
+    w = vlm_grpo(batch=16, seqlen=64, seed=5)
+    pixels = sum(t.numel() * 2 for row in w.fields["pixel_values"].rows if row is not None for t in row)  # bf16
+    with rlplane.connect(url, token=token) as direct, rlplane.connect(url, token=token, transport="http") as http:
+        before = direct.stats()["sharing"]
+        meta = direct.put_samples(f"m-{uuid.uuid4().hex[:8]}", w.fields)
+        after = direct.stats()["sharing"]
+        assert http.stats()["sharing"] == after == httpx.get(f"{url}/v1/status", headers=headers,
+                                                            timeout=30).json()["sharing"]
+        shared = after["shared_bytes"] - before["shared_bytes"]
+        assert 0.85 * pixels <= shared <= pixels  # 7/8 of the pixels (and of the image grids) not stored again
+        assert after["written_bytes"] - after["stored_bytes"] == after["shared_bytes"]
+        time.sleep(SCRAPE_TTL_S + 0.1)  # (a scrape is reused for SCRAPE_TTL_S)
+        assert value(scrape(url), "rlplane_shared_bytes") == after["shared_bytes"]
+        direct.clear(meta.partition)
+        assert direct.stats()["sharing"] == before
+
+
 def exported_after_traffic(url: str, token: str) -> set[str]:
     """Metric names with at least one sample after a put, a failed read and a claim (a
     family with no sample would satisfy a name check without data)."""

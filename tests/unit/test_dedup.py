@@ -120,6 +120,7 @@ def test_a_groups_shared_images_are_stored_once_and_read_back_equal_for_every_me
                    and k != "input_lengths")
         assert live <= 1.05 * (unique_bytes(w) + text + 32 * 8), (live, unique_bytes(w))
         assert shared > 6 * unique_bytes(w)  # seven of eight copies were not stored
+        assert c.stats()["sharing"] == {"written_bytes": live + shared, "stored_bytes": live, "shared_bytes": shared}
         got = read_all(c, meta)
         assert diff_fields(c.registry, w.fields, got, w.lengths, sample_ids=meta.sample_ids) == []
         pv = got["pixel_values"]

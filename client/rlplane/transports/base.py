@@ -126,6 +126,13 @@ class Transport(ABC):
         owned copies."""
         return False
 
+    def sharing(self) -> dict[str, int] | None:
+        """Where the store keeps rows identical across samples once (native): the bytes
+        its samples hold as written (``written_bytes``), what of them it stores
+        (``stored_bytes``) and the difference (``shared_bytes``); None where every row is
+        stored as written."""
+        return None
+
     def paths(self) -> dict[str, str]:
         """How bytes move to each storage unit (``{unit: path}``); ``{}`` where a transport
         has one way only (its ``name`` says which)."""
@@ -192,6 +199,15 @@ def check_written_lengths(sample_ids: Sequence[str], stored: Sequence[Mapping[st
                                   [(t.get(WIRE_TAG) or {}).get(f) for t in tags]).leads()
                for f, c in columns.items() if f in aligned}
     check_lengths(sample_ids, stored, written, aligned)
+
+
+def sharing_of(stats: Mapping[str, Any]) -> dict[str, int]:
+    """:meth:`Transport.sharing` out of the native controller's stats (``written_bytes``:
+    what the samples hold as written; ``shared_bytes``: what of it no block stores).
+
+    Example: ``sharing_of({"written_bytes": 800, "shared_bytes": 700})["stored_bytes"]  # 100``"""
+    written, shared = int(stats.get("written_bytes", 0)), int(stats.get("shared_bytes", 0))
+    return {"written_bytes": written, "stored_bytes": written - shared, "shared_bytes": shared}
 
 
 def length_check(registry: Any, transport: Transport, *, grows: bool = False) -> dict[str, Any]:

@@ -123,6 +123,11 @@ class HttpTransport(Transport):
         d = self.api.json("GET", f"/v1/partitions/{_p(partition)}")
         return PartitionInfo(d["partition"], list(d["sample_ids"]), dict(d["fields"]), int(d["nbytes"]))
 
+    def sharing(self) -> dict[str, int] | None:
+        """See :meth:`Transport.sharing` (the service's status says, where its store shares rows)."""
+        got = self.api.json("GET", "/v1/status").get("sharing")
+        return {k: int(v) for k, v in got.items()} if isinstance(got, dict) else None
+
     def close(self) -> None:
         self.api.close()
 

@@ -74,7 +74,7 @@ from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
 from rlplane.shm import SlabView, shared_slab
 from rlplane.te import DEFAULT_STAGING_BYTES, RemoteSlab, local_address, transfer_pool
-from rlplane.transports.base import PartitionInfo, Transport, check_put
+from rlplane.transports.base import PartitionInfo, Transport, check_put, sharing_of
 from rlplane.streams import DirectStreams
 from rlplane.tags import RESERVED_TAG_PREFIX, SUM_TAG, WIRE_TAG, RowTags
 from rlplane.copies import copy as _copy
@@ -569,6 +569,10 @@ class NativeTransport(Transport):
         """The controller's view: samples, blocks, live and retained bytes, per unit."""
         reply = self._ask({"op": "stats"})
         return {k: v for k, v in reply.items() if k not in _ENVELOPE_KEYS}
+
+    def sharing(self) -> dict[str, int]:
+        """See :meth:`Transport.sharing` (the controller's account)."""
+        return sharing_of(self.stats())
 
     def unit_usage(self) -> dict[str, tuple[int, int]]:
         """Per storage unit: (samples with a row there, live bytes there)."""

@@ -178,8 +178,8 @@ class Client:
         them out from then on. Returns the meta with the new lengths. A token field left
         out (the store says which the samples hold, whatever the meta lists), or one the
         samples do not hold, is a ShapeError naming it, and nothing changes.
-        One writer extends a sample at a time (the rollout that owns it): two extends of
-        the same sample at once keep one of them.
+        One writer extends a sample at a time (the rollout that owns it): of two extends of
+        the same sample at once, the later to commit is a ShapeError and stores nothing.
 
         Example::
 
@@ -217,7 +217,7 @@ class Client:
                                  packed=frozenset(names))
                 written = enc.tags.with_user(user)
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False, **born,
-                                   **length_check(self.registry, self.transport, grows=True))
+                                   **length_check(self.registry, self.transport, grows=stored[LENGTHS_FIELD]))
                 op.nbytes = enc.nbytes
         grown = meta.with_fields(enc.columns, written)
         new = lengths.tolist()

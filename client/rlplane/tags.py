@@ -198,11 +198,25 @@ def left_out(field: str, sample: Any) -> Any:
         "stage's write_columns returned, or a claim's)", field=field, sample=sample)
 
 
+def extended_since(field: str, have: int, read: int, sample: Any) -> Any:
+    """The ShapeError for an extend of a sample another extend grew after this one read it
+    (it holds ``have`` tokens of ``field``; this one read ``read``): of two extends of one
+    sample at once, the later is refused whole instead of undoing the earlier."""
+    from rlplane.errors import ShapeError
+
+    return ShapeError(
+        f"the sample holds {have} tokens where this extend read {read}: another extend grew it since (one writer "
+        "extends a sample at a time); nothing of this extend was stored: read the sample again and extend from there",
+        field=field, sample=sample)
+
+
 def check_grown(ids: Sequence[str], stored: Sequence[Mapping[str, Any]], written: Collection[str],
-                aligned: Sequence[str]) -> None:
+                aligned: Sequence[str], read: Any = None) -> None:
     """For a store that keeps each sample's tags: an extend (``written``: the fields it
     writes) of stored samples (``stored``: their tags) that leaves out a token field (of
-    ``aligned``) a sample holds is :func:`left_out`, naming the first such field and sample.
+    ``aligned``) a sample holds is :func:`left_out`, and one of a sample whose length is no
+    longer ``read[i]`` (what the extend read) is :func:`extended_since`; each names the
+    first such field and sample.
 
     Example: ``check_grown(["a"], [{WIRE_TAG: {"input_ids": [4], "prev_logprobs": [4]}}], {"input_ids"},
     ["input_ids", "prev_logprobs"])`` raises ShapeError."""
@@ -212,6 +226,10 @@ def check_grown(ids: Sequence[str], stored: Sequence[Mapping[str, Any]], written
         for f in others:
             if rows.get(f) is not None:
                 raise left_out(f, ids[i])
+        if read is not None:
+            f = next((f for f in aligned if isinstance(rows.get(f), list) and rows[f] and type(rows[f][0]) is int), None)
+            if f is not None and rows[f][0] != int(read[i]):
+                raise extended_since(f, rows[f][0], int(read[i]), ids[i])
 
 
 class RowTags(Sequence[dict[str, Any]]):
@@ -358,4 +376,5 @@ def _take(rows: Any, pick: list[int]) -> Any:
 
 
 __all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "RowTags", "born_of", "incarnation", "merge_tags",
-           "stale", "stale_meta", "stale_as", "older_meta", "check_lengths", "left_out", "check_grown"]
+           "stale", "stale_meta", "stale_as", "older_meta", "check_lengths", "left_out", "extended_since",
+           "check_grown"]

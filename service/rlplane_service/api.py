@@ -434,24 +434,23 @@ def build_api(state: ServiceState) -> FastAPI:
 
     @v1.post("/data/{partition}/put", tags=["data"])
     async def put(partition: str, request: Request, create: bool = Query(True), durable: bool = Query(False),
-                  aligned: bool = Query(False), grows: bool = Query(False),
-                  who: Access = Depends(caller)) -> dict[str, Any]:
+                  aligned: bool = Query(False), who: Access = Depends(caller)) -> dict[str, Any]:
         """Store encoded columns (body: rlplane envelope with ``sample_ids`` and ``tags``).
 
         Checked against the registry first; a body that fails stores nothing. ``durable``:
         answered once the put is in the journal on disk (native with RLPLANE_JOURNAL_DIR).
         ``aligned`` (a write of stored samples): token rows of another length than their
-        sample's are a 422 ShapeError naming the field and sample; with ``grows`` (an
-        extend) the rows grow instead, and leaving out a token field a sample holds is that
-        422.
+        sample's are a 422 ShapeError naming the field and sample; with the header's
+        ``grown_from`` (an extend: each sample's length as it read it) the rows grow
+        instead, and leaving out a token field a sample holds, or growing a sample another
+        extend grew since, is that 422.
         """
         async with observed("put_samples" if create else "write_columns") as event:
             check_partition(partition)
             who.check(partition, write=True)
             body = await _read_body(request, state.settings.max_request_bytes)
             (stored, event["nbytes"]), born = await offload(_check_and_store, registry, transport, partition, body,
-                                                            create, durable, aligned and not create,
-                                                            grows)
+                                                            create, durable, aligned and not create)
         return {"partition": partition, "stored": stored, "nbytes": len(body), **({"born": born} if born else {})}
 
     @v1.post("/data/{partition}/get", tags=["data"])
@@ -621,20 +620,20 @@ def snapshot_path(root: Optional[Path], given: str) -> Path | str:
     return path
 
 
-def births(born: Any, n: int) -> np.ndarray:
-    """A put header's ``born``: ``n`` incarnations (ints in [0, 2**62)) as int64, or WireFormatError."""
+def births(born: Any, n: int, key: str = "born", what: str = "one incarnation") -> np.ndarray:
+    """A put header's ``born`` (or ``key``): ``n`` ints in [0, 2**62) as int64, or WireFormatError."""
     try:
         arr = np.asarray(born, np.int64) if isinstance(born, list) else None
     except (TypeError, ValueError, OverflowError):
         arr = None
     if arr is None or arr.shape != (n,) or (n and (int(arr.min()) < 0 or int(arr.max()) >= 1 << 62)):
-        raise E.WireFormatError("put 'born' must be one incarnation (an int in [0, 2**62)) per sample")
+        raise E.WireFormatError(f"put {key!r} must be {what} (an int in [0, 2**62)) per sample")
     return arr
 
 
 def _check_and_store(
     registry: Registry, transport: Transport, partition: str, body: np.ndarray | bytearray, create: bool,
-    durable: bool = False, check_lengths: bool = False, grows: bool = False,
+    durable: bool = False, check_lengths: bool = False,
 ) -> tuple[int, int]:
     """Parse, check and store one put body; returns ((samples, column bytes), the
     incarnation a create gave its samples or None). Parsing and checking touch every byte,
@@ -655,7 +654,9 @@ def _check_and_store(
                                      f"(RLPLANE_JOURNAL_DIR); this service stores on {transport.name!r}")
     extra = {"durable": True} if durable else {}
     if check_lengths:
-        extra.update(length_check(registry, transport, grows=grows))
+        grown = header.get("grown_from")
+        read = None if grown is None else births(grown, len(ids), "grown_from", "the length the extend read")
+        extra.update(length_check(registry, transport, grows=read))
     born = header.get("born")
     if born is not None:
         arr = births(born, len(ids))

@@ -265,6 +265,42 @@ def test_an_extend_leaving_out_a_token_field_a_stage_wrote_is_refused_and_stores
         client.clear(p)
 
 
+def test_of_two_extends_of_a_sample_at_once_the_later_is_refused_and_the_earlier_kept(conn):
+    """Two writers extend the same samples at once: the one that commits second read the
+    samples before the first grew them. It is a ShapeError naming a field and a sample,
+    stores nothing, and the first one's tokens stay (it used to undo them silently)."""
+    g = torch.Generator().manual_seed(9)
+    with conn() as a, conn() as b:
+        p = part()
+        first = _partial_step(g, [2, 3])
+        meta = a.put_samples(p, first, finished=False)
+        mine, theirs = _partial_step(g, [1, 2]), _partial_step(g, [3, 1])
+        real_put, raced, started = a.transport.put, [], []
+
+        def put_after_theirs(*args, **kwargs):  # a has read the samples; b extends them now, then a commits
+            if not started:  # (once: the in-process store is both clients')
+                started.append(True)
+                raced.append(b.extend(meta, theirs))
+            return real_put(*args, **kwargs)
+
+        a.transport.put = put_after_theirs
+        try:
+            with pytest.raises(E.ShapeError, match="another extend grew it") as err:
+                a.extend(meta, mine)
+        finally:
+            a.transport.put = real_put
+        assert raced and err.value.sample in meta.sample_ids and err.value.field in first
+        got = a.read_columns(raced[0], [*first], layout="jagged")
+        assert got["input_lengths"].tolist() == [5, 4]
+        for f in first:
+            if f != "input_lengths":
+                want = [torch.cat([first[f][i, : (2, 3)[i]], theirs[f][i, : (3, 1)[i]]]) for i in range(2)]
+                assert all(torch.equal(x, y) for x, y in zip(got[f], want)), f
+        client_meta = a.extend(raced[0], mine)  # from the meta that names the grown samples: fine
+        assert client_meta.lengths == [6, 6]
+        a.clear(p)
+
+
 def test_partial_rollouts_grow_bit_exactly_through_extends_and_are_claimed_once_finished(conn, request):
     """Three rollouts written partway, then extended ten times (some steps add nothing to
     some samples), read back after every step equal to what a rollout that had it all

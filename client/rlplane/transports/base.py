@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
+import numpy as np
+
 from rlplane.column import Column
 from rlplane.errors import ShapeError, WireFormatError
 from rlplane.scratch import Alloc
@@ -70,7 +72,8 @@ class Transport(ABC):
     #: Whether ``put(..., create=False)`` takes ``aligned=`` (the token-aligned field names):
     #: the store then refuses a write whose token rows are not as long as the sample it
     #: writes to (a meta older than the sample: extended, or cleared and put again), and
-    #: with ``grows=True`` (an extend) one that leaves out a token field a sample holds.
+    #: with ``grows`` (an extend: the samples' lengths it read) one that leaves out a token
+    #: field a sample holds, or grows a sample another extend grew since.
     checks_lengths: bool = False
     #: Whether ``put`` and ``get`` take ``born=`` (each sample's incarnation as the caller's
     #: meta names it, :data:`rlplane.tags.BORN_TAG`): the store then refuses a meta naming
@@ -183,17 +186,18 @@ def check_put(sample_ids: Sequence[str], columns: Mapping[str, Column], tags: Se
 
 def check_written_lengths(sample_ids: Sequence[str], stored: Sequence[Mapping[str, Any]],
                           columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
-                          aligned: Sequence[str], grows: bool = False) -> None:
+                          aligned: Sequence[str], grows: Any = None) -> None:
     """For a store that keeps each sample's tags (``stored``): a write whose token rows
     (``columns`` of the ``aligned`` fields; their lengths from the column's geometry, else
     the written ``tags``) are not as long as the sample holds is a ShapeError naming field
     and sample (:func:`rlplane.tags.check_lengths`), before anything is stored. ``grows``
-    (an extend): its rows grow instead, and every ``aligned`` field a sample holds must be
-    among them (:func:`rlplane.tags.check_grown`).
+    (an extend: each sample's length as it read it): its rows grow instead, every
+    ``aligned`` field a sample holds must be among them, and each sample must still be as
+    long as it read (:func:`rlplane.tags.check_grown`).
 
     Example: ``check_written_lengths(ids, stored_tags, enc.columns, enc.tags, registry.token_fields())``."""
-    if grows:
-        check_grown(sample_ids, stored, set(columns), aligned)
+    if grows is not None:
+        check_grown(sample_ids, stored, set(columns), aligned, grows)
         return
     written = {f: Geometry.coerce(c.geom if c.geom is not None else
                                   [(t.get(WIRE_TAG) or {}).get(f) for t in tags]).leads()
@@ -210,16 +214,18 @@ def sharing_of(stats: Mapping[str, Any]) -> dict[str, int]:
     return {"written_bytes": written, "stored_bytes": written - shared, "shared_bytes": shared}
 
 
-def length_check(registry: Any, transport: Transport, *, grows: bool = False) -> dict[str, Any]:
+def length_check(registry: Any, transport: Transport, *, grows: Any = None) -> dict[str, Any]:
     """The keywords a write of existing samples passes to ``transport.put`` so that a store
     that checks lengths (:attr:`Transport.checks_lengths`) refuses token rows of another
-    length than their sample's, or, ``grows`` (an extend), one that leaves out a token field
-    a sample holds; nothing for another store.
+    length than their sample's, or, ``grows`` (an extend: each sample's length as it read
+    it), one that leaves out a token field a sample holds or grows a sample another extend
+    grew since; nothing for another store.
 
     Example: ``transport.put(p, ids, columns, tags, create=False, **length_check(registry, transport))``."""
     if not transport.checks_lengths:
         return {}
-    return {"aligned": registry.token_fields(), **({"grows": True} if grows else {})}
+    read = {"grows": np.asarray(grows, np.int64).reshape(-1)} if grows is not None else {}
+    return {"aligned": registry.token_fields(), **read}
 
 
 def born_check(transport: Transport, tags: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -60,12 +60,13 @@ class HttpTransport(Transport):
         durable: bool = False,
         aligned: Sequence[str] = (),
         born: Any = None,
-        grows: bool = False,
+        grows: Any = None,
     ) -> int | None:
         """``durable``: the service answers once the put is in its journal on disk.
         ``aligned`` (a write of stored samples): the service checks the token rows' lengths
         against the samples' (with its own registry's token fields) where its store can;
-        with ``grows`` (an extend) that no token field a sample holds is left out.
+        with ``grows`` (an extend: the lengths it read) that no token field a sample holds
+        is left out and no sample was grown by another extend since.
         ``born``: each sample's incarnation as the caller's meta names it (the service's
         store refuses a stale meta where it keeps them). Returns the incarnation a create
         gave its samples (None where the store keeps none)."""
@@ -73,10 +74,11 @@ class HttpTransport(Transport):
         head: dict[str, Any] = {"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}
         if born is not None:
             head["born"] = np.asarray(born, np.int64).tolist()
+        if grows is not None and aligned and not create:
+            head["grown_from"] = np.asarray(grows, np.int64).tolist()
         parts = pack_parts(head, columns)
         params = {"create": "true" if create else "false", **({"durable": "true"} if durable else {}),
-                  **({"aligned": "true"} if aligned and not create else {}),
-                  **({"grows": "true"} if aligned and grows and not create else {})}
+                  **({"aligned": "true"} if aligned and not create else {})}
         answer = self.api.request(
             "POST",
             f"/v1/data/{_p(partition)}/put",

@@ -57,13 +57,14 @@ class MemoryTransport(Transport):
         create: bool,
         born: Any = None,
         aligned: Sequence[str] = (),
-        grows: bool = False,
+        grows: Any = None,
     ) -> int | None:
         """A put of new samples (``create``) gives them an incarnation and returns it (or
         keeps ``born``, one per sample, as given); a write with ``born`` naming samples
         cleared and put again since is refused (MissingDataError), and one with ``aligned``
         (the token fields) whose token rows are not as long as the sample's, or, ``grows``
-        (an extend), that leaves out one a sample holds (ShapeError): nothing stored."""
+        (an extend: the lengths it read), that leaves out one a sample holds or grows a
+        sample another extend grew since (ShapeError): nothing stored."""
         check_put(sample_ids, columns, tags)
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")

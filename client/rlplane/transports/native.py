@@ -244,13 +244,14 @@ class NativeTransport(Transport):
         durable: bool = False,
         aligned: Sequence[str] = (),
         born: np.ndarray | None = None,
-        grows: bool = False,
+        grows: np.ndarray | None = None,
     ) -> int | None:
         """``durable``: answered once the commit is in the units' journals on disk
         (InvalidArgumentError from a store without a journal). ``aligned``: the token-aligned
         field names (a write of existing samples: ShapeError, nothing stored, when a token
         row's length is not the one the sample's other token fields hold; with ``grows``, an
-        extend, when it leaves out one of them that a sample holds). ``born``: each
+        extend's lengths as it read them, when it leaves out one of them that a sample holds
+        or another extend grew a sample since). ``born``: each
         sample's incarnation as the caller's meta names it (a write: MissingDataError,
         nothing stored, for samples cleared and put again since; a create: what they become,
         as a snapshot kept it). Returns the incarnation a create gave its samples."""
@@ -368,7 +369,7 @@ class NativeTransport(Transport):
 
     def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
              create: bool, durable: bool = False, aligned: list[str] | None = None,
-             born: np.ndarray | None = None, grows: bool = False) -> int | None:
+             born: np.ndarray | None = None, grows: np.ndarray | None = None) -> int | None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
         # Split tags: geometry and digests per field (kept in the controller's arrays; the
@@ -1058,7 +1059,7 @@ class NativeTransport(Transport):
 
 def _described(columns: Mapping[str, Column], geoms: Mapping[str, Geometry], sums: Mapping[str, bytes],
                user: list[Any] | None, aligned: list[str] | None, born: np.ndarray | None, durable: bool,
-               grows: bool = False) -> dict[str, Any]:
+               grows: np.ndarray | None = None) -> dict[str, Any]:
     """What a commit (or a put in one message) says of its rows: each field's geometry,
     digests and row bytes, and what the put carries besides (user tags, the token fields a
     write must keep aligned, or, growing them, must carry all of; incarnations, rows stored
@@ -1069,8 +1070,8 @@ def _described(columns: Mapping[str, Column], geoms: Mapping[str, Geometry], sum
         out["user"] = user
     if aligned:
         out["t"] = aligned
-        if grows:
-            out["gr"] = True
+        if grows is not None:  # an extend: the lengths it read (the controller checks both)
+            out["gr"] = np.asarray(grows, "<i8").tobytes()
     if born is not None:
         out["bn"] = np.asarray(born, "<i8").tobytes()
     shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}

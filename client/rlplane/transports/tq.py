@@ -268,15 +268,15 @@ class TQTransport(Transport):
         create: bool,
         born: Any = None,
         aligned: Sequence[str] = (),
-        grows: bool = False,
+        grows: Any = None,
     ) -> int | None:
         """Store the columns. A put of new samples (``create``) gives them an incarnation
         (:data:`~rlplane.tags.BORN_TAG`, kept in their tags) and returns it; a write of
         stored ones with ``born`` (the incarnations the caller's meta names) is refused
         when they were cleared and put again since (MissingDataError, nothing stored), and
         with ``aligned`` (the token fields) when its token rows are not as long as the
-        sample's, or, ``grows`` (an extend), when it leaves out one a sample holds
-        (ShapeError, nothing stored)."""
+        sample's, or, ``grows`` (an extend: the lengths it read), when it leaves out one a
+        sample holds or grows a sample another extend grew since (ShapeError, nothing stored)."""
         check_put(sample_ids, columns, tags)
         ids = list(sample_ids)
         if born is not None and len(born) != len(ids):
@@ -475,7 +475,7 @@ class TQTransport(Transport):
         reserved: bool = False,
         born: Any = None,
         aligned: Sequence[str] = (),
-        grows: bool = False,
+        grows: Any = None,
     ) -> None:
         existing = await self._meta(partition, ids, create=False)
         if create and existing.size and reserved:

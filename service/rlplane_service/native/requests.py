@@ -51,16 +51,18 @@ def field_names(x: Any) -> list[str]:
     return x
 
 
-def births(x: Any, n: int) -> np.ndarray | None:
+def births(x: Any, n: int, key: str = "bn") -> np.ndarray | None:
     """A request's ``bn``: the incarnation of each of its ``n`` samples the caller's meta
-    names (int64 bytes, 0: not known; :data:`rlplane.tags.BORN_TAG`), or None when absent."""
+    names (int64 bytes, 0: not known; :data:`rlplane.tags.BORN_TAG`), or None when absent.
+    Any other ``key`` of one int64 in [0, 2**62) per sample the same way (``gr``: the
+    lengths an extend read)."""
     if x is None:
         return None
     if not isinstance(x, bytes) or len(x) != 8 * n:
-        raise E.WireFormatError(f"'bn' must be {n} int64 incarnations ({8 * n} bytes)")
+        raise E.WireFormatError(f"{key!r} must be {n} int64 values ({8 * n} bytes)")
     born = np.frombuffer(x, "<i8").astype(np.int64)
     if born.size and (int(born.min()) < 0 or int(born.max()) >= 1 << 62):
-        raise E.WireFormatError("'bn' incarnations must lie in [0, 2**62)")
+        raise E.WireFormatError(f"{key!r} values must lie in [0, 2**62)")
     return born
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.geometry import Geometry
 from rlplane.names import MAX_NAME_LEN
-from rlplane.tags import left_out, older_meta, stale_meta
+from rlplane.tags import extended_since, left_out, older_meta, stale_meta
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects
@@ -253,8 +253,8 @@ class WriteOps:
                                         header.get("hx"))
             self._check_born(res, births(header.get("bn"), n))
             if not res.create and header.get("t") is not None:
-                if header.get("gr") is True:
-                    self._check_grown(res, header["t"])
+                if header.get("gr") is not None:
+                    self._check_grown(res, header["t"], births(header["gr"], n, "gr"))
                 else:
                     self._check_aligned(res, parsed, header["t"])
             if rows is not None:  # the controller hands them to the units itself: no seals, sizes checked here
@@ -299,22 +299,35 @@ class WriteOps:
             self._abort(res)
             raise stale_meta(res.partition, res.ids or res.part.names[res.slots].tolist(), bad, "write")
 
-    def _check_grown(self, res: Reservation, aligned: Any) -> None:
-        """An extend (``gr``) grows every token field of its samples together: one that
-        leaves out a token field (of ``aligned``) a sample holds, e.g. one a stage wrote
-        after the put whose meta the extend was given, is a ShapeError naming the field and
-        the first such sample, and nothing of it is stored."""
+    def _check_grown(self, res: Reservation, aligned: Any, read: np.ndarray | None) -> None:
+        """An extend (``gr``: each sample's length as it read it) grows every token field of
+        its samples together: one that leaves out a token field (of ``aligned``) a sample
+        holds, e.g. one a stage wrote after the put whose meta the extend was given, or that
+        grows a sample another extend grew since it read it, is a ShapeError naming the
+        field and the first such sample, and nothing of it is stored."""
         _token_names(aligned)
         part, mine = res.part, set(res.fields)
-        for f in aligned:
+
+        def sample(i: int) -> Any:
+            return res.ids[i] if res.ids else part.names[res.slots[i]]
+
+        have, ref_of = np.full(res.slots.size, -1, np.int64), np.full(res.slots.size, -1, np.int64)
+        for k, f in enumerate(aligned):
             fi = part.fields.get(f)
-            if f in mine or fi is None:
+            if fi is None:
                 continue
+            lead = part.leads(f, res.slots)
+            fill = (have < 0) & (lead >= 0)
+            have[fill], ref_of[fill] = lead[fill], k
             held = np.flatnonzero(fi.block[res.slots] >= 0)
-            if held.size:
-                i = int(held[0])
+            if f not in mine and held.size:
                 self._abort(res)
-                raise left_out(f, res.ids[i] if res.ids else part.names[res.slots[i]])
+                raise left_out(f, sample(int(held[0])))
+        moved = np.flatnonzero((have >= 0) & (have != read)) if read is not None else np.empty(0, np.int64)
+        if moved.size:
+            i = int(moved[0])
+            self._abort(res)
+            raise extended_since(aligned[int(ref_of[i])], int(have[i]), int(read[i]), sample(i))
 
     def _check_aligned(self, res: Reservation, c: Parsed, aligned: Any) -> None:
         """A write of existing samples whose token rows (``aligned``: the token-aligned field

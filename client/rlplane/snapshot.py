@@ -529,7 +529,8 @@ class Snapshot:
 
 
 def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Callable[[str], None] | None = None,
-            declared: Collection[str] | None = None, journal: str | os.PathLike[str] | None = None) -> SnapshotInfo:
+            declared: Collection[str] | None = None, journal: str | os.PathLike[str] | None = None,
+            newest: bool = False) -> SnapshotInfo:
     """Load snapshot ``path`` (a directory, or an fsspec URL whose files are fetched into
     ``TMPDIR`` first) into the (empty of its partitions) store ``transport`` reaches: every sample with its id, rows and tags, then each task's consumption; then,
     with ``journal`` (a journal directory, RLPLANE_JOURNAL_DIR), every change the journal
@@ -539,10 +540,30 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
     when the journal was truncated after this snapshot; with ``declared`` (the service's
     registry's names), UnregisteredFieldError for a field that is not declared. Either
     way nothing of it stays stored. A torn last journal record is skipped and reported
-    (``info.journal["torn"]``).
+    (``info.journal["torn"]``). ``newest`` (what a service's restart wants: its
+    RLPLANE_RESTORE_FROM stays set while periodic snapshots go on): a journal truncated at a
+    later snapshot than ``path`` continues that one, which is loaded instead.
 
     Example: ``restore(client.transport, "/mnt/snap/run-7-step-1200", journal="/mnt/journal").samples``
     """
+    try:
+        return _restore(transport, path, progress, declared, journal, newest)
+    except _Continues as later:
+        (progress or (lambda msg: None))(f"restore: the journal in {journal} was truncated at snapshot {later.path}, "
+                                         f"taken after {path}: loading that one instead")
+        return _restore(transport, later.path, progress, declared, journal, False)
+
+
+class _Continues(Exception):
+    """The journal continues a later snapshot than the one asked for (``path``)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
+
+
+def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Callable[[str], None] | None,
+             declared: Collection[str] | None, journal: str | os.PathLike[str] | None, newest: bool) -> SnapshotInfo:
     from rlplane import journal as J
 
     if not hasattr(transport, "set_consumption"):
@@ -567,6 +588,8 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
             if path is not None and not since and jr.changes:
                 raise E.SnapshotError(f"snapshot {path} records no change number (taken by an older rlplane): it "
                                       f"cannot be continued by the journal in {journal}", component=str(path))
+            if newest and path is not None and jr.base > since and jr.base_snapshot:
+                raise _Continues(jr.base_snapshot)  # (before anything is loaded)
             J.check(jr, since or 1, declared, str(path or ""))
         for k in range(_FILES_AHEAD):
             snap.prefetch(k)

@@ -98,7 +98,7 @@ def restore_once(store: Any, transport: Any, path: Any, declared: list[str], jou
         return
     try:
         info = snapshot.restore(transport, path, progress=log.info, declared=declared,
-                                journal=journal if has_journal(journal) else None)
+                                journal=journal if has_journal(journal) else None, newest=True)
     except Exception as err:
         ray.get(store.ledger.remember.remote("restore-failed", f"{type(err).__name__}: {err}"), timeout=30)
         raise

@@ -2,8 +2,9 @@
 the store serves, then a new store of another size started with RLPLANE_RESTORE_FROM
 serves every sample bit for bit and every task's consumption; that store journals
 (RLPLANE_JOURNAL_DIR), has every engine process killed, and a third one restored from
-the snapshot plus the journal serves all of it; the TransferQueue-based backends refuse
-with a clear error."""
+the snapshot plus the journal serves all of it, and a fourth, still pointed at the first
+snapshot after a later one truncated the journal, loads the later one and the journal;
+the TransferQueue-based backends refuse with a clear error."""
 
 import json
 import os
@@ -83,6 +84,20 @@ def test_a_snapshot_restores_into_a_new_store_before_it_is_ready(source, own_app
             assert diff_fields(r.registry, vlm.fields, got, vlm.lengths, sample_ids=mv.sample_ids) == []
             assert r.consumption(q, "train")["acked"] == 12 + 5
             r.put_samples(f"{p}-new", text_step(2, 16, seed=26).fields, durable=True)  # and it journals on
+            r.snapshot(str(tmp_path / "later"))  # (a periodic one would do the same): truncates the journal
+            last = text_step(3, 16, seed=27)
+            m_last = r.put_samples(f"{p}-last", last.fields, durable=True)
+        kill_engine("snap-again", 2)
+    # A fourth store, still configured with the first snapshot (as a chart's restoreFrom stays
+    # set): the journal continues the later one, which it loads instead, then the journal.
+    with own_app({**args, "store_name": "snap-fourth", "storage_units": 2}, "/snap-fourth") as fourth:
+        assert httpx.get(f"{fourth}/readyz", timeout=30).status_code == 200
+        with rlplane.connect(fourth) as r:
+            assert sorted(r.partitions()) == sorted([p, q, f"{p}-late", f"{p}-tail", f"{p}-new", f"{p}-last"])
+            got = r.read_columns(m_last, list(last.fields))
+            assert diff_fields(r.registry, last.fields, got, last.lengths, sample_ids=m_last.sample_ids) == []
+            got = r.read_columns(mv, list(vlm.fields))
+            assert diff_fields(r.registry, vlm.fields, got, vlm.lengths, sample_ids=mv.sample_ids) == []
 
 
 def kill_engine(store: str, units: int) -> None:

@@ -203,6 +203,15 @@ def test_a_journal_a_snapshot_truncated_brings_the_store_back_alone_from_that_sn
         assert same(wire(b, "b", m2.sample_ids, sorted(second.fields)), want["b"])
         assert same(wire(b, "c", m3.sample_ids, sorted(third.fields)), want["c"])
         assert any(str(s2) in line for line in said)
+    # A service whose RLPLANE_RESTORE_FROM still names the first snapshot (newest=True): the
+    # journal continues the later one, which is loaded instead (the library call refuses).
+    with engine(None) as new, connect(new) as b:
+        with pytest.raises(E.SnapshotError, match="truncated at a later snapshot"):
+            snapshot.restore(b.transport, s1, journal=jdir)
+        assert b.partitions() == []
+        snapshot.restore(b.transport, s1, journal=jdir, newest=True)
+        assert sorted(b.partitions()) == ["a", "b", "c"]
+        assert same(wire(b, "c", m3.sample_ids, sorted(third.fields)), want["c"])
     shutil.rmtree(s2)
     with engine(None) as new, connect(new) as b:
         with pytest.raises(E.SnapshotError) as err:

@@ -100,6 +100,42 @@ def test_an_extend_grows_a_field_of_several_dims_per_token_bit_exactly():
     assert ids[0].tolist()[-1:] == [0] and ids[1].tolist()[-2:] == [5, 6]
 
 
+def test_each_token_keeps_the_policy_version_that_generated_it_through_interrupted_rollouts():
+    """What async RL's interruptible rollouts store (AReaL-style): a per-token
+    ``token_policy_version`` field written with the tokens and extended with them, each
+    stretch of a rollout under the weights of its time. Read back, every token carries the
+    version that made it, on the native engine (shm) through four extends, 10 rollouts."""
+    from rlplane import FieldSpec, Registry
+
+    reg = Registry([FieldSpec("input_ids", "token", "dense", {"train"}, dtype="int64"),
+                    FieldSpec("input_lengths", "sample", "dense", {"train"}, dtype="int64"),
+                    FieldSpec("token_policy_version", "token", "dense", {"train"}, dtype="int32")])
+    g = torch.Generator().manual_seed(4)
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng:
+        info = {"controller": eng.server.endpoint, "secret": SECRET.decode()}
+        with Client(reg, NativeTransport(info, timeout=30, data_path="shm")) as c:
+            want_ids: list[list[int]] = [[] for _ in range(10)]
+            want_ver: list[list[int]] = [[] for _ in range(10)]
+            meta = None
+            for version in range(5):  # weights updated between the stretches: version 0, 1, ...
+                lens = torch.randint(0, 7, (10,), generator=g)
+                ids = torch.randint(0, 50_000, (10, 7), generator=g)
+                step = {"input_ids": ids, "input_lengths": lens,
+                        "token_policy_version": torch.full((10, 7), version, dtype=torch.int32)}
+                meta = c.put_samples("rollouts", step, finished=False) if meta is None else \
+                    c.extend(meta, step, finished=version == 4)
+                for i in range(10):
+                    want_ids[i] += ids[i, : int(lens[i])].tolist()
+                    want_ver[i] += [version] * int(lens[i])
+            got = c.read_columns(meta, ["input_ids", "token_policy_version", "input_lengths"], layout="jagged")
+            assert [r.tolist() for r in got["input_ids"]] == want_ids
+            assert [r.tolist() for r in got["token_policy_version"]] == want_ver
+            assert got["token_policy_version"][0].dtype == torch.int32 and meta.lengths == [len(r) for r in want_ids]
+            claimed = c.claim("rollouts", "train", batch_size=10, fields=["input_ids", "token_policy_version"],
+                              timeout=5)
+            assert sorted(claimed.sample_ids) == sorted(meta.sample_ids)
+
+
 def test_token_fields_names_what_an_extension_must_carry():
     reg = default_registry()
     held = {"input_ids", "input_lengths", "generation_logprobs", "pixel_values"}

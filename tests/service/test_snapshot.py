@@ -71,7 +71,9 @@ def test_a_snapshot_restores_into_a_new_store_before_it_is_ready(source, own_app
             late = vlm_step(4, 128, seed=24)
             ml = r.put_samples(f"{p}-late", late.fields, durable=True)
             r.ack(r.claim(q, "train", batch_size=5, fields=["input_ids"], timeout=0), "train")
-            r.put_samples(f"{p}-tail", text_step(2, 16, seed=25).fields, durable=True)  # fsyncs the ack's group
+            # (An ack is appended to two units' journals before it is answered, and reaches the disk
+            # within the flush interval; SIGKILL keeps what was appended, as the page cache does.)
+            r.put_samples(f"{p}-tail", text_step(2, 16, seed=25).fields, durable=True)
         kill_engine("snap-dst", 3)
     # A third store from the same snapshot plus the journal: the snapshot's samples, then all the above.
     with own_app({**args, "store_name": "snap-again", "storage_units": 2}, "/snap-again") as again:

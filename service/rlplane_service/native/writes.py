@@ -333,7 +333,7 @@ class WriteOps:
         """A write of existing samples whose token rows (``aligned``: the token-aligned field
         names) are not as long as the sample's stored token rows: ShapeError naming the field
         and the sample, and nothing of it is stored. A sample's length is set by its put and
-        changed by extends only (which do not check: they write every token field); a write
+        changed by extends only (which :meth:`_check_grown` checks instead); a write
         of another length comes from a meta older than the sample (extended, or cleared and
         put again since)."""
         _token_names(aligned)

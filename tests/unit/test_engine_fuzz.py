@@ -28,7 +28,7 @@ EXAMPLES, PER_BATCH = 60, 25
 
 @pytest.fixture(scope="module")
 def engine():
-    with LocalEngine(2, secret=SECRET, slab_bytes=32 << 20, lease_s=5, grace_s=3600) as eng:
+    with LocalEngine(2, secret=SECRET, slab_bytes=32 << 20, lease_s=5, grace_s=3600, te_protocol="tcp") as eng:
         client = Client(default_registry(), NativeTransport(eng.info, timeout=20))
         fields = {"input_ids": torch.arange(48).reshape(6, 8), "input_lengths": torch.tensor([8, 1, 8, 4, 2, 8])}
         meta = client.put_samples("known", fields, sample_ids=[f"k{i}" for i in range(6)])
@@ -47,6 +47,8 @@ def _valid(meta_blocks: list[int]) -> list[dict]:
          "blocks": [[777, [0], 0, 2]]},
         {"op": "commit", "res": "00" * 12, "g": {"input_ids": [[[2]], [[2]]]}, "nb": {"input_ids": ints([16, 16])},
          "user": [{}, {}]},
+        {"op": "commit", "res": "00" * 12, "g": {"input_ids": [[[2]], [[2]]]}, "nb": {"input_ids": ints([16, 16])},
+         "t": ["input_ids", "token_mask"], "gr": ints([1, 1])},  # an extend: the lengths it read
         {"op": "commit", "res": "00" * 12, "g": {"pixel_values": [[[2, 4]], [[2, 4]]]},  # a row stored once
          "nb": {"pixel_values": ints([16, 0])}, "s": {"pixel_values": ints([-1, 0])}, "user": [{"finished": False}, {}]},
         {"op": "commit", "res": "00" * 12, "g": {"pixel_values": [[[2, 4]], [[2, 4]]]},  # a row held from a put
@@ -66,6 +68,7 @@ def _valid(meta_blocks: list[int]) -> list[dict]:
         {"op": "stage", "b": 4545, "fs": [["x", "int64", 16], ["y", "float32", 8]]},
         {"op": "write", "b": 4343},
         {"op": "slab"},
+        {"op": "te"},
         {"op": "stats"},
     ]
 

@@ -187,39 +187,30 @@ def test_a_unit_killed_under_the_te_path_loses_nothing_with_two_copies():
                                client.read_columns(after, ["input_ids"])["input_ids"].long())
 
 
-def test_a_units_engine_killed_mid_read_leaves_the_read_to_the_other_copy(monkeypatch):
-    """The unit dies after the locate named it and before the bytes came: the transfer
-    fails, the unit is declared lost, and the read completes from the other copy."""
-    import rlplane.te as te
-
-    with LocalEngine(2, secret=SECRET, slab_bytes=64 << 20, processes=True, replicas=2, grace_s=3600,
-                     te_protocol="tcp") as eng:
-        with Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="te")) as client:
-            w = vlm_step(6, 256, seed=9)
-            meta = client.put_samples("mid-read", w.fields)
-            victim = client.transport._remote[0].peer
-            original, killed = te.TransferPool.read, []
-
-            def read_then_die(self, peer, *args, **kwargs):
-                if peer == victim and not killed:
-                    eng.kill_unit(0)  # between the locate and the transfer of unit 0's rows
-                    killed.append(peer)
-                return original(self, peer, *args, **kwargs)
-
-            monkeypatch.setattr(te.TransferPool, "read", read_then_die)
-            got = client.read_columns(meta, list(w.fields))
-            assert killed, "no read went to unit 0"
-            assert diff_fields(client.registry, w.fields, got, w.lengths) == []
-            assert 0 in client.transport.down
-
-
-def test_a_unit_whose_engine_stops_answering_is_left_within_ten_seconds():
-    """SIGSTOP (not a kill: the unit's sockets stay open and nothing refuses a connection)
-    of a unit's process after the locate named it: its engine's transfer fails within the
-    stall bound the client sets (rlplane.te.STALL_S), the unit is named down, and the read
-    completes from the other copy, bit for bit, well within 10 s."""
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped (the signal takes effect when its threads
+    next run; until then one of them may still answer a request)."""
     import os
     import signal
+    import time
+
+    import psutil
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_unit_that_dies_or_stops_answering_mid_read_leaves_the_read_to_the_other_copy(monkeypatch, how):
+    """The unit's process is SIGKILLed, or SIGSTOPped (its sockets stay open: nothing
+    refuses a connection), after the locate named it and before the bytes came: the
+    transfer fails (a stopped engine's within rlplane.te.STALL_S), the unit is named down,
+    and the read completes from the other copy, bit for bit, well within 10 s. (Before the
+    quarantine of a failed transfer's memory, a stopped unit that resumed wrote into the
+    reader's freed buffers: the test process died of heap corruption.)"""
     import time
 
     import rlplane.te as te
@@ -227,24 +218,25 @@ def test_a_unit_whose_engine_stops_answering_is_left_within_ten_seconds():
     with LocalEngine(2, secret=SECRET, slab_bytes=64 << 20, processes=True, replicas=2, grace_s=3600,
                      te_protocol="tcp") as eng:
         with Client(default_registry(), NativeTransport(eng.info, timeout=30, data_path="te")) as client:
-            w = vlm_step(6, 256, seed=21)
-            meta = client.put_samples("stopped", w.fields)
+            w = vlm_step(6, 256, seed=9)
+            meta = client.put_samples(f"mid-read-{how}", w.fields)
             victim = client.transport._remote[0].peer
-            original, stopped = te.TransferPool.read, []
+            original, hit = te.TransferPool.read, []
 
-            def read_after_stop(self, peer, *args, **kwargs):
-                if peer == victim and not stopped:
-                    os.kill(eng.unit_pid(0), signal.SIGSTOP)  # between the locate and the transfer
-                    stopped.append(time.monotonic())
+            def read_after(self, peer, *args, **kwargs):
+                if peer == victim and not hit:  # between the locate and the transfer of unit 0's rows
+                    if how == "killed":
+                        eng.kill_unit(0)
+                    else:
+                        stop(eng.unit_pid(0))
+                    hit.append(time.monotonic())
                 return original(self, peer, *args, **kwargs)
 
-            te.TransferPool.read = read_after_stop
-            try:
-                got = client.read_columns(meta, list(w.fields))
-            finally:
-                te.TransferPool.read = original
-            took = time.monotonic() - stopped[0]
-            assert took < 10.0, f"the read waited {took:.1f} s on a unit that stopped answering"
+            monkeypatch.setattr(te.TransferPool, "read", read_after)
+            got = client.read_columns(meta, list(w.fields))
+            assert hit, "no read went to unit 0"
+            took = time.monotonic() - hit[0]
+            assert took < 10.0, f"the read waited {took:.1f} s on a unit that {how}"
             assert diff_fields(client.registry, w.fields, got, w.lengths) == []
             assert 0 in client.transport.down
 

@@ -179,7 +179,8 @@ class Client:
         out (the store says which the samples hold, whatever the meta lists), or one the
         samples do not hold, is a ShapeError naming it, and nothing changes.
         One writer extends a sample at a time (the rollout that owns it): of two extends of
-        the same sample at once, the later to commit is a ShapeError and stores nothing.
+        the same sample at once, the later to commit is a ShapeError and stores nothing
+        (atomic on the native engine; the TransferQueue-based stores narrow the window only).
 
         Example::
 

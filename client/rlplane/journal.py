@@ -206,6 +206,20 @@ def read_base(unit_dir: Path) -> dict[str, Any]:
     return got
 
 
+def base(root: str | os.PathLike[str]) -> tuple[int, str]:
+    """The journal's last truncation (every unit's ``BASE``; only these small files are read):
+    the change number it starts at (0: never truncated) and the snapshot that truncated it.
+
+    Example: ``seq, snap = base("/var/lib/rlplane/journal")``"""
+    path, seq, snap = Path(root), 0, ""
+    if path.is_dir():
+        for unit_dir in sorted(d for d in path.iterdir() if d.is_dir()):
+            b = read_base(unit_dir)
+            if int(b.get("seq") or 0) > seq:
+                seq, snap = int(b["seq"]), str(b.get("snapshot") or "")
+    return seq, snap
+
+
 class Journal:
     """A journal directory read back: every unit's segments, checked, merged by sequence
     number (a change several units journalled is one change; a put's blocks are gathered
@@ -231,14 +245,11 @@ class Journal:
     def open(cls, root: str | os.PathLike[str]) -> Journal:
         """Read and check every segment under ``root`` (an empty or missing one is an empty journal)."""
         path = Path(root)
-        segments, base, snap = [], 0, ""
+        segments = []
         if path.is_dir():
             for unit_dir in sorted(d for d in path.iterdir() if d.is_dir()):
-                b = read_base(unit_dir)
-                if int(b.get("seq") or 0) > base:
-                    base, snap = int(b["seq"]), str(b.get("snapshot") or "")
                 segments += [read_segment(s) for s in sorted(unit_dir.glob(SEGMENT_GLOB))]
-        return cls(path, segments, base, snap)
+        return cls(path, segments, *base(path))
 
     def after(self, seq: int) -> list[Record]:
         """The changes from sequence number ``seq`` on, in order."""
@@ -411,5 +422,5 @@ def segments(root: Path) -> Iterator[Path]:
             yield from sorted(unit_dir.glob(SEGMENT_GLOB))
 
 
-__all__ = ["Journal", "Record", "Segment", "ReplayInfo", "read_segment", "read_base", "replay", "check", "frame",
+__all__ = ["Journal", "Record", "Segment", "ReplayInfo", "read_segment", "read_base", "base", "replay", "check", "frame",
            "trailer", "segments", "MAGIC", "PUT", "CLEAR", "DROP", "ACK", "BASE", "SEGMENT_GLOB"]

@@ -57,7 +57,7 @@ from rlplane import errors as E
 from rlplane import parallel
 from rlplane.column import Column
 from rlplane.shm import populate
-from rlplane.snapplace import Local, Remote, place
+from rlplane.snapplace import Local, Remote, is_url, place
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.geometry import Geometry
 from rlplane.wire import raw
@@ -541,29 +541,43 @@ def restore(transport: Any, path: str | os.PathLike[str] | None, *, progress: Ca
     registry's names), UnregisteredFieldError for a field that is not declared. Either
     way nothing of it stays stored. A torn last journal record is skipped and reported
     (``info.journal["torn"]``). ``newest`` (what a service's restart wants: its
-    RLPLANE_RESTORE_FROM stays set while periodic snapshots go on): a journal truncated at a
-    later snapshot than ``path`` continues that one, which is loaded instead.
+    RLPLANE_RESTORE_FROM stays set while periodic snapshots go on, and the oldest of them
+    are pruned): a journal truncated at a later snapshot of the same directory as ``path``
+    (or at one when ``path`` is gone from it) continues that one, which is loaded instead.
 
     Example: ``restore(client.transport, "/mnt/snap/run-7-step-1200", journal="/mnt/journal").samples``
     """
-    try:
-        return _restore(transport, path, progress, declared, journal, newest)
-    except _Continues as later:
-        (progress or (lambda msg: None))(f"restore: the journal in {journal} was truncated at snapshot {later.path}, "
+    later = _continued(path, journal) if newest and path is not None and journal is not None else None
+    if later is not None:
+        log.warning("restore: the journal in %s was truncated at snapshot %s, taken after %s: loading that one",
+                    journal, later, path)
+        (progress or (lambda msg: None))(f"restore: the journal in {journal} was truncated at snapshot {later}, "
                                          f"taken after {path}: loading that one instead")
-        return _restore(transport, later.path, progress, declared, journal, False)
+        path = later
+    return _restore(transport, path, progress, declared, journal)
 
 
-class _Continues(Exception):
-    """The journal continues a later snapshot than the one asked for (``path``)."""
+def _continued(path: str | os.PathLike[str], journal: str | os.PathLike[str]) -> str | None:
+    """The later snapshot a journal was truncated at, where it is one of the same (local)
+    directory as ``path`` and ``path`` is older or gone: None otherwise (``path`` is loaded,
+    and refused if the journal cannot continue it)."""
+    from rlplane import journal as J
 
-    def __init__(self, path: str) -> None:
-        super().__init__(path)
-        self.path = path
+    seq, later = J.base(journal)
+    if seq <= 1 or not later or is_url(path) or is_url(later):
+        return None
+    mine, theirs = Path(path).resolve(), Path(later).resolve()
+    if mine == theirs or mine.parent != theirs.parent:
+        return None  # another directory: an operator's choice, not a periodic snapshot's
+    try:
+        since = int(json.loads((mine / "manifest.json").read_text()).get("seq") or 0)
+    except (OSError, ValueError, AttributeError):
+        since = -1  # pruned (or unreadable): the journal's snapshot continues the store
+    return str(later) if since < seq else None
 
 
 def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Callable[[str], None] | None,
-             declared: Collection[str] | None, journal: str | os.PathLike[str] | None, newest: bool) -> SnapshotInfo:
+             declared: Collection[str] | None, journal: str | os.PathLike[str] | None) -> SnapshotInfo:
     from rlplane import journal as J
 
     if not hasattr(transport, "set_consumption"):
@@ -588,8 +602,6 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
             if path is not None and not since and jr.changes:
                 raise E.SnapshotError(f"snapshot {path} records no change number (taken by an older rlplane): it "
                                       f"cannot be continued by the journal in {journal}", component=str(path))
-            if newest and path is not None and jr.base > since and jr.base_snapshot:
-                raise _Continues(jr.base_snapshot)  # (before anything is loaded)
             J.check(jr, since or 1, declared, str(path or ""))
         for k in range(_FILES_AHEAD):
             snap.prefetch(k)

@@ -147,13 +147,13 @@ class TransferPool:
         self.quarantined: list[Any] = []
 
     def _stage_afresh(self) -> None:
-        """A new staging buffer, pre-faulted and registered."""
-        self._mm = mmap.mmap(-1, self.nbytes)
-        self.u8 = np.frombuffer(self._mm, np.uint8)
-        if not populate(self.u8, write=True):  # older kernels: touch a byte a page
-            self.u8[:: mmap.PAGESIZE] = 0
-        self.base = self.u8.ctypes.data
-        register(self.engine, self.base, self.nbytes, "the client's staging buffer")
+        """A new staging buffer, pre-faulted and registered (taken only once registered)."""
+        mm = mmap.mmap(-1, self.nbytes)
+        u8 = np.frombuffer(mm, np.uint8)
+        if not populate(u8, write=True):  # older kernels: touch a byte a page
+            u8[:: mmap.PAGESIZE] = 0
+        register(self.engine, u8.ctypes.data, self.nbytes, "the client's staging buffer")
+        self._mm, self.u8, self.base = mm, u8, u8.ctypes.data
 
     def write(self, peer: str, unit: str, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
         """Each ``(uint8 values, remote address)`` into the peer's memory."""

@@ -212,6 +212,17 @@ def test_a_journal_a_snapshot_truncated_brings_the_store_back_alone_from_that_sn
         snapshot.restore(b.transport, s1, journal=jdir, newest=True)
         assert sorted(b.partitions()) == ["a", "b", "c"]
         assert same(wire(b, "c", m3.sample_ids, sorted(third.fields)), want["c"])
+    shutil.rmtree(s1)  # pruned since (snapshot_keep): the journal's snapshot still continues the store
+    with engine(None) as new, connect(new) as b:
+        snapshot.restore(b.transport, s1, journal=jdir, newest=True)
+        assert sorted(b.partitions()) == ["a", "b", "c"]
+    other = tmp_path / "elsewhere" / "run-9"  # a snapshot of another directory: an operator's choice, not switched
+    shutil.copytree(s2, other)
+    (other / "manifest.json").write_text((other / "manifest.json").read_text().replace('"seq":', '"seq": 1, "x":', 1))
+    with engine(None) as new, connect(new) as b:
+        with pytest.raises(E.SnapshotError, match="truncated at a later snapshot"):
+            snapshot.restore(b.transport, other, journal=jdir, newest=True)
+        assert b.partitions() == []
     shutil.rmtree(s2)
     with engine(None) as new, connect(new) as b:
         with pytest.raises(E.SnapshotError) as err:

@@ -173,12 +173,7 @@ def check_lengths(ids: Sequence[str], stored: Sequence[Mapping[str, Any]], writt
         return
     have, ref = np.full(len(ids), -1, np.int64), [""] * len(ids)
     for i, tag in enumerate(stored):
-        rows = (tag or {}).get(WIRE_TAG) or {}
-        for f in aligned:
-            row = rows.get(f)
-            if isinstance(row, list) and row and type(row[0]) is int:
-                have[i], ref[i] = row[0], f
-                break
+        have[i], ref[i] = _length((tag or {}).get(WIRE_TAG) or {}, aligned)
     for f in fields:
         new = np.asarray(written[f], np.int64)
         bad = np.flatnonzero((have >= 0) & (new != have))
@@ -227,9 +222,19 @@ def check_grown(ids: Sequence[str], stored: Sequence[Mapping[str, Any]], written
             if rows.get(f) is not None:
                 raise left_out(f, ids[i])
         if read is not None:
-            f = next((f for f in aligned if isinstance(rows.get(f), list) and rows[f] and type(rows[f][0]) is int), None)
-            if f is not None and rows[f][0] != int(read[i]):
-                raise extended_since(f, rows[f][0], int(read[i]), ids[i])
+            have, f = _length(rows, aligned)
+            if have >= 0 and have != int(read[i]):
+                raise extended_since(f, have, int(read[i]), ids[i])
+
+
+def _length(rows: Mapping[str, Any], aligned: Sequence[str]) -> tuple[int, str]:
+    """A sample's length from its tags' wire geometry (``rows``): the rows of the first token
+    field (of ``aligned``) it holds, and that field; ``(-1, "")`` for none."""
+    for f in aligned:
+        row = rows.get(f)
+        if isinstance(row, list) and row and type(row[0]) is int:
+            return row[0], f
+    return -1, ""
 
 
 class RowTags(Sequence[dict[str, Any]]):

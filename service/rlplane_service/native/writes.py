@@ -311,23 +311,21 @@ class WriteOps:
         def sample(i: int) -> Any:
             return res.ids[i] if res.ids else part.names[res.slots[i]]
 
-        have, ref_of = np.full(res.slots.size, -1, np.int64), np.full(res.slots.size, -1, np.int64)
-        for k, f in enumerate(aligned):
+        for f in aligned:
             fi = part.fields.get(f)
-            if fi is None:
-                continue
-            lead = part.leads(f, res.slots)
-            fill = (have < 0) & (lead >= 0)
-            have[fill], ref_of[fill] = lead[fill], k
-            held = np.flatnonzero(fi.block[res.slots] >= 0)
-            if f not in mine and held.size:
+            held = np.flatnonzero(fi.block[res.slots] >= 0) if fi is not None and f not in mine else ()
+            if len(held):
                 self._abort(res)
                 raise left_out(f, sample(int(held[0])))
-        moved = np.flatnonzero((have >= 0) & (have != read)) if read is not None else np.empty(0, np.int64)
+        if read is None:
+            return
+        refs = [f for f in aligned if f in part.fields]
+        have, ref_of = _lengths(part, res.slots, refs)
+        moved = np.flatnonzero((have >= 0) & (have != read))
         if moved.size:
             i = int(moved[0])
             self._abort(res)
-            raise extended_since(aligned[int(ref_of[i])], int(have[i]), int(read[i]), sample(i))
+            raise extended_since(refs[int(ref_of[i])], int(have[i]), int(read[i]), sample(i))
 
     def _check_aligned(self, res: Reservation, c: Parsed, aligned: Any) -> None:
         """A write of existing samples whose token rows (``aligned``: the token-aligned field
@@ -342,12 +340,7 @@ class WriteOps:
         written = [f for f in res.fields if f in mine]
         if not refs or not written:
             return
-        have = np.full(res.slots.size, -1, np.int64)
-        ref_of = np.full(res.slots.size, -1, np.int64)
-        for k, f in enumerate(refs):  # each sample's length: the rows of its first token field
-            lead = part.leads(f, res.slots)
-            fill = (have < 0) & (lead >= 0)
-            have[fill], ref_of[fill] = lead[fill], k
+        have, ref_of = _lengths(part, res.slots, refs)
         for f in written:
             new = c.shapes[f].leads()
             bad = np.flatnonzero((have >= 0) & (new != have))
@@ -587,6 +580,17 @@ class WriteOps:
                             res.partition, res.slots.size)
                 self._abort(res)
             self.pins.expire(now)
+
+
+def _lengths(part: Partition, slots: np.ndarray, refs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's length: the rows of the first of the token fields ``refs`` it holds (-1:
+    none), and which of ``refs`` that is."""
+    have, ref_of = np.full(slots.size, -1, np.int64), np.full(slots.size, -1, np.int64)
+    for k, f in enumerate(refs):
+        lead = part.leads(f, slots)
+        fill = (have < 0) & (lead >= 0)
+        have[fill], ref_of[fill] = lead[fill], k
+    return have, ref_of
 
 
 def _token_names(aligned: Any) -> None:

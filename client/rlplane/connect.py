@@ -31,7 +31,7 @@ import os
 
 from typing import TYPE_CHECKING
 
-from rlplane.errors import InvalidArgumentError, TransportError
+from rlplane.errors import InvalidArgumentError, TransportError, VersionMismatchError
 
 if TYPE_CHECKING:  # imported when connect() runs: ``import rlplane`` stays light (see rlplane/__init__.py)
     from rlplane.client import Client
@@ -90,14 +90,35 @@ def connect(
 
     api = ServiceAPI(url, token=token, timeout=timeout)
     try:
-        registry = Registry.from_dict(api.json("GET", "/v1/registry"))
         described = api.json("GET", "/v1/transport")
+        same_release(url, described.get("version"))
+        registry = Registry.from_dict(api.json("GET", "/v1/registry"))
         chosen = _transport(api, described, transport, timeout, data_path)
     except BaseException:
         api.close()
         raise
     log.info("connected to %s: %d fields, transport %s", url, len(registry.names()), chosen.name)
     return Client(registry, chosen, service=api, reuse_buffers=reuse_buffers)
+
+
+def same_release(url: str, theirs: object) -> None:
+    """VersionMismatchError unless the service at ``url`` runs this client's release of
+    rlplane (``theirs``: the version its ``/v1/transport`` names; a service from before
+    releases named it sends none). The engine's messages and the HTTP envelope change
+    between releases without a version of their own, so a mismatch would misread fields.
+
+    Example: ``same_release("http://127.0.0.1:8000", "0.1.0")``.
+    """
+    from rlplane import __version__
+
+    if theirs == __version__:
+        return
+    runs = f"rlplane {theirs}" if isinstance(theirs, str) and theirs else "an older rlplane that does not say its version"
+    raise VersionMismatchError(
+        f"the service at {url} runs {runs}; this client is rlplane {__version__}. Client and service must be the same "
+        "release (their messages change between releases): install the service's release in this environment"
+        + (f" (pip install rlplane=={theirs})" if isinstance(theirs, str) and theirs else "")
+        + ", or upgrade the service")
 
 
 def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float, data_path: str) -> Transport:

@@ -152,6 +152,12 @@ class UnavailableError(TransportError):
         self.component = component
 
 
+class VersionMismatchError(TransportError):
+    """The service runs another release of rlplane than this client. Their messages are
+    not kept compatible across releases, so the client refuses to talk to it rather than
+    misread a field: install the service's release here (the message says which)."""
+
+
 class StorageFullError(TransportError):
     """The store has no room for the write (nothing of it was kept). Clear consumed
     partitions, or give the store more memory (more storage units or larger segments)."""
@@ -268,6 +274,7 @@ __all__ = [
     "MissingDataError",
     "DuplicateSampleError",
     "TransportError",
+    "VersionMismatchError",
     "UnavailableError",
     "StorageFullError",
     "NotReadyError",

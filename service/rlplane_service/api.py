@@ -425,6 +425,7 @@ def build_api(state: ServiceState) -> FastAPI:
         else:
             direct = state.transport_for(who) if state.transport_for is not None else None
         return {
+            "version": rlplane.__version__,  # a client of another release refuses to go on (VersionMismatchError)
             "registry_version": registry.version,
             "backend": state.transport_info.get("backend", transport.name),
             state.publish_key: direct,

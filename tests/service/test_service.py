@@ -104,6 +104,20 @@ def test_v1_without_the_token_is_401_health_is_open(live):
     assert httpx.get(f"{live.url}/docs").status_code == 200
 
 
+def test_a_client_of_another_release_is_refused_naming_both_releases(service, monkeypatch):
+    theirs = rlplane.__version__
+    monkeypatch.setattr(rlplane, "__version__", "9.9.9")  # this process plays a client of another release
+    with pytest.raises(E.VersionMismatchError) as err:
+        rlplane.connect(service.url, token=service.settings.token(), transport="http")
+    assert f"runs rlplane {theirs}; this client is rlplane 9.9.9" in str(err.value)
+    assert f"pip install rlplane=={theirs}" in str(err.value)
+    from rlplane.connect import same_release
+
+    with pytest.raises(E.VersionMismatchError, match="an older rlplane that does not say its version"):
+        same_release(service.url, None)  # what a service from before versions were published answers
+    same_release(service.url, "9.9.9")  # the same release goes on
+
+
 def test_control_plane_status_and_stage_fields(live):
     headers = {"Authorization": f"Bearer {live.token}"}
     with rlplane.connect(live.url, token=live.token) as client:

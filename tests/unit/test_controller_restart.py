@@ -3,6 +3,7 @@ rebuilds its index from the storage units' blocks and commit log, and serves eve
 committed sample bit for bit (in one process, without Ray: LocalEngine's controller is
 stopped and a new one started on its port, as the service's restarted actor does)."""
 
+import gc
 import threading
 import time
 
@@ -350,3 +351,43 @@ def test_entries_round_trip_and_refuse_garbage():
     log.append(clog.Entry(6, clog.DROP, "p", b"", ""))
     assert [x.seq for x in log.entries()] == [4, 5, 6]
     assert np.all(np.diff([x.seq for x in log.entries()]) > 0)
+
+
+@pytest.mark.parametrize("cleared", ["before", "after"])
+def test_a_zero_copy_view_keeps_its_memory_across_a_controller_restart(cleared):
+    """A view's pin lived in the old controller only. Its samples cleared before the crash
+    (the block waited for the pin) or right after the restart (the new controller knows no
+    pin): the new controller frees nothing until the reader's renewal has taken the pin up,
+    later puts land elsewhere, and once the view is gone its memory comes back."""
+    with LocalEngine(2, secret=SECRET, pin_lease_s=3.0) as eng:  # renewals every second
+        with connect(eng) as c:
+            first = torch.arange(4096, dtype=torch.float32).reshape(8, 512)
+            meta = c.put_samples("zc", {"advantages": first, "input_lengths": torch.full((8,), 512)})
+            view = c.read_columns(meta, ["advantages"], layout="jagged", copy=False)["advantages"]
+            held = sum(u.alloc.used_bytes for u in eng.cores)
+            if cleared == "before":
+                c.clear("zc")
+            restart(eng)
+            if cleared == "after":
+                c.clear("zc")
+            deadline = time.monotonic() + 10
+            while eng.core.pins.taken_up < 1:  # the reader's next renewal names the pin's blocks
+                assert time.monotonic() < deadline, "the reader's renewal did not take its pin up again"
+                time.sleep(0.05)
+            while eng.core.pins.holding:  # and what a hold alone kept is freed once it ends
+                assert time.monotonic() < deadline + 10
+                time.sleep(0.05)
+            time.sleep(0.6)  # (the reaper and the free loop have run)
+            for k in range(4):  # puts of the same size on both units: none may land under the view
+                c.put_samples("zc", {"advantages": torch.full((8, 512), -1.0 - k),
+                                     "input_lengths": torch.full((8,), 512)}, sample_ids=[f"t{k}{i}" for i in range(8)])
+            assert torch.equal(torch.stack(list(view.unbind())), first), "a live view saw another put's bytes"
+            c.clear("zc")
+            time.sleep(0.6)
+            assert sum(u.alloc.used_bytes for u in eng.cores) == held, "the view's block was freed, or a put kept"
+            del view
+            gc.collect()
+            deadline = time.monotonic() + 10
+            while sum(u.alloc.used_bytes for u in eng.cores) >= held:  # the unpin frees it (or the sweep, later)
+                assert time.monotonic() < deadline, "the view's memory did not come back once it was gone"
+                time.sleep(0.05)

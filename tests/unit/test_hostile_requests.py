@@ -110,6 +110,24 @@ def test_a_locate_with_malformed_incarnations_is_refused_and_keeps_no_pin(engine
     still_serving(engine, client, known, failures)
 
 
+@pytest.mark.parametrize("named", [[b"\x01" * 7], [1], "x", [ints([1]), ints([2])], [None]])
+def test_a_renewal_naming_malformed_blocks_is_refused_and_takes_no_pin_up(engine, client, known, ctrl, named):
+    failures = engine.server.failures
+    with pytest.raises(E.WireFormatError, match="'pb'"):
+        ctrl.call({"op": "renew", "pins": ["not-a-pin-here"], "pb": named}, timeout=5)
+    assert engine.core.stats()["pins"] == 0 and engine.core.pins.taken_up == 0
+    still_serving(engine, client, known, failures)
+
+
+def test_a_renewal_of_an_unknown_pin_whose_blocks_are_not_stored_is_answered_gone(engine, client, known, ctrl):
+    """Outside a restart's hold, a pin the controller does not know is taken up only on
+    blocks it still stores: naming any other block id pins nothing."""
+    failures = engine.server.failures
+    assert ctrl.call({"op": "renew", "pins": ["made-up"], "pb": [ints([12345])]}, timeout=5)[0]["gone"] == ["made-up"]
+    assert engine.core.stats()["pins"] == 0
+    still_serving(engine, client, known, failures)
+
+
 #: Lies about the extents and seals a writer's units gave it: a put sent in one message has
 #: none to tell (its controller hands the rows to the units itself).
 OF_EXTENTS = {lie for lie in COMMIT_LIES if "'x'" in lie or "'xs'" in lie or "seal" in lie}

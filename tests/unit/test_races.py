@@ -104,6 +104,26 @@ def test_pins_of_live_views_are_never_dropped_to_make_room_and_a_full_table_is_a
     assert pins.pin([10], mine=True)  # the controller's own (a cut, a repair) is never refused
 
 
+def test_a_restarted_controller_takes_up_only_pins_whose_blocks_it_did_not_free():
+    """A renewal naming a pin the controller does not know (it was restarted) takes it up
+    while the restart hold lasts, or later when every block is still stored or waiting; a
+    block freed since is never pinned again, and what the hold kept goes once it ends."""
+    freed = []
+    pins = Pins(60.0, release=lambda b, u: freed.append((b, u)))
+    stored = {1, 2}.__contains__
+    pins.hold_frees(60.0)
+    assert pins.defer(3, (0,)) and freed == []  # a block cleared in the hold waits, unpinned or not
+    assert pins.renew(["old-a", "old-b"], [[1, 3], [9]], stored, units=(0, 1)) == [] and pins.taken_up == 2
+    pins.hold_frees(0.0)
+    pins.expire(time.monotonic())
+    assert freed == []  # 3 and 9 are pinned by the pins taken up
+    assert pins.renew(["old-c", "old-d"], [[2], [5]], stored, units=(0, 1)) == ["old-d"]  # 5: freed, not known here
+    pins.unpin("old-b")
+    assert freed == [(9, (0, 1))]  # a block it did not store (cleared before the restart): freed on every unit
+    pins.unpin("old-a")
+    assert freed == [(9, (0, 1)), (3, (0,))] and not pins.holds(1) and pins.holds(2)
+
+
 def test_a_staged_put_retried_after_a_unit_died_writes_its_own_bytes_not_the_freed_extents(monkeypatch):
     """A put whose pixels were cast straight into staged slab extents was retried after its
     replica's unit died; the failed attempt had freed those extents, another put reused

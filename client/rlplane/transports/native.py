@@ -96,6 +96,10 @@ _ABORT_TIMEOUT_S = 5.0
 _HELD_KEYS = 1 << 16
 #: How often a client that places around down or suspect units asks which they are now.
 _DOWN_REFRESH_S = 5.0
+#: How often the pins of live zero-copy views are renewed at most (at a third of the lease
+#: when that is shorter). A restarted controller frees nothing for three of these
+#: (rlplane_service.native.pins.RESTART_HOLD_S), for the renewals to take the pins up again.
+RENEW_EVERY_S = 5.0
 #: The data paths a client may ask for (see the module docstring).
 DATA_PATHS = ("auto", "shm", "te", "zmq")
 #: A put of at most this many bytes of rows goes in one message to the controller, which hands
@@ -742,7 +746,9 @@ class NativeTransport(Transport):
             columns, tags, views = self.fetch(loc, partition, ids, fields, copy=copy, deadline=deadline, lend=lend,
                                               verified=verified)
             if views and isinstance(pin, str):
-                self._views.hold(pin, views, float(loc.get("pin_lease_s") or 60.0))
+                blocks = loc.get("pb")
+                self._views.hold(pin, views, float(loc.get("pin_lease_s") or 60.0),
+                                 blocks if isinstance(blocks, bytes) else None)
                 kept = True
         finally:
             if isinstance(pin, str) and not kept:
@@ -1229,20 +1235,25 @@ class _ViewPins:
     thread sends the unpins and renewals over a hold of its own on the process's channels,
     so the views stay protected after their client is closed or dropped (their pins lapsed
     then, and the store reused the memory under them). The thread ends, and lets go of
-    its channels, once no view is left."""
+    its channels, once no view is left. A renewal names each pin's blocks (as the locate
+    answered them): a restarted controller, which frees nothing for a few renewal
+    intervals, takes the pins up again (see rlplane_service.native.pins)."""
 
     def __init__(self, controller: str, secret: bytes | None, user: bytes) -> None:
         self._controller, self._secret, self._user = controller, secret, user
         self._live: dict[str, int] = {}  # pin -> views of it still alive
+        self._blocks: dict[str, bytes] = {}  # pin -> its blocks (int64 bytes), named in each renewal
         self._gone: collections.deque[str] = collections.deque()  # one entry per view collected
         self._lease = 60.0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def hold(self, pin: str, views: list[np.ndarray], lease_s: float) -> None:
+    def hold(self, pin: str, views: list[np.ndarray], lease_s: float, blocks: bytes | None = None) -> None:
         with self._lock:
             self._live[pin] = len(views)
+            if blocks is not None:
+                self._blocks[pin] = blocks
             self._lease = lease_s
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="rlplane-view-pins", daemon=True)
@@ -1257,7 +1268,8 @@ class _ViewPins:
     def _loop(self) -> None:
         channels = SharedChannels(self._secret, self._user)
         try:
-            renew_at = time.monotonic() + self._lease / 3
+            every = min(self._lease / 3, RENEW_EVERY_S)
+            renew_at = time.monotonic() + every
             while True:
                 self._wake.wait(max(0.05, min(1.0, renew_at - time.monotonic())))
                 self._wake.clear()
@@ -1269,8 +1281,10 @@ class _ViewPins:
                         if left > 0:
                             self._live[pin] = left
                         elif self._live.pop(pin, None) is not None:
+                            self._blocks.pop(pin, None)
                             done.append(pin)
                     pins = list(self._live)
+                    named = [self._blocks.get(pin, b"") for pin in pins]
                     if not pins and not done:
                         self._thread = None  # the next view held starts a new one
                         return
@@ -1279,15 +1293,17 @@ class _ViewPins:
                     for pin in done:
                         ctrl.post({"op": "unpin", "pin": pin})
                     if pins and time.monotonic() >= renew_at:
-                        gone = ctrl.call({"op": "renew", "pins": pins}, timeout=min(10.0, self._lease / 3))[0].get("gone")
+                        gone = ctrl.call({"op": "renew", "pins": pins, "pb": named},
+                                         timeout=min(10.0, every))[0].get("gone")
                         if gone:
                             log.error("%d zero-copy read pin(s) lapsed while their views were alive (the controller "
-                                      "restarted, or was unreachable for a lease): those views may show reused memory",
-                                      len(gone))
-                except Exception as err:  # noqa: BLE001 - retried next round; a lapsed pin is logged by the controller
+                                      "was unreachable for a lease, or restarted and freed their blocks before this "
+                                      "process renewed them): those views may show reused memory", len(gone))
+                    if time.monotonic() >= renew_at:
+                        renew_at = time.monotonic() + every
+                except Exception as err:  # noqa: BLE001 - retried within a second; a lapsed pin is logged above
                     log.warning("could not unpin or renew zero-copy read pins: %s", err)
-                if time.monotonic() >= renew_at:
-                    renew_at = time.monotonic() + self._lease / 3
+                    renew_at = min(renew_at, time.monotonic() + 1.0)
         finally:
             channels.close()
 

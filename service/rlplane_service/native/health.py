@@ -184,6 +184,9 @@ class UnitHealth:
         unit (a copy written under a known id by a client: never a replica), and that are older
         than any put still in flight could be (twice the put lease, plus a margin)."""
         age = max(0.0, 2 * self.lease_s + ORPHAN_MARGIN_S)
+        with self._lock:
+            if self.pins.holding:  # a restarted controller: readers' views may pin blocks it does not know yet
+                return
         for u, (name, _) in enumerate(self.units):
             if u in self._lost_units or u in self._suspect or self._stop.is_set():
                 continue
@@ -194,7 +197,8 @@ class UnitHealth:
                 log.warning("could not list old blocks on %s: %s", name, err)
                 continue
             with self._lock:
-                orphans = [b for b in old.tolist() if u not in self._block_units.get(b, ()) and not self.pins.waiting(b)]
+                orphans = [b for b in old.tolist() if u not in self._block_units.get(b, ()) and not self.pins.waiting(b)
+                           and not self.pins.holds(b)]  # (a pin taken up after a restart: its views' memory)
             if orphans:
                 log.warning("freeing %d blocks on %s that no sample or put refers to (a writer died mid-put?)",
                             len(orphans), name)

@@ -7,6 +7,14 @@ last sample while pinned is *deferred*: it is freed on its units (``release``) o
 once its last pin goes. At most ``limit`` pins are held; past that the oldest lapse.
 Not thread-safe: the controller holds its lock around every call.
 
+Pins live in the controller's memory, so a restarted controller starts with none while
+readers may still hold zero-copy views. Two things keep those views' memory: for
+``hold_s`` after its rebuild (:meth:`Pins.hold_frees`; a few of the readers' renewal
+intervals) it frees no block, and a renewal names each pin's blocks, so the new
+controller takes up a pin it does not know (:meth:`Pins.renew`) as long as its blocks
+were not freed: still stored, deferred, or the hold not yet over. Block ids are never
+reused, so pinning a block again that was not freed is always safe.
+
 Example::
 
     pins = Pins(lease_s=120, release=lambda block, units: ...)
@@ -23,6 +31,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from rlplane import errors as E
+from rlplane.transports.native import RENEW_EVERY_S
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +40,9 @@ log = logging.getLogger(__name__)
 PIN_LEASE_S = 120.0
 #: Most pins held at once (a reader that never unpins cannot grow the controller without bound).
 MAX_PINS = 1 << 16
+#: How long a restarted controller frees no block: three of the readers' renewal intervals,
+#: for every reader holding views to take its pins up again (at most the pin lease).
+RESTART_HOLD_S = 3 * RENEW_EVERY_S
 
 
 class Pins:
@@ -43,6 +55,8 @@ class Pins:
         self._count: dict[int, int] = {}  # block -> pins holding it
         self._deferred: dict[int, tuple[int, ...]] = {}  # unreferenced pinned block -> units to free it on
         self._kept: set[str] = set()  # pins of zero-copy views (asked so, or renewed): never dropped for room
+        self._hold_until = 0.0  # (monotonic) until then no block is freed: see hold_frees
+        self.taken_up = 0  # pins of an earlier controller taken up by a renewal
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -87,17 +101,50 @@ class Pins:
             if b in self._deferred:
                 self._release(b, self._deferred.pop(b))
 
-    def renew(self, pins: Sequence[Any]) -> list[Any]:
-        """Extend ``pins`` by a lease; the ones that are gone."""
-        gone, deadline = [], time.monotonic() + self.lease_s
-        for pin in pins:
+    def renew(self, pins: Sequence[Any], blocks: Sequence[Sequence[int] | None] | None = None,
+              stored: Callable[[int], bool] = lambda b: False, units: tuple[int, ...] = ()) -> list[Any]:
+        """Extend ``pins`` by a lease; the ones that are gone. ``blocks``: each pin's blocks
+        (as its locate named them): a pin this controller does not know (it was restarted)
+        is taken up, under its id, when none of its blocks was freed (each is ``stored``,
+        deferred, or the restart hold is not over). Until the limit only. A block taken up
+        that the controller does not store (cleared before the restart, still on its unit)
+        is freed on every one of ``units`` once its last pin goes."""
+        now = time.monotonic()
+        gone, deadline = [], now + self.lease_s
+        for k, pin in enumerate(pins):
             held = self._pins.get(pin) if isinstance(pin, str) else None
-            if held is None:
-                gone.append(pin)
-            else:
+            if held is not None:
                 self._pins[pin] = (held[0], deadline)
                 self._kept.add(pin)
+                continue
+            named = blocks[k] if blocks is not None and k < len(blocks) else None
+            if (isinstance(pin, str) and named and len(self._pins) < self.limit
+                    and (now < self._hold_until or all(stored(b) or b in self._deferred for b in named))):
+                self._pins[pin] = (list(named), deadline)
+                self._kept.add(pin)
+                for b in named:
+                    self._count[b] = self._count.get(b, 0) + 1
+                    if not stored(b) and b not in self._deferred:
+                        self._deferred[b] = units
+                self.taken_up += 1
+            else:
+                gone.append(pin)
         return gone
+
+    def hold_frees(self, seconds: float) -> None:
+        """Free no block for ``seconds`` from now (a restarted controller: the readers' views
+        are not pinned here until they renew). Blocks that lose their last sample meanwhile
+        wait, and go once the hold is over unless a pin taken up holds them."""
+        self._hold_until = time.monotonic() + seconds
+
+    @property
+    def holding(self) -> bool:
+        """Whether the restart hold is on (no block is freed, the orphan sweep waits)."""
+        return time.monotonic() < self._hold_until
+
+    def holds(self, b: int) -> bool:
+        """Whether a pin holds block ``b``."""
+        return bool(self._count.get(b))
 
     def expire(self, now: float, oldest: int = 0) -> None:
         """Drop pins whose lease passed (and, to make room, the ``oldest`` others)."""
@@ -109,10 +156,15 @@ class Pins:
         for pin in late:
             log.warning("a read's pin lapsed without an unpin (the reader died or hangs); its blocks may be freed")
             self.unpin(pin)
+        if self._hold_until and now >= self._hold_until:  # the restart hold is over: what waited for it goes
+            self._hold_until = 0.0
+            for b in [b for b in self._deferred if not self._count.get(b)]:
+                self._release(b, self._deferred.pop(b))
 
     def defer(self, b: int, units: tuple[int, ...]) -> bool:
-        """Block ``b`` lost its last sample: True (and it waits) when a pin holds it, else False (free it now)."""
-        if not self._count.get(b):
+        """Block ``b`` lost its last sample: True (and it waits) when a pin holds it or the
+        restart hold is on, else False (free it now)."""
+        if not self._count.get(b) and time.monotonic() >= self._hold_until:
             return False
         self._deferred[b] = units
         return True
@@ -122,4 +174,4 @@ class Pins:
         return b in self._deferred
 
 
-__all__ = ["Pins", "PIN_LEASE_S", "MAX_PINS"]
+__all__ = ["Pins", "PIN_LEASE_S", "MAX_PINS", "RESTART_HOLD_S"]

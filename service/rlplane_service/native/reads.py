@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, NamedTuple
 
@@ -24,11 +25,13 @@ import numpy as np
 
 from rlplane import errors as E
 from rlplane.tags import stale_meta
-from rlplane.wire import ints
+from rlplane.wire import int_array, ints
 from rlplane_service.native.index import Partition
 from rlplane_service.native.pins import MAX_PINS, Pins
 from rlplane_service.native.requests import births, field_names, partition_of, sample_ids
 from rlplane_service.native.unit import read_cap
+
+log = logging.getLogger(__name__)
 
 
 class ReadOps:
@@ -62,7 +65,10 @@ class ReadOps:
                 raise stale_meta(p, ids, bad, "read")
             pinned: set[int] = set()
             out = self._locate(p, self._parts[p], slots, ids, fields, local, pinned, share=header.get("share") is True)
-            out["pin"] = self.pins.pin(sorted(pinned), keep=header.get("keep") is True) if pinned else None
+            keep = header.get("keep") is True
+            out["pin"] = self.pins.pin(sorted(pinned), keep=keep) if pinned else None
+            if keep and pinned:  # views may outlive this controller: their renewals name the blocks (pins.py)
+                out["pb"] = ints(sorted(pinned))
         return out, {}, []
 
     def _locate(self, p: str, part: Partition, slots: np.ndarray, ids: list[str], fields: list[str], local: set[int],
@@ -146,12 +152,22 @@ class ReadOps:
                 self.pins.unpin(answer["pin"])
 
     def op_renew(self, header: dict, columns: dict, extra: list) -> Any:
-        """Extend pins (a zero-copy read whose views are still alive); answers the ones that are gone."""
+        """Extend pins (a zero-copy read whose views are still alive); answers the ones that
+        are gone. ``pb`` (optional): each pin's blocks as its locate named them (int64
+        bytes), for a restarted controller to take up the pins it does not know."""
         pins = header.get("pins")
         if not isinstance(pins, list) or len(pins) > MAX_PINS:
             raise E.WireFormatError("renew needs 'pins': a list of pin ids")
+        named = header.get("pb")
+        if named is not None and (not isinstance(named, list) or len(named) != len(pins)
+                                  or not all(isinstance(b, bytes) and len(b) % 8 == 0 for b in named)):
+            raise E.WireFormatError("renew's 'pb' must give each pin's blocks as int64 bytes")
+        blocks = [int_array(b).tolist() for b in named] if named is not None else None
         with self._lock:
-            gone = self.pins.renew(pins)
+            before = self.pins.taken_up
+            gone = self.pins.renew(pins, blocks, stored=self._block_units.__contains__, units=tuple(range(len(self.units))))
+            if self.pins.taken_up > before:
+                log.info("took up %d pins of zero-copy views held across a restart", self.pins.taken_up - before)
         return {"gone": gone}, {}, []
 
     def _copy_for(self, b: int, local: set[int]) -> int:

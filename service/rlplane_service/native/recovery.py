@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -51,6 +52,7 @@ from rlplane_service.native import commitlog as clog
 from rlplane_service.native.commitlog import ACK, CLEAR, DROP, MAX_ENTRIES_PER_REQUEST, PUT, Entry
 from rlplane_service.native.index import COMMITTED, Partition, Reservation, incarnation, rows_in
 from rlplane_service.native.logbook import LogBook
+from rlplane_service.native.pins import RESTART_HOLD_S, Pins
 from rlplane_service.native.requests import births, blocks_of
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,7 @@ class RecoveryOps:
     _lost_units: dict[int, str]
     _suspect: dict[int, tuple[float, str]]
     _lost_samples: int
+    pins: Pins
     journaling: bool
     _forget: Callable[[str, Partition, np.ndarray], None]
     _parse_commit: Callable[..., Any]
@@ -346,8 +349,12 @@ class RecoveryOps:
     def rebuild(self, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Rebuild the index from the units' blocks and logs (see the module docstring);
         returns the report (also ``self.rebuilt``). Run before the controller serves."""
-        with gc_paused():  # millions of ids and tags: the collector's passes would cost more than the work
-            return self._rebuild(progress)
+        self.pins.hold_frees(math.inf)  # readers' zero-copy views are pinned nowhere yet: nothing is freed
+        try:
+            with gc_paused():  # millions of ids and tags: the collector's passes would cost more than the work
+                return self._rebuild(progress)
+        finally:  # ...until they have had time to renew their pins with this controller (pins.py)
+            self.pins.hold_frees(min(RESTART_HOLD_S, self.pins.lease_s))
 
     def _rebuild(self, progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
         t0 = time.monotonic()

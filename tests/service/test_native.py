@@ -85,6 +85,49 @@ def test_the_units_transfer_engines_listen_in_the_configured_range(nat):
         client.clear(meta.partition)
 
 
+def test_streaming_on_te_hands_each_sample_out_once_and_reads_it_bit_exact_over_the_engine(nat):
+    """Two claimers on the transfer engine wait in claim while a producer (te too) writes:
+    each sample once to one of them, its rows read back one-sided bit for bit, every ack
+    counted."""
+    p, written, got, failed = part(), {}, {}, []
+
+    def claimer(c) -> None:
+        try:
+            while True:
+                try:
+                    meta = c.claim(p, "train", batch_size=4, fields=["input_ids"], timeout=4)
+                except E.NotReadyError:
+                    return
+                rows = c.read_columns(meta, ["input_ids"])["input_ids"]
+                got.update((s, (rows[i], got.get(s, (None, 0))[1] + 1)) for i, s in enumerate(meta.sample_ids))
+                c.ack(meta, "train")
+        except Exception as err:  # noqa: BLE001 - asserted below
+            failed.append(err)
+
+    clients = [rlplane.connect(nat, token=TOKEN, transport="native", data_path="te") for _ in range(3)]
+    try:
+        assert all(set(c.transport.paths().values()) == {"te"} for c in clients)
+        threads = [threading.Thread(target=claimer, args=(c,)) for c in clients[1:]]
+        for t in threads:
+            t.start()  # they wait: nothing is there yet
+        g = torch.Generator().manual_seed(22)
+        for k in range(6):
+            data = {"input_ids": torch.randint(0, 10**9, (4, 8), generator=g), "input_lengths": torch.full((4,), 8)}
+            meta = clients[0].put_samples(p, data)
+            written.update(zip(meta.sample_ids, data["input_ids"]))
+            time.sleep(0.05)
+        for t in threads:
+            t.join(timeout=60)
+        assert not failed and not any(t.is_alive() for t in threads), failed
+        assert sorted(got) == sorted(written) and all(n == 1 for _, n in got.values())
+        assert all(torch.equal(got[s][0], row) for s, row in written.items())
+        assert clients[0].consumption(p, "train")["acked"] == len(written) == 24
+        clients[0].clear(p)
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_status_and_metrics_report_each_units_slab_as_puts_fill_and_clears_empty_it(nat):
     """/v1/status' memory (per unit: slab, used, free bytes) moves by at least what a put
     stored and back after its clear, and /metrics' rlplane_storage_unit_slab_bytes says the

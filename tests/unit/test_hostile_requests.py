@@ -119,6 +119,24 @@ def test_a_renewal_naming_malformed_blocks_is_refused_and_takes_no_pin_up(engine
     still_serving(engine, client, known, failures)
 
 
+@pytest.mark.parametrize("late", [[[1]], [["x", 0]], [[5, 99]], [[5, -1]], "x"])
+def test_an_abort_or_discard_naming_malformed_late_copies_is_refused(engine, client, known, ctrl, late):
+    failures = engine.server.failures
+    for op in ({"op": "abort", "res": "none-such"}, {"op": "discard", "blocks": []}):
+        with pytest.raises(E.WireFormatError, match="'late'"):
+            ctrl.call({**op, "late": late}, timeout=5)
+    still_serving(engine, client, known, failures)
+
+
+@pytest.mark.parametrize("after", [-1.0, 1e9, "soon", True])
+def test_a_free_that_keeps_extents_for_a_bad_while_is_refused_and_frees_nothing(engine, after):
+    unit = engine.cores[0]
+    used = unit.alloc.used_bytes
+    with pytest.raises(E.WireFormatError, match="'after'"):
+        unit.op_free({"b": ints([12345]), "after": after}, {}, [])
+    assert unit.alloc.used_bytes == used and unit.stats()["late_extents"] == 0
+
+
 def test_a_renewal_of_an_unknown_pin_whose_blocks_are_not_stored_is_answered_gone(engine, client, known, ctrl):
     """Outside a restart's hold, a pin the controller does not know is taken up only on
     blocks it still stores: naming any other block id pins nothing."""

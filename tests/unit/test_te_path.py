@@ -340,3 +340,55 @@ def test_a_units_listeners_are_on_its_address_and_only_the_engines_two_are_on_ev
             assert len(wild) == 2 and peer_port in {port for _, port in wild}, (ports, peer_port)
             a, z = pinned or (15000, 17000)
             assert all(a <= port <= z for _, port in wild), (wild, pinned)
+
+
+def test_the_extents_of_a_failed_one_sided_write_stay_out_of_use_while_late_bytes_may_land(monkeypatch):
+    """A write over the transfer engine fails (its unit stalled), the put is aborted, and the
+    engine delivers the write's bytes late, as a stalled peer that comes back does. Those
+    bytes must not land in a later put's rows: the unit keeps the aborted extents out of use
+    for LATE_FREE_S, then takes them back. (Before, the abort freed them at once, the next
+    put of the same size was placed there, and the late bytes overwrote it.)"""
+    import time
+
+    import rlplane.te as te
+    from rlplane_service.native import controller
+
+    monkeypatch.setattr(controller, "LATE_FREE_S", 1.5)
+    with LocalEngine(1, secret=SECRET, slab_bytes=16 << 20, te_protocol="tcp") as eng:
+        with Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="te")) as client:
+            unit = eng.cores[0]
+            g = torch.Generator().manual_seed(4)
+
+            def batch() -> dict:  # 512 KiB of rows: past the one-message put, so written one-sided
+                return {"input_ids": torch.randint(0, 10**9, (64, 1024), generator=g),
+                        "input_lengths": torch.full((64,), 1024)}
+
+            first = batch()
+            kept = client.put_samples("kept", first)
+            used = unit.alloc.used_bytes
+            original, stalled = te.TransferPool.write, []
+
+            def stalls(self, peer, name, pieces):
+                stalled.append((self, peer, name, [(src.copy(), at) for src, at in pieces]))
+                raise E.UnavailableError(f"storage unit {name} stalled mid-write", component=name)
+
+            monkeypatch.setattr(te.TransferPool, "write", stalls)
+            with pytest.raises(E.UnavailableError, match="stalled"):
+                client.put_samples("failed", batch())
+            monkeypatch.setattr(te.TransferPool, "write", original)
+            assert stalled and "failed" not in client.partitions()
+            time.sleep(0.5)  # (the controller's free has reached the unit)
+            assert unit.alloc.used_bytes > used and unit.stats()["late_extents"] >= 1
+            later = batch()
+            meta = client.put_samples("later", later)
+            pool, peer, name, pieces = stalled[0]
+            original(pool, peer, name, pieces)  # the failed write's bytes arrive after all
+            got = client.read_columns(meta, ["input_ids"])["input_ids"]
+            assert torch.equal(got, later["input_ids"]), "late bytes of a failed write landed in a later put's rows"
+            client.clear("later")
+            deadline = time.monotonic() + 10
+            while unit.alloc.used_bytes > used:  # and the aborted extents come back once their time is up
+                assert time.monotonic() < deadline, "the extents of the failed write were never taken back"
+                time.sleep(0.05)
+            assert unit.stats()["late_extents"] == 0
+            assert torch.equal(client.read_columns(kept, ["input_ids"])["input_ids"], first["input_ids"])

@@ -415,8 +415,9 @@ class NativeTransport(Transport):
             rid = None  # the controller is restarting: reserved again below, once it answers
         writes = self._send_blocks(blocks, columns, stage)
         failed: BaseException | None = None
+        late: list[list[int]] = []  # [block, unit] copies whose one-sided write failed
         try:
-            where, seals = self._land_blocks(writes, deadline)  # shm: the copies into the slabs happen here
+            where, seals = self._land_blocks(writes, deadline, late)  # shm: the copies into the slabs happen here
         except BaseException as err:  # noqa: BLE001 - raised below, once the reservation is settled
             failed, where, seals = err, {}, []
         try:
@@ -430,7 +431,7 @@ class NativeTransport(Transport):
                 res = self._ask(reserve, self._left(deadline))
         except BaseException:
             self._keep_staged(stage, columns)
-            self._drop_blocks(blocks)
+            self._drop_blocks(blocks, late)
             raise
         try:
             if failed is not None:
@@ -445,7 +446,8 @@ class NativeTransport(Transport):
         except BaseException:
             self._keep_staged(stage, columns)
             try:
-                self._ctrl().call({"op": "abort", "res": res["res"]}, timeout=_ABORT_TIMEOUT_S)
+                self._ctrl().call({"op": "abort", "res": res["res"], **({"late": late} if late else {})},
+                                  timeout=_ABORT_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - the reservation lapses on its own
                 pass
             raise
@@ -675,13 +677,15 @@ class NativeTransport(Transport):
                 sent.append(_Sent(bid, u, part, ch, rid, frozenset(staged)))
         return sent
 
-    def _land_blocks(self, sent: list[_Sent], deadline: float
+    def _land_blocks(self, sent: list[_Sent], deadline: float, late: list[list[int]]
                      ) -> tuple[dict[int, dict[int, dict[str, int]]], list[list[Any]]]:
         """Wait for every unit's answer; copy the values into each allocated extent.
         Returns per block, per unit, each field's slab offset, and the units' seals of
         them (``[block, unit, {field: [dtype, nbytes, rows, seal]}]``, relayed to the
         controller at commit). Raises the first failure once every answer is in (so no
-        unit still works on this put)."""
+        unit still works on this put). ``late`` gets the ``[block, unit]`` of each
+        one-sided write that failed: the engine may still deliver its bytes there, so
+        the abort has the unit keep those extents out of use a while."""
         where: dict[int, dict[int, dict[str, int]]] = {}
         seals: list[list[Any]] = []
         failed: BaseException | None = None
@@ -693,7 +697,12 @@ class NativeTransport(Transport):
                 if failed is None and w.unit in self._slabs:
                     self._copy_in(self._slabs[w.unit], got, w.part, w.staged)
                 elif failed is None and w.unit in self._remote:
-                    self._remote[w.unit].write([(np.frombuffer(raw(c.values), np.uint8), got[f]) for f, c in w.part.items()])
+                    try:
+                        self._remote[w.unit].write([(np.frombuffer(raw(c.values), np.uint8), got[f])
+                                                    for f, c in w.part.items()])
+                    except BaseException:
+                        late.append([w.bid, w.unit])
+                        raise
                 where.setdefault(w.bid, {})[w.unit] = got
                 seals.append([w.bid, w.unit, reply.get("xs") or {}])
             except BaseException as err:  # noqa: BLE001 - the first failure is raised below
@@ -714,14 +723,14 @@ class NativeTransport(Transport):
             view.prefault(start, start + n)
             _copy(view.u8[start : start + n], np.frombuffer(raw(c.values), np.uint8))
 
-    def _drop_blocks(self, blocks: list[list[Any]]) -> None:
+    def _drop_blocks(self, blocks: list[list[Any]], late: list[list[int]] | None = None) -> None:
         """After a refused reservation (the writes have landed): the controller frees what
-        they stored (only it may free blocks on a unit)."""
+        they stored (only it may free blocks on a unit); ``late``: see :meth:`_land_blocks`."""
         if not blocks:
             return
         try:
-            self._ctrl().call({"op": "discard", "blocks": [[bid, units] for bid, units, _, _ in blocks]},
-                              timeout=_ABORT_TIMEOUT_S)
+            self._ctrl().call({"op": "discard", "blocks": [[bid, units] for bid, units, _, _ in blocks],
+                               **({"late": late} if late else {})}, timeout=_ABORT_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - best effort; the store may be going away
             pass
 

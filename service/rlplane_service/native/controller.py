@@ -55,7 +55,7 @@ from rlplane_service.native.requests import (partition_of,
 from rlplane_service.native.reads import ReadOps
 from rlplane_service.native.recovery import COMPACT_EVERY_S, RecoveryOps
 from rlplane_service.native.stream import StreamOps
-from rlplane_service.native.writes import WriteOps
+from rlplane_service.native.writes import LATE_FREE_S, WriteOps
 from rlplane_service.tenants import Access
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         self._lock = threading.RLock()
         self.ledger = Ledger(self._parts.get, lease_s=claim_lease_s)
         self._pool = ChannelPool(control_secret if control is not None else secret)
-        self._frees: queue.Queue[tuple[int, list[int]] | None] = queue.Queue()
+        self._frees: queue.Queue[tuple[int, list[int], float] | None] = queue.Queue()  # (unit, blocks, after s)
+        self._late: dict[int, set[int]] = {}  # block -> units whose one-sided write of it failed (LATE_FREE_S)
         self._stop = threading.Event()
         self._lost_units: dict[int, str] = {}  # unit index -> why it was declared lost
         self._suspect: dict[int, tuple[float, str]] = {}  # unit index -> (suspect since, why)
@@ -461,9 +462,10 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 self._queue_frees(b, units)
 
     def _queue_frees(self, b: int, units: tuple[int, ...]) -> None:
+        late = self._late.pop(b, ())
         for u in units:
             if u not in self._lost_units:
-                self._frees.put((u, [b]))
+                self._frees.put((u, [b], LATE_FREE_S if u in late else 0.0))
 
     def _describe(self, name: str, part: Partition, *, with_ids: bool) -> dict[str, Any]:
         live = part.state[: part.used] == COMMITTED
@@ -487,10 +489,11 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
             return
         if item is None:
             return
-        u, bids = item
+        u, bids, after = item
         name = self.units[u][0]
         try:
-            self._pool.get(self._control[u], name).call({"op": "free", "b": ints(bids)}, timeout=10.0)
+            self._pool.get(self._control[u], name).call({"op": "free", "b": ints(bids), **({"after": after} if after else {})},
+                                                        timeout=10.0)
         except E.RlplaneError as err:
             log.warning("could not free %d blocks on %s: %s", len(bids), name, err)
 

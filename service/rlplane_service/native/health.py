@@ -202,7 +202,7 @@ class UnitHealth:
             if orphans:
                 log.warning("freeing %d blocks on %s that no sample or put refers to (a writer died mid-put?)",
                             len(orphans), name)
-                self._frees.put((u, orphans))
+                self._frees.put((u, orphans, 0.0))
                 self.orphans_freed += len(orphans)
 
     def _repairs(self) -> list[tuple[int, int, int]]:
@@ -265,7 +265,7 @@ class UnitHealth:
                 if isinstance(where, dict) and b in self._block_ext:
                     self._block_ext[b][1][target] = {str(k): int(v) for k, v in where.items()}
         if not kept:  # cleared meanwhile: the copy is garbage
-            self._frees.put((target, [b]))
+            self._frees.put((target, [b], 0.0))
         return True
 
 

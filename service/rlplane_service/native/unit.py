@@ -81,6 +81,9 @@ MAX_STAGED = 4096
 #: Most bytes one ``read`` answers (rows asked for twice count twice): a small request
 #: cannot make a unit build an answer of any size.
 MAX_READ_BYTES = 4 << 30
+#: Longest a ``free`` may keep a block's extents out of use (``after``: a one-sided write
+#: into them failed, and the writer's engine may still deliver its bytes).
+MAX_FREE_AFTER_S = 600.0
 #: About how many header bytes one page of a unit's ``inventory`` holds, of blocks and of
 #: commit-log entries each (well under the 16 MiB header limit).
 INVENTORY_PAGE_BYTES = 4 << 20
@@ -203,6 +206,7 @@ class UnitCore:
         self._blocks: dict[int, Block] = {}
         self._staged: dict[int, dict[str, tuple[int, int, str]]] = {}  # block -> field -> (start, bytes, dtype)
         self._staged_born: dict[int, float] = {}
+        self._late: list[tuple[float, list[int]]] = []  # (when, extents) freed with ``after``: out of use till then
         self.log = UnitLog()  # this unit's share of the controller's commit log (rlplane_service.native.commitlog)
         self._lock = threading.Lock()
         self.heap = HeapTrim()  # the transient buffers of writes and reads go back to the OS
@@ -334,20 +338,29 @@ class UnitCore:
         return {}, {name: RawColumn(x.dtype, self._values(x), x.offsets) for name, x in block.items()}, []
 
     def op_free(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
-        """Drop blocks (every row of them was cleared, or their put never committed)."""
+        """Drop blocks (every row of them was cleared, or their put never committed).
+        ``after`` (seconds): the blocks go at once, their extents come back into use only
+        then (a one-sided write into them failed: the writer's transfer engine may still
+        deliver bytes there, which must not land in another put's rows)."""
         self.heap.moved()
         bids = int_array(header.get("b", b""), "blocks").tolist()
-        freed = 0
+        after = header.get("after", 0.0)
+        if not isinstance(after, (int, float)) or isinstance(after, bool) or not 0 <= after <= MAX_FREE_AFTER_S:
+            raise E.WireFormatError(f"free's 'after' must be seconds in [0, {MAX_FREE_AFTER_S:.0f}]")
+        freed, starts = 0, []
         with self._lock:
             for bid in bids:
                 block = self._blocks.pop(bid, None)
                 if block is not None:
                     freed += 1
-                    for start in block.allocs:
-                        self.alloc.free(start)
+                    starts += block.allocs
                 staged = self._staged.pop(bid, None)
                 self._staged_born.pop(bid, None)
-                for start, _, _ in (staged or {}).values():
+                starts += [start for start, _, _ in (staged or {}).values()]
+            if after and starts:
+                self._late.append((time.monotonic() + after, starts))
+            else:
+                for start in starts:
                     self.alloc.free(start)
         return {"freed": freed}, {}, []
 
@@ -509,12 +522,21 @@ class UnitCore:
 
     # -- helpers -----------------------------------------------------------------------
     def tick(self) -> None:
-        """Between requests (the server loop): give freed heap pages back when due."""
+        """Between requests (the server loop, at least every 200 ms): give freed heap pages
+        back when due, and the extents of ``free(after=...)`` once their time has come."""
         self.heap.tick()
+        if self._late:
+            now = time.monotonic()
+            with self._lock:
+                due = [starts for when, starts in self._late if when <= now]
+                self._late = [(when, starts) for when, starts in self._late if when > now]
+                for start in (x for starts in due for x in starts):
+                    self.alloc.free(start)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"unit": self.name, "blocks": len(self._blocks), "nbytes": self.alloc.used_bytes,
+                    "late_extents": sum(len(starts) for _, starts in self._late),
                     "populated": self.slab.populated.is_set(),
                     "slab": self.alloc.stats(), "log_entries": len(self.log), "log_bytes": self.log.nbytes(),
                     **({"journal": self.journal.stats()} if self.journal is not None else {})}

@@ -56,6 +56,11 @@ from rlplane_service.native.unit import seal as unit_seal
 
 log = logging.getLogger(__name__)
 
+#: How long a unit keeps the extents of an aborted put out of use where the writer's
+#: one-sided (transfer engine) write into them failed: the writer's engine may still
+#: deliver bytes there (the unit stalled and came back), which must not land in the rows
+#: of a later put. Many times the engine's stall bound (rlplane.te.STALL_S).
+LATE_FREE_S = 30.0
 #: The most bytes of rows a put sent in one message (``put``) may carry: the controller
 #: relays them to the units with the put's record; bigger puts go to the units directly.
 PUT_MAX_BYTES = 1 << 20
@@ -93,6 +98,7 @@ class WriteOps:
     _block_refs: dict[int, int]
     _block_bytes: dict[int, list[int]]
     _block_ext: dict[int, Any]
+    _late: dict[int, set[int]]
     units: list[tuple[str, str]]
     seal_key: bytes | None
     lease_s: float
@@ -527,13 +533,29 @@ class WriteOps:
             raise E.WireFormatError("commit 'xs' must seal every copy of every block once")
 
     def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
+        """The writer gives its reservation up: nothing of it is stored. ``late`` =
+        ``[[block, unit], ...]``: copies whose one-sided write failed (see LATE_FREE_S)."""
         rid = header.get("res")
+        late = self._late_copies(header)
         with self._lock:
             res = self._res.get(rid) if isinstance(rid, str) else None
             if res is not None:
                 self._access(header, res.partition, write=True)
+                mine = {b for b, _, _, _ in res.blocks}
+                for b, u in late:
+                    if b in mine:
+                        self._late.setdefault(b, set()).add(u)
                 self._abort(res)
         return {"aborted": res is not None}, {}, []
+
+    def _late_copies(self, header: dict) -> list[tuple[int, int]]:
+        """A writer's ``late`` (abort, discard): ``[[block, unit], ...]``, checked."""
+        late = header.get("late", [])
+        if not isinstance(late, list) or len(late) > 4096 or not all(
+                isinstance(e, list) and len(e) == 2 and block_id_ok(e[0]) and isinstance(e[1], int)
+                and not isinstance(e[1], bool) and 0 <= e[1] < len(self.units) for e in late):
+            raise E.WireFormatError("'late' must list [block id, unit index] pairs")
+        return [(b, u) for b, u in late]
 
     def op_discard(self, header: dict, columns: dict, extra: list) -> Any:
         """A writer whose reserve was refused asks for the blocks it sent to be freed:
@@ -542,6 +564,9 @@ class WriteOps:
         given = header.get("blocks")
         if not isinstance(given, list) or len(given) > 4096:
             raise E.WireFormatError("discard needs 'blocks': [[block id, [units]], ...]")
+        late_of: dict[int, set[int]] = {}
+        for b, u in self._late_copies(header):
+            late_of.setdefault(b, set()).add(u)
         freed = 0
         with self._lock:
             for entry in given:
@@ -552,6 +577,8 @@ class WriteOps:
                 b = entry[0]
                 if b in self._block_units or self.pins.waiting(b):
                     continue
+                if b in late_of:
+                    self._late[b] = late_of[b]
                 self._queue_frees(b, tuple(set(entry[1])))
                 freed += 1
         return {"discarded": freed}, {}, []

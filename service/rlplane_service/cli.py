@@ -123,10 +123,16 @@ def serve(
 def _serve(service: Any, settings: Any) -> None:
     import time
 
+    from rlplane.errors import RlplaneError
+
     try:
         with stages(console, "starting") as say:
             service.say = say
-            service.start()
+            try:
+                service.start()
+            except RlplaneError as err:  # e.g. a damaged --restore: the file and what to do, not a traceback
+                console.print(f"[red]error[/]: {type(err).__name__}: {err}")
+                raise typer.Exit(1) from None
         console.print(
             f"[green]rlplane serving[/] at {service.url}  (API docs {service.url}/docs; "
             f"{'token required' if settings.api_token else 'no token'}). Ctrl-C to stop."

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -89,7 +90,10 @@ class EmbeddedService:
             self.say(f"starting Ray Serve on {self.url}")
             serve.start(http_options={"host": self.settings.host, "port": self.settings.port}, logging_config={"log_level": "WARNING"})
             self.say(f"deploying rlplane ({self.settings.storage_units} storage units, backend {self.settings.backend})")
-            serve.run(build_app(self.settings.as_args()), name="rlplane", route_prefix="/", blocking=False)
+            try:
+                serve.run(build_app(self.settings.as_args()), name="rlplane", route_prefix="/", blocking=False)
+            except RuntimeError as err:  # Serve says only that the deployment failed: say why
+                raise replica_error("rlplane") or err from None
             self._wait_ready()
         except BaseException:
             self.stop()
@@ -139,6 +143,37 @@ def wait_ready(url: str, timeout_s: float) -> None:
             last = str(err)
         time.sleep(0.5)
     raise TransportError(f"rlplane did not become ready at {url} within {timeout_s:.0f} s: {last}")
+
+
+#: The last line of a replica's traceback when rlplane raised it: "rlplane.errors.Name: message".
+_RLPLANE_ERROR = re.compile(r"^rlplane\.errors\.(\w+): (.+)$", re.M)
+
+
+def replica_error(app: str) -> Exception | None:
+    """The typed rlplane error that stopped ``app``'s replicas from starting (e.g. the
+    SnapshotError of a damaged ``--restore``, naming the file), as Serve's deployment
+    status reports it; None when it was no rlplane error or Serve says nothing.
+
+    Example: ``raise replica_error("rlplane") or err``."""
+    from ray import serve
+
+    from rlplane import errors
+
+    try:
+        deployments = serve.status().applications[app].deployments.values()
+    except Exception:  # noqa: BLE001 - no status to read: the caller raises Serve's own error
+        return None
+    for d in deployments:
+        found = _RLPLANE_ERROR.findall(d.message or "")
+        if found:
+            name, message = found[-1]
+            kind = getattr(errors, name, None)
+            if isinstance(kind, type) and issubclass(kind, errors.RlplaneError):
+                try:
+                    return kind(message)
+                except TypeError:  # an error whose constructor takes more than a message
+                    return errors.RlplaneError(f"{name}: {message}")
+    return None
 
 
 def _answers(url: str, timeout: float = 5.0) -> bool:

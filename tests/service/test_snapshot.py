@@ -139,3 +139,32 @@ def test_durable_puts_over_http_reach_the_journal_and_the_tq_backends_refuse_the
         with pytest.raises(E.InvalidArgumentError, match="durable=True needs the native backend"):
             c.put_samples(p, text_step(4, 16, seed=41).fields, durable=True)
         assert p not in c.partitions()
+
+
+def test_a_damaged_snapshot_stops_a_new_store_from_starting_and_names_the_file(source, tmp_path, ending_store):
+    """A new store pointed at a snapshot with one flipped byte does not start: the deploy
+    fails, and what `rlplane serve --restore` prints (rlplane_service.embedded.replica_error)
+    is the SnapshotError naming the damaged file, not Serve's "failed to update"."""
+    from ray import serve
+
+    from rlplane_service.app import build_app
+    from rlplane_service.embedded import replica_error
+
+    with rlplane.connect(source) as c:
+        c.put_samples(f"t-{uuid.uuid4().hex[:6]}", text_step(4, 16, seed=3).fields)
+        c.snapshot(str(tmp_path / "s"))
+    part = sorted((tmp_path / "s").glob("part-*.rlsnap"))[0]
+    damaged = bytearray(part.read_bytes())
+    damaged[len(damaged) // 2] ^= 1
+    part.write_bytes(bytes(damaged))
+    args = {"store_name": "snap-bad", "backend": "native", "storage_units": 1, "unit_bytes": 32 << 20,
+            "restore_from": str(tmp_path / "s")}
+    try:
+        with pytest.raises(RuntimeError, match="failed"):
+            serve.run(build_app(args), name="rlplane-snap-bad", route_prefix="/snap-bad")
+        err = replica_error("rlplane-snap-bad")
+        assert isinstance(err, E.SnapshotError), err
+        assert part.name in str(err) and "damaged" in str(err) and "nothing of the snapshot was loaded" in str(err)
+    finally:
+        serve.delete("rlplane-snap-bad")
+        ending_store(args)

@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 
 #: The transfer engine's protocols rlplane configures (RDMA NICs by RLPLANE_TE_DEVICES).
 PROTOCOLS = ("tcp", "rdma")
+#: Most bytes of failed transfers' memory a process keeps in quarantine: past it, the
+#: pool moves nothing more (TransportError), rather than grow until the host kills it.
+MAX_QUARANTINE_BYTES = 4 << 30
 #: A client's staging buffer unless RLPLANE_TE_STAGING_BYTES says otherwise.
 DEFAULT_STAGING_BYTES = 64 << 20
 #: Seconds a TCP transfer may go without progress (or wait for its peer's status) before the
@@ -145,6 +148,7 @@ class TransferPool:
         # Memory of transfers that failed: the engine may still move bytes of them (a peer
         # that stalled and came back), so it is never freed, reused or unregistered.
         self.quarantined: list[Any] = []
+        self.quarantined_bytes = 0
 
     def _stage_afresh(self) -> None:
         """A new staging buffer, pre-faulted and registered (taken only once registered)."""
@@ -162,6 +166,7 @@ class TransferPool:
         lens = np.array([src.size for src in srcs], np.int64)
         if not lens.size:
             return
+        self._room()
         with self._lock, self._registered(srcs) as direct, self._staging_kept_on_failure(direct):
             if direct:
                 self._move(peer, unit, "write", np.array([src.ctypes.data for src in srcs], np.int64), remote, lens)
@@ -180,6 +185,7 @@ class TransferPool:
         at, lens, which, dst_at = at[keep], lens[keep], which[keep], dst_at[keep]
         if not lens.size:
             return
+        self._room()
         with self._lock, self._registered(dsts) as direct, self._staging_kept_on_failure(direct):
             if direct:
                 local = np.array([d.ctypes.data for d in dsts], np.int64)[which] + dst_at
@@ -207,7 +213,7 @@ class TransferPool:
             yield spans is not None
         except BaseException:
             if spans is not None:  # a failed transfer's memory stays alive and registered (see __init__)
-                self.quarantined.append(list(arrays))
+                self._quarantine(list(arrays), sum(a.nbytes for a in arrays))
                 spans = None
             raise
         finally:
@@ -222,9 +228,22 @@ class TransferPool:
             yield
         except BaseException:
             if not direct:
-                self.quarantined.append(self._mm)
+                self._quarantine(self._mm, self.nbytes)
                 self._stage_afresh()
             raise
+
+    def _quarantine(self, memory: Any, nbytes: int) -> None:
+        self.quarantined.append(memory)
+        self.quarantined_bytes += nbytes
+
+    def _room(self) -> None:
+        """TransportError once the quarantine holds MAX_QUARANTINE_BYTES: no more transfers."""
+        if self.quarantined_bytes >= MAX_QUARANTINE_BYTES:
+            raise TransportError(
+                f"this process keeps {self.quarantined_bytes / 2**20:.0f} MiB of memory from failed transfer-engine "
+                f"transfers, which the engine may still write into (at most {MAX_QUARANTINE_BYTES / 2**20:.0f} MiB), "
+                "so it moves no more bytes over the transfer engine: find why storage units stall (their hosts, "
+                "the network), then restart this process, or connect with data_path='zmq'")
 
     def _register(self, arrays: Sequence[np.ndarray]) -> list[int] | None:
         """Register the memory of ``arrays`` (as disjoint spans) for one transfer; the spans'

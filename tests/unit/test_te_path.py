@@ -119,6 +119,30 @@ def test_memory_of_a_failed_transfer_is_never_freed_reused_or_unregistered(peer,
         assert np.array_equal(peer["memory"][:5000], again)
 
 
+def test_a_quarantine_that_reached_its_cap_stops_transfers_with_a_typed_error(peer, monkeypatch):
+    """Failed transfers' memory is kept, but not without bound: once the quarantine holds
+    MAX_QUARANTINE_BYTES, the pool moves nothing more and says why and what to do."""
+    import rlplane.te as te
+
+    monkeypatch.setattr(te, "MAX_QUARANTINE_BYTES", 8000)
+    pool = TransferPool("tcp", hostname="127.0.0.1", staging_bytes=3 * 4096, direct=True)
+    base = peer["memory"].ctypes.data
+    with monkeypatch.context() as m:
+        m.setattr(pool, "engine", _Failing(pool.engine, []))
+        for k in range(2):
+            with pytest.raises(E.UnavailableError, match="did not take a write"):
+                pool.write(peer["name"], "peer", [(np.full(5000, k, np.uint8), base)])
+    assert pool.quarantined_bytes == 10000
+    before = peer["memory"][:5000].copy()
+    with pytest.raises(E.TransportError, match="data_path='zmq'") as err:
+        pool.write(peer["name"], "peer", [(np.full(5000, 9, np.uint8), base)])
+    assert not isinstance(err.value, E.UnavailableError)  # (no unit is to blame: the client stops)
+    with pytest.raises(E.TransportError, match="MiB of memory from failed"):
+        pool.read(peer["name"], "peer", np.array([base]), np.array([16]), [np.zeros(16, np.uint8)], np.array([0]),
+                  np.array([0]))
+    assert np.array_equal(peer["memory"][:5000], before)
+
+
 class _Failing:
     """An engine whose writes fail (as a stalled peer's do) and whose unregisters are counted."""
 

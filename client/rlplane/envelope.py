@@ -7,8 +7,10 @@ on a 64-byte boundary::
 
 The header carries the request's plain values (partition, sample ids, tags, ...) and,
 per column, its dtype name, row count and where its ``values`` and int64 ``offsets``
-buffers lie. No pickle, no base64, no JSON lists of numbers: tensors travel as their
-bytes and come back as zero-copy views of the received body.
+buffers lie, and for a column with shared rows (a GRPO group's images, stored once:
+:attr:`rlplane.column.Column.same`) which earlier row each repeats, as int64 bytes. No
+pickle, no base64, no JSON lists of numbers: tensors travel as their bytes and come back
+as zero-copy views of the received body.
 
 Example::
 
@@ -27,6 +29,7 @@ import torch
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.errors import WireFormatError
+from rlplane.wire import int_array, ints
 from rlplane.wire import raw as _raw  # the bytes of a tensor without a copy, shared with the engine's wire
 
 MAGIC = b"RLPL"
@@ -64,6 +67,8 @@ def pack_parts(header: Mapping[str, Any], columns: Mapping[str, Column] | None =
             entry += [pos, raw.nbytes]
             buffers.append(raw)
             pos += raw.nbytes + _pad(raw.nbytes)
+        if col.same is not None:
+            entry.append(ints(col.same))
         layout.append(entry)
     head = msgpack.packb({"h": dict(header), "c": layout}, use_bin_type=True)
     start = _PREFIX.size + len(head)
@@ -113,17 +118,20 @@ def unpack(body: bytearray | memoryview | bytes) -> tuple[dict[str, Any], dict[s
     columns = {}
     for entry in layout:
         try:
-            name, dname, rows, v_at, v_len, o_at, o_len = entry
+            name, dname, rows, v_at, v_len, o_at, o_len, *shared = entry
             dtype = dtype_from_name(dname)
         except (ValueError, TypeError) as err:
             raise WireFormatError(f"bad column entry in envelope header ({err})") from None
+        if len(shared) > 1 or (shared and not isinstance(shared[0], bytes)):
+            raise WireFormatError("a column's shared rows travel as one int64 bytes field", field=str(name)[:80])
         if not isinstance(name, str) or not all(isinstance(x, int) and x >= 0 for x in (rows, v_at, v_len, o_at, o_len)):
             raise WireFormatError(f"bad column entry in envelope header: {entry!r}")
         if o_len != 8 * (rows + 1):
             raise WireFormatError(f"offsets of {rows} rows need {8 * (rows + 1)} bytes, got {o_len}", field=name)
         values = _tensor(body, base + v_at, v_len, dtype, name)
         offsets = _tensor(body, base + o_at, o_len, torch.int64, name)
-        columns[name] = Column(values, offsets)
+        same = int_array(shared[0], "shared rows").copy() if shared else None  # (checked by Column)
+        columns[name] = Column(values, offsets, same=same)
     return header, columns
 
 

@@ -123,6 +123,8 @@ class ClearRequest(BaseModel):
 class GetRequest(BaseModel):
     sample_ids: list[str]
     fields: list[str]
+    shared: bool = Field(False, description="A row the store keeps once for several of the samples (a GRPO group's "
+                                            "image) comes once, with each column's shared rows named (native).")
     born: Optional[list[Annotated[int, Field(ge=0, lt=1 << 62)]]] = Field(
         None, description="Each sample's incarnation as the reader's meta names it (tag _rlplane_born; 0: not known): "
                           "a 404 MissingDataError for samples cleared and put again since (native stores).")
@@ -463,8 +465,10 @@ def build_api(state: ServiceState) -> FastAPI:
                 registry.get(name)
             if body.born is not None and len(body.born) != len(body.sample_ids):
                 raise E.ShapeError(f"{len(body.born)} incarnations for {len(body.sample_ids)} samples")
-            born = {"born": np.asarray(body.born, np.int64)} if body.born is not None and transport.checks_born else {}
-            columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields, **born)
+            more: dict[str, Any] = {"shared": True} if body.shared and transport.shares_rows else {}
+            if body.born is not None and transport.checks_born:
+                more["born"] = np.asarray(body.born, np.int64)
+            columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields, **more)
             parts = await offload(pack_parts, {"tags": list(tags)}, columns)
             event["nbytes"] = sum(col.nbytes for col in columns.values())
         # Streamed in pieces: no joined copy of the whole answer in fresh memory.
@@ -650,6 +654,8 @@ def _check_and_store(
     ):
         raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
     check_columns(registry, columns, tags, sample_ids=ids)
+    if not transport.shares_rows:  # a store that keeps every copy: the rows a client sent once, copied out
+        columns = {name: col.expanded() for name, col in columns.items()}
     if durable and not transport.durable_puts:
         raise E.InvalidArgumentError(f"durable=True needs the native backend with a journal "
                                      f"(RLPLANE_JOURNAL_DIR); this service stores on {transport.name!r}")

@@ -69,6 +69,24 @@ def test_a_vlm_batch_round_trips_bit_exactly_whole_and_by_subset(conn):
         assert client.clear(p) == 6
 
 
+def test_a_grpo_batch_whose_groups_share_images_round_trips_bit_exactly(conn):
+    """Rows a put sends once for several samples (a group's image) come back to each of
+    them, on the stores that keep them once and on those that keep every copy."""
+    from rlplane.testing.workloads import vlm_grpo
+
+    w = vlm_grpo(batch=16, seqlen=64, seed=13)
+    with conn() as client:
+        p = part()
+        meta = client.put_samples(p, w.fields)
+        assert diff_fields(client.registry, w.fields, client.read_columns(meta, list(w.fields)), w.lengths,
+                           sample_ids=meta.sample_ids) == []
+        pick = [9, 0, 8]  # members of two groups, out of order
+        want = {k: v[pick] if isinstance(v, rlplane.PackedTensor) else v[torch.tensor(pick)] for k, v in w.fields.items()}
+        assert diff_fields(client.registry, want, client.read_columns(meta.subset(pick), list(w.fields)),
+                           w.lengths[torch.tensor(pick)], sample_ids=[meta.sample_ids[i] for i in pick]) == []
+        assert client.clear(p) == 16
+
+
 def test_a_vlm_batch_round_trips_bit_exactly_as_a_tensordict(conn):
     from tensordict import NonTensorData, NonTensorStack, TensorDict
 

@@ -91,10 +91,13 @@ def test_store_gauges_add_up(live):
     assert value(s, "rlplane_build_info", version=rlplane.__version__, backend=live.backend) == 1
 
 
-def test_bytes_written_stored_and_shared_of_a_grpo_batch_in_stats_status_and_metrics(service):
-    """A GRPO batch (8 groups of 8 sharing their images) on the native store: the client's
-    stats (direct and HTTP), /v1/status and /metrics all say that seven eighths of its
-    pixel bytes were written but not stored."""
+@pytest.mark.parametrize("writer", ["direct", "http"])
+def test_bytes_written_stored_and_shared_of_a_grpo_batch_in_stats_status_and_metrics(service, writer):
+    """A GRPO batch (8 groups of 8 sharing their images) on the native store, put directly
+    or over HTTP: the client's stats (direct and HTTP), /v1/status and /metrics all say that
+    seven eighths of its pixel bytes were written but not stored; over HTTP each image
+    crosses once each way, and reads back bit for bit."""
+    from rlplane.testing.verify import diff_fields
     from rlplane.testing.workloads import vlm_grpo
 
     url, token = service.url, service.settings.token()
@@ -103,7 +106,13 @@ def test_bytes_written_stored_and_shared_of_a_grpo_batch_in_stats_status_and_met
     pixels = sum(t.numel() * 2 for row in w.fields["pixel_values"].rows if row is not None for t in row)  # bf16
     with rlplane.connect(url, token=token) as direct, rlplane.connect(url, token=token, transport="http") as http:
         before = direct.stats()["sharing"]
-        meta = direct.put_samples(f"m-{uuid.uuid4().hex[:8]}", w.fields)
+        meta = (http if writer == "http" else direct).put_samples(f"m-{uuid.uuid4().hex[:8]}", w.fields)
+        if writer == "http":
+            assert http.ops.last("put_samples").nbytes < 0.25 * pixels  # (the images once, not eight times)
+            got = http.read_columns(meta, ["pixel_values", "input_ids"])
+            assert http.ops.last("read_columns").nbytes < 0.25 * pixels
+            assert diff_fields(http.registry, {k: w.fields[k] for k in ("pixel_values", "input_ids")}, got,
+                               w.lengths, sample_ids=meta.sample_ids) == []
         after = direct.stats()["sharing"]
         assert http.stats()["sharing"] == after == httpx.get(f"{url}/v1/status", headers=headers,
                                                             timeout=30).json()["sharing"]

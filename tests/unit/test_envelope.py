@@ -1,6 +1,7 @@
 """The binary envelope: raw buffers round-trip bit-exactly; anything else is a WireFormatError."""
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -71,3 +72,31 @@ def test_malformed_headers_raise_wire_format_error_not_a_crash(head):
     body += bytes((-len(body)) % 64) + bytes(256)
     with pytest.raises(WireFormatError):
         unpack(bytearray(body))
+
+
+def test_shared_rows_cross_once_and_come_back_named():
+    img = torch.arange(6, dtype=torch.float32)
+    col = Column(torch.cat([img, torch.ones(2)]), torch.tensor([0, 6, 6, 8, 8]), same=np.array([-1, 0, -1, 0]))
+    body = pack({}, {"pixel_values": col})
+    assert len(body) < 256 + 8 * 4 + (8 + 5 * 8)  # the image once: 8 floats of values, not 20
+    _, got = unpack(bytearray(body))
+    assert got["pixel_values"].same.tolist() == [-1, 0, -1, 0]
+    assert torch.equal(got["pixel_values"].expanded().values, torch.cat([img, img, torch.ones(2), img]))
+
+
+@pytest.mark.parametrize("same", [[-1, 1, -1], [-1, -1, 1], [-1, 0, 1], [-1, -2, -1], [-1, 0]])
+def test_shared_rows_that_do_not_name_an_earlier_stored_row_are_refused(same):
+    """A shared row must be stored empty and name an earlier row that holds its own bytes."""
+    import struct
+
+    from rlplane.wire import ints
+
+    good = pack({}, {"x": Column(torch.arange(4.0), torch.tensor([0, 2, 2, 4]), same=np.array([-1, 0, -1]))})
+    head_len = int.from_bytes(good[8:16], "little")
+    head = msgpack.unpackb(good[16 : 16 + head_len])
+    head["c"][0][-1] = ints(same)
+    raw = msgpack.packb(head)
+    body = bytearray(struct.pack("<4sIQ", b"RLPL", 1, len(raw)) + raw)
+    body += bytes((-len(body)) % 64) + good[16 + head_len + ((-(16 + head_len)) % 64):]
+    with pytest.raises(WireFormatError):
+        unpack(body)

@@ -44,6 +44,8 @@ class HttpTransport(Transport):
     durable_puts = True  # the service decides (InvalidArgumentError without a journal)
     checks_lengths = True  # the service checks a write's token rows when its store does (native)
     checks_born = True  # the service refuses a stale meta when its store keeps incarnations (native)
+    shares_rows = True  # a row several samples of a put share crosses once, each way (the service's store
+    #                     keeps it once where it shares rows: native; else it stores every copy)
 
     def __init__(self, api: ServiceAPI) -> None:
         self.api = api
@@ -70,7 +72,7 @@ class HttpTransport(Transport):
         ``born``: each sample's incarnation as the caller's meta names it (the service's
         store refuses a stale meta where it keeps them). Returns the incarnation a create
         gave its samples (None where the store keeps none)."""
-        check_put(sample_ids, columns, tags)
+        check_put(sample_ids, columns, tags, shares_rows=True)
         head: dict[str, Any] = {"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}
         if born is not None:
             head["born"] = np.asarray(born, np.int64).tolist()
@@ -95,11 +97,14 @@ class HttpTransport(Transport):
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
-        born: Any = None,
+        born: Any = None, shared: bool = False,
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         """``born``: the incarnations the caller's meta names (MissingDataError, from a
-        store that keeps them, for samples cleared and put again since)."""
+        store that keeps them, for samples cleared and put again since). ``shared``: a row
+        the store keeps once for several of the samples crosses once (Column.same)."""
         ask: dict[str, Any] = {"sample_ids": list(sample_ids), "fields": list(fields)}
+        if shared:
+            ask["shared"] = True
         if born is not None:
             ask["born"] = np.asarray(born, np.int64).tolist()
         body = self.api.read_into("POST", f"/v1/data/{_p(partition)}/get", json=ask)

@@ -10,7 +10,9 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 #: Reserved key in each sample's tags: ``{field: geometry}`` for every field written.
 #: Geometry is a shape list for dense and object fields and
@@ -203,6 +205,34 @@ def extended_since(field: str, have: int, read: int, sample: Any) -> Any:
         f"the sample holds {have} tokens where this extend read {read}: another extend grew it since (one writer "
         "extends a sample at a time); nothing of this extend was stored: read the sample again and extend from there",
         field=field, sample=sample)
+
+
+def grown_evenly(written: Mapping[str, Any], read: Any, sample: Callable[[int], Any]) -> None:
+    """An extend's token rows (``written``: per token field it writes, each row's length as
+    int64) grow every field of a sample to one length, no shorter than it read (``read``;
+    None: not known): a ShapeError naming the field and the first sample otherwise (a
+    crafted write; the client's extend builds them so).
+
+    Example: ``grown_evenly({"input_ids": np.array([6]), "prev_logprobs": np.array([5])}, None, str)`` raises."""
+    from rlplane.errors import ShapeError
+
+    names = list(written)
+    if not names:
+        return
+    first = np.asarray(written[names[0]])
+    for f in names[1:]:
+        bad = np.flatnonzero(np.asarray(written[f]) != first)
+        if bad.size:
+            i = int(bad[0])
+            raise ShapeError(f"an extend grows every token field of a sample to one length: {int(written[f][i])} "
+                             f"tokens here, {int(first[i])} in {names[0]}; nothing of it was stored", field=f,
+                             sample=sample(i))
+    if read is not None:
+        short = np.flatnonzero(first < np.asarray(read))
+        if short.size:
+            i = int(short[0])
+            raise ShapeError(f"an extend appends: {int(first[i])} tokens where the sample held {int(read[i])}; "
+                             "nothing of it was stored", field=names[0], sample=sample(i))
 
 
 def check_grown(ids: Sequence[str], stored: Sequence[Mapping[str, Any]], written: Collection[str],

@@ -283,6 +283,42 @@ def test_an_extend_leaving_out_a_token_field_a_stage_wrote_is_refused_and_stores
         client.clear(p)
 
 
+def test_a_crafted_extend_growing_a_samples_token_fields_unevenly_is_refused_and_stores_nothing(conn):
+    """A write sent as an extend (not built by Client.extend) whose token rows of one sample
+    differ in length, or are shorter than the sample: ShapeError naming the sample, and
+    every sample reads back as it was (before, the store kept input_ids longer than the
+    sample's other token rows, and reads failed later)."""
+    import numpy as np
+
+    from rlplane.codec import encode
+    from rlplane.tags import SUM_TAG, WIRE_TAG
+
+    g = torch.Generator().manual_seed(9)
+    with conn() as client:
+        p = part()
+        first = _partial_step(g, [2, 3])
+        meta = client.put_samples(p, first, finished=False)
+        token = [n for n in client.registry.names() if client.registry.get(n).alignment == "token"]
+        step = _partial_step(g, [4, 4])
+        for ids_len, rest_len in (([4, 4], [3, 4]), ([1, 4], [1, 4])):  # uneven; shorter than stored (2)
+            a = encode(client.registry, {"input_ids": step["input_ids"], "input_lengths": torch.tensor(ids_len)},
+                       torch.tensor(ids_len), sample_ids=meta.sample_ids)
+            b = encode(client.registry, {k: step[k] for k in ("token_mask", "generation_logprobs")},
+                       torch.tensor(rest_len), sample_ids=meta.sample_ids)
+            tags = [{WIRE_TAG: {**x[WIRE_TAG], **y[WIRE_TAG]}, SUM_TAG: {**x[SUM_TAG], **y[SUM_TAG]}}
+                    for x, y in zip(a.tags, b.tags)]
+            with pytest.raises(E.ShapeError) as err:
+                client.transport.put(p, meta.sample_ids, {**a.columns, **b.columns}, tags, create=False,
+                                     aligned=token, grows=np.array([2, 3]))
+            assert err.value.sample == meta.sample_ids[0], err.value
+        got = client.read_columns(meta, [*first], layout="jagged")
+        assert got["input_lengths"].tolist() == [2, 3]
+        for f in first:
+            if f != "input_lengths":
+                assert all(torch.equal(got[f][i], first[f][i, : (2, 3)[i]]) for i in range(2)), f
+        client.clear(p)
+
+
 def test_of_two_extends_of_a_sample_at_once_the_later_is_refused_and_the_earlier_kept(conn):
     """Two writers extend the same samples at once: the one that commits second read the
     samples before the first grew them. It is a ShapeError naming a field and a sample,

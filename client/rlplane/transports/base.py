@@ -30,7 +30,7 @@ from rlplane.column import Column
 from rlplane.errors import ShapeError, WireFormatError
 from rlplane.scratch import Alloc
 from rlplane.geometry import Geometry
-from rlplane.tags import WIRE_TAG, born_of, check_grown, check_lengths
+from rlplane.tags import WIRE_TAG, born_of, check_grown, check_lengths, grown_evenly
 
 if TYPE_CHECKING:
     import torch
@@ -196,12 +196,13 @@ def check_written_lengths(sample_ids: Sequence[str], stored: Sequence[Mapping[st
     long as it read (:func:`rlplane.tags.check_grown`).
 
     Example: ``check_written_lengths(ids, stored_tags, enc.columns, enc.tags, registry.token_fields())``."""
-    if grows is not None:
-        check_grown(sample_ids, stored, set(columns), aligned, grows)
-        return
     written = {f: Geometry.coerce(c.geom if c.geom is not None else
                                   [(t.get(WIRE_TAG) or {}).get(f) for t in tags]).leads()
                for f, c in columns.items() if f in aligned}
+    if grows is not None:
+        check_grown(sample_ids, stored, set(columns), aligned, grows)
+        grown_evenly(written, grows, sample_ids.__getitem__)
+        return
     check_lengths(sample_ids, stored, written, aligned)
 
 

@@ -45,7 +45,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.geometry import Geometry
 from rlplane.names import MAX_NAME_LEN
-from rlplane.tags import extended_since, left_out, older_meta, stale_meta
+from rlplane.tags import extended_since, grown_evenly, left_out, older_meta, stale_meta
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects
@@ -260,7 +260,7 @@ class WriteOps:
             self._check_born(res, births(header.get("bn"), n))
             if not res.create and header.get("t") is not None:
                 if header.get("gr") is not None:
-                    self._check_grown(res, header["t"], births(header["gr"], n, "gr"))
+                    self._check_grown(res, parsed, header["t"], births(header["gr"], n, "gr"))
                 else:
                     self._check_aligned(res, parsed, header["t"])
             if rows is not None:  # the controller hands them to the units itself: no seals, sizes checked here
@@ -305,17 +305,24 @@ class WriteOps:
             self._abort(res)
             raise stale_meta(res.partition, res.ids or res.part.names[res.slots].tolist(), bad, "write")
 
-    def _check_grown(self, res: Reservation, aligned: Any, read: np.ndarray | None) -> None:
+    def _check_grown(self, res: Reservation, c: Parsed, aligned: Any, read: np.ndarray | None) -> None:
         """An extend (``gr``: each sample's length as it read it) grows every token field of
         its samples together: one that leaves out a token field (of ``aligned``) a sample
-        holds, e.g. one a stage wrote after the put whose meta the extend was given, or that
-        grows a sample another extend grew since it read it, is a ShapeError naming the
-        field and the first such sample, and nothing of it is stored."""
+        holds, e.g. one a stage wrote after the put whose meta the extend was given, that
+        grows a sample another extend grew since it read it, or whose rows of one sample
+        are of different lengths or shorter than it read, is a ShapeError naming the field
+        and the first such sample, and nothing of it is stored."""
         _token_names(aligned)
         part, mine = res.part, set(res.fields)
 
         def sample(i: int) -> Any:
             return res.ids[i] if res.ids else part.names[res.slots[i]]
+
+        try:
+            grown_evenly({f: c.shapes[f].leads() for f in aligned if f in mine}, read, sample)
+        except E.ShapeError:
+            self._abort(res)
+            raise
 
         for f in aligned:
             fi = part.fields.get(f)

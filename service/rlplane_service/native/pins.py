@@ -9,11 +9,12 @@ Not thread-safe: the controller holds its lock around every call.
 
 Pins live in the controller's memory, so a restarted controller starts with none while
 readers may still hold zero-copy views. Two things keep those views' memory: for
-``hold_s`` after its rebuild (:meth:`Pins.hold_frees`; a few of the readers' renewal
+RESTART_HOLD_S after its rebuild (:meth:`Pins.hold_frees`; three of the readers' renewal
 intervals) it frees no block, and a renewal names each pin's blocks, so the new
 controller takes up a pin it does not know (:meth:`Pins.renew`) as long as its blocks
 were not freed: still stored, deferred, or the hold not yet over. Block ids are never
-reused, so pinning a block again that was not freed is always safe.
+reused, so pinning a block again that was not freed is always safe. (A client that names
+blocks it never read can only delay their frees, as any pin does, up to the pin limit.)
 
 Example::
 

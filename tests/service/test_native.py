@@ -154,6 +154,10 @@ def test_status_and_metrics_report_each_units_slab_as_puts_fill_and_clears_empty
             time.sleep(0.2)
 
     with rlplane.connect(nat, token=TOKEN) as client:
+        def stored() -> int:  # what the controller knows the units hold (at once; the slab figures come with pings)
+            return sum(d["bytes"] for d in client.transport.stats()["units"].values())
+
+        settles(lambda: used() == stored(), "the slabs' figures never caught up with an earlier test's frees")
         before = used()
         mem = memory()
         assert len(mem) == 2 and all(d["slab_bytes"] == UNIT_BYTES for d in mem.values()), mem

@@ -126,11 +126,11 @@ def test_a_put_committed_after_a_later_one_is_claimed(client, monkeypatch):
     held, go = threading.Event(), threading.Event()
     real = NativeTransport._land_blocks
 
-    def land(self, sent, deadline):
+    def land(self, sent, deadline, *rest):
         if threading.current_thread().name == "slow-writer":
             held.set()
             assert go.wait(20)
-        return real(self, sent, deadline)
+        return real(self, sent, deadline, *rest)
 
     monkeypatch.setattr(NativeTransport, "_land_blocks", land)
     slow = threading.Thread(target=lambda: client.put_samples(p, tokens(3), sample_ids=["a0", "a1", "a2"]),

@@ -14,6 +14,7 @@ import torch
 from rlplane import Client, default_registry
 from rlplane import errors as E
 from rlplane.channel import Channel
+from rlplane.wire import ints
 from rlplane.testing.verify import diff_fields
 from rlplane.testing.workloads import text_step, vlm_step
 from rlplane.transports import native as native_transport
@@ -391,3 +392,44 @@ def test_a_zero_copy_view_keeps_its_memory_across_a_controller_restart(cleared):
             while sum(u.alloc.used_bytes for u in eng.cores) >= held:  # the unpin frees it (or the sweep, later)
                 assert time.monotonic() < deadline, "the view's memory did not come back once it was gone"
                 time.sleep(0.05)
+
+
+def test_a_pin_taken_up_on_a_block_still_in_flight_never_frees_it_once_stored(monkeypatch):
+    """While a restarted controller's hold lasts, a renewal may name blocks it does not
+    store, which it then frees on every unit once the pin goes. A block of a put in flight
+    is the controller's from the put's reserve on, so a renewal naming it takes it up as
+    stored: letting go of that pin frees nothing, and the put reads back once committed."""
+    with LocalEngine(1, secret=SECRET) as eng:
+        with connect(eng) as c:
+            restart(eng)  # the hold is on for RESTART_HOLD_S
+            c.transport.partitions()  # (the client's channel to the controller comes back first)
+            monkeypatch.setattr(native_transport, "ONE_MESSAGE_BYTES", 0)  # reserve, write, then commit
+            real, named = NativeTransport._land_blocks, []
+
+            def land(self, sent, deadline, *rest):
+                out = real(self, sent, deadline, *rest)
+                until = time.monotonic() + 5
+                while not eng.core._res and time.monotonic() < until:  # the reservation has taken the block
+                    time.sleep(0.01)
+                ctrl = Channel(eng.server.endpoint, "controller", secret=SECRET)
+                try:  # a renewal naming the in-flight put's block, under a pin the controller does not know
+                    named.append(ctrl.call({"op": "renew", "pins": ["made-up"], "pb": [ints([sent[0].bid])]},
+                                           timeout=5)[0]["gone"])
+                finally:
+                    ctrl.close()
+                return out
+
+            monkeypatch.setattr(NativeTransport, "_land_blocks", land)
+            x = rows(5, n=4, width=64)
+            meta = c.put_samples("flight", x)
+            monkeypatch.setattr(NativeTransport, "_land_blocks", real)
+            assert named == [[]] and eng.core.pins.taken_up == 1  # taken up while the hold lasted
+            ctrl = Channel(eng.server.endpoint, "controller", secret=SECRET)
+            ctrl.post({"op": "unpin", "pin": "made-up"})
+            ctrl.close()
+            deadline = time.monotonic() + 5
+            while len(eng.core.pins) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.6)  # (the free loop has run)
+            assert torch.equal(c.read_columns(meta, ["input_ids"])["input_ids"], x["input_ids"])
+            assert eng.cores[0].alloc.used_bytes > 0

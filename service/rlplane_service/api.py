@@ -23,7 +23,7 @@ import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Callable, Optional
+from typing import Annotated, Any, AsyncIterator, Callable, Mapping, Optional
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,6 +37,7 @@ from rlplane import errors as E
 from rlplane import snapshot
 from rlplane.names import check_partition
 from rlplane.codec import check_columns
+from rlplane.column import Column
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
 from rlplane.readpool import ReadPool
@@ -453,7 +454,8 @@ def build_api(state: ServiceState) -> FastAPI:
             who.check(partition, write=True)
             body = await _read_body(request, state.settings.max_request_bytes)
             (stored, event["nbytes"]), born = await offload(_check_and_store, registry, transport, partition, body,
-                                                            create, durable, aligned and not create)
+                                                            create, durable, aligned and not create,
+                                                            state.settings.max_request_bytes)
         return {"partition": partition, "stored": stored, "nbytes": len(body), **({"born": born} if born else {})}
 
     @v1.post("/data/{partition}/get", tags=["data"])
@@ -638,7 +640,7 @@ def births(born: Any, n: int, key: str = "born", what: str = "one incarnation") 
 
 def _check_and_store(
     registry: Registry, transport: Transport, partition: str, body: np.ndarray | bytearray, create: bool,
-    durable: bool = False, check_lengths: bool = False,
+    durable: bool = False, check_lengths: bool = False, limit: int | None = None,
 ) -> tuple[int, int]:
     """Parse, check and store one put body; returns ((samples, column bytes), the
     incarnation a create gave its samples or None). Parsing and checking touch every byte,
@@ -655,6 +657,7 @@ def _check_and_store(
         raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
     check_columns(registry, columns, tags, sample_ids=ids)
     if not transport.shares_rows:  # a store that keeps every copy: the rows a client sent once, copied out
+        _within(columns, limit)
         columns = {name: col.expanded() for name, col in columns.items()}
     if durable and not transport.durable_puts:
         raise E.InvalidArgumentError(f"durable=True needs the native backend with a journal "
@@ -671,6 +674,25 @@ def _check_and_store(
             extra["born"] = arr
     got = transport.put(partition, ids, columns, tags, create=create, **extra)
     return (len(ids), sum(col.nbytes for col in columns.values())), got if type(got) is int else None
+
+
+def _within(columns: Mapping[str, Column], limit: int | None) -> None:
+    """PayloadTooLargeError when the rows a put sent once for several samples would, copied
+    out for each (a store that keeps every copy), come to more than ``limit`` bytes: a
+    small body naming one row many times cannot make the service allocate any amount."""
+    if limit is None:
+        return
+    total = 0
+    for col in columns.values():
+        if col.same is None:
+            total += col.nbytes
+            continue
+        sizes = np.diff(col.offsets.numpy()) * col.values.element_size()
+        total += int(sizes.sum()) + int(sizes[col.same[col.same >= 0]].sum())
+    if total > limit:
+        raise E.PayloadTooLargeError(f"the put's rows come to {total} bytes once the rows it shares are copied out for "
+                                     f"each sample, over this service's limit of {limit} (max_request_bytes; its store "
+                                     "keeps every copy): send fewer samples per put")
 
 
 async def _chunks(parts: list[Any], chunk: int = 4 << 20) -> AsyncIterator[bytes]:

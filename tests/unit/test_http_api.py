@@ -370,3 +370,21 @@ def test_an_answer_is_read_whole_into_memory_of_the_read_pool_or_refused_when_it
         _answering(b"x" * 50, "100").read_into("POST", "/x")
     with pytest.raises(E.TransportError, match="longer than the 100 bytes it declared"):
         _answering(b"x" * 150, "100").read_into("POST", "/x")
+
+
+def test_shared_rows_a_store_keeps_every_copy_of_are_bounded_by_the_request_limit(served):
+    """A small body naming one image for many samples must not make a service whose store
+    keeps every copy allocate them all: past max_request_bytes copied out, it is 413 and
+    nothing is stored; under it, every sample reads its image back."""
+    store, _, client = served
+    img = torch.randn(64, 1176)  # 150 KB as bf16: one copy fits the 1 MiB limit, 16 of them do not
+    many = {"input_ids": torch.ones(16, 4, dtype=torch.int64), "input_lengths": torch.full((16,), 4),
+            "pixel_values": PackedTensor([img] * 16)}
+    with pytest.raises(E.PayloadTooLargeError, match="copied out"):
+        client.put_samples("shared", many)
+    assert "shared" not in store.partitions()
+    few = {k: (v[:4] if not isinstance(v, PackedTensor) else PackedTensor([img] * 4)) for k, v in many.items()}
+    meta = client.put_samples("shared", few)
+    assert client.ops.last("put_samples").nbytes < 64 * 1176 * 2 * 2  # the image crossed once
+    got = client.read_columns(meta, ["pixel_values"])["pixel_values"]
+    assert all(torch.equal(got[i][0], img.bfloat16()) for i in range(4))

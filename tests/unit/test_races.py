@@ -124,6 +124,20 @@ def test_a_restarted_controller_takes_up_only_pins_whose_blocks_it_did_not_free(
     assert freed == [(9, (0, 1)), (3, (0,))] and not pins.holds(1) and pins.holds(2)
 
 
+def test_the_blocks_pins_taken_up_hold_are_counted_once_each_and_capped(monkeypatch):
+    """A renewal names blocks the controller must keep lists of: ids repeated in one pin
+    count once, and past MAX_TAKEN_BLOCKS in all the pin is answered gone."""
+    from rlplane_service.native import pins as pins_module
+
+    monkeypatch.setattr(pins_module, "MAX_TAKEN_BLOCKS", 10)
+    pins = Pins(60.0, release=lambda b, u: None)
+    pins.hold_frees(60.0)
+    assert pins.renew(["a"], [[7] * 100_000]) == [] and pins._pins["a"][0] == [7]
+    assert pins.renew(["b", "c"], [list(range(9)), list(range(100, 102))]) == ["c"]  # 1 + 9 fit, 2 more do not
+    pins.unpin("b")
+    assert pins.renew(["c"], [list(range(100, 102))]) == []  # room again once a pin taken up goes
+
+
 def test_a_staged_put_retried_after_a_unit_died_writes_its_own_bytes_not_the_freed_extents(monkeypatch):
     """A put whose pixels were cast straight into staged slab extents was retried after its
     replica's unit died; the failed attempt had freed those extents, another put reused

@@ -73,6 +73,8 @@ class HttpTransport(Transport):
         store refuses a stale meta where it keeps them). Returns the incarnation a create
         gave its samples (None where the store keeps none)."""
         check_put(sample_ids, columns, tags, shares_rows=True)
+        if any(c.held is not None and c.held.rows.size for c in columns.values()):
+            raise WireFormatError("rows the store holds from earlier puts do not travel over HTTP: send their bytes")
         head: dict[str, Any] = {"sample_ids": list(sample_ids), "tags": [dict(t) for t in tags]}
         if born is not None:
             head["born"] = np.asarray(born, np.int64).tolist()

@@ -100,6 +100,8 @@ _DOWN_REFRESH_S = 5.0
 #: when that is shorter). A restarted controller frees nothing for three of these
 #: (rlplane_service.native.pins.RESTART_HOLD_S), for the renewals to take the pins up again.
 RENEW_EVERY_S = 5.0
+#: Most bytes of block ids one renewal that names them carries (well under the 16 MiB message limit).
+_TAKE_UP_BYTES = 4 << 20
 #: The data paths a client may ask for (see the module docstring).
 DATA_PATHS = ("auto", "shm", "te", "zmq")
 #: A put of at most this many bytes of rows goes in one message to the controller, which hands
@@ -700,7 +702,7 @@ class NativeTransport(Transport):
                     try:
                         self._remote[w.unit].write([(np.frombuffer(raw(c.values), np.uint8), got[f])
                                                     for f, c in w.part.items()])
-                    except BaseException:
+                    except UnavailableError:  # (the engine failed the transfer; a refusal before it moved nothing)
                         late.append([w.bid, w.unit])
                         raise
                 where.setdefault(w.bid, {})[w.unit] = got
@@ -1244,9 +1246,10 @@ class _ViewPins:
     thread sends the unpins and renewals over a hold of its own on the process's channels,
     so the views stay protected after their client is closed or dropped (their pins lapsed
     then, and the store reused the memory under them). The thread ends, and lets go of
-    its channels, once no view is left. A renewal names each pin's blocks (as the locate
-    answered them): a restarted controller, which frees nothing for a few renewal
-    intervals, takes the pins up again (see rlplane_service.native.pins)."""
+    its channels, once no view is left. The pins a renewal finds gone (a restarted
+    controller, which frees nothing for a few renewal intervals) are renewed again, each
+    named with its blocks as the locate answered them, and the controller takes them up
+    (see rlplane_service.native.pins)."""
 
     def __init__(self, controller: str, secret: bytes | None, user: bytes) -> None:
         self._controller, self._secret, self._user = controller, secret, user
@@ -1274,6 +1277,21 @@ class _ViewPins:
         self._gone.append(pin)
         self._wake.set()
 
+    def _take_up(self, ctrl: Channel, unknown: list[Any], timeout: float) -> list[Any]:
+        """Renew again the pins the controller did not know (it was restarted), each named
+        with its blocks, in messages of at most _TAKE_UP_BYTES of them; the pins still gone."""
+        gone: list[Any] = []
+        while unknown:
+            with self._lock:
+                some, named, size = [], [], 0
+                while unknown and (not some or size < _TAKE_UP_BYTES):
+                    pin = unknown.pop()
+                    some.append(pin)
+                    named.append(self._blocks.get(pin, b""))
+                    size += len(named[-1])
+            gone += ctrl.call({"op": "renew", "pins": some, "pb": named}, timeout=timeout)[0].get("gone") or []
+        return gone
+
     def _loop(self) -> None:
         channels = SharedChannels(self._secret, self._user)
         try:
@@ -1293,7 +1311,6 @@ class _ViewPins:
                             self._blocks.pop(pin, None)
                             done.append(pin)
                     pins = list(self._live)
-                    named = [self._blocks.get(pin, b"") for pin in pins]
                     if not pins and not done:
                         self._thread = None  # the next view held starts a new one
                         return
@@ -1302,8 +1319,8 @@ class _ViewPins:
                     for pin in done:
                         ctrl.post({"op": "unpin", "pin": pin})
                     if pins and time.monotonic() >= renew_at:
-                        gone = ctrl.call({"op": "renew", "pins": pins, "pb": named},
-                                         timeout=min(10.0, every))[0].get("gone")
+                        unknown = ctrl.call({"op": "renew", "pins": pins}, timeout=min(10.0, every))[0].get("gone")
+                        gone = self._take_up(ctrl, unknown or [], min(10.0, every))
                         if gone:
                             log.error("%d zero-copy read pin(s) lapsed while their views were alive (the controller "
                                       "was unreachable for a lease, or restarted and freed their blocks before this "

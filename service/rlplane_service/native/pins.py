@@ -13,8 +13,9 @@ RESTART_HOLD_S after its rebuild (:meth:`Pins.hold_frees`; three of the readers'
 intervals) it frees no block, and a renewal names each pin's blocks, so the new
 controller takes up a pin it does not know (:meth:`Pins.renew`) as long as its blocks
 were not freed: still stored, deferred, or the hold not yet over. Block ids are never
-reused, so pinning a block again that was not freed is always safe. (A client that names
-blocks it never read can only delay their frees, as any pin does, up to the pin limit.)
+reused, so pinning a block again that was not freed is always safe. A client may name
+blocks it never read: that delays their frees, as any pin does, within the pin limit and
+MAX_TAKEN_BLOCKS blocks in all (each pin's ids counted once).
 
 Example::
 
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 PIN_LEASE_S = 120.0
 #: Most pins held at once (a reader that never unpins cannot grow the controller without bound).
 MAX_PINS = 1 << 16
+#: Most blocks the pins taken up after a restart hold in all (a renewal names them: a
+#: client cannot make the controller keep lists of any size).
+MAX_TAKEN_BLOCKS = 1 << 20
 #: How long a restarted controller frees no block: three of the readers' renewal intervals,
 #: for every reader holding views to take its pins up again (at most the pin lease).
 RESTART_HOLD_S = 3 * RENEW_EVERY_S
@@ -58,6 +62,8 @@ class Pins:
         self._kept: set[str] = set()  # pins of zero-copy views (asked so, or renewed): never dropped for room
         self._hold_until = 0.0  # (monotonic) until then no block is freed: see hold_frees
         self.taken_up = 0  # pins of an earlier controller taken up by a renewal
+        self._taken: set[str] = set()  # the pins taken up
+        self._taken_blocks = 0  # blocks they hold (at most MAX_TAKEN_BLOCKS)
 
     def __len__(self) -> int:
         return len(self._pins)
@@ -93,6 +99,9 @@ class Pins:
         if held is None:
             return
         self._kept.discard(pin)
+        if pin in self._taken:
+            self._taken.discard(pin)
+            self._taken_blocks -= len(held[0])
         for b in held[0]:
             left = self._count.get(b, 0) - 1
             if left > 0:
@@ -118,10 +127,13 @@ class Pins:
                 self._pins[pin] = (held[0], deadline)
                 self._kept.add(pin)
                 continue
-            named = blocks[k] if blocks is not None and k < len(blocks) else None
-            if (isinstance(pin, str) and named and len(self._pins) < self.limit
+            named = sorted(set(blocks[k])) if blocks is not None and k < len(blocks) and blocks[k] else None
+            if (isinstance(pin, str) and len(pin) <= 64 and named and len(self._pins) < self.limit
+                    and self._taken_blocks + len(named) <= MAX_TAKEN_BLOCKS
                     and (now < self._hold_until or all(stored(b) or b in self._deferred for b in named))):
-                self._pins[pin] = (list(named), deadline)
+                self._taken.add(pin)
+                self._taken_blocks += len(named)
+                self._pins[pin] = (named, deadline)
                 self._kept.add(pin)
                 for b in named:
                     self._count[b] = self._count.get(b, 0) + 1
@@ -175,4 +187,4 @@ class Pins:
         return b in self._deferred
 
 
-__all__ = ["Pins", "PIN_LEASE_S", "MAX_PINS", "RESTART_HOLD_S"]
+__all__ = ["Pins", "PIN_LEASE_S", "MAX_PINS", "MAX_TAKEN_BLOCKS", "RESTART_HOLD_S"]

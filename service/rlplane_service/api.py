@@ -687,8 +687,8 @@ def _within(columns: Mapping[str, Column], limit: int | None) -> None:
         if col.same is None:
             total += col.nbytes
             continue
-        sizes = np.diff(col.offsets.numpy()) * col.values.element_size()
-        total += int(sizes.sum()) + int(sizes[col.same[col.same >= 0]].sum())
+        sizes = col.row_numels().numpy() * col.values.element_size()
+        total += col.nbytes + int(sizes[col.same[col.same >= 0]].sum())
     if total > limit:
         raise E.PayloadTooLargeError(f"the put's rows come to {total} bytes once the rows it shares are copied out for "
                                      f"each sample, over this service's limit of {limit} (max_request_bytes; its store "

@@ -548,21 +548,24 @@ class WriteOps:
             res = self._res.get(rid) if isinstance(rid, str) else None
             if res is not None:
                 self._access(header, res.partition, write=True)
-                mine = {b for b, _, _, _ in res.blocks}
-                for b, u in late:
-                    if b in mine:
-                        self._late.setdefault(b, set()).add(u)
+                for b, _, _, _ in res.blocks:
+                    if b in late:
+                        self._late[b] = late[b]
                 self._abort(res)
         return {"aborted": res is not None}, {}, []
 
-    def _late_copies(self, header: dict) -> list[tuple[int, int]]:
-        """A writer's ``late`` (abort, discard): ``[[block, unit], ...]``, checked."""
+    def _late_copies(self, header: dict) -> dict[int, set[int]]:
+        """A writer's ``late`` (abort, discard: ``[[block, unit], ...]``), checked: block ->
+        the units whose one-sided write of it failed."""
         late = header.get("late", [])
         if not isinstance(late, list) or len(late) > 4096 or not all(
                 isinstance(e, list) and len(e) == 2 and block_id_ok(e[0]) and isinstance(e[1], int)
                 and not isinstance(e[1], bool) and 0 <= e[1] < len(self.units) for e in late):
             raise E.WireFormatError("'late' must list [block id, unit index] pairs")
-        return [(b, u) for b, u in late]
+        out: dict[int, set[int]] = {}
+        for b, u in late:
+            out.setdefault(b, set()).add(u)
+        return out
 
     def op_discard(self, header: dict, columns: dict, extra: list) -> Any:
         """A writer whose reserve was refused asks for the blocks it sent to be freed:
@@ -571,9 +574,7 @@ class WriteOps:
         given = header.get("blocks")
         if not isinstance(given, list) or len(given) > 4096:
             raise E.WireFormatError("discard needs 'blocks': [[block id, [units]], ...]")
-        late_of: dict[int, set[int]] = {}
-        for b, u in self._late_copies(header):
-            late_of.setdefault(b, set()).add(u)
+        late_of = self._late_copies(header)
         freed = 0
         with self._lock:
             for entry in given:

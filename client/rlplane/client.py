@@ -40,7 +40,7 @@ from rlplane.extension import Appending, token_fields
 from rlplane.meta import SampleMeta
 from rlplane.names import check_partition
 from rlplane.opstats import OpEvent, OpStats
-from rlplane import snapshot
+from rlplane import rowkernels, snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
 from rlplane.tags import BORN_TAG, FINISHED_TAG, RowTags, stale_as
@@ -71,6 +71,7 @@ class Client:
         # A client dropped without close() still gives its connections back when it is
         # garbage (the finalizer holds the transport and the service, not the client).
         self._finalizer = weakref.finalize(self, _release, transport, service)
+        rowkernels.load_soon()  # (the compiled row copies, ~0.4 s: loaded before the first big read needs them)
 
     # -- writing ---------------------------------------------------------------------
     def put_samples(

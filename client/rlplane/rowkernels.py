@@ -38,11 +38,28 @@ log = logging.getLogger(__name__)
 
 _kernels: Any = None  # the compiled functions (their module), False when they cannot be loaded
 _lock = threading.Lock()
+_loading: threading.Thread | None = None  # the load_soon thread of this process, once started
 
 
 def ready() -> bool:
     """Whether the compiled kernels are loaded here (loading them on first call)."""
     return _load() is not False
+
+
+def load_soon() -> None:
+    """Start loading the kernels on a daemon thread, once per process (no-op when loaded or
+    under way); whoever needs them first waits for that load, never starts a second.
+
+    Example: ``rowkernels.load_soon()`` at a worker's start, long before its first read.
+    """
+    global _loading
+    if _kernels is not None or _loading is not None:
+        return
+    with _lock:
+        if _kernels is not None or _loading is not None:
+            return
+        _loading = threading.Thread(target=_load, name="rlplane-rowkernels", daemon=True)
+    _loading.start()
 
 
 def digests(buf: np.ndarray, bounds: np.ndarray, *, split: bool = True) -> np.ndarray:
@@ -159,12 +176,13 @@ def _compile() -> Any:
 
 
 def _forget_lock() -> None:  # in a forked child: a load another thread had under way is not there
-    global _lock
+    global _lock, _loading
     _lock = threading.Lock()
+    _loading = None
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_lock)
 
 
-__all__ = ["ready", "digests", "copy_rows", "pad_rows"]
+__all__ = ["ready", "load_soon", "digests", "copy_rows", "pad_rows"]

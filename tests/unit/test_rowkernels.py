@@ -236,3 +236,33 @@ def test_a_process_forked_while_another_thread_loads_the_kernels_loads_them_itse
         release.set()
         loader.join(30)
     assert rowkernels.ready()
+
+
+def test_a_new_client_loads_the_kernels_on_a_thread_of_their_own_once(monkeypatch):
+    """A worker connects long before its first big read: the ~0.4 s load is not that read's."""
+    import threading
+    import time
+
+    from rlplane import _rowkernels_jit
+    from rlplane.client import Client
+    from rlplane.transports.memory import MemoryTransport
+
+    calls = []
+
+    def load():
+        calls.append(threading.current_thread().name)
+        time.sleep(0.2)  # a load under way while more clients are made
+        return _rowkernels_jit
+
+    monkeypatch.setattr(rowkernels, "_kernels", None)
+    monkeypatch.setattr(rowkernels, "_loading", None)
+    monkeypatch.setattr(rowkernels, "_compile", load)
+    clients = [Client(default_registry(), MemoryTransport()) for _ in range(3)]  # none of them waits for the load
+    deadline = time.monotonic() + 10
+    while rowkernels._kernels is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rowkernels._kernels is _rowkernels_jit and calls == ["rlplane-rowkernels"]
+    rowkernels.load_soon()  # loaded: nothing more starts
+    assert rowkernels.ready() and calls == ["rlplane-rowkernels"]
+    for c in clients:
+        c.close()

@@ -177,9 +177,10 @@ class _Workers:
 
     def __init__(self, names: list[str], cfg: DemoConfig) -> None:
         # Clean processes (no threads, sockets or Ray of this one) forked from a server that
-        # imported torch and rlplane once, not each its own (~2-3 s of CPU a worker)
+        # imported torch and rlplane once, not each its own (~2-3 s of CPU a worker), and
+        # loaded rlplane's compiled row copies (~0.4 s a worker, else paid in its first read)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
+        ctx.set_forkserver_preload([__name__, "rlplane._rowkernels_jit"])
         self.procs = {}
         self.conns = {}
         for name in names:

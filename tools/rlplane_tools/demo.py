@@ -180,7 +180,7 @@ class _Workers:
         # imported torch and rlplane once, not each its own (~2-3 s of CPU a worker), and
         # loaded rlplane's compiled row copies (~0.4 s a worker, else paid in its first read)
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__, "rlplane._rowkernels_jit"])
+        ctx.set_forkserver_preload([__name__, "rlplane_tools.preloaded"])
         self.procs = {}
         self.conns = {}
         for name in names:

@@ -194,7 +194,7 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
     from multiprocessing.connection import wait
 
     ctx = mp.get_context("forkserver")  # workers forked from one process that imported torch and rlplane once
-    ctx.set_forkserver_preload([__name__, "rlplane._rowkernels_jit"])  # (and the compiled row copies: ~0.4 s a process)
+    ctx.set_forkserver_preload([__name__, "rlplane_tools.preloaded"])  # (and the compiled row copies: ~0.4 s a process)
     stop, version = ctx.Event(), ctx.Value("i", 0)
     roles = ["rollout", "logprob", "train-a", "train-b"]
     pipes = {r: ctx.Pipe(duplex=False) for r in roles}  # (driver's end, worker's end)

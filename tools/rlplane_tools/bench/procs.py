@@ -26,7 +26,7 @@ def run_together(target: Callable[..., None], args: tuple, n: int, *, finish_s: 
     docstring). ``indexed``: each process also gets its number (0..n-1) after ``args``;
     ``on_start`` is called as they are released."""
     ctx = mp.get_context("forkserver")  # forked from one process that imported the target's module once
-    ctx.set_forkserver_preload([target.__module__, "rlplane._rowkernels_jit"])  # (and the compiled row copies: ~0.4 s a process)
+    ctx.set_forkserver_preload([target.__module__, "rlplane_tools.preloaded"])  # (and the compiled row copies: ~0.4 s a process)
     go, start = ctx.Event(), ctx.Value("d", 0.0)
     pipes = [ctx.Pipe(duplex=False) for _ in range(n)]
     procs = [ctx.Process(target=target, args=(*args, *((k,) if indexed else ()), go, start, there), daemon=True)

@@ -25,11 +25,10 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
 
-import msgpack
 import numpy as np
 import torch
 
-from rlplane.codec import RESERVED_TAG_PREFIX, WIRE_TAG, Encoded, Prepared, alloc_sizes, decode, encode, prepare
+from rlplane.codec import WIRE_TAG, Encoded, Prepared, alloc_sizes, decode, encode, prepare
 from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
                             TransportError, WireFormatError)
 from rlplane.fields import LENGTHS_FIELD, Registry
@@ -43,7 +42,7 @@ from rlplane.opstats import OpEvent, OpStats
 from rlplane import rowkernels, snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
-from rlplane.tags import BORN_TAG, FINISHED_TAG, RowTags, stale_as
+from rlplane.tags import BORN_TAG, FINISHED_TAG, RowTags, check_user_tags, stale_as
 from rlplane.transports.base import Transport, born_check, length_check
 
 log = logging.getLogger(__name__)
@@ -627,18 +626,4 @@ def _user_tags(tags: Sequence[Mapping[str, Any]] | None, batch: int, ids: list[s
         return [{} for _ in range(batch)]
     if len(tags) != batch:
         raise ShapeError(f"{len(tags)} tag dicts for {batch} samples")
-    out = []
-    for sid, tag in zip(ids, tags):
-        if not isinstance(tag, Mapping):
-            raise ShapeError(f"tags must be dicts, got {type(tag).__name__}", sample=sid)
-        if not all(isinstance(k, str) for k in tag):
-            raise ShapeError(f"tag keys must be strings, got {sorted(map(repr, tag))}", sample=sid)
-        reserved = [k for k in tag if k.startswith(RESERVED_TAG_PREFIX)]
-        if reserved:
-            raise ShapeError(f"tag keys starting with {RESERVED_TAG_PREFIX!r} are reserved for rlplane: {reserved}", sample=sid)
-        try:
-            msgpack.packb(dict(tag), use_bin_type=True)
-        except (TypeError, ValueError, OverflowError) as err:
-            raise ShapeError(f"tags must be msgpack-able ({err})", sample=sid) from None
-        out.append(dict(tag))
-    return out
+    return [check_user_tags(tag, sample=sid) for sid, tag in zip(ids, tags)]  # (JSON-like: every transport's)

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+import math
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -62,6 +63,98 @@ SUM_TAG = "_rlplane_sum"
 #: write or a read of a meta naming an incarnation that is gone (stale meta). 0 or absent:
 #: not known (a meta built by hand, or from a store that does not keep it): not checked.
 BORN_TAG = "_rlplane_born"
+
+
+#: How deep a user tag's lists and maps may nest.
+MAX_TAG_DEPTH = 16
+
+
+def tag_problem(value: Any, depth: int = 0) -> str | None:
+    """What keeps ``value`` from being a user tag's value, or None: tags are JSON-like, so
+    every store keeps them and every transport hands them back (msgpack to the engine, JSON
+    over HTTP): None, bool, an int of 64 bits, a finite float, a str of valid Unicode, and
+    lists and maps (str keys) of those, nested at most :data:`MAX_TAG_DEPTH` deep.
+
+    Example: ``tag_problem({"k": {1: 2}})`` -> ``"a map key 1 that is not a str"``.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return "a str that is not valid Unicode (a lone surrogate)"
+        return None
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if -(1 << 63) <= value < 1 << 64 else f"an int of more than 64 bits ({str(value)[:40]})"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"a float that is not finite ({value}): JSON has no such number"
+    if isinstance(value, (list, tuple, Mapping)):
+        if depth >= MAX_TAG_DEPTH:
+            return f"lists and maps nested more than {MAX_TAG_DEPTH} deep"
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    return f"a map key {k!r:.40} that is not a str"
+                problem = tag_problem(k) or tag_problem(v, depth + 1)
+                if problem:
+                    return problem
+            return None
+        for v in value:
+            problem = tag_problem(v, depth + 1)
+            if problem:
+                return problem
+        return None
+    return (f"a {type(value).__name__} (tags hold None, bool, int, finite float, str, and lists and maps with str "
+            "keys of those)")
+
+
+def check_user_tags(tag: Any, *, sample: Any = None) -> dict[str, Any]:
+    """One sample's user tags checked (ShapeError naming the sample and the key otherwise):
+    a map with str keys, none of them reserved for rlplane (:data:`RESERVED_TAG_PREFIX`),
+    each value as :func:`tag_problem` allows; returns them as a dict.
+
+    Example: ``check_user_tags({"group_id": 3, "reward": 0.5}, sample="s0")``.
+    """
+    from rlplane.errors import ShapeError
+
+    if not isinstance(tag, Mapping):
+        raise ShapeError(f"tags must be dicts, got {type(tag).__name__}", sample=sample)
+    for key, value in tag.items():
+        if not isinstance(key, str):
+            raise ShapeError(f"tag keys must be strings, got {key!r:.40}", sample=sample)
+        if key.startswith(RESERVED_TAG_PREFIX):
+            raise ShapeError(f"tag keys starting with {RESERVED_TAG_PREFIX!r} are reserved for rlplane: {key!r:.80}",
+                             sample=sample)
+        problem = tag_problem(key) or tag_problem(value, 1)
+        if problem:
+            raise ShapeError(f"tag {key!r:.80} holds {problem}", sample=sample)
+    return dict(tag)
+
+
+def check_written_tags(tags: Sequence[Any], sample_ids: Sequence[Any], columns: Any) -> None:
+    """The tags a write sends a store (what a service takes from a client): user tags as
+    :func:`check_user_tags` allows, and of rlplane's keys only the wire geometry and digests
+    (:data:`WIRE_TAG`, :data:`SUM_TAG`), each a map over the written ``columns`` (names):
+    ShapeError naming the sample otherwise, before anything is stored.
+
+    Example: ``check_written_tags(enc.tags, ids, enc.columns)``.
+    """
+    from rlplane.errors import ShapeError
+
+    written = set(columns)
+    for tag, sid in zip(tags, sample_ids):
+        if not isinstance(tag, Mapping):
+            raise ShapeError(f"tags must be dicts, got {type(tag).__name__}", sample=sid)
+        user = {}
+        for key, value in tag.items():
+            if key in (WIRE_TAG, SUM_TAG):
+                if not isinstance(value, Mapping) or not set(value) <= written:
+                    raise ShapeError(f"tag {key!r} must map the written fields only ({sorted(written)[:8]}), got "
+                                     f"{str(value)[:80]}", sample=sid)
+            else:
+                user[key] = value
+        check_user_tags(user, sample=sid)
 
 
 def incarnation(rid: str) -> int:
@@ -410,6 +503,7 @@ def _take(rows: Any, pick: list[int]) -> Any:
     return [rows[i] for i in pick]
 
 
-__all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "RowTags", "born_of", "incarnation", "merge_tags",
+__all__ = ["WIRE_TAG", "SUM_TAG", "BORN_TAG", "RESERVED_TAG_PREFIX", "MAX_TAG_DEPTH", "tag_problem", "check_user_tags",
+           "check_written_tags", "RowTags", "born_of", "incarnation", "merge_tags",
            "stale", "stale_meta", "stale_as", "older_meta", "check_lengths", "left_out", "extended_since",
            "check_grown"]

@@ -40,6 +40,7 @@ from rlplane.codec import check_columns
 from rlplane.column import Column
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.fields import Registry
+from rlplane.tags import check_written_tags
 from rlplane.readpool import ReadPool
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane.streams import DirectStreams
@@ -655,6 +656,7 @@ def _check_and_store(
         or not all(isinstance(t, dict) for t in tags)
     ):
         raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
+    check_written_tags(tags, ids, columns)  # (what every store keeps and every transport hands back)
     check_columns(registry, columns, tags, sample_ids=ids)
     if not transport.shares_rows:  # a store that keeps every copy: the rows a client sent once, copied out
         _within(columns, limit)

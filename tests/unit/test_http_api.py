@@ -388,3 +388,23 @@ def test_shared_rows_a_store_keeps_every_copy_of_are_bounded_by_the_request_limi
     assert client.ops.last("put_samples").nbytes < 64 * 1176 * 2 * 2  # the image crossed once
     got = client.read_columns(meta, ["pixel_values"])["pixel_values"]
     assert all(torch.equal(got[i][0], img.bfloat16()) for i in range(4))
+
+
+@pytest.mark.parametrize("tag", [{"k": {1: 2}}, {"k": b"\xff"}, {"_rlplane_x": 1}, {"_rlplane_wire": 5}],
+                         ids=["nested-int-key", "bytes", "reserved-key", "reserved-wire-not-a-map"])
+def test_raw_writes_with_tags_no_store_can_keep_are_422_and_change_nothing(served, tag):
+    """A put, and a tag-only write of stored samples: 422 naming the sample, before anything
+    is stored (a bytes tag once made every later claim of the sample a 500 over JSON, a
+    wire tag of 5 every later aligned write)."""
+    store, http, client = served
+    enc = encode(default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4], sample_ids=["a"])
+    r = raw_put(http, "p", enc.columns, [{**enc.tags[0], **tag}], ["a"])
+    assert r.status_code == 422 and r.json()["error"] == "ShapeError" and r.json()["sample"] == "a", r.text
+    assert store.partitions() == []
+    meta = client.put_samples("p", {"input_ids": torch.ones(1, 4, dtype=torch.int64), "input_lengths": torch.tensor([4])},
+                              sample_ids=["a"], tags=[{"group": 1}])
+    body = pack({"sample_ids": ["a"], "tags": [tag]}, {})
+    r = http.post("/v1/data/p/put?create=false", content=body, headers={"Content-Type": CONTENT_TYPE})
+    assert r.status_code == 422 and r.json()["sample"] == "a", r.text
+    assert client.write_columns(meta, {"prev_logprobs": torch.zeros(1, 4)})  # the stored tags as they were
+    assert store.get("p", ["a"], ["input_ids"])[1][0]["group"] == 1

@@ -417,3 +417,21 @@ def test_a_cleared_partitions_index_is_freed_with_its_consumption_state():
             assert c.consumption("step-0", "train")["acked"] == 0
         finally:
             c.close()
+
+
+@pytest.mark.parametrize("tag", [{"k": {1: 2}}, {"k": float("inf")}, {"k": [[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]}])
+def test_a_tag_the_engine_cannot_take_is_a_shape_error_at_once_not_a_timeout(engine, tag):
+    """The engine refuses such a header before it reads the request's id, so it cannot
+    answer: the client waited out its whole timeout (60 s in the service) for a
+    TransportError. The client refuses it first, naming the sample, and stores nothing."""
+    c = Client(default_registry(), NativeTransport({"controller": engine["controller"], "secret": engine["secret"]},
+                                                   timeout=30))
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(E.ShapeError, match="tag 'k'") as err:
+            c.put_samples("bad-tags", {"input_ids": torch.ones(2, 3, dtype=torch.int64), "input_lengths": torch.tensor([3, 2])},
+                          sample_ids=["a", "b"], tags=[{}, tag])
+        assert err.value.sample == "b" and time.monotonic() - t0 < 5
+        assert "bad-tags" not in c.partitions()
+    finally:
+        c.close()

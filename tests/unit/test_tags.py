@@ -77,3 +77,44 @@ def test_tags_put_together_keep_each_samples_user_tags_geometry_and_digest():
     edited = RowTags(None, {"x": [[4]]}, {"x": [11]})
     edited[0]["note"] = 1  # a built map that was edited comes along as it is
     assert list(RowTags.concat([first(), edited])) == list(first()) + [edited[0]]
+
+
+BAD_TAGS = [
+    ({"k": {1: 2}}, "map key 1 that is not a str"),
+    ({"k": b"\xff\xfe"}, "holds a bytes"),
+    ({"k": float("nan")}, "not finite"),
+    ({"k": ["ok", "\ud800"]}, "lone surrogate"),
+    ({"k": 1 << 64}, "more than 64 bits"),
+    ({"k": {"a": object()}}, "holds a object"),
+    ({"k": [[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]}, "nested more than 16 deep"),
+    ({"_rlplane_wire": {}}, "reserved for rlplane"),
+    ({2: "x"}, "tag keys must be strings"),
+]
+
+
+@pytest.mark.parametrize("tag,why", BAD_TAGS, ids=[w for _, w in BAD_TAGS])
+def test_a_user_tag_no_store_or_transport_can_hand_back_is_refused_naming_sample_and_key(tag, why):
+    from rlplane.errors import ShapeError
+    from rlplane.tags import check_user_tags
+
+    with pytest.raises(ShapeError, match=why) as err:
+        check_user_tags(tag, sample="s7")
+    assert err.value.sample == "s7"
+
+
+def test_json_like_user_tags_pass_as_they_are():
+    from rlplane.tags import check_user_tags
+
+    tag = {"group_id": "g3", "reward": -0.5, "policy_version": 1 << 62, "finished": False, "none": None,
+           "steps": [1, 2.5, "x", None, {"nested": [True]}], "meta": {"a": {"b": [0]}}}
+    assert check_user_tags(tag, sample="s") == tag
+
+
+def test_written_tags_carry_only_the_wire_geometry_and_digests_of_the_written_columns():
+    from rlplane.errors import ShapeError
+    from rlplane.tags import check_written_tags
+
+    check_written_tags([{WIRE_TAG: {"a": [3]}, SUM_TAG: {"a": 7}, "group": 1}], ["s"], ["a"])
+    for bad in ({WIRE_TAG: 5}, {WIRE_TAG: {"b": [3]}}, {SUM_TAG: {"b": 1}}, {"_rlplane_born": 3}, {"k": {1: 2}}):
+        with pytest.raises(ShapeError):
+            check_written_tags([bad], ["s"], ["a"])

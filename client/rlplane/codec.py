@@ -41,7 +41,7 @@ from rlplane.errors import (
     WireFormatError,
 )
 from rlplane.fields import LENGTHS_FIELD, FieldSpec, Registry, check_dtype
-from rlplane.geometry import Geometry
+from rlplane.geometry import MAX_LEAD, Geometry, is_packed_row, is_shape
 from rlplane import parallel, rowkernels
 from rlplane.integrity import check_rows, check_sums, range_sums, recorded, row_sums, shared_sums
 from rlplane.packed import PackedTensor
@@ -610,13 +610,17 @@ def _densify(spec: FieldSpec, rows: list[Any]) -> Geometry | None:
         a = np.array(rows) if rows else np.zeros((0, 1), np.int64)
     except (ValueError, TypeError, OverflowError):  # ragged ranks or odd members: the careful path decides
         return None
-    if a.ndim != 2 or (a.size and (a.dtype.kind not in "iu" or (a < 0).any())):
+    if a.ndim != 2 or (a.size and (a.dtype.kind not in "iu" or (a < 0).any() or int(a.max()) >= MAX_LEAD)):
         return None
     a = a.astype(np.int64, copy=False)
     leading = spec.alignment == "token" or spec.container == "object"
     if leading and a.shape[1] < 1 or spec.container == "object" and a.shape[1] != 1:
         return None
-    return _from_matrix(a, leading, len(rows))
+    geom = _from_matrix(a, leading, len(rows))
+    top = [int(a[:, 0].max())] if leading and len(rows) else []
+    if not all(is_shape([*top, *s]) for s in geom.shapes):  # (sizes past int64: the careful path names the row)
+        return None
+    return geom
 
 
 def _from_matrix(a: np.ndarray, leading: bool, n: int) -> Geometry:
@@ -654,21 +658,11 @@ def _geometries_checked(spec: FieldSpec, geoms: list[Any], ids: list[Any] | None
     return geoms
 
 
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in x)
-
-
 def _valid_geometry(spec: FieldSpec, g: Any) -> bool:
     """Geometry as encode writes it (foreign or corrupted tags must not crash decode)."""
     if spec.container == "packed":
-        return (
-            isinstance(g, Mapping)
-            and isinstance(g.get("d"), int)
-            and isinstance(g.get("p"), bool)
-            and isinstance(g.get("s"), list)
-            and all(_is_shape(seg) for seg in g["s"])
-        )
-    if not _is_shape(g):
+        return is_packed_row(dict(g) if isinstance(g, Mapping) else g)
+    if not is_shape(g):
         return False
     if spec.container == "object":
         return len(g) == 1

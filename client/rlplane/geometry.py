@@ -162,9 +162,10 @@ class Geometry(Sequence[Any]):
         if isinstance(value, list):
             if rows is not None and len(value) != rows:
                 raise WireFormatError(f"row geometry describes {len(value)} rows of {rows}", field=field)
-            if not all(isinstance(r, dict) or _is_row(r) for r in value):
-                raise WireFormatError("a row's geometry must be a shape (ints >= 0, or shapes) or a packed row's map",
-                                      field=field)
+            if not all(is_packed_row(r) if isinstance(r, dict) else _is_row(r) for r in value):
+                raise WireFormatError(f"a row's geometry must be a shape (at most {MAX_DIMS} ints in [0, 2**40) of "
+                                      f"fewer than 2**62 elements), its segments' shapes, or a packed row's "
+                                      "{d, p, s} map", field=field)
             return cls.of_rows(value)
         if not isinstance(value, dict) or set(value) != {"n", "l", "k", "t"}:
             raise WireFormatError("row geometry must be a list of rows or a dense {n, l, k, t} map", field=field)
@@ -173,7 +174,7 @@ class Geometry(Sequence[Any]):
             raise WireFormatError("dense row geometry needs a row count", field=field)
         if rows is not None and n != rows:
             raise WireFormatError(f"row geometry describes {n} rows of {rows}", field=field)
-        if not isinstance(table, list) or not 1 <= len(table) <= MAX_SHAPES or not all(_is_shape(s) for s in table):
+        if not isinstance(table, list) or not 1 <= len(table) <= MAX_SHAPES or not all(is_shape(s) for s in table):
             raise WireFormatError(f"dense row geometry needs 1..{MAX_SHAPES} shapes of ints >= 0", field=field)
         lead = _array(raw_lead, "<i8", n, "leading dims", field)
         kind = _array(raw_kind, "<i4", n, "shape indices", field)
@@ -186,13 +187,39 @@ class Geometry(Sequence[Any]):
         return cls(lead, [tuple(s) for s in table], kind, n=n)
 
 
-def _is_shape(x: Any) -> bool:
-    return isinstance(x, list) and all(type(v) is int and v >= 0 for v in x)
+#: A shape's most dims, and (below) the most elements it may describe: what any row of a
+#: real tensor keeps to, so sizes worked out from a shape never overflow int64.
+MAX_DIMS, MAX_NUMEL = 32, 1 << 62
+
+
+def is_shape(x: Any) -> bool:
+    """Whether ``x`` is a shape as rlplane writes one: a list of at most :data:`MAX_DIMS`
+    ints (never bools) in ``[0, MAX_LEAD)`` whose product is below :data:`MAX_NUMEL`.
+
+    Example: ``is_shape([36, 1176])`` is True; ``is_shape([2**62, 4])`` is False.
+    """
+    if not isinstance(x, list) or len(x) > MAX_DIMS:
+        return False
+    numel = 1
+    for v in x:
+        if type(v) is not int or not 0 <= v < MAX_LEAD:
+            return False
+        numel *= v
+    return numel < MAX_NUMEL
+
+
+def is_packed_row(x: Any) -> bool:
+    """Whether ``x`` is a packed field's row geometry: ``{"d": int, "p": bool, "s": [shapes]}``.
+
+    Example: ``is_packed_row({"d": 0, "p": False, "s": [[4, 1176]]})`` is True.
+    """
+    return (isinstance(x, dict) and set(x) == {"d", "p", "s"} and type(x["d"]) is int and -MAX_DIMS <= x["d"] < MAX_DIMS
+            and type(x["p"]) is bool and isinstance(x["s"], list) and all(is_shape(seg) for seg in x["s"]))
 
 
 def _is_row(x: Any) -> bool:
-    """A row's geometry object as a list: dims (ints >= 0) or shapes (lists), e.g. a segment list."""
-    return isinstance(x, list) and all((type(v) is int and v >= 0) or isinstance(v, list) for v in x)
+    """A row's geometry object as a list: its shape, or its segments' shapes (nothing deeper)."""
+    return is_shape(x) or (isinstance(x, list) and all(is_shape(seg) for seg in x))
 
 
 def _array(raw: Any, dtype: str, n: int, what: str, field: str | None) -> np.ndarray | None:
@@ -204,4 +231,4 @@ def _array(raw: Any, dtype: str, n: int, what: str, field: str | None) -> np.nda
     return np.frombuffer(raw, dtype).astype(np.int64 if size == 8 else np.int32, copy=False)
 
 
-__all__ = ["Geometry", "MAX_SHAPES", "MAX_LEAD"]
+__all__ = ["Geometry", "MAX_SHAPES", "MAX_LEAD", "MAX_DIMS", "MAX_NUMEL", "is_shape", "is_packed_row"]

@@ -92,6 +92,17 @@ COMMIT_LIES = {
     "a row of 2**62 tokens": lambda h: {**h, "g": {**h["g"], "input_ids": {**h["g"]["input_ids"],
                                                                            "l": ints([2**62, 8, 8])}}},
     "row geometry of Nones": lambda h: {**h, "g": {**h["g"], "input_ids": [None] * 3}},
+    # (a row of 2**64-1 tokens was stored, and every token-budget claim of the partition then
+    # failed on it; rows nested deep were stored, and a claim's or a cut's answer, nesting them
+    # deeper, could not be packed: the claim's batch stayed leased to nobody)
+    "a row geometry of 2**64-1 tokens": lambda h: {**h, "g": {**h["g"], "input_ids": [[2**64 - 1], [8], [8]]}},
+    "a row geometry nested deep": lambda h: {**h, "g": {**h["g"], "input_ids": [[[[[[8]]]]]] * 3}},
+    "a packed row's map nested deep": lambda h: {**h, "g": {**h["g"], "input_ids": [{"d": 0, "p": False,
+                                                                                      "s": [[[[[8]]]]]}] * 3}},
+    # (2**63-1 + 2**63-1 + 194 wraps to the 192 bytes the unit sealed: readers were pointed at
+    # another put's bytes)
+    "row byte counts that wrap past 2**64": lambda h: {**h, "nb": {**h["nb"], "input_ids": ints(
+        np.array([2**63 - 1, 2**63 - 1, 194], np.uint64).astype(np.int64))}},
     "incarnations of the wrong count": lambda h: {**h, "bn": ints([5, 5])},
     "an incarnation past 2**62": lambda h: {**h, "bn": ints([1, 2**62, 3])},
     "a negative incarnation": lambda h: {**h, "bn": ints([1, -2, 3])},

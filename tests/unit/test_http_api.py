@@ -173,7 +173,7 @@ def test_tags_with_non_string_keys_are_refused_and_nothing_is_stored(served):
     assert store.partitions() == []
 
 
-@pytest.mark.parametrize("geometry", [7, [], ["a"], [-1], {"d": 0}])
+@pytest.mark.parametrize("geometry", [7, [], ["a"], [-1], {"d": 0}, [1, 2**62, 4], [3, 2**32, 2**32], [2**64 - 1]])
 def test_raw_put_with_malformed_geometry_is_422_not_500(served, geometry):
     store, http, _ = served
     enc = encode(default_registry(), {"input_ids": torch.ones(1, 4, dtype=torch.int64)}, [4])

@@ -401,6 +401,8 @@ class WriteOps:
                     nb[kept[f][0]] = 0
                 stored.append(nb)
             np.cumsum(np.stack(stored), axis=1, out=run[:, 1:])
+            if bool((run[:, 1:] < run[:, :-1]).any()):  # summed past int64 (rows of 2**63 bytes): never a real put's
+                raise E.WireFormatError("the commit's row byte counts add up past 2**63")
         return Parsed(shapes, row_bytes, row_sums, run, bid_of_row, first_row, extents(x, res), twins, row_keys, kept)
 
     def _parse_held(self, res: Reservation, keys: Any, held: Any, row_bytes: dict[str, np.ndarray],

@@ -426,3 +426,45 @@ def test_a_rebuild_reads_each_units_inventory_a_page_at_a_time(monkeypatch):
                 assert torch.equal(got["input_ids"], fields["input_ids"])
         finally:
             c.close()
+
+
+def test_a_claim_whose_answer_is_too_big_gives_its_batch_back_at_once(engine, client, known, ctrl, monkeypatch):
+    """The ledger leases a batch before its answer is packed: a claim answered
+    PayloadTooLargeError (big tags) left its samples leased to nobody until the lease
+    lapsed (300 s), and a smaller claim right after found nothing ready."""
+    from rlplane import wire
+
+    failures = engine.server.failures
+    n = 200
+    client.put_samples("bigtags", {"input_ids": torch.ones(n, 4, dtype=torch.int64), "input_lengths": torch.full((n,), 4)},
+                       sample_ids=[f"b{i}" for i in range(n)], tags=[{"note": "x" * 8192}] * n)
+    monkeypatch.setattr(wire, "MAX_HEADER_BYTES", 1 << 20)  # 200 x 8 KiB of tags: over it
+    with pytest.raises(E.PayloadTooLargeError):
+        ctrl.call({"op": "claim", "p": "bigtags", "task": "t", "n": n, "fields": ["input_ids"]}, timeout=30)
+    monkeypatch.undo()
+    state = ctrl.call({"op": "consumption", "p": "bigtags", "task": "t"}, timeout=5)[0]
+    assert state["claimed"] == 0 and state["pending"] == n
+    got = client.claim("bigtags", "t", batch_size=10, fields=["input_ids"])
+    assert len(got) == 10
+    client.clear("bigtags")
+    still_serving(engine, client, known, failures)
+
+
+@pytest.mark.parametrize("one_message", [False, True])
+def test_a_user_tag_nested_deep_is_refused_by_the_engine_itself(engine, client, known, monkeypatch, one_message):
+    """A client that skips Client's check: such a tag was stored, and every cut (so every
+    snapshot of the whole store) then failed, its answer nesting it deeper than msgpack packs."""
+    failures = engine.server.failures
+    if not one_message:
+        monkeypatch.setattr(native_transport, "ONE_MESSAGE_BYTES", 0)
+    deep: list = []
+    for _ in range(600):
+        deep = [deep]
+    rewriting(monkeypatch, "commit", lambda h: {**h, "user": [{"k": deep}, None, None]})
+    fields = {"input_ids": torch.ones(3, 8, dtype=torch.int64), "input_lengths": torch.full((3,), 8)}
+    with pytest.raises(E.ShapeError, match="nested more than"):
+        client.put_samples("deeptag", fields, sample_ids=["d0", "d1", "d2"])
+    monkeypatch.undo()
+    assert "deeptag" not in client.partitions()
+    assert engine.core.op_cut({"shm": []}, {}, [])[0]  # (a cut is answered)
+    still_serving(engine, client, known, failures)

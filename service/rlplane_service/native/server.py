@@ -268,6 +268,17 @@ class Server:
                 self._then(then)
         return None
 
+    def _unsent(self, out: dict[str, Any], header: dict[str, Any]) -> None:
+        """What an answer that could not be sent would have handed out (a locate's pin, a
+        claim's lease) is taken back by the handler, if it says how."""
+        unsent = getattr(self.handler, "unsent", None)
+        if unsent is not None:
+            try:
+                unsent(out, header)
+            except Exception:  # noqa: BLE001 - a bug in one request must not stop the server
+                self.failures += 1
+                log.exception("%s: could not take back an unsent answer", self.name)
+
     def _then(self, then: Callable[[], None]) -> None:
         """Run what a handler left for after its answer (it must run: it holds the handler's state)."""
         try:
@@ -316,14 +327,13 @@ class Server:
             took = {"took": time.monotonic() - t0} if t0 else {}  # (the client's view of where its time went)
             return pack_message({**out, "ok": True, "rid": rid, **took}, cols, bufs), after
         except E.WireFormatError as err:  # an answer over the header limit: the request asked for too much at once
-            unsent = getattr(self.handler, "unsent", None)
-            if unsent is not None:  # what the answer would have handed out (a locate's pin) is taken back
-                unsent(out)
+            self._unsent(out, header)
             if after is not None:
                 self._then(after)
             too_big = E.PayloadTooLargeError(f"{self.name}: the answer to {str(op)[:64]!r} is too big ({err})")
             return pack_message({"ok": False, "rid": rid, "error": _payload(too_big)}), None
         except Exception:
+            self._unsent(out, header)
             if after is not None:  # it must still run (it holds the handler's state); the answer says what failed
                 self._then(after)
             self.failures += 1

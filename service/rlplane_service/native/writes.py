@@ -45,7 +45,7 @@ import numpy as np
 from rlplane import errors as E
 from rlplane.geometry import Geometry
 from rlplane.names import MAX_NAME_LEN
-from rlplane.tags import extended_since, grown_evenly, left_out, older_meta, stale_meta
+from rlplane.tags import check_user_tags, extended_since, grown_evenly, left_out, older_meta, stale_meta
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
 from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects
@@ -643,6 +643,9 @@ def _commit_header(header: dict, journaling: bool) -> bool:
         raise E.WireFormatError("commit needs 'g' (geometry per field) and 'nb' (row bytes per field)")
     if user is not None and not (isinstance(user, list) and all(t is None or isinstance(t, dict) for t in user)):
         raise E.WireFormatError("commit 'user' must be one tag map per sample")
+    for t in user or ():
+        if t:  # JSON-like, as Client sends them: a tag nested deep made every cut, and so every snapshot, unanswerable
+            check_user_tags(t)
     durable = header.get("durable") is True
     if durable and not journaling:
         raise E.InvalidArgumentError("put_samples(..., durable=True) needs a journal: this store has none (start "

@@ -531,6 +531,9 @@ def check_columns(
         want = _stored_dtype(spec, col.dtype)
         if col.dtype != want:
             raise DtypeError(f"stored as {col.dtype} but the registry stores it as {want}", field=name)
+        if col.same is not None and not (spec.shares_rows and spec.container == "packed"):  # (decode would copy them out)
+            raise WireFormatError("names rows it shares (Column.same), but the registry stores each of this field's rows "
+                                  "as its own", field=name)
     decode(registry, columns, tags, layout="packed", sample_ids=ids, verify=False)  # the reader checks the digests
     lengths = columns.get(LENGTHS_FIELD)
     if lengths is None:

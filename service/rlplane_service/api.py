@@ -30,12 +30,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 import rlplane
 from rlplane import errors as E
 from rlplane import snapshot
-from rlplane.names import check_partition
+from rlplane.names import MAX_ID_LEN, MAX_NAME_LEN, check_partition
 from rlplane.codec import check_columns
 from rlplane.column import Column
 from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
@@ -118,13 +118,34 @@ class ServiceState:
         return self.store.sizes(self.transport, unit_names)
 
 
+def _unicode(text: str) -> str:
+    """A name as every store keeps it: valid Unicode (JSON lets a lone surrogate through,
+    which msgpack and the answer's JSON then cannot carry: a 500)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (not a lone surrogate)") from None
+    return text
+
+
+def _distinct(names: list[str]) -> list[str]:
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})[:3]
+        raise ValueError(f"names {twice} more than once (a read of one sample many times answered many copies)")
+    return names
+
+
+_Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LEN), AfterValidator(_unicode)]
+_Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_LEN), AfterValidator(_unicode)]
+
+
 class ClearRequest(BaseModel):
-    sample_ids: list[str] = Field(..., description="Samples to drop from the partition.")
+    sample_ids: list[_Id] = Field(..., description="Samples to drop from the partition.")
 
 
 class GetRequest(BaseModel):
-    sample_ids: list[str]
-    fields: list[str]
+    sample_ids: Annotated[list[_Id], AfterValidator(_distinct)]
+    fields: Annotated[list[_Name], Field(max_length=1024), AfterValidator(_distinct)]
     shared: bool = Field(False, description="A row the store keeps once for several of the samples (a GRPO group's "
                                             "image) comes once, with each column's shared rows named (native).")
     born: Optional[list[Annotated[int, Field(ge=0, lt=1 << 62)]]] = Field(
@@ -132,20 +153,17 @@ class GetRequest(BaseModel):
                           "a 404 MissingDataError for samples cleared and put again since (native stores).")
 
 
-_NAME = dict(min_length=1, max_length=200)
-
-
 class ClaimBody(BaseModel):
     """``POST /v1/partitions/{id}/claim``: what ``client.claim`` sends (see its docstring)."""
 
-    task: str = Field(..., **_NAME, description="The consuming task; each task sees every sample once.")
+    task: _Name = Field(..., description="The consuming task; each task sees every sample once.")
     batch_size: Optional[int] = Field(None, ge=1, le=1_000_000, description="Most samples (needed without max_tokens).")
-    stage: Optional[str] = Field(None, max_length=200, description="Ready = the stage's required fields are written.")
-    fields: Optional[list[str]] = Field(None, max_length=1000, description="Ready = these fields are written.")
+    stage: Optional[_Name] = Field(None, description="Ready = the stage's required fields are written.")
+    fields: Optional[list[_Name]] = Field(None, max_length=1000, description="Ready = these fields are written.")
     timeout: float = Field(0.0, ge=0, le=MAX_WAIT_S, description=f"Seconds to wait for a full batch (at most {MAX_WAIT_S:.0f}; "
                            "wait longer by asking again).")
     min_batch: Optional[int] = Field(None, ge=1, le=1_000_000)
-    group_key: Optional[str] = Field(None, max_length=200)
+    group_key: Optional[_Name] = None
     current_version: Optional[int] = Field(None, ge=-(1 << 62), lt=1 << 62)
     max_staleness: Optional[int] = Field(None, ge=0, lt=1 << 62)
     lease_s: Optional[float] = Field(None, gt=0, le=86400)
@@ -163,9 +181,9 @@ class SnapshotBody(BaseModel):
 class LeaseBody(BaseModel):
     """``POST /v1/partitions/{id}/ack`` and ``/nack``."""
 
-    task: str = Field(..., **_NAME)
+    task: _Name
     lease: int = Field(..., ge=0, lt=1 << 63)
-    sample_ids: Optional[list[str]] = Field(None, description="The samples of the lease to settle (default: all).")
+    sample_ids: Optional[list[_Id]] = Field(None, description="The samples of the lease to settle (default: all).")
 
 
 def _info(p: PartitionInfo) -> dict[str, Any]:

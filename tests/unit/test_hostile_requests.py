@@ -468,3 +468,19 @@ def test_a_user_tag_nested_deep_is_refused_by_the_engine_itself(engine, client, 
     assert "deeptag" not in client.partitions()
     assert engine.core.op_cut({"shm": []}, {}, [])[0]  # (a cut is answered)
     still_serving(engine, client, known, failures)
+
+
+def test_a_locate_of_more_pairs_than_any_answer_holds_is_refused_before_it_is_built(engine, client, known, ctrl):
+    """One sample named 300,000 times over 4 fields: 1.2M (sample, field) pairs, whose
+    answer (16 bytes a pair at least) could never be sent; the controller built it first
+    (2 GB for 1M ids x 32 fields) and only then refused it."""
+    from rlplane_service.native.reads import MAX_LOCATE_CELLS
+
+    failures = engine.server.failures
+    ids = ["k0"] * (MAX_LOCATE_CELLS // 4 + 1)
+    t0 = time.monotonic()
+    with pytest.raises(E.PayloadTooLargeError, match="pairs at once"):
+        ctrl.call({"op": "locate", "p": "known", "ids": ids, "fields": ["input_ids", "input_lengths", "a", "b"]},
+                  timeout=30)
+    assert time.monotonic() - t0 < 5 and not len(engine.core.pins)
+    still_serving(engine, client, known, failures)

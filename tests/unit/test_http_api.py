@@ -408,3 +408,44 @@ def test_raw_writes_with_tags_no_store_can_keep_are_422_and_change_nothing(serve
     assert r.status_code == 422 and r.json()["sample"] == "a", r.text
     assert client.write_columns(meta, {"prev_logprobs": torch.zeros(1, 4)})  # the stored tags as they were
     assert store.get("p", ["a"], ["input_ids"])[1][0]["group"] == 1
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/data/p/get", {"sample_ids": ["\ud800"], "fields": ["input_ids"]}),
+    ("/v1/data/p/get", {"sample_ids": ["a"], "fields": ["\ud800"]}),
+    ("/v1/data/p/get", {"sample_ids": ["a"] * 2000, "fields": ["input_ids"]}),
+    ("/v1/data/p/get", {"sample_ids": ["a"], "fields": ["input_ids", "input_ids"]}),
+    ("/v1/partitions/p/clear", {"sample_ids": ["\ud800"]}),
+    ("/v1/partitions/p/nack", {"task": "t", "lease": 1, "sample_ids": ["\ud800"]}),
+    ("/v1/partitions/p/claim", {"task": "\ud800", "batch_size": 1}),
+], ids=["id-surrogate", "field-surrogate", "id-2000-times", "field-twice", "clear-surrogate", "nack-surrogate",
+        "claim-task-surrogate"])
+def test_json_requests_naming_what_no_store_can_answer_are_422_and_change_nothing(served, path, body):
+    """A lone surrogate (valid JSON) was a 500 (msgpack or the answer's JSON could not carry
+    it); a read naming one sample 2000 times answered 2000 copies of it (a 10 KB request for
+    1000 MiB)."""
+    store, http, client = served
+    import json
+
+    meta = client.put_samples("p", batch(1), sample_ids=["a"])
+    r = http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})  # (escaped: "\\ud800")
+    assert r.status_code == 422 and r.json()["error"] == "InvalidArgumentError", r.text
+    got = client.read_columns(meta, ["input_ids"])
+    assert torch.equal(got["input_ids"], batch(1)["input_ids"]) and store.partitions() == ["p"]
+
+
+def test_a_put_sharing_rows_of_a_field_that_keeps_each_row_is_422_before_anything_is_copied_out(served):
+    """A 0.2 MB body naming one 64 KiB token row for 1000 samples (Column.same): the service's
+    check decoded it, copying the row out for each sample (a 0.7 MB body: 2 GB) before any
+    size check; only media fields share rows."""
+    import numpy as np
+
+    from rlplane.column import Column
+
+    store, http, _ = served
+    n, row = 1000, 8 * 1024
+    col = Column(torch.arange(row, dtype=torch.int64), torch.tensor([0] + [row] * n, dtype=torch.int64),
+                 same=np.array([-1] + [0] * (n - 1), np.int64))
+    r = raw_put(http, "p", {"input_ids": col}, [{"_rlplane_wire": {"input_ids": [row]}}] * n, [f"s{i}" for i in range(n)])
+    assert r.status_code == 422 and r.json()["error"] == "WireFormatError" and r.json()["field"] == "input_ids", r.text
+    assert "shares" in r.json()["message"] and store.partitions() == []

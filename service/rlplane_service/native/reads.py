@@ -33,6 +33,12 @@ from rlplane_service.native.unit import read_cap
 
 log = logging.getLogger(__name__)
 
+#: The most (sample, field) pairs one locate answers: each costs its answer at least 16
+#: bytes (the row's size and digest), so more can never be sent (the header limit, 16 MiB);
+#: the client asks for at most READ_CELLS (2**18) at a time. Checked before the answer is
+#: built (a locate naming one sample a million times over 32 fields took 2 GB to refuse).
+MAX_LOCATE_CELLS = 1 << 20
+
 
 class ReadOps:
     """Locate / unpin / renew over the controller's index (a mixin)."""
@@ -53,6 +59,9 @@ class ReadOps:
         (``pin`` in the answer) until the client unpins them or the pin's lease passes."""
         p, ids, fields = partition_of(header), sample_ids(header.get("ids"), unique=False), field_names(header.get("fields"))
         self._access(header, p, write=False)
+        if len(ids) * len(fields) > MAX_LOCATE_CELLS:  # (its answer, built first, would be refused as too big)
+            raise E.PayloadTooLargeError(f"a locate of {len(ids)} samples x {len(fields)} fields asks for more than "
+                                         f"{MAX_LOCATE_CELLS} (sample, field) pairs at once: read in pieces")
         shm = header.get("shm") or []
         if not isinstance(shm, list) or len(shm) > len(self.units) or not all(isinstance(u, int) for u in shm):
             raise E.WireFormatError("'shm' must list unit indices")

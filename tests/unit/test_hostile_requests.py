@@ -293,7 +293,7 @@ def test_a_locate_whose_answer_is_too_big_is_payload_too_large_and_keeps_no_pin(
         time.sleep(0.02)
     failures, pins = engine.server.failures, engine.core.stats()["pins"]
     with pytest.raises(E.PayloadTooLargeError, match="too big"):
-        ctrl.call({"op": "locate", "p": "known", "ids": ["k0"] * 1_200_000, "fields": ["input_ids"]}, timeout=60)
+        ctrl.call({"op": "locate", "p": "known", "ids": ["k0"] * 1_000_000, "fields": ["input_ids"]}, timeout=60)
     assert engine.core.stats()["pins"] == pins
     still_serving(engine, client, known, failures)
 

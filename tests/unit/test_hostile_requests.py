@@ -476,11 +476,11 @@ def test_a_locate_of_more_pairs_than_any_answer_holds_is_refused_before_it_is_bu
     (2 GB for 1M ids x 32 fields) and only then refused it."""
     from rlplane_service.native.reads import MAX_LOCATE_CELLS
 
-    failures = engine.server.failures
+    failures, pins = engine.server.failures, len(engine.core.pins)  # (earlier reads' unpins may still be on their way)
     ids = ["k0"] * (MAX_LOCATE_CELLS // 4 + 1)
     t0 = time.monotonic()
     with pytest.raises(E.PayloadTooLargeError, match="pairs at once"):
         ctrl.call({"op": "locate", "p": "known", "ids": ids, "fields": ["input_ids", "input_lengths", "a", "b"]},
                   timeout=30)
-    assert time.monotonic() - t0 < 5 and not len(engine.core.pins)
+    assert time.monotonic() - t0 < 5 and len(engine.core.pins) <= pins
     still_serving(engine, client, known, failures)

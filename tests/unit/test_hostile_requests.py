@@ -157,6 +157,20 @@ def test_a_renewal_of_an_unknown_pin_whose_blocks_are_not_stored_is_answered_gon
     still_serving(engine, client, known, failures)
 
 
+def test_made_up_pins_on_stored_blocks_are_not_taken_up_by_a_controller_that_did_not_restart(engine, client,
+                                                                                               known, ctrl):
+    """A renewal naming 65,536 made-up pins on a block the store holds filled the pin table,
+    and every read of the store then failed (UnavailableError) for as long as it renewed.
+    Only a restarted controller takes up pins it does not know, for a pin lease."""
+    failures = engine.server.failures
+    blocks = [next(iter(engine.core._block_units))]  # a block the store holds
+    pins = [f"fake{i}" for i in range(engine.core.pins.limit)]
+    before = len(engine.core.pins)
+    gone = ctrl.call({"op": "renew", "pins": pins, "pb": [ints(blocks)] * len(pins)}, timeout=30)[0]["gone"]
+    assert len(gone) == len(pins) and len(engine.core.pins) <= before
+    still_serving(engine, client, known, failures)
+
+
 #: Lies about the extents and seals a writer's units gave it: a put sent in one message has
 #: none to tell (its controller hands the rows to the units itself).
 OF_EXTENTS = {lie for lie in COMMIT_LIES if "'x'" in lie or "'xs'" in lie or "seal" in lie}

@@ -15,7 +15,8 @@ controller takes up a pin it does not know (:meth:`Pins.renew`) as long as its b
 were not freed: still stored, deferred, or the hold not yet over. Block ids are never
 reused, so pinning a block again that was not freed is always safe. A client may name
 blocks it never read: that delays their frees, as any pin does, within the pin limit and
-MAX_TAKEN_BLOCKS blocks in all (each pin's ids counted once).
+MAX_TAKEN_BLOCKS blocks in all (each pin's ids counted once), half the pin limit, and a pin
+lease after the restart (later, a pin the controller does not know is one that went).
 
 Example::
 
@@ -61,6 +62,7 @@ class Pins:
         self._deferred: dict[int, tuple[int, ...]] = {}  # unreferenced pinned block -> units to free it on
         self._kept: set[str] = set()  # pins of zero-copy views (asked so, or renewed): never dropped for room
         self._hold_until = 0.0  # (monotonic) until then no block is freed: see hold_frees
+        self._take_up_until = 0.0  # (monotonic) until then renewals take up unknown pins (after a restart only)
         self.taken_up = 0  # pins of an earlier controller taken up by a renewal
         self._taken: set[str] = set()  # the pins taken up
         self._taken_blocks = 0  # blocks they hold (at most MAX_TAKEN_BLOCKS)
@@ -116,7 +118,8 @@ class Pins:
         """Extend ``pins`` by a lease; the ones that are gone. ``blocks``: each pin's blocks
         (as its locate named them): a pin this controller does not know (it was restarted)
         is taken up, under its id, when none of its blocks was freed (each is ``stored``,
-        deferred, or the restart hold is not over). Until the limit only. A block taken up
+        deferred, or the restart hold is not over), within a pin lease of the restart
+        (:meth:`hold_frees`), while taken-up pins are under half the limit. A block taken up
         that the controller does not store (cleared before the restart, still on its unit)
         is freed on every one of ``units`` once its last pin goes."""
         now = time.monotonic()
@@ -128,7 +131,8 @@ class Pins:
                 self._kept.add(pin)
                 continue
             named = sorted(set(blocks[k])) if blocks is not None and k < len(blocks) and blocks[k] else None
-            if (isinstance(pin, str) and len(pin) <= 64 and named and len(self._pins) < self.limit
+            if (isinstance(pin, str) and len(pin) <= 64 and named and now < self._take_up_until
+                    and len(self._pins) < self.limit and len(self._taken) < self.limit // 2
                     and self._taken_blocks + len(named) <= MAX_TAKEN_BLOCKS
                     and (now < self._hold_until or all(stored(b) or b in self._deferred for b in named))):
                 self._taken.add(pin)
@@ -147,8 +151,14 @@ class Pins:
     def hold_frees(self, seconds: float) -> None:
         """Free no block for ``seconds`` from now (a restarted controller: the readers' views
         are not pinned here until they renew). Blocks that lose their last sample meanwhile
-        wait, and go once the hold is over unless a pin taken up holds them."""
-        self._hold_until = time.monotonic() + seconds
+        wait, and go once the hold is over unless a pin taken up holds them. Renewals take up
+        pins this controller does not know for a pin lease from now (or the hold, if longer):
+        every reader renews within seconds, and outside that window a pin it does not know
+        is one that went (a client naming made-up pins once filled the pin table, and every
+        read then failed)."""
+        now = time.monotonic()
+        self._hold_until = now + seconds
+        self._take_up_until = now + max(seconds, self.lease_s)
 
     @property
     def holding(self) -> bool:

@@ -29,7 +29,7 @@ import torch
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.errors import WireFormatError
-from rlplane.wire import int_array, ints
+from rlplane.wire import MAX_CONTAINERS, SMALL_HEADER_BYTES, int_array, ints, unpack_counted
 from rlplane.wire import raw as _raw  # the bytes of a tensor without a copy, shared with the engine's wire
 
 MAGIC = b"RLPL"
@@ -107,11 +107,14 @@ def unpack(body: bytearray | memoryview | bytes) -> tuple[dict[str, Any], dict[s
     start = _PREFIX.size + head_len
     if start > view.nbytes:
         raise WireFormatError("envelope header runs past the body")
+    # (a header of 8 MiB of empty maps decoded to 600 MiB: past 1 MiB, at most a list or map per 16 bytes, about
+    # what real tags hold, so decoded it costs a few times its size at most)
+    containers = max(MAX_CONTAINERS, head_len // 16) if head_len > SMALL_HEADER_BYTES else None
+    head = unpack_counted(view[_PREFIX.size : start], containers, "envelope header", raw=False, strict_map_key=False)
     try:
-        head = msgpack.unpackb(view[_PREFIX.size : start], raw=False, strict_map_key=False)
         header, layout = head["h"], head["c"]
-    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as err:
-        raise WireFormatError(f"envelope header is not valid msgpack ({err})") from None
+    except (KeyError, TypeError) as err:
+        raise WireFormatError(f"envelope header is not an rlplane one ({err})") from None
     if not isinstance(header, dict) or not isinstance(layout, list):
         raise WireFormatError("envelope header must be a map with a list of columns")
     base = start + _pad(start)

@@ -111,27 +111,37 @@ def unpack_header(frame: Any) -> dict[str, Any]:
     view = memoryview(frame)
     if view.nbytes > MAX_HEADER_BYTES:
         raise WireFormatError(f"message header of {view.nbytes} bytes is over the limit of {MAX_HEADER_BYTES}")
-    hooks = _counting_hooks() if view.nbytes > SMALL_HEADER_BYTES else {}
-    try:
-        header = msgpack.unpackb(view, raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_STR_LEN,
-                                 max_bin_len=MAX_BIN_LEN, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS,
-                                 max_ext_len=0, **hooks)
-    except _TooMany:
-        raise WireFormatError(f"message header holds more than {MAX_CONTAINERS} lists and maps") from None
-    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as err:
-        raise WireFormatError(f"message header is not msgpack ({type(err).__name__})") from None
+    header = unpack_counted(view, MAX_CONTAINERS if view.nbytes > SMALL_HEADER_BYTES else None, "message header",
+                            raw=False, strict_map_key=True, use_list=True, max_str_len=MAX_STR_LEN,
+                            max_bin_len=MAX_BIN_LEN, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS)
     if not isinstance(header, dict) or header.get("v") != VERSION:
         raise WireFormatError(f"not an rlplane engine message of version {VERSION}")
     return header
+
+
+def unpack_counted(data: Any, containers: int | None, what: str, **limits: Any) -> Any:
+    """``msgpack.unpackb(data, **limits)`` that decodes at most ``containers`` lists and
+    maps (None: uncounted) and no ext types (WireFormatError naming ``what`` otherwise):
+    what a header may cost in memory is bounded by its size, not by how many empty maps fit.
+
+    Example: ``unpack_counted(body, MAX_CONTAINERS, "envelope header", raw=False)``.
+    """
+    hooks = _counting_hooks(containers) if containers is not None else {}
+    try:
+        return msgpack.unpackb(data, max_ext_len=0, **limits, **hooks)
+    except _TooMany:
+        raise WireFormatError(f"{what} holds more than {containers} lists and maps") from None
+    except (ValueError, TypeError, RecursionError, msgpack.UnpackException) as err:
+        raise WireFormatError(f"{what} is not msgpack ({type(err).__name__})") from None
 
 
 class _TooMany(Exception):
     pass
 
 
-def _counting_hooks() -> dict[str, Any]:
-    """msgpack hooks that raise once a header has decoded MAX_CONTAINERS lists and maps."""
-    left = [MAX_CONTAINERS]
+def _counting_hooks(containers: int = MAX_CONTAINERS) -> dict[str, Any]:
+    """msgpack hooks that raise once a header has decoded ``containers`` lists and maps."""
+    left = [containers]
 
     def count(x: Any) -> Any:
         left[0] -= 1

@@ -100,3 +100,19 @@ def test_shared_rows_that_do_not_name_an_earlier_stored_row_are_refused(same):
     body += bytes((-len(body)) % 64) + good[16 + head_len + ((-(16 + head_len)) % 64):]
     with pytest.raises(WireFormatError):
         unpack(body)
+
+
+def test_an_envelope_header_of_many_empty_maps_is_refused_while_it_is_decoded():
+    """8 MiB of empty maps decoded to ~600 MiB before the shape check refused it (a 2 GiB
+    body: ~150 GB); past 1 MiB a header holds at most one list or map per 16 bytes."""
+    from rlplane.envelope import MAGIC, VERSION, _PREFIX
+
+    head = msgpack.packb({"h": {"tags": [{}] * (4 << 20)}, "c": []})
+    body = _PREFIX.pack(MAGIC, VERSION, len(head)) + head
+    assert len(head) > 4 << 20
+    with pytest.raises(WireFormatError, match="lists and maps"):
+        unpack(body)
+    ok = msgpack.packb({"h": {"sample_ids": [f"s{i}" for i in range(200_000)],
+                              "tags": [{"group": i, "x": [i]} for i in range(200_000)]}, "c": []})
+    assert len(ok) > 1 << 20
+    assert len(unpack(_PREFIX.pack(MAGIC, VERSION, len(ok)) + ok)[0]["tags"]) == 200_000  # real tags pass

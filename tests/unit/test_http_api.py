@@ -449,3 +449,25 @@ def test_a_put_sharing_rows_of_a_field_that_keeps_each_row_is_422_before_anythin
     r = raw_put(http, "p", {"input_ids": col}, [{"_rlplane_wire": {"input_ids": [row]}}] * n, [f"s{i}" for i in range(n)])
     assert r.status_code == 422 and r.json()["error"] == "WireFormatError" and r.json()["field"] == "input_ids", r.text
     assert "shares" in r.json()["message"] and store.partitions() == []
+
+
+def test_a_chunked_body_over_the_limit_is_413_while_it_streams_and_changes_nothing(served):
+    """The limit was checked against the declared length only: a JSON body sent chunked
+    (no Content-Length) was read whole whatever its size (77 MiB against a 1 MiB limit)."""
+    import json
+
+    store, http, client = served
+    client.put_samples("p", batch(1), sample_ids=["a"])
+    ids = json.dumps({"sample_ids": ["a"] + [f"x{i:07d}" for i in range(200_000)]}).encode()  # ~2.4 MB
+    assert len(ids) > 2 << 20
+
+    def chunks():
+        for k in range(0, len(ids), 64 << 10):
+            yield ids[k : k + (64 << 10)]
+
+    r = http.post("/v1/partitions/p/clear", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"] == "PayloadTooLargeError"
+    assert store.describe("p").num_samples == 1
+    small = json.dumps({"sample_ids": ["a"]}).encode()
+    r = http.post("/v1/partitions/p/clear", content=iter([small]), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["cleared"] == 1  # a chunked body under the limit goes through

@@ -61,6 +61,7 @@ from rlplane import errors as E
 from rlplane.channel import PLAIN_USER
 from rlplane.dtypes import numpy_of
 from rlplane.gather import gather
+from rlplane.names import MAX_NAME_LEN
 from rlplane.wire import RawColumn, check_offsets, int_array, ints
 from rlplane_service.native.allocator import ALIGN, Allocator
 from rlplane_service.native import commitlog as clog
@@ -565,6 +566,9 @@ class UnitCore:
             raise E.WireFormatError(f"a block's columns must hold the same number of rows, got {sorted(rows)}")
         if len({name for name, *_ in layout}) != len(layout):
             raise E.WireFormatError("a block names a field twice")
+        if not all(0 < len(name) <= MAX_NAME_LEN and 0 < len(dname) <= 32 for name, dname, *_ in layout):
+            # (a block's names are kept as long as it lives, and shared layouts longer: 1 MiB names piled up)
+            raise E.WireFormatError(f"a block's field names are 1-{MAX_NAME_LEN} characters (and dtypes named)")
         with self._lock:
             if bid in self._blocks:
                 raise E.WireFormatError(f"block {bid} is already stored on {self.name}")

@@ -308,3 +308,67 @@ def test_only_the_controller_may_make_a_unit_forget_and_garbage_forgets_nothing(
         assert log_entries(eng) == held
         restart(eng)
         same(c, w, meta)
+
+
+def _used(eng: LocalEngine) -> int:
+    return sum(core.alloc.used_bytes for core in eng.cores)
+
+
+def test_a_group_member_whose_images_it_found_stored_survives_compaction_and_a_restart(monkeypatch):
+    """Members of one GRPO group put one at a time find their images stored by an earlier
+    member, which is then cleared: once the log forgot the cleared members' records, the
+    replay found no live row holding the images for the last member's put, skipped it, and
+    the never-cleared member was gone. A replay trusts the rows its record says it found
+    (checked when it committed; the units keep them while a row points at them)."""
+    monkeypatch.setattr(recovery, "RESTART_HOLD_S", 1.0)  # (the frees after the restart wait less)
+    w = vlm_grpo(batch=8, seqlen=32, seed=17)  # one group: every member has the same images
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng:
+        c = connect(eng)
+        empty = _used(eng)
+        m0 = c.put_samples("p", w.select([0]).fields)  # stores the images
+        m1 = c.put_samples("p", w.select([1]).fields)  # finds them: shares m0's bytes
+        c.clear("p", m0.sample_ids)  # m1 holds them now
+        m2 = c.put_samples("p", w.select([2]).fields)  # finds them under m1
+        c.clear("p", m1.sample_ids)  # m2 holds them
+        compact(eng)
+        assert eng.core.book.stats()["forgot"] >= 1
+        rep = restart(eng)
+        assert rep["samples"] == 1 and rep["skipped"] == 0 and rep["lost_samples"] == 0, rep
+        got = c.read_columns(m2, sorted(m2.fields))
+        assert diff_fields(c.registry, w.select([2]).fields, got, w.lengths[[2]], sample_ids=m2.sample_ids) == []
+        m3 = c.put_samples("p", w.select([3]).fields)  # the images are found under m2 after the rebuild too
+        assert c.transport.stats()["shared_bytes"] > 0
+        c.clear("p")
+        c.close()
+        deadline = time.monotonic() + 20  # (frees wait out the restart's hold)
+        while _used(eng) > empty and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _used(eng) == empty and m3  # nothing of the images stays behind
+
+
+@pytest.mark.parametrize("extend", [False, True])
+def test_a_write_over_samples_one_of_which_was_cleared_survives_compaction_and_a_restart(extend):
+    """Samples put one at a time, a write_columns (and an extend) over them together, then one
+    cleared: the log forgot its put, and the replay skipped the whole write for naming a
+    sample it never had: the other sample silently read its rows from before the write, or
+    (after an extend) was lost."""
+    one = lambda: {"input_ids": torch.arange(4).reshape(1, 4), "advantages": torch.zeros(1, 4),  # noqa: E731
+                   "input_lengths": torch.tensor([4])}
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng:
+        c = connect(eng)
+        a, b = c.put_samples("w", one(), finished=False), c.put_samples("w", one(), finished=False)
+        meta = c.write_columns(SampleMeta.concat([a, b]), {"advantages": torch.full((2, 4), 5.0)})
+        want = [5.0] * 4
+        if extend:
+            meta = c.extend(meta, {"input_ids": torch.full((2, 2), 9), "advantages": torch.full((2, 2), 1.0),
+                                   "input_lengths": torch.tensor([2, 2])}, finished=True)
+            want += [1.0, 1.0]
+        c.clear("w", a.sample_ids)
+        compact(eng)
+        assert eng.core.book.stats()["forgot"] >= 1
+        rep = restart(eng)
+        assert rep["samples"] == 1 and rep["skipped"] == 0 and rep["lost_samples"] == 0, rep
+        kept = meta.subset([1])
+        assert c.read_columns(kept, ["advantages"], layout="jagged")["advantages"][0].tolist() == want
+        assert c.transport.describe("w").sample_ids == b.sample_ids
+        c.close()

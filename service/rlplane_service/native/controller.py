@@ -48,7 +48,7 @@ from rlplane_service.native.health import (CHECK_TIMEOUT_S, REPORT_TIMEOUT_S, SW
                                            WATCH_EVERY_S, UnitHealth)
 from rlplane_service.native.cut import CutOps
 from rlplane_service.native.held import inherit
-from rlplane_service.native.index import COMMITTED, FREE, FieldIndex, Partition, Reservation, rows_in
+from rlplane_service.native.index import COMMITTED, FREE, FieldIndex, Partition, Reservation, per_block, rows_in
 from rlplane_service.native.pins import PIN_LEASE_S, Pins
 from rlplane_service.native.requests import (partition_of,
                                              sample_ids)
@@ -428,7 +428,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
             inherit(fi, heirs)
             handed = int(fi.nbytes[heirs].sum())
             self._shared_bytes -= handed
-            for b, nb in zip(*_per_block(fi.block[heirs], fi.nbytes[heirs])):
+            for b, nb in zip(*per_block(fi.block[heirs], fi.nbytes[heirs])):
                 self._block_bytes[b][1] += nb
         return blocks, nbytes
 
@@ -645,8 +645,3 @@ def _heirs(fi: FieldIndex, slots: np.ndarray) -> np.ndarray:
     after[1:] = first[:-1] & (kind[:-1] == 0) & ~first[1:]  # right after a going row, in its group
     return slot[after & (kind == 1)]
 
-
-def _per_block(blocks: np.ndarray, nbytes: np.ndarray) -> tuple[list[int], list[int]]:
-    uniq, inv = np.unique(blocks, return_inverse=True)
-    sums = np.bincount(inv.reshape(-1), weights=nbytes, minlength=uniq.size)
-    return uniq.tolist(), [int(x) for x in sums.tolist()]

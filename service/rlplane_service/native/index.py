@@ -38,6 +38,15 @@ def rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
     return np.flatnonzero(hit & (part.state[: part.used] == COMMITTED))
 
 
+def per_block(blocks: np.ndarray, nbytes: np.ndarray) -> tuple[list[int], list[int]]:
+    """The distinct ``blocks`` and the ``nbytes`` of their rows summed per block.
+
+    Example: ``per_block(np.array([7, 5, 7]), np.array([1, 2, 3]))`` -> ``([5, 7], [2, 4])``."""
+    uniq, inv = np.unique(blocks, return_inverse=True)
+    sums = np.bincount(inv.reshape(-1), weights=nbytes, minlength=uniq.size)
+    return uniq.tolist(), [int(x) for x in sums.tolist()]
+
+
 def objects(items: Sequence[Any]) -> np.ndarray:
     out = np.empty(len(items), dtype=object)
     for i, x in enumerate(items):  # numpy would turn lists of lists into a 2-D array

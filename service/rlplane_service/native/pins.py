@@ -192,6 +192,11 @@ class Pins:
         self._deferred[b] = units
         return True
 
+    def revive(self, b: int) -> tuple[int, ...] | None:
+        """Block ``b`` is the index's again (a rebuild's replay dropped it, then found a row
+        pointing at it): it is not freed when the hold ends; the units it was deferred on."""
+        return self._deferred.pop(b, None)
+
     def waiting(self, b: int) -> bool:
         """Whether block ``b`` is deferred (gone from the index, still on its units)."""
         return b in self._deferred

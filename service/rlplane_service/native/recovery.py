@@ -480,6 +480,7 @@ class RecoveryOps:
         ids, create, fields = list(rec["ids"]), rec["create"] is True, list(rec["fields"])
         blocks = blocks_of(rec["blocks"], len(ids), len(self.units))
         born = births(rec.get("bn"), len(ids)) if create else None  # checked before anything is taken
+        stand_ins = None
         if create:
             if part is not None and (again := [part.ids[s] for s in ids if s in part.ids]):
                 self._forget(p, part, np.asarray(again, np.int64))  # a later put of the same ids wins
@@ -491,8 +492,14 @@ class RecoveryOps:
             if part is None:
                 return False
             slots = np.asarray([part.ids.get(s, -1) for s in ids], np.int64)
-            if bool((slots < 0).any()) or bool((part.state[slots] != COMMITTED).any()):
+            gone = np.flatnonzero(slots < 0)
+            if gone.size == len(ids) or bool((part.state[slots[slots >= 0]] != COMMITTED).any()):
                 return False  # cleared after it was written
+            if gone.size:  # some of its samples were cleared since (their put records are forgotten): the others
+                # still take its rows, so the cleared ones stand in as samples of their own, dropped once it applied
+                slots[gone] = part.take([ids[k] for k in gone.tolist()])
+                part.state[slots[gone]] = COMMITTED
+                stand_ins = slots[gone]
         for b, units, _, _ in blocks:
             self._block_units[b] = units
             self._block_refs.setdefault(b, 0)
@@ -500,12 +507,16 @@ class RecoveryOps:
         res = Reservation(rid, p, part, slots, create, fields, blocks, float("inf"), seq=e.seq, ids=ids,
                           born=(born if born is not None else incarnation(rid)) if create else 0)
         try:
-            parsed = self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s"), rec.get("k"),
-                                        rec.get("hx"))
-        except BaseException:  # e.g. rows it shared from a put whose record no unit kept: it did not happen
-            self._abort(res)
-            raise
-        self._apply_commit(res, parsed, rec.get("user"))
+            try:
+                parsed = self._parse_commit(res, rec["g"], rec["nb"], rec["h"], rec.get("x"), rec.get("s"),
+                                            rec.get("k"), rec.get("hx"), replayed=True)
+            except BaseException:  # e.g. rows it shared from a put whose record no unit kept: it did not happen
+                self._abort(res)
+                raise
+            self._apply_commit(res, parsed, rec.get("user"))
+        finally:
+            if stand_ins is not None:
+                self._forget(p, part, stand_ins)
         return True
 
     def _locate_copies(self, holders: dict[int, dict[int, list[Any]]]) -> int:

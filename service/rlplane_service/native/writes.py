@@ -48,7 +48,8 @@ from rlplane.names import MAX_NAME_LEN
 from rlplane.tags import check_user_tags, extended_since, grown_evenly, left_out, older_meta, stale_meta
 from rlplane.wire import int_array
 from rlplane_service.native.held import MAX_HELD_KEYS, held_refs, lookup, parse_keys, parse_refs, register
-from rlplane_service.native.index import COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects
+from rlplane_service.native.index import (COMMITTED, FREE, RESERVED, Partition, Reservation, incarnation, objects,
+                                          per_block)
 from rlplane_service.native.logbook import LogBook
 from rlplane_service.native.requests import (births, block_id_ok, blocks_of, digests, extents, field_names, partition_of,
                                              plain_int, sample_ids, shared_rows)
@@ -82,6 +83,7 @@ class Parsed:
     same: dict[str, np.ndarray]  # fields with rows stored once: per row -1, or the earlier row it repeats
     keys: dict[str, np.ndarray]  # fields whose rows have keys (rlplane_service.native.held): (n, 2) uint64
     held: dict[str, tuple[np.ndarray, np.ndarray]]  # fields with rows an earlier put stored: (rows, their refs)
+    replayed: bool = False  # a rebuild's replay of its record: the rows it found stored are trusted (held_refs)
 
     @property
     def spans(self) -> dict[str, np.ndarray]:
@@ -364,7 +366,7 @@ class WriteOps:
                                  res.ids[i] if res.ids else None)
 
     def _parse_commit(self, res: Reservation, geoms: dict, sizes: dict, sums: dict, x: Any, same: Any = None,
-                      keys: Any = None, held: Any = None) -> Parsed:
+                      keys: Any = None, held: Any = None, *, replayed: bool = False) -> Parsed:
         """A commit's rows checked against its reservation (a commit, or a record replayed).
         ``same``: per field whose rows repeat one another, each row's earlier twin (-1: none),
         as int64 bytes; such a row is stored empty and holds its twin's bytes. ``keys`` and
@@ -388,7 +390,7 @@ class WriteOps:
                 raise E.WireFormatError("row byte counts must not be negative", field=name)
             shapes[name], row_bytes[name], row_sums[name] = g, nb, h
         twins = shared_rows(same, res.fields, n, row_bytes, row_sums)
-        row_keys, kept = self._parse_held(res, keys, held, row_bytes, row_sums, twins)
+        row_keys, kept = self._parse_held(res, keys, held, row_bytes, row_sums, twins, replayed)
         # Each field's running byte count as stored: a row's offset in its block's extent, a
         # block's bytes (a row that repeats another, or that an earlier put stored, is stored empty).
         run = np.zeros((len(res.fields), n + 1), np.int64)
@@ -403,10 +405,11 @@ class WriteOps:
             np.cumsum(np.stack(stored), axis=1, out=run[:, 1:])
             if bool((run[:, 1:] < run[:, :-1]).any()):  # summed past int64 (rows of 2**63 bytes): never a real put's
                 raise E.WireFormatError("the commit's row byte counts add up past 2**63")
-        return Parsed(shapes, row_bytes, row_sums, run, bid_of_row, first_row, extents(x, res), twins, row_keys, kept)
+        return Parsed(shapes, row_bytes, row_sums, run, bid_of_row, first_row, extents(x, res), twins, row_keys, kept,
+                      replayed)
 
     def _parse_held(self, res: Reservation, keys: Any, held: Any, row_bytes: dict[str, np.ndarray],
-                    row_sums: dict[str, np.ndarray | None], twins: dict[str, np.ndarray]
+                    row_sums: dict[str, np.ndarray | None], twins: dict[str, np.ndarray], replayed: bool = False
                     ) -> tuple[dict[str, np.ndarray], dict[str, tuple[np.ndarray, np.ndarray]]]:
         n = res.slots.size
         if keys is None and held is None:
@@ -424,7 +427,7 @@ class WriteOps:
                                     "record must replay on its own)")
         for f, raw in (held or {}).items():
             refs = parse_refs(raw, n, f)
-            rows = held_refs(res.part, f, refs, out[f], row_bytes[f], row_sums[f], twins.get(f))
+            rows = held_refs(res.part, f, refs, out[f], row_bytes[f], row_sums[f], twins.get(f), live=not replayed)
             if rows.size:
                 kept[f] = (rows, refs[rows])
         return out, kept
@@ -451,10 +454,16 @@ class WriteOps:
                 refs.subtract(block[rows].tolist())
                 refs.update(where[:, 0].tolist())
                 block[rows], row[rows], off[rows] = where[:, 0], where[:, 1], where[:, 2]
-                fi.dup[res.slots[rows]] = True
+                heirs = self._revived(where[:, 0]) if c.replayed else None
+                shared = rows if heirs is None else rows[~heirs]
+                fi.dup[res.slots[shared]] = True
                 fi.shares = True
-                own[rows] = False
-                self._shared_bytes += int(c.row_bytes[name][rows].sum())
+                own[shared] = False
+                self._shared_bytes += int(c.row_bytes[name][shared].sum())
+                if heirs is not None and heirs.any():  # they hold those bytes now, as the heirs of the rows that did
+                    for b, nb in zip(*per_block(where[heirs, 0], c.row_bytes[name][rows[heirs]])):
+                        self._block_bytes[b][0] += nb
+                        self._block_bytes[b][1] += nb
             if same is not None:  # a repeated row points at its twin's bytes, wherever they are stored
                 dup = np.flatnonzero(same >= 0)
                 moved, counts = np.unique(np.stack([block[dup], block[same[dup]]]), axis=1, return_counts=True)
@@ -502,6 +511,20 @@ class WriteOps:
         self._res.pop(res.rid, None)
         self._committed(res.rid, n)
         self.ledger.touch(res.partition, res.slots)  # parked claims on it may be ready now
+
+    def _revived(self, blocks: np.ndarray) -> np.ndarray:
+        """Replaying: which of ``blocks`` (of rows a put found stored) the replay had no row
+        pointing at (it dropped them, or never saw them: the records of the rows that held
+        them when it committed were forgotten from a compacted log; the units keep a block
+        while a row points at it). Those are the index's again, their units taken from the
+        units' inventory at the rebuild's end; True where a block is one."""
+        uniq = np.unique(blocks)
+        gone = [b for b in uniq.tolist() if b not in self._block_refs]
+        for b in gone:
+            self._block_units[b] = self.pins.revive(b) or ()
+            self._block_refs[b] = 0
+            self._block_bytes[b] = [0, 0]
+        return np.isin(blocks, gone)
 
     def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], run: dict[str, np.ndarray]) -> None:
         """Every copy of every block the commit names must come with its unit's seal of

@@ -175,14 +175,30 @@ def _compile() -> Any:
     return jit
 
 
+#: How long a fork waits for the load :func:`load_soon` started (a child forked meanwhile
+#: would inherit the import lock of a thread it does not have, and its own load would hang).
+FORK_WAIT_S = 30.0
+_cut_short = False  # a fork went ahead while that load still ran
+
+
+def _finish_loading() -> None:
+    global _cut_short
+    t = _loading
+    if t is not None and t.is_alive() and t is not threading.current_thread():
+        t.join(FORK_WAIT_S)
+        _cut_short = t.is_alive()
+
+
 def _forget_lock() -> None:  # in a forked child: a load another thread had under way is not there
-    global _lock, _loading
+    global _lock, _loading, _kernels
     _lock = threading.Lock()
     _loading = None
+    if _cut_short and _kernels is None:  # its import is half done here, for good: the numpy path
+        _kernels = False
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_lock)
+    os.register_at_fork(before=_finish_loading, after_in_child=_forget_lock)
 
 
 __all__ = ["ready", "load_soon", "digests", "copy_rows", "pad_rows"]

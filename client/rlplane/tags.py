@@ -69,11 +69,13 @@ BORN_TAG = "_rlplane_born"
 MAX_TAG_DEPTH = 16
 
 
-def tag_problem(value: Any, depth: int = 0) -> str | None:
+def tag_problem(value: Any, depth: int = 0, *, strict: bool = True) -> str | None:
     """What keeps ``value`` from being a user tag's value, or None: tags are JSON-like, so
     every store keeps them and every transport hands them back (msgpack to the engine, JSON
     over HTTP): None, bool, an int of 64 bits, a finite float, a str of valid Unicode, and
     lists and maps (str keys) of those, nested at most :data:`MAX_TAG_DEPTH` deep.
+    ``strict=False`` (the engine, which also takes back what an earlier release stored:
+    snapshots, journals) lets bytes and non-finite floats by; the nesting is what it cannot.
 
     Example: ``tag_problem({"k": {1: 2}})`` -> ``"a map key 1 that is not a str"``.
     """
@@ -88,20 +90,22 @@ def tag_problem(value: Any, depth: int = 0) -> str | None:
     if isinstance(value, int):
         return None if -(1 << 63) <= value < 1 << 64 else f"an int of more than 64 bits ({str(value)[:40]})"
     if isinstance(value, float):
-        return None if math.isfinite(value) else f"a float that is not finite ({value}): JSON has no such number"
-    if isinstance(value, (list, tuple, Mapping)):
+        return None if math.isfinite(value) or not strict else f"a float that is not finite ({value}): JSON has no such number"
+    if isinstance(value, bytes) and not strict:
+        return None
+    if isinstance(value, (list, tuple, dict)):  # (dicts only: msgpack packs no other mapping)
         if depth >= MAX_TAG_DEPTH:
             return f"lists and maps nested more than {MAX_TAG_DEPTH} deep"
-        if isinstance(value, Mapping):
+        if isinstance(value, dict):
             for k, v in value.items():
                 if not isinstance(k, str):
                     return f"a map key {k!r:.40} that is not a str"
-                problem = tag_problem(k) or tag_problem(v, depth + 1)
+                problem = tag_problem(k, strict=strict) or tag_problem(v, depth + 1, strict=strict)
                 if problem:
                     return problem
             return None
         for v in value:
-            problem = tag_problem(v, depth + 1)
+            problem = tag_problem(v, depth + 1, strict=strict)
             if problem:
                 return problem
         return None
@@ -109,10 +113,10 @@ def tag_problem(value: Any, depth: int = 0) -> str | None:
             "keys of those)")
 
 
-def check_user_tags(tag: Any, *, sample: Any = None) -> dict[str, Any]:
+def check_user_tags(tag: Any, *, sample: Any = None, strict: bool = True) -> dict[str, Any]:
     """One sample's user tags checked (ShapeError naming the sample and the key otherwise):
     a map with str keys, none of them reserved for rlplane (:data:`RESERVED_TAG_PREFIX`),
-    each value as :func:`tag_problem` allows; returns them as a dict.
+    each value as :func:`tag_problem` allows (``strict``); returns them as a dict.
 
     Example: ``check_user_tags({"group_id": 3, "reward": 0.5}, sample="s0")``.
     """
@@ -126,7 +130,7 @@ def check_user_tags(tag: Any, *, sample: Any = None) -> dict[str, Any]:
         if key.startswith(RESERVED_TAG_PREFIX):
             raise ShapeError(f"tag keys starting with {RESERVED_TAG_PREFIX!r} are reserved for rlplane: {key!r:.80}",
                              sample=sample)
-        problem = tag_problem(key) or tag_problem(value, 1)
+        problem = tag_problem(key) or tag_problem(value, 1, strict=strict)
         if problem:
             raise ShapeError(f"tag {key!r:.80} holds {problem}", sample=sample)
     return dict(tag)

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 import inspect
 import logging
@@ -130,7 +131,7 @@ def _unicode(text: str) -> str:
 
 def _distinct(names: list[str]) -> list[str]:
     if len(set(names)) != len(names):
-        twice = sorted({n for n in names if names.count(n) > 1})[:3]
+        twice = sorted(n for n, k in collections.Counter(names).items() if k > 1)[:3]
         raise ValueError(f"names {twice} more than once (a read of one sample many times answered many copies)")
     return names
 

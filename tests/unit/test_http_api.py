@@ -471,3 +471,17 @@ def test_a_chunked_body_over_the_limit_is_413_while_it_streams_and_changes_nothi
     small = json.dumps({"sample_ids": ["a"]}).encode()
     r = http.post("/v1/partitions/p/clear", content=iter([small]), headers={"Content-Type": "application/json"})
     assert r.status_code == 200 and r.json()["cleared"] == 1  # a chunked body under the limit goes through
+
+
+def test_a_read_naming_40000_ids_one_of_them_twice_is_refused_at_once(served):
+    """The duplicate check counted each id over the whole list (quadratic, on the event
+    loop): 40k ids took 17 s and the service answered nothing else meanwhile."""
+    import json
+    import time
+
+    _, http, _ = served
+    ids = [f"s{i}" for i in range(40_000)] + ["s7"]
+    t0 = time.monotonic()
+    r = http.post("/v1/data/p/get", content=json.dumps({"sample_ids": ids, "fields": ["input_ids"]}),
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 422 and "'s7'" in r.json()["message"] and time.monotonic() - t0 < 5

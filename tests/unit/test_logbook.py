@@ -322,6 +322,8 @@ def test_a_group_member_whose_images_it_found_stored_survives_compaction_and_a_r
     (checked when it committed; the units keep them while a row points at them)."""
     monkeypatch.setattr(recovery, "RESTART_HOLD_S", 1.0)  # (the frees after the restart wait less)
     w = vlm_grpo(batch=8, seqlen=32, seed=17)  # one group: every member has the same images
+    w.fields["pixel_values_videos"] = w.fields["pixel_values"]  # two fields stored once, in one block (a second
+    # field's rows were left sharing bytes no row held after the restart, and found by no later put)
     with LocalEngine(2, secret=SECRET, lease_s=30) as eng:
         c = connect(eng)
         empty = _used(eng)
@@ -336,8 +338,12 @@ def test_a_group_member_whose_images_it_found_stored_survives_compaction_and_a_r
         assert rep["samples"] == 1 and rep["skipped"] == 0 and rep["lost_samples"] == 0, rep
         got = c.read_columns(m2, sorted(m2.fields))
         assert diff_fields(c.registry, w.select([2]).fields, got, w.lengths[[2]], sample_ids=m2.sample_ids) == []
+        images = w.select([3]).fields["pixel_values"].as_tensor().numel() * 2  # (stored bfloat16)
+        before = c.transport.stats()
+        assert before["shared_bytes"] == 0  # m2 holds both fields' bytes
         m3 = c.put_samples("p", w.select([3]).fields)  # the images are found under m2 after the rebuild too
-        assert c.transport.stats()["shared_bytes"] > 0
+        after = c.transport.stats()
+        assert after["shared_bytes"] == 2 * images and after["live_bytes"] - before["live_bytes"] < images
         c.clear("p")
         c.close()
         deadline = time.monotonic() + 20  # (frees wait out the restart's hold)

@@ -266,3 +266,26 @@ def test_a_new_client_loads_the_kernels_on_a_thread_of_their_own_once(monkeypatc
     assert rowkernels.ready() and calls == ["rlplane-rowkernels"]
     for c in clients:
         c.close()
+
+
+def test_a_process_forked_while_a_new_client_loads_the_kernels_gets_them_and_does_not_hang():
+    """A fork during the load a new Client starts (DataLoader or Pool workers forked right
+    after connecting) left the child the import lock of a thread it does not have: its own
+    load waited forever. A fork now waits for that load."""
+    import subprocess
+    import sys
+
+    script = """
+import os, signal, time
+from rlplane import rowkernels
+rowkernels.load_soon()
+time.sleep(0.05)
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)
+    os._exit(0 if rowkernels.ready() else 3)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), rowkernels.ready())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=90)
+    assert out.stdout.split() == ["0", "True"], out.stderr[-2000:]

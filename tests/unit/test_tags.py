@@ -89,6 +89,7 @@ BAD_TAGS = [
     ({"k": [[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]}, "nested more than 16 deep"),
     ({"_rlplane_wire": {}}, "reserved for rlplane"),
     ({2: "x"}, "tag keys must be strings"),
+    ({"k": __import__("types").MappingProxyType({"a": 1})}, "holds a mappingproxy"),  # (msgpack packs dicts only)
 ]
 
 
@@ -118,3 +119,18 @@ def test_written_tags_carry_only_the_wire_geometry_and_digests_of_the_written_co
     for bad in ({WIRE_TAG: 5}, {WIRE_TAG: {"b": [3]}}, {SUM_TAG: {"b": 1}}, {"_rlplane_born": 3}, {"k": {1: 2}}):
         with pytest.raises(ShapeError):
             check_written_tags([bad], ["s"], ["a"])
+
+
+def test_the_engine_takes_back_what_an_earlier_release_stored_but_not_tags_nested_deep():
+    """A snapshot or a journal of an earlier release may hold bytes or NaN tags (its Client
+    took any msgpack-able value): a restore must not fail on them; nesting it cannot answer."""
+    from rlplane.errors import ShapeError
+    from rlplane.tags import check_user_tags
+
+    old = {"reward": float("nan"), "raw": b"\xff", "deep": [[[1]]]}
+    assert check_user_tags(old, sample="s", strict=False) == old
+    deep: list = []
+    for _ in range(20):
+        deep = [deep]
+    with pytest.raises(ShapeError, match="nested"):
+        check_user_tags({"k": deep}, sample="s", strict=False)

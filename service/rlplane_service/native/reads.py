@@ -155,15 +155,13 @@ class ReadOps:
         return {}, {}, []
 
     def unsent(self, answer: dict[str, Any], header: dict[str, Any]) -> None:
-        """An answer the server could not send (too big): the pin it carried is released,
-        and a claim's batch goes back to its task at once (it stayed leased to nobody until
-        the lease lapsed, minutes on)."""
+        """An answer the server could not send (too big): the pin it carried is released
+        (a claim's batch goes back by StreamOps.unsent)."""
         if isinstance(answer.get("pin"), str):
             with self._lock:
                 self.pins.unpin(answer["pin"])
-        if header.get("op") == "claim" and type(answer.get("lease")) is int:
-            with self._lock:
-                self.ledger.nack(header["p"], header["task"], answer["lease"])
+        else:
+            super().unsent(answer, header)  # type: ignore[misc]
 
     def op_renew(self, header: dict, columns: dict, extra: list) -> Any:
         """Extend pins (a zero-copy read whose views are still alive); answers the ones that

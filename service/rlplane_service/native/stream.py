@@ -56,6 +56,14 @@ class StreamOps:
             self.ledger.observe_wait(time.monotonic() - t0)
         return out, {}, []
 
+    def unsent(self, answer: dict[str, Any], header: dict[str, Any]) -> None:
+        """A claim's answer the server could not send (too big): its batch goes back to the
+        task at once (the ledger leased it first; it stayed leased to nobody until the lease
+        lapsed, minutes on)."""
+        if header.get("op") == "claim" and type(answer.get("lease")) is int:
+            with self._lock:
+                self.ledger.nack(header["p"], header["task"], answer["lease"])
+
     def op_ack(self, header: dict, columns: dict, extra: list) -> Any:
         p, task, lease, ids = _lease_args(header)
         self._access(header, p, write=False)

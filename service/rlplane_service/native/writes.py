@@ -441,6 +441,7 @@ class WriteOps:
         row_in_block = np.arange(n, dtype=np.int64) - c.first_row
         refs: collections.Counter[int] = collections.Counter({b: (z - a) * len(res.fields) for b, _, a, z in res.blocks})
         going = []  # the rows this write replaces: released at once below
+        revived = self._revived(c) if c.replayed and c.held else set()
         for k, name in enumerate(res.fields):
             fi = part.field_index(name)
             going.append(self._release_rows(fi, res.slots))
@@ -454,7 +455,7 @@ class WriteOps:
                 refs.subtract(block[rows].tolist())
                 refs.update(where[:, 0].tolist())
                 block[rows], row[rows], off[rows] = where[:, 0], where[:, 1], where[:, 2]
-                heirs = self._revived(where[:, 0]) if c.replayed else None
+                heirs = _heirs_in(where, revived) if revived else None
                 shared = rows if heirs is None else rows[~heirs]
                 fi.dup[res.slots[shared]] = True
                 fi.shares = True
@@ -512,19 +513,19 @@ class WriteOps:
         self._committed(res.rid, n)
         self.ledger.touch(res.partition, res.slots)  # parked claims on it may be ready now
 
-    def _revived(self, blocks: np.ndarray) -> np.ndarray:
-        """Replaying: which of ``blocks`` (of rows a put found stored) the replay had no row
-        pointing at (it dropped them, or never saw them: the records of the rows that held
-        them when it committed were forgotten from a compacted log; the units keep a block
-        while a row points at it). Those are the index's again, their units taken from the
-        units' inventory at the rebuild's end; True where a block is one."""
-        uniq = np.unique(blocks)
-        gone = [b for b in uniq.tolist() if b not in self._block_refs]
+    def _revived(self, c: Parsed) -> set[int]:
+        """Replaying: the blocks of rows the put found stored (every field's) that the replay
+        had no row pointing at (it dropped them, or never saw them: the records of the rows
+        that held them when it committed were forgotten from a compacted log; the units keep
+        a block while a row points at it). Those are the index's again, their units taken
+        from the units' inventory at the rebuild's end."""
+        blocks = np.unique(np.concatenate([where[:, 0] for _, where in c.held.values()]))
+        gone = {b for b in blocks.tolist() if b not in self._block_refs}
         for b in gone:
             self._block_units[b] = self.pins.revive(b) or ()
             self._block_refs[b] = 0
             self._block_bytes[b] = [0, 0]
-        return np.isin(blocks, gone)
+        return gone
 
     def _check_seals(self, given: Any, res: Reservation, ext: dict[int, Any], run: dict[str, np.ndarray]) -> None:
         """Every copy of every block the commit names must come with its unit's seal of
@@ -667,8 +668,8 @@ def _commit_header(header: dict, journaling: bool) -> bool:
     if user is not None and not (isinstance(user, list) and all(t is None or isinstance(t, dict) for t in user)):
         raise E.WireFormatError("commit 'user' must be one tag map per sample")
     for t in user or ():
-        if t:  # JSON-like, as Client sends them: a tag nested deep made every cut, and so every snapshot, unanswerable
-            check_user_tags(t)
+        if t:  # nested at most 16 deep (a tag nested deep made every cut, so every snapshot, unanswerable); not
+            check_user_tags(t, strict=False)  # strict: a restore or a journal brings back what an earlier release took
     durable = header.get("durable") is True
     if durable and not journaling:
         raise E.InvalidArgumentError("put_samples(..., durable=True) needs a journal: this store has none (start "
@@ -685,4 +686,18 @@ def _check_rows(res: Reservation, rows: dict[str, Any], run: np.ndarray) -> None
             raise E.WireFormatError("the put's rows differ from the sizes its header gives them", field=f)
 
 
+def _heirs_in(where: np.ndarray, revived: set[int]) -> np.ndarray:
+    """Of a field's rows found stored (``where``: their block, row, offset, ... refs), those
+    that hold their bytes from now on: the first row of each stored row in a ``revived``
+    block (a later row naming the same bytes shares them)."""
+    heirs = np.isin(where[:, 0], list(revived))
+    if heirs.any():
+        _, first = np.unique(where[:, :3], axis=0, return_index=True)
+        once = np.zeros(where.shape[0], bool)
+        once[first] = True
+        heirs &= once
+    return heirs
+
+
 __all__ = ["WriteOps", "PUT_MAX_BYTES"]
+

@@ -697,6 +697,8 @@ def _check_and_store(
         or not all(isinstance(t, dict) for t in tags)
     ):
         raise E.WireFormatError("put needs 'sample_ids' (list of str) and 'tags' (list of dicts) in the header")
+    for name in columns:  # an unregistered column is named first (UnregisteredFieldError), then the tags
+        registry.get(name)
     check_written_tags(tags, ids, columns)  # (what every store keeps and every transport hands back)
     check_columns(registry, columns, tags, sample_ids=ids)
     if not transport.shares_rows:  # a store that keeps every copy: the rows a client sent once, copied out

@@ -179,8 +179,9 @@ class Client:
         out (the store says which the samples hold, whatever the meta lists), or one the
         samples do not hold, is a ShapeError naming it, and nothing changes.
         One writer extends a sample at a time (the rollout that owns it): of two extends of
-        the same sample at once, the later to commit is a ShapeError and stores nothing
-        (atomic on the native engine; the TransferQueue-based stores narrow the window only).
+        the same sample at once, the later to commit is a ShapeError and stores nothing, and
+        so is an extend after whose read a write replaced a token row it read (atomic on the
+        native engine; the TransferQueue-based stores and HTTP narrow the window only).
 
         Example::
 
@@ -217,8 +218,10 @@ class Client:
                     enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
                                  packed=frozenset(names))
                 written = enc.tags.with_user(user)
+                read_sums = {f: columns[f].sums for f in names if columns[f].sums is not None}  # (a write since: refused)
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False, **born,
-                                   **length_check(self.registry, self.transport, grows=stored[LENGTHS_FIELD]))
+                                   **length_check(self.registry, self.transport, grows=stored[LENGTHS_FIELD],
+                                                  read_sums=read_sums))
                 op.nbytes = enc.nbytes
         grown = meta.with_fields(enc.columns, written)
         new = lengths.tolist()

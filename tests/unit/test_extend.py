@@ -246,3 +246,34 @@ def test_an_extend_of_big_rows_writes_them_where_its_put_lands_them_bit_exactly(
         for f in ("input_ids", "generation_logprobs"):
             want = [torch.cat([step[f][i, :lens[i]], more[f][i, :add[i]]]) for i in range(64)]
             assert all(torch.equal(a, b) for a, b in zip(got[f].unbind(), want)), f
+
+
+def test_an_extend_after_which_a_write_replaced_a_row_it_read_is_refused_and_the_write_stays():
+    """A write_columns of a token field between an extend's read and its commit: the extend
+    wrote back the rows it had read, and the write was lost without a word. The extend's
+    commit names the digests of the rows it read; a row replaced since refuses it."""
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as roll, connect(eng) as stage:
+        n, width = 2, 4
+        meta = roll.put_samples("p", {"input_ids": torch.arange(n * width).reshape(n, width),
+                                      "advantages": torch.zeros(n, width), "input_lengths": torch.full((n,), width)},
+                                finished=False)
+        real_get, fired = roll.transport.get, []
+
+        def get_then_another_writer(*a, **kw):
+            out = real_get(*a, **kw)
+            if not fired:  # the other writer, between the extend's read and its commit
+                fired.append(stage.write_columns(meta, {"advantages": torch.full((n, width), 7.0)}))
+            return out
+
+        roll.transport.get = get_then_another_writer
+        more = {"input_ids": torch.full((n, 2), 99), "advantages": torch.full((n, 2), 1.0),
+                "input_lengths": torch.full((n,), 2)}
+        with pytest.raises(E.ShapeError, match="written since this extend read it") as err:
+            roll.extend(meta, more, finished=True)
+        assert err.value.field == "advantages" and fired
+        roll.transport.get = real_get
+        got = stage.read_columns(meta, ["advantages", "input_ids"], layout="jagged")
+        assert got["advantages"][0].tolist() == [7.0] * width and got["input_ids"][0].numel() == width
+        grown = roll.extend(meta, more, finished=True)  # read again: it goes through
+        assert stage.read_columns(grown, ["advantages"], layout="jagged")["advantages"][0].tolist() == \
+            [7.0] * width + [1.0, 1.0]

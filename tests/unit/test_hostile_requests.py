@@ -215,6 +215,24 @@ def test_an_extend_whose_read_lengths_are_malformed_is_refused_and_changes_nothi
     still_serving(engine, client, known, failures)
 
 
+@pytest.mark.parametrize("lie", [{"input_ids": b"\x00" * 8}, {"nope": bytes(16)}, {"input_ids": "x"}, [1, 2]])
+def test_an_extend_whose_read_digests_are_malformed_is_refused_and_changes_nothing(engine, client, known, monkeypatch,
+                                                                                   lie):
+    """An extend's commit names the digests of the rows it read (``gs``, uint64 per sample
+    of fields it extends): the wrong count, another field or another type is refused."""
+    failures = engine.server.failures
+    fields = {"input_ids": torch.arange(6).reshape(2, 3), "input_lengths": torch.tensor([3, 2])}
+    meta = client.put_samples("sum-lies", fields, finished=False)
+    rewriting(monkeypatch, "commit", lambda h: {**h, "gs": lie} if "gr" in h else h)
+    with pytest.raises(E.WireFormatError, match="'gs'"):
+        client.extend(meta, {"input_ids": torch.ones(2, 1, dtype=torch.int64), "input_lengths": torch.tensor([1, 1])})
+    monkeypatch.undo()
+    got = client.read_columns(meta, ["input_ids", "input_lengths"], layout="jagged")
+    assert got["input_lengths"].tolist() == [3, 2] and got["input_ids"][1].tolist() == [3, 4]
+    client.clear("sum-lies")
+    still_serving(engine, client, known, failures)
+
+
 @pytest.mark.parametrize("row", [0.0, True])
 def test_a_reserve_whose_first_row_is_not_an_int_is_refused(engine, client, known, monkeypatch, row):
     """``0.0 == 0`` and ``True == 1``: a row number that only compares equal to one is refused

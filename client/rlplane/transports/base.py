@@ -75,6 +75,9 @@ class Transport(ABC):
     #: with ``grows`` (an extend: the samples' lengths it read) one that leaves out a token
     #: field a sample holds, or grows a sample another extend grew since.
     checks_lengths: bool = False
+    #: Whether an extend's commit is refused when a write replaced a token row it read
+    #: since (``put(read_sums=)``; the native engine: atomic, at the commit).
+    checks_rewrites: bool = False
     #: Whether ``put`` and ``get`` take ``born=`` (each sample's incarnation as the caller's
     #: meta names it, :data:`rlplane.tags.BORN_TAG`): the store then refuses a meta naming
     #: samples that were cleared and put again under the same ids (MissingDataError), and a
@@ -215,17 +218,22 @@ def sharing_of(stats: Mapping[str, Any]) -> dict[str, int]:
     return {"written_bytes": written, "stored_bytes": written - shared, "shared_bytes": shared}
 
 
-def length_check(registry: Any, transport: Transport, *, grows: Any = None) -> dict[str, Any]:
+def length_check(registry: Any, transport: Transport, *, grows: Any = None,
+                 read_sums: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """The keywords a write of existing samples passes to ``transport.put`` so that a store
     that checks lengths (:attr:`Transport.checks_lengths`) refuses token rows of another
     length than their sample's, or, ``grows`` (an extend: each sample's length as it read
     it), one that leaves out a token field a sample holds or grows a sample another extend
-    grew since; nothing for another store.
+    grew since; nothing for another store. ``read_sums`` (an extend: the digests of the
+    token rows it read, per field): a store that checks them (:attr:`Transport.checks_rewrites`)
+    refuses the extend when a write replaced one of those rows since.
 
     Example: ``transport.put(p, ids, columns, tags, create=False, **length_check(registry, transport))``."""
     if not transport.checks_lengths:
         return {}
     read = {"grows": np.asarray(grows, np.int64).reshape(-1)} if grows is not None else {}
+    if read_sums and getattr(transport, "checks_rewrites", False):
+        read["read_sums"] = dict(read_sums)
     return {"aligned": registry.token_fields(), **read}
 
 

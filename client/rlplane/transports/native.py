@@ -148,6 +148,7 @@ class NativeTransport(Transport):
     durable_puts = True  # the controller answers InvalidArgumentError without a journal
     shares_rows = True  # a row several samples share is stored once and read once (Column.same)
     checks_lengths = True  # a write's token rows are checked against the sample's length (put(aligned=))
+    checks_rewrites = True  # an extend's commit checks the digests of the rows it read (put(read_sums=))
     checks_born = True  # a meta naming samples cleared and put again since is refused (put/get(born=))
     lends_views = True  # a padded read's token rows are padded out of the slab, not copied first (get(lend=))
     verifies_reads = True  # rows copied out of a slab are digested as they are copied (get(verified=))
@@ -251,13 +252,15 @@ class NativeTransport(Transport):
         aligned: Sequence[str] = (),
         born: np.ndarray | None = None,
         grows: np.ndarray | None = None,
+        read_sums: Mapping[str, np.ndarray] | None = None,
     ) -> int | None:
         """``durable``: answered once the commit is in the units' journals on disk
         (InvalidArgumentError from a store without a journal). ``aligned``: the token-aligned
         field names (a write of existing samples: ShapeError, nothing stored, when a token
         row's length is not the one the sample's other token fields hold; with ``grows``, an
         extend's lengths as it read them, when it leaves out one of them that a sample holds
-        or another extend grew a sample since). ``born``: each
+        or another extend grew a sample since; ``read_sums``, the digests of the token rows
+        it read, per field: ShapeError when a write replaced one since). ``born``: each
         sample's incarnation as the caller's meta names it (a write: MissingDataError,
         nothing stored, for samples cleared and put again since; a create: what they become,
         as a snapshot kept it). Returns the incarnation a create gave its samples."""
@@ -266,14 +269,14 @@ class NativeTransport(Transport):
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
         try:
-            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born, grows)
+            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born, grows, read_sums)
         except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
             if not self._lost(err):
                 raise
             stage = getattr(self._stage, "put", None)
             if stage is not None and stage.kept:  # the fields encoded into its freed extents, as copied before
                 columns = {f: replace(c, values=stage.kept[f]) if f in stage.kept else c for f, c in columns.items()}
-            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born, grows)
+            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born, grows, read_sums)
 
     @contextmanager
     def put_buffers(self, batch: int, fallback: Alloc | None,
@@ -375,7 +378,8 @@ class NativeTransport(Transport):
 
     def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
              create: bool, durable: bool = False, aligned: list[str] | None = None,
-             born: np.ndarray | None = None, grows: np.ndarray | None = None) -> int | None:
+             born: np.ndarray | None = None, grows: np.ndarray | None = None,
+             read_sums: Mapping[str, np.ndarray] | None = None) -> int | None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
         # Split tags: geometry and digests per field (kept in the controller's arrays; the
@@ -396,7 +400,7 @@ class NativeTransport(Transport):
         stage = self._staged(len(ids), columns) if names else None
         nbytes = sum(c.nbytes for c in columns.values())
         blocks = stage.blocks if stage is not None else self._place(len(ids), nbytes) if names else []
-        described = _described(columns, geoms, sums, user, aligned, born, durable, grows)
+        described = _described(columns, geoms, sums, user, aligned, born, durable, grows, read_sums)
         if len(blocks) == 1 and nbytes <= ONE_MESSAGE_BYTES and (stage is None or not stage.ready):
             # One round trip: the controller reserves, hands the rows to the block's units with
             # the put's record, and commits (sent again after a restart of the controller:
@@ -1076,7 +1080,7 @@ class NativeTransport(Transport):
 
 def _described(columns: Mapping[str, Column], geoms: Mapping[str, Geometry], sums: Mapping[str, bytes],
                user: list[Any] | None, aligned: list[str] | None, born: np.ndarray | None, durable: bool,
-               grows: np.ndarray | None = None) -> dict[str, Any]:
+               grows: np.ndarray | None = None, read_sums: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
     """What a commit (or a put in one message) says of its rows: each field's geometry,
     digests and row bytes, and what the put carries besides (user tags, the token fields a
     write must keep aligned, or, growing them, must carry all of; incarnations, rows stored
@@ -1089,6 +1093,8 @@ def _described(columns: Mapping[str, Column], geoms: Mapping[str, Geometry], sum
         out["t"] = aligned
         if grows is not None:  # an extend: the lengths it read (the controller checks both)
             out["gr"] = np.asarray(grows, "<i8").tobytes()
+            if read_sums:  # ...and the digests of the rows it read (a write may have replaced them since)
+                out["gs"] = {f: np.asarray(v, "<u8").tobytes() for f, v in read_sums.items()}
     if born is not None:
         out["bn"] = np.asarray(born, "<i8").tobytes()
     shared = {f: c.same.astype("<i8").tobytes() for f, c in columns.items() if c.same is not None}

@@ -263,6 +263,7 @@ class WriteOps:
             if not res.create and header.get("t") is not None:
                 if header.get("gr") is not None:
                     self._check_grown(res, parsed, header["t"], births(header["gr"], n, "gr"))
+                    self._check_unreplaced(res, header.get("gs"))
                 else:
                     self._check_aligned(res, parsed, header["t"])
             if rows is not None:  # the controller hands them to the units itself: no seals, sizes checked here
@@ -341,6 +342,31 @@ class WriteOps:
             i = int(moved[0])
             self._abort(res)
             raise extended_since(refs[int(ref_of[i])], int(have[i]), int(read[i]), sample(i))
+
+    def _check_unreplaced(self, res: Reservation, read: Any) -> None:
+        """An extend's ``gs`` (per token field, the digests of the rows it read, uint64
+        bytes): a row a write replaced since (its digest is another now) is a ShapeError
+        naming the field and the sample, and nothing of the extend is stored (it would
+        write back the rows it read, and the write would be lost without a word)."""
+        if read is None:
+            return
+        n = res.slots.size
+        if not isinstance(read, dict) or not set(read) <= set(res.fields) or \
+                not all(isinstance(v, bytes) and len(v) == 8 * n for v in read.values()):
+            self._abort(res)
+            raise E.WireFormatError("an extend's 'gs' must map fields it extends to their rows' digests (uint64 bytes)")
+        part = res.part
+        for f, raw in read.items():
+            fi = part.fields.get(f)
+            if fi is None:
+                continue
+            moved = np.flatnonzero(fi.sums[res.slots] != np.frombuffer(raw, "<u8"))
+            if moved.size:
+                i = int(moved[0])
+                self._abort(res)
+                raise E.ShapeError("was written since this extend read it (a write_columns of the same sample in the "
+                                   "meantime); nothing of the extend was stored: read the sample again and extend it",
+                                   field=f, sample=res.ids[i] if res.ids else part.names[res.slots[i]])
 
     def _check_aligned(self, res: Reservation, c: Parsed, aligned: Any) -> None:
         """A write of existing samples whose token rows (``aligned``: the token-aligned field

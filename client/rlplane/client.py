@@ -42,7 +42,7 @@ from rlplane.opstats import OpEvent, OpStats
 from rlplane import rowkernels, snapshot
 from rlplane.scratch import Scratch
 from rlplane.snapshot import SnapshotInfo
-from rlplane.tags import BORN_TAG, FINISHED_TAG, RowTags, check_user_tags, stale_as
+from rlplane.tags import BORN_TAG, FINISHED_TAG, SUM_TAG, RowTags, check_user_tags, stale_as
 from rlplane.transports.base import Transport, born_check, length_check
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class Client:
         One writer extends a sample at a time (the rollout that owns it): of two extends of
         the same sample at once, the later to commit is a ShapeError and stores nothing, and
         so is an extend after whose read a write replaced a token row it read (atomic on the
-        native engine; the TransferQueue-based stores and HTTP narrow the window only).
+        native engine, direct or over HTTP; the TransferQueue-based stores narrow the window only).
 
         Example::
 
@@ -218,7 +218,7 @@ class Client:
                     enc = encode(self.registry, out, sample_ids=meta.sample_ids, alloc=alloc, prepared=prep,
                                  packed=frozenset(names))
                 written = enc.tags.with_user(user)
-                read_sums = {f: columns[f].sums for f in names if columns[f].sums is not None}  # (a write since: refused)
+                read_sums = _read_sums(columns, tags, names)  # (a write since replaced one: refused)
                 self.transport.put(meta.partition, meta.sample_ids, enc.columns, written, create=False, **born,
                                    **length_check(self.registry, self.transport, grows=stored[LENGTHS_FIELD],
                                                   read_sums=read_sums))
@@ -617,6 +617,23 @@ def _release(transport: Transport, service: Any) -> None:
     finally:
         if service is not None:
             service.close()
+
+
+def _read_sums(columns: Mapping[str, Any], tags: Sequence[Mapping[str, Any]], names: Sequence[str]
+               ) -> dict[str, np.ndarray]:
+    """The digests of the rows a read returned, per field of ``names``: the columns' own
+    (the native engine's), else the samples' ``_rlplane_sum`` tags (over HTTP); a field
+    with neither is left out."""
+    out = {}
+    for f in names:
+        sums = getattr(columns[f], "sums", None)
+        if sums is None:
+            got = [(t.get(SUM_TAG) or {}).get(f) if isinstance(t, Mapping) else None for t in tags]
+            if not got or not all(type(x) is int and 0 <= x < 1 << 64 for x in got):
+                continue
+            sums = np.array(got, np.uint64)
+        out[f] = sums
+    return out
 
 
 def _new_ids(n: int) -> list[str]:

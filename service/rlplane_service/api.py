@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import time
 import inspect
 import logging
@@ -391,7 +392,7 @@ def build_api(state: ServiceState) -> FastAPI:
         return streams
 
     @v1.post("/partitions/{partition}/claim", tags=["streaming"])
-    async def claim(partition: str, body: ClaimBody, who: Access = Depends(caller)) -> dict[str, Any]:
+    async def claim(partition: str, body: ClaimBody, who: Access = Depends(caller)) -> Response:
         """Claim up to ``batch_size`` ready samples for ``task`` (exactly once per task, oldest
         first), or with ``max_tokens`` whole samples (groups) while their lengths fit, waiting
         up to ``timeout`` s: the answer names the samples, their tags and the lease to ack
@@ -407,9 +408,15 @@ def build_api(state: ServiceState) -> FastAPI:
                                      max_tokens=body.max_tokens, min_tokens=body.min_tokens,
                                      unfinished=body.unfinished)
             out = await ledger().acall({"op": "claim", **req.to_header()}, req.wait_s)
-        return {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
-                "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"],
-                **{k: out[k] for k in ("tokens", "over_budget", "born") if k in out}}
+        answer = {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
+                  "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"],
+                  **{k: out[k] for k in ("tokens", "over_budget", "born") if k in out}}
+        try:  # (the ledger leased the batch already: an answer that cannot be sent must give it back)
+            return Response(json.dumps(answer, allow_nan=False).encode(), media_type="application/json")
+        except (TypeError, ValueError) as err:  # tags an earlier release stored (NaN, bytes) that JSON cannot carry
+            await ledger().acall({"op": "nack", "p": partition, "task": body.task, "lease": out["lease"], "ids": None})
+            raise E.WireFormatError(f"a claimed sample's tags cannot travel as JSON ({err}); the batch was given back: "
+                                    "claim it over a direct transport (transport='direct')") from None
 
     async def settle(verb: str, partition: str, body: LeaseBody) -> int:
         async with observed(verb):
@@ -638,8 +645,6 @@ def _too_big(limit: int) -> E.PayloadTooLargeError:
 
 async def _refuse(send: Any, code: int, err: E.RlplaneError, headers: dict[str, str] | None = None) -> None:
     """Answer with the typed error's JSON without reading the request body."""
-    import json
-
     body = json.dumps(E.error_payload(err)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
            (b"connection", b"close")] + [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
@@ -711,7 +716,7 @@ def _check_and_store(
     if check_lengths:
         grown = header.get("grown_from")
         read = None if grown is None else births(grown, len(ids), "grown_from", "the length the extend read")
-        extra.update(length_check(registry, transport, grows=read))
+        extra.update(length_check(registry, transport, grows=read, read_sums=_read_sums(header, columns, len(ids))))
     born = header.get("born")
     if born is not None:
         arr = births(born, len(ids))
@@ -719,6 +724,19 @@ def _check_and_store(
             extra["born"] = arr
     got = transport.put(partition, ids, columns, tags, create=create, **extra)
     return (len(ids), sum(col.nbytes for col in columns.values())), got if type(got) is int else None
+
+
+def _read_sums(header: Mapping[str, Any], columns: Mapping[str, Column], n: int) -> dict[str, np.ndarray] | None:
+    """An extend's ``read_sums``: per field it writes, the digests of the ``n`` rows it read
+    (uint64 bytes), or WireFormatError."""
+    raw = header.get("read_sums")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not set(raw) <= set(columns) or \
+            not all(isinstance(v, bytes) and len(v) == 8 * n for v in raw.values()):
+        raise E.WireFormatError("an extend's 'read_sums' must map fields it writes to their rows' digests "
+                                "(uint64 bytes, one per sample)")
+    return {f: np.frombuffer(v, "<u8") for f, v in raw.items()}
 
 
 def _within(columns: Mapping[str, Column], limit: int | None) -> None:

@@ -485,3 +485,77 @@ def test_a_read_naming_40000_ids_one_of_them_twice_is_refused_at_once(served):
     r = http.post("/v1/data/p/get", content=json.dumps({"sample_ids": ids, "fields": ["input_ids"]}),
                   headers={"Content-Type": "application/json"})
     assert r.status_code == 422 and "'s7'" in r.json()["message"] and time.monotonic() - t0 < 5
+
+
+def test_an_http_claim_of_samples_whose_tags_json_cannot_carry_gives_its_batch_back():
+    """Tags an earlier release stored (NaN, bytes: its Client took any msgpack value, and the
+    engine still takes them back from snapshots and journals) made every HTTP claim of the
+    samples a 500, after the ledger had leased them to nobody."""
+    from rlplane.transports.native import NativeTransport
+    from rlplane_service.native.local import LocalEngine
+
+    with LocalEngine(1, secret=b"claim-json-secret", slab_bytes=16 << 20) as eng:
+        info = {**eng.info, "backend": "native", "streams": dict(eng.info)}
+        transport = NativeTransport(info, timeout=10)
+        try:
+            app = build_api(ServiceState(ServiceSettings(api_token=TOKEN), default_registry(), transport,
+                                         transport_info=info))
+            http = TestClient(app, base_url="http://rlplane.test", headers={"Authorization": f"Bearer {TOKEN}"})
+            enc = encode(default_registry(), {"input_ids": torch.arange(8).reshape(2, 4),
+                                              "input_lengths": torch.tensor([4, 3])}, [4, 3], sample_ids=["a", "b"])
+            old = enc.tags.with_user([{"reward": float("nan")}, {"raw": b"\xff"}])  # (straight to the engine)
+            transport.put("p", ["a", "b"], enc.columns, old, create=True)
+            r = http.post("/v1/partitions/p/claim", json={"task": "t", "batch_size": 2, "fields": ["input_ids"]})
+            assert r.status_code == 422 and r.json()["error"] == "WireFormatError" and "given back" in r.json()["message"]
+            state = http.get("/v1/partitions/p/consumption", params={"task": "t"}).json()
+            assert state["claimed"] == 0 and state["pending"] == 2
+            transport.put("q", ["c"], *_one_sample(), create=True)  # JSON-like tags claim as before
+            r = http.post("/v1/partitions/q/claim", json={"task": "t", "batch_size": 1, "fields": ["input_ids"]})
+            assert r.status_code == 200 and r.json()["sample_ids"] == ["c"] and r.json()["tags"][0]["group"] == 1
+        finally:
+            transport.close()
+
+
+def _one_sample():
+    enc = encode(default_registry(), {"input_ids": torch.arange(4).reshape(1, 4), "input_lengths": torch.tensor([4])},
+                 [4], sample_ids=["c"])
+    return enc.columns, enc.tags.with_user([{"group": 1}])
+
+
+def test_an_http_extend_after_which_a_write_replaced_a_row_it_read_is_refused_on_the_native_engine():
+    """As on the direct path (tests/unit/test_extend.py): the extend sends the digests of the
+    rows it read, and the service's native store refuses it when a write replaced one since."""
+    from rlplane.transports.native import NativeTransport
+    from rlplane_service.native.local import LocalEngine
+
+    with LocalEngine(1, secret=b"http-extend-secret", slab_bytes=16 << 20) as eng:
+        info = {**eng.info, "backend": "native", "streams": dict(eng.info)}
+        transport = NativeTransport(info, timeout=10)
+        try:
+            app = build_api(ServiceState(ServiceSettings(api_token=TOKEN), default_registry(), transport,
+                                         transport_info=info))
+            api = ServiceAPI("http://rlplane.test", token=TOKEN, http=TestClient(app, base_url="http://rlplane.test"))
+            roll = Client(default_registry(), HttpTransport(api), service=api)
+            stage = Client(default_registry(), NativeTransport(info, timeout=10))
+            n, width = 2, 4
+            meta = roll.put_samples("p", {"input_ids": torch.arange(n * width).reshape(n, width),
+                                          "advantages": torch.zeros(n, width), "input_lengths": torch.full((n,), width)},
+                                    finished=False)
+            real_get, fired = roll.transport.get, []
+
+            def get_then_another_writer(*a, **kw):
+                out = real_get(*a, **kw)
+                if not fired:
+                    fired.append(stage.write_columns(meta, {"advantages": torch.full((n, width), 7.0)}))
+                return out
+
+            roll.transport.get = get_then_another_writer
+            more = {"input_ids": torch.full((n, 2), 9), "advantages": torch.full((n, 2), 1.0),
+                    "input_lengths": torch.full((n,), 2)}
+            with pytest.raises(E.ShapeError, match="written since this extend read it"):
+                roll.extend(meta, more, finished=True)
+            roll.transport.get = real_get
+            assert stage.read_columns(meta, ["advantages"], layout="jagged")["advantages"][0].tolist() == [7.0] * width
+            stage.close()
+        finally:
+            transport.close()

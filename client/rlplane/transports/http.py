@@ -44,6 +44,7 @@ class HttpTransport(Transport):
     durable_puts = True  # the service decides (InvalidArgumentError without a journal)
     checks_lengths = True  # the service checks a write's token rows when its store does (native)
     checks_born = True  # the service refuses a stale meta when its store keeps incarnations (native)
+    checks_rewrites = True  # an extend sends the digests it read; the service's store checks them where it can (native)
     shares_rows = True  # a row several samples of a put share crosses once, each way (the service's store
     #                     keeps it once where it shares rows: native; else it stores every copy)
 
@@ -63,12 +64,14 @@ class HttpTransport(Transport):
         aligned: Sequence[str] = (),
         born: Any = None,
         grows: Any = None,
+        read_sums: Mapping[str, Any] | None = None,
     ) -> int | None:
         """``durable``: the service answers once the put is in its journal on disk.
         ``aligned`` (a write of stored samples): the service checks the token rows' lengths
         against the samples' (with its own registry's token fields) where its store can;
         with ``grows`` (an extend: the lengths it read) that no token field a sample holds
-        is left out and no sample was grown by another extend since.
+        is left out and no sample was grown by another extend since; with ``read_sums`` (the
+        digests of the token rows it read, per field) that no write replaced one since.
         ``born``: each sample's incarnation as the caller's meta names it (the service's
         store refuses a stale meta where it keeps them). Returns the incarnation a create
         gave its samples (None where the store keeps none)."""
@@ -80,6 +83,8 @@ class HttpTransport(Transport):
             head["born"] = np.asarray(born, np.int64).tolist()
         if grows is not None and aligned and not create:
             head["grown_from"] = np.asarray(grows, np.int64).tolist()
+            if read_sums:
+                head["read_sums"] = {f: np.asarray(v, "<u8").tobytes() for f, v in read_sums.items()}
         parts = pack_parts(head, columns)
         params = {"create": "true" if create else "false", **({"durable": "true"} if durable else {}),
                   **({"aligned": "true"} if aligned and not create else {})}

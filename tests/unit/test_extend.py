@@ -4,6 +4,9 @@ bytes, and which samples are still being written); a claim by tokens counts the 
 lengths; the two pure steps of an extend (which fields, the rows it writes) on their own.
 The same behaviour over every transport is in tests/service/test_conformance.py."""
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import pytest
 import torch
 
@@ -248,11 +251,38 @@ def test_an_extend_of_big_rows_writes_them_where_its_put_lands_them_bit_exactly(
             assert all(torch.equal(a, b) for a, b in zip(got[f].unbind(), want)), f
 
 
-def test_an_extend_after_which_a_write_replaced_a_row_it_read_is_refused_and_the_write_stays():
+@contextmanager
+def writer(eng: LocalEngine, path: str) -> Iterator[Client]:
+    """A client of ``eng``: straight to the engine, or through the HTTP API served over it."""
+    if path == "direct":
+        with connect(eng) as c:
+            yield c
+        return
+    from fastapi.testclient import TestClient
+
+    from rlplane.http_api import ServiceAPI
+    from rlplane.transports.http import HttpTransport
+    from rlplane_service.api import ServiceState, build_api
+    from rlplane_service.settings import ServiceSettings
+
+    info = {"controller": eng.server.endpoint, "secret": SECRET.decode(), "backend": "native"}
+    store = NativeTransport({**info, "streams": dict(info)}, timeout=10)
+    try:
+        app = build_api(ServiceState(ServiceSettings(api_token="t"), default_registry(), store, transport_info=info))
+        api = ServiceAPI("http://rlplane.test", token="t", http=TestClient(app, base_url="http://rlplane.test"))
+        with Client(default_registry(), HttpTransport(api), service=api) as c:
+            yield c
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("path", ["direct", "http"])
+def test_an_extend_after_which_a_write_replaced_a_row_it_read_is_refused_and_the_write_stays(path):
     """A write_columns of a token field between an extend's read and its commit: the extend
     wrote back the rows it had read, and the write was lost without a word. The extend's
-    commit names the digests of the rows it read; a row replaced since refuses it."""
-    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as roll, connect(eng) as stage:
+    commit names the digests of the rows it read (over HTTP too); a row replaced since
+    refuses it."""
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, writer(eng, path) as roll, connect(eng) as stage:
         n, width = 2, 4
         meta = roll.put_samples("p", {"input_ids": torch.arange(n * width).reshape(n, width),
                                       "advantages": torch.zeros(n, width), "input_lengths": torch.full((n,), width)},

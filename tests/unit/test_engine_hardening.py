@@ -547,3 +547,40 @@ def test_work_a_handler_leaves_for_after_its_answer_runs_before_the_next_request
         other.close()
     finally:
         server.stop()
+
+
+def _index_bytes(part) -> int:
+    return sum(getattr(fi, name).nbytes for fi in part.fields.values() for name, _ in fi._COLUMNS)
+
+
+def test_a_reserve_of_many_ids_in_a_wide_partition_costs_only_the_fields_it_writes(engine, ctrl, client, known):
+    """A reserve takes slots, not rows of every field the partition holds: 50k ids in a
+    partition of 64 fields grew each field's arrays (~250 MB) before; now the fields grow
+    as they are written, and a field a sample does not hold reads as absent, named."""
+    from rlplane.fields import FieldSpec, Registry
+
+    reg = Registry([*default_registry().specs(), *(FieldSpec(f"w{i}", "sample", "dense", {"train"}) for i in range(64))])
+    c = Client(reg, NativeTransport(engine.info, timeout=20))
+    try:
+        wide = {f"w{i}": torch.full((4, 2), float(i)) for i in range(64)}
+        first = c.put_samples("wide", wide)
+        part = engine.core._parts["wide"]
+        before = _index_bytes(part)
+        ids = [f"r{i}" for i in range(50_000)]
+        got = ctrl.call({"op": "reserve", "p": "wide", "ids": ids, "create": True, "fields": ["w0"],
+                         "blocks": [[987654321, [0], 0, len(ids)]]}, timeout=20)[0]
+        assert _index_bytes(part) == before  # (before: 64 fields x 50k slots x 77 bytes)
+        ctrl.call({"op": "abort", "res": got["res"]}, timeout=5)
+        some = c.put_samples("wide", {"w63": torch.arange(2000.0).reshape(1000, 2)})
+        assert _index_bytes(part) < before + 2 * 50_000 * 77 + (1 << 16)  # one field grew, the others did not
+        assert torch.equal(c.read_columns(some, ["w63"])["w63"], torch.arange(2000.0).reshape(1000, 2))
+        with pytest.raises(E.MissingDataError, match="w0"):
+            c.read_columns(some, ["w0"])
+        assert c.transport.describe("wide").fields == {**{f"w{i}": 4 for i in range(63)}, "w63": 1004}
+        assert c.clear("wide", some.sample_ids[:999]) == 999
+        assert all(torch.equal(v, wide[k]) for k, v in c.read_columns(first, list(wide)).items())
+        assert torch.equal(c.read_columns(some.slice(999, 1000), ["w63"])["w63"], torch.tensor([[1998.0, 1999.0]]))
+    finally:
+        c.clear("wide")
+        c.close()
+    intact(client, known)

@@ -300,7 +300,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 live = part.state[: part.used] == COMMITTED
                 seen = np.full((len(self.units), part.used), False)
                 for fi in part.fields.values():
-                    blk = fi.block[: part.used]
+                    blk = fi.upto("block", part.used)
                     has = live & (blk >= 0)
                     if not has.any():
                         continue
@@ -308,7 +308,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                     slots = np.flatnonzero(has)
                     ok = u >= 0
                     seen[u[ok], slots[ok]] = True
-                    nb = np.bincount(u[ok], weights=fi.nbytes[: part.used][has][ok], minlength=len(self.units))
+                    nb = np.bincount(u[ok], weights=fi.upto("nbytes", part.used)[has][ok], minlength=len(self.units))
                     for k, (name, _) in enumerate(self.units):
                         per_unit[name]["live_bytes"] += int(nb[k])
                 for k, (name, _) in enumerate(self.units):
@@ -323,11 +323,9 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
     def _forget(self, p: str, part: Partition, slots: np.ndarray) -> None:
         """Drop samples ``slots`` of partition ``p`` from the index (their rows' blocks are
         released); the partition goes when nothing of it is left to answer for."""
-        self._release([self._release_rows(fi, slots) for fi in part.fields.values()])
+        self._release([self._release_rows(fi, fi.inside(slots)) for fi in part.fields.values()])
         for fi in part.fields.values():
-            fi.block[slots] = -1
             fi.forget(slots)
-            fi.sums[slots] = 0
         part.state[slots] = FREE
         part.user[slots] = None
         part.forgets += 1
@@ -473,11 +471,11 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         live = part.state[: part.used] == COMMITTED
         fields, nbytes = {}, 0
         for fname, fi in part.fields.items():
-            has = live & (fi.block[: part.used] >= 0)
+            has = live & (fi.upto("block", part.used) >= 0)
             count = int(has.sum())
             if count:
                 fields[fname] = count
-                nbytes += int(fi.nbytes[: part.used][has].sum())
+                nbytes += int(fi.upto("nbytes", part.used)[has].sum())
         out = {"partition": name, "num_samples": int(live.sum()), "fields": fields, "nbytes": nbytes}
         if with_ids:
             out["sample_ids"] = part.names[: part.used][live].tolist()

@@ -69,7 +69,7 @@ class CutOps:
                 ids = part.names[slots].tolist()
                 fields = {}
                 for name, fi in part.fields.items():
-                    has = np.flatnonzero(fi.block[slots] >= 0)
+                    has = np.flatnonzero(fi.at("block", slots) >= 0)
                     if has.size:
                         fields[name] = {"at": has.astype("<i8").tobytes(),
                                         "loc": self._locate(p, part, slots[has], [ids[i] for i in has.tolist()],

@@ -132,14 +132,14 @@ def _names(keys: np.ndarray) -> list[bytes]:
 def _holds(part: Partition, fi: FieldIndex, slots: np.ndarray, keys: np.ndarray) -> np.ndarray:
     ok = (slots >= 0) & (slots < part.used)
     s = np.where(ok, slots, 0)
-    return ok & (part.state[s] == COMMITTED) & (fi.block[s] >= 0) & (fi.k0[s] == keys[:, 0]) & (fi.k1[s] == keys[:, 1])
+    return ok & (part.state[s] == COMMITTED) & (fi.at("block", s) >= 0) & (fi.at("k0", s) == keys[:, 0]) & (fi.at("k1", s) == keys[:, 1])
 
 
 def _held_by_some_row(part: Partition, fi: FieldIndex, refs: np.ndarray) -> np.ndarray:
     """Per ref, whether a live row of ``fi`` holds exactly those bytes: one sort of the
     live rows' (block, row, offset, length, digest), whatever the number of refs."""
     u = part.used
-    live = np.flatnonzero((part.state[:u] == COMMITTED) & (fi.block[:u] >= 0) & (fi.nbytes[:u] > 0))
+    live = np.flatnonzero((part.state[:u] == COMMITTED) & (fi.upto("block", u) >= 0) & (fi.upto("nbytes", u) > 0))
     have = np.stack([fi.block[live], fi.row[live], fi.off[live], fi.nbytes[live], fi.sums[live].view(np.int64)], axis=1)
     row = np.dtype((np.void, 40))
     return np.isin(np.ascontiguousarray(refs, np.int64).view(row).reshape(-1),

@@ -34,7 +34,7 @@ def rows_in(part: Partition, blocks: np.ndarray) -> np.ndarray:
     """Committed slots of ``part`` with a row of any field in one of ``blocks`` (sorted ids)."""
     hit = np.zeros(part.used, bool)
     for fi in part.fields.values():
-        hit |= np.isin(fi.block[: part.used], blocks)
+        hit |= np.isin(fi.upto("block", part.used), blocks)
     return np.flatnonzero(hit & (part.state[: part.used] == COMMITTED))
 
 
@@ -56,7 +56,10 @@ def objects(items: Sequence[Any]) -> np.ndarray:
 
 @dataclass
 class FieldIndex:
-    """Where one field of every slot lives."""
+    """Where one field of every slot lives. Its arrays grow as the field is written
+    (:meth:`cover`), not as slots are taken: a slot past their end holds no row of it
+    (:meth:`at` and :meth:`upto` read the empty row's values there). A reserve of many
+    ids in a partition of many fields so costs the fields it writes, once it commits."""
 
     block: np.ndarray
     row: np.ndarray
@@ -81,8 +84,10 @@ class FieldIndex:
     _COLUMNS = (("block", -1), ("row", 0), ("nbytes", 0), ("geom", None), ("sums", 0), ("off", 0), ("lead", -1),
                 ("kind", -1), ("dup", False), ("k0", 0), ("k1", 0))
 
+    _FILL = {name: fill for name, fill in _COLUMNS}
+
     @classmethod
-    def empty(cls, cap: int) -> FieldIndex:
+    def empty(cls, cap: int = 0) -> FieldIndex:
         return cls(np.full(cap, -1, np.int64), np.zeros(cap, np.int64), np.zeros(cap, np.int64), np.empty(cap, object),
                    np.zeros(cap, np.uint64), np.zeros(cap, np.int64), np.full(cap, -1, np.int64),
                    np.full(cap, -1, np.int32), np.zeros(cap, bool), np.zeros(cap, np.uint64), np.zeros(cap, np.uint64))
@@ -93,6 +98,42 @@ class FieldIndex:
             new = np.full(cap, fill, dtype=old.dtype) if fill is not None else np.empty(cap, dtype=object)
             new[: old.size] = old
             setattr(self, name, new)
+
+    @property
+    def size(self) -> int:
+        """Slots below this have an entry in the arrays (past it: no row)."""
+        return self.block.size
+
+    def cover(self, slots: np.ndarray) -> None:
+        """Room in the arrays for rows at ``slots`` (before they are written)."""
+        n = int(slots.max()) + 1 if slots.size else 0
+        if n > self.block.size:
+            self.grow(max(n, 2 * self.block.size, 64))
+
+    def inside(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` that have an entry in the arrays (the others hold no row of the field)."""
+        return slots if not slots.size or int(slots.max()) < self.block.size else slots[slots < self.block.size]
+
+    def at(self, name: str, slots: np.ndarray) -> np.ndarray:
+        """Column ``name`` at ``slots`` (an empty row's value past the arrays' end).
+
+        Example: ``fi.at("block", slots) >= 0`` says which of ``slots`` hold a row."""
+        col = getattr(self, name)
+        if not slots.size or int(slots.max()) < col.size:
+            return col[slots]
+        out = np.full(slots.size, self._FILL[name], col.dtype)
+        ok = slots < col.size
+        out[ok] = col[slots[ok]]
+        return out
+
+    def upto(self, name: str, n: int) -> np.ndarray:
+        """Column ``name`` over slots ``0..n-1`` (an empty row's value past the arrays' end)."""
+        col = getattr(self, name)
+        if n <= col.size:
+            return col[:n]
+        out = np.full(n, self._FILL[name], col.dtype)
+        out[: col.size] = col
+        return out
 
     def set_geometry(self, slots: np.ndarray, g: Geometry) -> None:
         """Record the rows' geometry at ``slots`` (dense rows as arrays, others as objects)."""
@@ -110,7 +151,7 @@ class FieldIndex:
 
     def geometry(self, slots: np.ndarray) -> Geometry:
         """The geometry of the rows at ``slots`` (dense when every row is)."""
-        kind, lead = self.kind[slots], self.lead[slots]
+        kind, lead = self.at("kind", slots), self.at("lead", slots)
         if slots.size and bool((kind >= 0).all()):
             has_lead = lead >= 0
             if bool(has_lead.all()) or not bool(has_lead.any()):
@@ -121,7 +162,7 @@ class FieldIndex:
                 return Geometry(lead if bool(has_lead[0]) else None, [self.shapes[k] for k in used.tolist()],
                                 which.astype(np.int32).reshape(-1) if which is not None and used.size > 1 else None,
                                 n=int(slots.size))
-        rows = self.geom[slots].tolist()
+        rows = self.at("geom", slots).tolist()
         for i in np.flatnonzero(kind >= 0).tolist():
             shape = list(self.shapes[int(kind[i])])
             rows[i] = [int(lead[i]), *shape] if lead[i] >= 0 else shape
@@ -130,12 +171,16 @@ class FieldIndex:
     def renumber(self, keep: np.ndarray, remap: np.ndarray) -> None:
         """Keep the rows of slots ``keep`` only, as slots 0.. in the same order (``remap``:
         old slot -> new one, -1 for a slot that goes)."""
+        inside = keep[: int(np.searchsorted(keep, self.block.size))]  # (the slots kept first: keep is sorted)
         for name, fill in self._COLUMNS:
-            setattr(self, name, kept(getattr(self, name), keep, fill))
+            setattr(self, name, kept(getattr(self, name), inside, fill))
         self.keyed = {k: int(remap[s]) for k, s in self.keyed.items() if 0 <= s < remap.size and remap[s] >= 0}
 
     def forget(self, slots: np.ndarray) -> None:
         """The rows at ``slots`` are gone: drop their geometry and keys."""
+        slots = self.inside(slots)
+        self.block[slots] = -1
+        self.sums[slots] = 0
         self.geom[slots] = None
         self.kind[slots] = -1
         self.k0[slots] = 0
@@ -175,8 +220,6 @@ class Partition:
             self.retagged = grown(self.retagged, cap)
             self.logged = grown(self.logged, cap)
             self.born = grown(self.born, cap)
-            for fi in self.fields.values():
-                fi.grow(cap)
 
     def take(self, ids: list[str]) -> np.ndarray:
         n = len(ids)
@@ -211,7 +254,7 @@ class Partition:
     def field_index(self, name: str) -> FieldIndex:
         fi = self.fields.get(name)
         if fi is None:
-            fi = self.fields[name] = FieldIndex.empty(self.state.size)
+            fi = self.fields[name] = FieldIndex.empty()
         return fi
 
     def committed(self) -> np.ndarray:
@@ -224,7 +267,7 @@ class Partition:
     def has(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         z = self.used if stop is None else min(stop, self.used)
         fi = self.fields.get(name)
-        return fi.block[start:z] >= 0 if fi is not None else np.zeros(max(0, z - start), bool)
+        return fi.upto("block", z)[start:] >= 0 if fi is not None else np.zeros(max(0, z - start), bool)
 
     def field_names(self) -> list[str]:
         return list(self.fields)
@@ -239,16 +282,16 @@ class Partition:
         fi = self.fields.get(name)
         if fi is None:
             return np.full(slots.size, -1, np.int64)
-        has = fi.block[slots] >= 0
-        lead = np.where(has, fi.lead[slots], -1)
-        odd = np.flatnonzero(has & (fi.kind[slots] < 0))  # rows kept as geometry objects
+        has = fi.at("block", slots) >= 0
+        lead = np.where(has, fi.at("lead", slots), -1)
+        odd = np.flatnonzero(has & (fi.at("kind", slots) < 0))  # rows kept as geometry objects
         if odd.size:
             lead[odd] = [g[0] if isinstance(g, list) and g and type(g[0]) is int and g[0] >= 0 else -1
                          for g in fi.geom[slots[odd]].tolist()]
         return lead
 
     def tags_of(self, slots: np.ndarray) -> list[dict[str, Any]]:
-        geoms = {name: (fi.block[slots] >= 0, fi.geometry(slots)) for name, fi in self.fields.items()}
+        geoms = {name: (fi.at("block", slots) >= 0, fi.geometry(slots)) for name, fi in self.fields.items()}
         born = self.born[slots].tolist()
         return [{**(u or {}), WIRE_TAG: {f: g[i] for f, (has, g) in geoms.items() if has[i]},
                  **({BORN_TAG: born[i]} if born[i] else {})}
@@ -260,7 +303,7 @@ class Partition:
     def wire_columns(self, slots: np.ndarray) -> dict[str, Any] | None:
         out = {}
         for name, fi in self.fields.items():
-            has = fi.block[slots] >= 0
+            has = fi.at("block", slots) >= 0
             if bool(has.all()):
                 out[name] = fi.geometry(slots).to_wire()
             elif bool(has.any()):

@@ -94,7 +94,7 @@ class ReadOps:
         plans: dict[bytes, list[_Share]] = {}  # fields of one put share their blocks: planned once
         for name in fields:
             fi = part.fields.get(name)
-            blk = fi.block[slots] if fi is not None else np.full(slots.size, -1, np.int64)
+            blk = fi.at("block", slots) if fi is not None else np.full(slots.size, -1, np.int64)
             if fi is None or bool((blk < 0).any()):
                 for i in np.flatnonzero(blk < 0).tolist():
                     missing.setdefault(ids[i], []).append(name)

@@ -329,7 +329,7 @@ class WriteOps:
 
         for f in aligned:
             fi = part.fields.get(f)
-            held = np.flatnonzero(fi.block[res.slots] >= 0) if fi is not None and f not in mine else ()
+            held = np.flatnonzero(fi.at("block", res.slots) >= 0) if fi is not None and f not in mine else ()
             if len(held):
                 self._abort(res)
                 raise left_out(f, sample(int(held[0])))
@@ -360,7 +360,7 @@ class WriteOps:
             fi = part.fields.get(f)
             if fi is None:
                 continue
-            moved = np.flatnonzero(fi.sums[res.slots] != np.frombuffer(raw, "<u8"))
+            moved = np.flatnonzero(fi.at("sums", res.slots) != np.frombuffer(raw, "<u8"))
             if moved.size:
                 i = int(moved[0])
                 self._abort(res)
@@ -470,6 +470,7 @@ class WriteOps:
         revived = self._revived(c) if c.replayed and c.held else set()
         for k, name in enumerate(res.fields):
             fi = part.field_index(name)
+            fi.cover(res.slots)
             going.append(self._release_rows(fi, res.slots))
             block, row, off = c.bid_of_row, row_in_block, c.run[k, :n] - c.run[k, c.first_row]
             same, kept = c.same.get(name), c.held.get(name)

@@ -46,6 +46,7 @@ import numpy as np
 import xxhash
 
 from rlplane import errors as E
+from rlplane.names import check_partition, check_task
 from rlplane.tags import incarnation
 
 log = logging.getLogger(__name__)
@@ -170,16 +171,16 @@ def read_segment(path: Path, *, heads_only: bool = False) -> Segment:
         try:
             head = msgpack.unpackb(view[hstart : hstart + hlen], raw=False, strict_map_key=False)
             rec = msgpack.unpackb(head["r"], raw=False, strict_map_key=False) if not heads_only else {}
-            seq, kind, p = int(head["seq"]), str(head["k"]), str(head["p"])
+            seq, kind, p = _plain_int(head["seq"]), str(head["k"]), str(head["p"])
             if kind not in _KINDS or not isinstance(rec, dict):
                 raise ValueError(f"kind {kind!r}")
             blocks: dict[int, dict[str, memoryview]] = {}
             for b, places in head.get("x") or []:
-                got = blocks.setdefault(int(b), {})
+                got = blocks.setdefault(_plain_int(b), {})
                 for name, off, nb in places:
-                    if not 0 <= int(off) <= int(off) + int(nb) <= body.nbytes:
+                    if not 0 <= _plain_int(off) <= off + _plain_int(nb) <= body.nbytes:
                         raise ValueError(f"field {name!r} of block {b} lies outside the record")
-                    got[str(name)] = body[int(off) : int(off) + int(nb)]
+                    got[str(name)] = body[off : off + nb]
         except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as err:
             if end == size:
                 torn = f"its last record does not parse ({err})"
@@ -188,6 +189,13 @@ def read_segment(path: Path, *, heads_only: bool = False) -> Segment:
         out.append(Record(seq, kind, p, rec, blocks, str(path)))
         at = end
     return Segment(path, out, torn, size)
+
+
+def _plain_int(x: Any) -> int:
+    """``x`` if it is an int (a record's numbers are; a float or anything else is damage)."""
+    if type(x) is not int:
+        raise ValueError(f"{x!r} where a record holds an integer")
+    return x
 
 
 def read_base(unit_dir: Path) -> dict[str, Any]:
@@ -338,11 +346,11 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
                 continue
             samples += len(ids) if create else 0
         elif r.kind == DROP:
-            cleared += transport.clear(r.partition)
+            cleared += transport.clear(_checked(r)[0])
         elif r.kind == CLEAR:
-            cleared += transport.clear(r.partition, list(r.rec.get("ids") or ()))
+            cleared += transport.clear(*_checked(r))
         else:
-            ids = [str(s) for s in r.rec.get("ids") or () if s is not None]
+            ids = _checked(r)[1]
             try:
                 acks += _ack(transport, r.partition, str(r.rec.get("task")), ids)
             except (E.MissingDataError, E.InvalidArgumentError) as err:
@@ -355,6 +363,22 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
         log.warning("journal replay: skipped a torn last record: %s", t)
     return ReplayInfo(len(todo), samples, cleared, acks, todo[-1].seq if todo else since - 1, list(journal.torn),
                       skipped)
+
+
+def _checked(r: Record) -> tuple[str, list[str]]:
+    """A clear's, drop's or ack's partition and sample ids, checked: SnapshotError naming
+    the file for a record that holds no such thing (its checksum passed: it was written so)."""
+    ids = r.rec.get("ids") or []
+    try:
+        check_partition(r.partition)
+        if r.kind == ACK:
+            check_task(r.rec.get("task"))
+        if not isinstance(ids, list) or not all(isinstance(s, str) for s in ids):
+            raise E.WireFormatError("its 'ids' are not a list of sample ids")
+    except E.RlplaneError as err:
+        raise E.SnapshotError(f"journal file {r.where}: change {r.seq} ({r.kind}) is damaged: {err}; nothing of the "
+                              "journal stays loaded", component=r.where) from None
+    return r.partition, ids
 
 
 def _ack(transport: Any, partition: str, task: str, ids: list[str]) -> int:

@@ -145,6 +145,35 @@ def test_a_damaged_journal_record_is_refused_naming_the_file_and_nothing_is_load
         assert b.partitions() == []
 
 
+def test_a_checksummed_journal_record_of_the_wrong_shape_is_refused_naming_the_file(tmp_path):
+    """A record whose checksum passes but which no engine writes (a float change number or
+    block id, ids that are not a list of strings, a bad partition or task name) is a
+    SnapshotError naming its file, and the store keeps what it held (before: TypeError,
+    OverflowError, WireFormatError; a float change number stopped a unit from starting)."""
+    import msgpack
+
+    from rlplane_service.native.journal import JournalWriter
+
+    cases = {"clear ids": (1, "clear", "p", {"ids": 5}, None), "ack ids": (1, "ack", "p", {"task": "t", "ids": 5}, None),
+             "ack task": (1, "ack", "p", {"task": 7, "ids": ["a"]}, None),
+             "id types": (1, "clear", "p", {"ids": [1, 2]}, None), "partition": (1, "drop", "", {}, None),
+             "block id": (1, "clear", "p", {"ids": ["a"]}, [[float("inf"), []]]),
+             "seq": (float("inf"), "clear", "p", {"ids": ["a"]}, None)}
+    with engine(None, units=1) as new, connect(new) as b:
+        b.put_samples("other", text_step(2, 4, seed=1).fields)
+        for name, (seq, kind, p, rec, places) in cases.items():
+            j = JournalWriter(tmp_path / name, "u0", flush_ms=10)
+            try:
+                j.append(seq, kind, p, msgpack.packb(rec), places)
+                j.append(2, "clear", "q", msgpack.packb({"ids": ["b"]}))  # (a whole record after it: not torn)
+            finally:
+                j.close()
+            with pytest.raises(E.SnapshotError) as err:
+                snapshot.restore(b.transport, None, journal=tmp_path / name)
+            assert err.value.component.startswith(str(tmp_path / name / "u0")), name
+            assert b.partitions() == ["other"], name
+
+
 def test_a_snapshot_truncates_the_journal_and_an_older_snapshot_cannot_be_continued(tmp_path):
     jdir = tmp_path / "journal"
     with engine(jdir) as eng, connect(eng) as a:
@@ -311,6 +340,67 @@ def test_a_durable_put_whose_journal_disk_fails_says_so_and_nothing_stored_is_lo
         assert same(wire(a, "kept", kept.sample_ids, ["input_ids"]), want)
         a.put_samples("late", text_step(4, 16, seed=2).fields, durable=True)  # the disk is back: it goes through
         assert sorted(a.partitions()) == ["kept", "late"]
+
+
+@pytest.mark.parametrize("cut_fails", [False, True])
+def test_a_record_the_disk_took_only_part_of_never_hides_the_changes_after_it(tmp_path, monkeypatch, cut_fails):
+    """ENOSPC part way through a record: the part is cut off (or, where even that fails,
+    the segment ends there and the next change starts a new one), so the journal reads
+    back every whole change (before: the torn part sat before later records and the whole
+    journal was refused as damaged)."""
+    import errno
+
+    from rlplane_service.native import journal as NJ
+
+    real, fail = NJ._write_all, []
+
+    def partial(fd, bufs):
+        if not fail:
+            return real(fd, bufs)
+        fail.pop()
+        os.write(fd, bytes(bufs[0][: bufs[0].nbytes // 2]))  # the kernel took part of it, then the disk was full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def no_truncate(fd, size):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(NJ, "_write_all", partial)
+    if cut_fails:
+        monkeypatch.setattr(NJ.os, "ftruncate", no_truncate)
+    j = NJ.JournalWriter(tmp_path, "u0", flush_ms=10)
+    try:
+        j.append(1, "clear", "p", b"\x80")
+        fail.append(1)
+        with pytest.raises(OSError, match="No space"):
+            j.append(2, "clear", "p", b"\x80")
+        j.append(3, "clear", "p", b"\x80")
+        j.sync()
+    finally:
+        j.close()
+    got = J.Journal.open(tmp_path)
+    assert sorted(got.changes) == [1, 3]
+    assert len(segments(tmp_path)) == (2 if cut_fails else 1)
+
+
+def test_a_failed_fsync_leaves_everything_it_did_not_sync_to_the_next_one(tmp_path, monkeypatch):
+    import errno
+
+    from rlplane_service.native import journal as NJ
+
+    j = NJ.JournalWriter(tmp_path, "u0", flush_ms=10_000, segment_bytes=64)  # (no flusher pass meanwhile)
+    try:
+        j.append(1, "clear", "p", b"\x80")
+        j.append(2, "clear", "p", b"\x80")  # rolls over: the first segment waits to be synced and closed
+        real = os.fsync
+        monkeypatch.setattr(NJ.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+        with pytest.raises(OSError):
+            j.sync()
+        assert j.stats()["lag_bytes"] > 0 and j.stats()["lag_s"] > 0 and len(j._closing) == 1
+        monkeypatch.setattr(NJ.os, "fsync", real)
+        j.sync()
+        assert j.stats()["lag_bytes"] == 0 and not j._closing
+    finally:
+        j.close()
 
 
 def test_an_older_snapshots_truncation_arriving_late_does_not_lower_the_base(tmp_path):

@@ -73,7 +73,7 @@ class JournalWriter:
         except E.RlplaneError as err:  # journalling goes on; a restore from here says what is wrong
             log.error("journal: %s", err)
             self.base = 0
-        self._fd, self._path, self._size = -1, Path(), 0
+        self._fd, self._path, self._size, self._torn = -1, Path(), 0, False
         self._closing: list[int] = []  # fds rolled over, fsynced and closed by the next pass
         self._dirty_since: float | None = None
         self._unsynced = 0
@@ -84,11 +84,14 @@ class JournalWriter:
         self._flusher.start()
 
     def _open(self) -> None:
-        name = f"seg-{time.time_ns():020d}-{secrets.token_hex(3)}.rlj"
-        self._path = self.dir / name
-        self._fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-        self._size = 0
-        self._max[self._path] = 0
+        """Start a new segment (the current one, if any, is fsynced and closed by the next
+        pass). OSError, and the current segment stays, when the disk refuses."""
+        path = self.dir / f"seg-{time.time_ns():020d}-{secrets.token_hex(3)}.rlj"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        if self._fd >= 0:
+            self._closing.append(self._fd)
+        self._fd, self._path, self._size, self._torn = fd, path, 0, False
+        self._max[path] = 0
         fsync_dir(self.dir)
 
     def append(self, seq: int, kind: str, partition: str, record: bytes | memoryview,
@@ -98,10 +101,13 @@ class JournalWriter:
         tail = trailer(h)
         n = len(prefix) + sum(b.nbytes for b in body) + len(tail)
         with self._lock:
-            if self._size and self._size + n > self.segment_bytes:
-                self._closing.append(self._fd)
+            if self._torn or (self._size and self._size + n > self.segment_bytes):
                 self._open()
-            _write_all(self._fd, [memoryview(prefix), *body, memoryview(tail)])
+            try:
+                _write_all(self._fd, [memoryview(prefix), *body, memoryview(tail)])
+            except OSError:
+                self._cut_back()
+                raise
             self._size += n
             self._max[self._path] = max(self._max[self._path], seq)
             self.appended += n
@@ -110,14 +116,35 @@ class JournalWriter:
                 self._dirty_since = time.monotonic()
         return n
 
+    def _cut_back(self) -> None:
+        """A record the disk took only part of is cut off, so the next one follows the last
+        whole record (a reader refuses a segment with a broken record before whole ones:
+        every later change would be lost). Where even that fails, the segment ends there
+        (a torn last record is what a reader expects of a crash) and the next append starts
+        a new one."""
+        try:
+            os.ftruncate(self._fd, self._size)
+        except OSError as err:
+            log.error("journal %s: a refused record could not be cut off (%s); the next change starts a new segment",
+                      self._path, err)
+            self._torn = True
+
     def sync(self) -> None:
         """Everything appended before this call is on disk when it returns."""
         with self._sync_lock:
             with self._lock:
                 fds, self._closing = [self._fd, *self._closing], []
-                pending, self._unsynced, self._dirty_since = self._unsynced, 0, None
-            for fd in fds:
-                os.fsync(fd)
+                pending, since, self._unsynced, self._dirty_since = self._unsynced, self._dirty_since, 0, None
+            try:
+                for fd in fds:
+                    os.fsync(fd)
+            except OSError:  # what it did not sync stays to sync (and lag_s keeps its age)
+                with self._lock:
+                    self._closing[:0] = fds[1:]
+                    self._unsynced += pending
+                    if since is not None and (self._dirty_since is None or since < self._dirty_since):
+                        self._dirty_since = since
+                raise
             for fd in fds[1:]:
                 os.close(fd)
             self.synced += pending
@@ -176,8 +203,7 @@ class JournalWriter:
             if below <= self.base:
                 return 0
             self.base = below
-            if self._size:
-                self._closing.append(self._fd)
+            if self._size or self._torn:
                 self._open()
             old = [p for p, top in self._max.items() if p != self._path and top < below]
         self.sync()

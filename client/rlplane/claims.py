@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 #: Longest a server parks one claim; a client waiting longer asks again.
 MAX_WAIT_S = 30.0
+#: The longest wait of one request of an awaited claim (``Client.aclaim``): how soon a
+#: cancelled one stops.
+AWAIT_STEP_S = 0.5
 #: Most samples one claim hands out (the batch size of a token-budget claim without one).
 MAX_CLAIM_BATCH = 1 << 16
 
@@ -95,15 +98,17 @@ class ClaimRequest:
             raise E.InvalidArgumentError("a claim needs batch_size, max_tokens, or both")
         if batch_size is None:
             batch_size = MAX_CLAIM_BATCH
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int):
-            raise E.InvalidArgumentError(f"batch_size must be an int, got {batch_size!r}")
-        for what, x in (("max_tokens", max_tokens), ("min_tokens", min_tokens)):
-            if x is not None and (isinstance(x, bool) or not isinstance(x, int)):
-                raise E.InvalidArgumentError(f"{what} must be an int, got {x!r}")
+        batch_size = _num(batch_size, int, "batch_size", E.InvalidArgumentError)
+        max_tokens, min_tokens, current_version, max_staleness = (
+            _opt(x, int, what, E.InvalidArgumentError) for x, what in ((max_tokens, "max_tokens"),
+                                                                        (min_tokens, "min_tokens"),
+                                                                        (current_version, "current_version"),
+                                                                        (max_staleness, "max_staleness")))
         if min_batch is None:
             min_batch = 1 if max_tokens is not None else batch_size
-        req = cls(partition, task, batch_size, tuple(names), float(timeout or 0.0), int(min_batch), group_key,
-                  current_version, max_staleness, lease_s, max_tokens,
+        req = cls(partition, task, batch_size, tuple(names), _num(timeout or 0.0, float, "timeout", E.InvalidArgumentError),
+                  _num(min_batch, int, "min_batch", E.InvalidArgumentError), _opt(group_key, str, "group_key", E.InvalidArgumentError),
+                  current_version, max_staleness, _opt(lease_s, float, "lease_s", E.InvalidArgumentError), max_tokens,
                   max_tokens if min_tokens is None else min_tokens, tokens_field,
                   _flag(unfinished, "unfinished", E.InvalidArgumentError))
         req.check()
@@ -163,13 +168,16 @@ class ClaimRequest:
                                          "claim names at most 1024 fields")
 
 
-def _num(x: Any, kind: type, what: str) -> Any:
-    """``x`` as an int (``kind=int``: an int of at most 63 bits) or a finite float; WireFormatError otherwise."""
+def _num(x: Any, kind: type, what: str, error: type[E.RlplaneError] = E.WireFormatError) -> Any:
+    """``x`` as an int (``kind=int``: an int of at most 63 bits; numpy's too) or a finite
+    float; ``error`` naming ``what`` otherwise (a bool, a string, NaN, 1.5 for an int)."""
+    if type(x).__module__ == "numpy" and hasattr(x, "item"):
+        x = x.item()
     ok = isinstance(x, int) and not isinstance(x, bool) and -(1 << 63) <= x < 1 << 63
     if kind is float:
         ok = (ok or isinstance(x, float)) and not isinstance(x, bool) and math.isfinite(x)
     if not ok:
-        raise E.WireFormatError(f"claim field {what!r} must be a finite {kind.__name__}, got {str(x)[:40]!r}")
+        raise error(f"claim field {what!r} must be a finite {kind.__name__}, got {str(x)[:40]!r}")
     return kind(x)
 
 
@@ -180,14 +188,14 @@ def _flag(x: Any, what: str, error: type[E.RlplaneError] = E.WireFormatError) ->
     raise error(f"claim field {what!r} must be true or false, got {str(x)[:40]!r}")
 
 
-def _opt(x: Any, kind: type, what: str) -> Any:
+def _opt(x: Any, kind: type, what: str, error: type[E.RlplaneError] = E.WireFormatError) -> Any:
     if x is None:
         return None
     if kind is str:
         if not isinstance(x, str) or len(x) > 256:
-            raise E.WireFormatError(f"claim field {what!r} must be a string of at most 256 characters")
+            raise error(f"claim field {what!r} must be a string of at most 256 characters")
         return x
-    return _num(x, kind, what)
+    return _num(x, kind, what, error)
 
 
-__all__ = ["MAX_WAIT_S", "MAX_CLAIM_BATCH", "ClaimRequest"]
+__all__ = ["AWAIT_STEP_S", "MAX_WAIT_S", "MAX_CLAIM_BATCH", "ClaimRequest"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 import uuid
 import weakref
@@ -34,7 +35,7 @@ from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, Missing
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.geometry import Geometry
 from rlplane.gcpause import gc_paused
-from rlplane.claims import MAX_WAIT_S, ClaimRequest
+from rlplane.claims import AWAIT_STEP_S, MAX_WAIT_S, ClaimRequest
 from rlplane.extension import Appending, token_fields
 from rlplane.meta import SampleMeta
 from rlplane.names import check_partition
@@ -345,24 +346,37 @@ class Client:
                                       current_version=current_version, max_staleness=max_staleness, lease_s=lease_s,
                                       max_tokens=max_tokens, min_tokens=min_tokens, unfinished=unfinished)
             reply = self._claim(replace(want, columnar=True), timeout)
+        return self._claimed_meta(partition, reply)
+
+    def _claimed_meta(self, partition: str, reply: dict[str, Any]) -> SampleMeta:
         tags, lengths = self._claimed(reply)
         return SampleMeta(partition, reply["ids"], lengths, frozenset(reply["fields"]), tags,
                           pad_to_seqlen=max(lengths) if lengths and max(lengths) > 0 else None, lease=int(reply["lease"]),
                           over_budget=bool(reply.get("over_budget", False)))
 
-    def _claim(self, want: ClaimRequest, timeout: float | None) -> dict[str, Any]:
-        """Ask the ledger in waits of at most MAX_WAIT_S; only the last may return a short batch."""
-        streams = self._streams()
+    def _claim(self, want: ClaimRequest, timeout: float | None, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Ask the ledger in waits of at most MAX_WAIT_S; only the last may return a short batch.
+        ``stop`` (an awaited claim's): waits of at most AWAIT_STEP_S, and once it is set no
+        more of them; a batch that comes after is given back (nobody would hold it)."""
+        streams, step = self._streams(), MAX_WAIT_S if stop is None else AWAIT_STEP_S
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         while True:
-            left = MAX_WAIT_S if deadline is None else max(0.0, deadline - time.monotonic())
-            last = deadline is not None and left <= MAX_WAIT_S
-            req = replace(want if last else want.filled(), wait_s=min(left, MAX_WAIT_S))
+            left = step if deadline is None else max(0.0, deadline - time.monotonic())
+            last = deadline is not None and left <= step
+            req = replace(want if last else want.filled(), wait_s=min(left, step))
+            if stop is not None and stop.is_set():
+                raise NotReadyError(f"the awaited claim on {want.partition!r} for {want.task!r} was cancelled")
             try:
-                return streams.claim(req)
+                reply = streams.claim(req)
             except NotReadyError:
                 if last:
                     raise
+                continue
+            if stop is not None and stop.is_set():
+                streams.nack(want.partition, want.task, int(reply["lease"]), list(reply["ids"]))
+                raise NotReadyError(f"the awaited claim on {want.partition!r} for {want.task!r} was cancelled; the "
+                                    "batch that came meanwhile was given back")
+            return reply
 
     def ack(self, meta: SampleMeta, task: str) -> int:
         """Mark the claimed samples of ``meta`` (a claim's meta, or a shard of it) consumed by
@@ -553,8 +567,25 @@ class Client:
         return await asyncio.to_thread(self.stats)
 
     async def aclaim(self, partition: str, task: str, **kwargs: Any) -> SampleMeta:
-        """Awaitable :meth:`claim`, e.g. ``await client.aclaim("step-0", "train", batch_size=64, stage="train")``."""
-        return await asyncio.to_thread(self.claim, partition, task, **kwargs)
+        """Awaitable :meth:`claim` (the same arguments). Cancelled (``asyncio.wait_for``, a
+        task's cancel), it stops waiting within AWAIT_STEP_S and gives back a batch that
+        came meanwhile, so no sample waits out a lease nobody holds.
+
+        Example: ``await client.aclaim("step-0", "train", batch_size=64, stage="train")``."""
+        timeout = kwargs.get("timeout")
+        want = ClaimRequest.build(self.registry, partition, task, kwargs.pop("batch_size", None), **kwargs)
+        stop = threading.Event()
+
+        def run() -> SampleMeta:
+            with self._op("claim"):
+                reply = self._claim(replace(want, columnar=True), timeout, stop)
+            return self._claimed_meta(partition, reply)
+
+        try:
+            return await asyncio.to_thread(run)
+        except asyncio.CancelledError:
+            stop.set()
+            raise
 
     async def aack(self, meta: SampleMeta, task: str) -> int:
         """Awaitable :meth:`ack`."""

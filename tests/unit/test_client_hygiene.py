@@ -259,3 +259,28 @@ def test_running_out_of_descriptors_is_a_typed_error_that_says_so(engine):
                          timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "out of file descriptors" in res.stdout and "holds" in res.stdout and "close" in res.stdout
+
+
+def test_a_cancelled_aclaim_stops_waiting_and_gives_back_a_batch_that_came_meanwhile(engine):
+    """Cancelled, an awaited claim's thread went on waiting (up to 30 s a request; asyncio.run
+    waited for it) and leased the batch that came to nobody: another claimer found nothing
+    until the lease ran out. Now it stops within AWAIT_STEP_S and gives such a batch back."""
+    client = Client(default_registry(), NativeTransport(engine, timeout=30))
+    writer = Client(default_registry(), NativeTransport(engine, timeout=30))
+
+    async def cancelled() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.aclaim("acancel", "train", batch_size=4, fields=["input_ids"], timeout=None),
+                                   0.2)
+        writer.put_samples("acancel", batch())  # while the claim's last request is still parked on the ledger
+
+    try:
+        t0 = time.monotonic()
+        asyncio.run(cancelled())  # (waits for the claim's thread)
+        assert time.monotonic() - t0 < 3.0
+        got = client.claim("acancel", "train", batch_size=4, fields=["input_ids"], timeout=0)
+        assert len(got) == 4 and client.ack(got, "train") == 4
+    finally:
+        writer.clear("acancel")
+        client.close()
+        writer.close()

@@ -262,6 +262,19 @@ def test_build_picks_the_token_field_and_refuses_a_budget_without_one():
         ClaimRequest.build(reg, "p", "train", None, fields=["input_ids"])
 
 
+@pytest.mark.parametrize("kw", [dict(batch_size=2**70), dict(batch_size=2.0), dict(min_batch=1.5),
+                                dict(min_batch=float("nan")), dict(min_batch=float("inf")), dict(min_batch="x"),
+                                dict(timeout="abc"), dict(timeout=[1]), dict(lease_s="5"), dict(lease_s=True),
+                                dict(max_tokens=2**70), dict(current_version="a", max_staleness=0),
+                                dict(current_version=0, max_staleness=float("nan")), dict(group_key=123)])
+def test_build_refuses_arguments_of_the_wrong_kind_with_a_typed_error(kw):
+    """(Before: ValueError, TypeError, OverflowError from float()/int()/msgpack, or 1.5 taken as 1.)"""
+    from rlplane import default_registry
+
+    with pytest.raises(E.InvalidArgumentError):
+        ClaimRequest.build(default_registry(), "p", "train", kw.pop("batch_size", 2), fields=["input_ids"], **kw)
+
+
 def test_token_claims_never_split_a_group_never_exceed_the_budget_and_hand_out_each_sample_once():
     from hypothesis import given, settings, strategies as st
 

@@ -184,8 +184,19 @@ class PartState:
             ids = self.codes.setdefault(key, {})
             tags = [t or {} for t in self.index.user_tags(todo)]
             code[todo] = [ids.setdefault(_hashable(t.get(key)), len(ids)) if t.get(key) is not None else -1 for t in tags]
-            size[todo] = [_int(t.get(GROUP_SIZE_TAG), 1) for t in tags]
+            size[todo] = [_int(t.get(GROUP_SIZE_TAG), 0) for t in tags]  # (0: none, or not a positive int)
         return code[:n], size[:n]
+
+
+def _groups_of(ps: PartState, ts: TaskState, key: str, a: int, z: int, stale: np.ndarray) -> np.ndarray:
+    """Of slots ``a..z``, the members of a group (tag ``key``) that has a ``stale`` member
+    there or one the task expired before: a group is stale as a whole (one split by
+    staleness is never whole again, so its fresh members would wait for ever)."""
+    code = ps.group_of(key)[0]
+    n = min(code.size, ts.state.size)
+    gone = np.concatenate([code[a:z][stale], code[:n][ts.state[:n] == EXPIRED]])
+    gone = gone[gone >= 0]
+    return np.isin(code[a:z], gone) if gone.size else np.zeros(z - a, bool)
 
 
 def _members(cand: np.ndarray, code: np.ndarray, groups: np.ndarray) -> np.ndarray:
@@ -278,6 +289,8 @@ class Ledger:
             st = ts.state[a:z]
             if req.max_staleness is not None:
                 stale = (ps.versions()[a:z] < req.current_version - req.max_staleness) & live & (st == UNSEEN)  # type: ignore[operator]
+                if req.group_key is not None:
+                    stale |= _groups_of(ps, ts, req.group_key, a, z, stale) & live & (st == UNSEEN)
                 st[stale] = EXPIRED
             ready = live & (st == UNSEEN)
             if not req.unfinished:  # a partial rollout is claimed once it is finished
@@ -362,6 +375,11 @@ class Ledger:
                                          "grouped claim needs one")
         if not cand.size:
             return c, c, c, True
+        if not bool(size[cand].all()):
+            sid = ps.index.ids_of(cand[size[cand] == 0][:1])[0]
+            raise E.InvalidArgumentError(f"sample {sid!r} has a {req.group_key!r} tag (group_key) but no {GROUP_SIZE_TAG!r} "
+                                         "tag of a positive int: a grouped claim hands a group out once all its "
+                                         "group_size members are ready, so every member needs it")
         counts = np.bincount(c)  # ready samples per group, over all of cand (codes are small ints)
         head = c[:limit]
         _, first = np.unique(head, return_index=True)
@@ -545,7 +563,7 @@ class Ledger:
             settled = [s for s, alive in zip(ids, live) if held[s] not in mine and alive]
             if settled:  # acked or given back already (a sample cleared since the claim is left out instead)
                 raise E.LeaseError(f"cannot {verb}: samples {settled[:5]} are not held by lease {lid} any more")
-            named = np.asarray([held[s] for s in ids if held[s] in mine], np.int64)
+            named = np.unique(np.asarray([held[s] for s in ids if held[s] in mine], np.int64))  # (a repeat: once)
             if le.groups is not None:
                 self._whole_groups_only(le, slots, named, verb)
             slots = named

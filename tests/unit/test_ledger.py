@@ -74,6 +74,37 @@ def test_groups_are_handed_out_whole_and_only_when_complete():
         led.claim(_req(n=1, group_key="group_id"), final=True)
 
 
+def test_a_group_is_stale_as_a_whole_even_for_members_that_come_later():
+    """Members of one group may carry different policy versions (a partial rollout resumed
+    after a weight update). One stale member expires the whole group for the task, and
+    so are members that arrive later (before: the fresh half waited for ever, pending)."""
+    led, idx = _ledger()
+    tag = lambda g, v: {"group_id": g, "group_size": 3, "policy_version": v}  # noqa: E731
+    _put(idx, "p", ["a0", "a1", "b0", "b1", "b2"], tags=[tag("a", 1), tag("a", 5), tag("b", 5), tag("b", 5), tag("b", 5)])
+    stale = dict(group_key="group_id", current_version=5, max_staleness=1, min_batch=1)
+    assert led.claim(_req(n=6, **stale), final=True)["ids"] == ["b0", "b1", "b2"]
+    _put(idx, "p", ["a2"], tags=[tag("a", 5)])  # the group's last member, fresh
+    with pytest.raises(E.NotReadyError):
+        led.claim(_req(n=6, **stale), final=True)
+    assert led.consumption("p", "train")["expired"] == 3 and led.consumption("p", "train")["pending"] == 0
+
+
+def test_a_grouped_claim_over_members_without_a_group_size_is_refused_naming_one():
+    """(Before: a missing group_size read as 1, so a group went out in pieces.)"""
+    led, idx = _ledger()
+    _put(idx, "p", ["x0", "x1"], tags=[{"group_id": "x"}, {"group_id": "x", "group_size": 2}])
+    with pytest.raises(E.InvalidArgumentError, match="'x0' .*group_size"):
+        led.claim(_req(n=2, group_key="group_id", min_batch=1), final=True)
+    assert led.consumption("p", "train")["claimed"] == 0
+
+
+def test_an_ack_naming_a_sample_twice_counts_it_once():
+    led, idx = _ledger()
+    _put(idx, "p", ["a", "b"])
+    got = led.claim(_req(n=2), final=True)
+    assert led.ack("p", "train", got["lease"], ["a", "a", "b", "b"]) == 2
+
+
 def test_stale_samples_are_expired_and_counted_never_handed_out():
     led, idx = _ledger()
     _put(idx, "p", ["old0", "old1", "new0", "new1"],

@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from rlplane.wire import MAX_ITEMS, MAX_STR_LEN
+
 #: Reserved key in each sample's tags: ``{field: geometry}`` for every field written.
 #: Geometry is a shape list for dense and object fields and
 #: ``{"d": dim_to_pack, "p": pad_to_max_shape, "s": [segment shapes]}`` for packed ones.
@@ -81,10 +83,11 @@ def tag_problem(value: Any, depth: int = 0, *, strict: bool = True) -> str | Non
     """
     if isinstance(value, str):
         try:
-            value.encode("utf-8")
+            nbytes = len(value.encode("utf-8"))
         except UnicodeEncodeError:
             return "a str that is not valid Unicode (a lone surrogate)"
-        return None
+        return None if nbytes <= MAX_STR_LEN else \
+            f"a str of {nbytes} bytes (a tag's str is at most {MAX_STR_LEN}: store big values as a field)"
     if value is None or isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -96,6 +99,8 @@ def tag_problem(value: Any, depth: int = 0, *, strict: bool = True) -> str | Non
     if isinstance(value, (list, tuple, dict)):  # (dicts only: msgpack packs no other mapping)
         if depth >= MAX_TAG_DEPTH:
             return f"lists and maps nested more than {MAX_TAG_DEPTH} deep"
+        if len(value) > MAX_ITEMS:
+            return f"a list or map of {len(value)} items (at most {MAX_ITEMS}: store big values as a field)"
         if isinstance(value, dict):
             for k, v in value.items():
                 if not isinstance(k, str):

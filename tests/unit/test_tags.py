@@ -89,6 +89,8 @@ BAD_TAGS = [
     ({"k": [[[[[[[[[[[[[[[[[0]]]]]]]]]]]]]]]]]}, "nested more than 16 deep"),
     ({"_rlplane_wire": {}}, "reserved for rlplane"),
     ({2: "x"}, "tag keys must be strings"),
+    ({"k": "x" * ((1 << 20) + 1)}, "a str of 1048577 bytes"),  # (the engine cannot decode it: the put timed out)
+    ({"k": [0] * ((4 << 20) + 1)}, "4194305 items"),
     ({"k": __import__("types").MappingProxyType({"a": 1})}, "holds a mappingproxy"),  # (msgpack packs dicts only)
 ]
 

@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -83,8 +84,16 @@ class Local:
         fsync_dir(self.path)
 
     def move_to(self, dest: Local, last: str | None = None) -> None:
-        """Rename this directory to ``dest`` (durably; one rename, so ``last`` needs no order)."""
-        os.rename(self.path, dest.path)
+        """Rename this directory to ``dest`` (durably; one rename, so ``last`` needs no order).
+        InvalidArgumentError when ``dest`` came to exist meanwhile (another snapshot to the
+        same path finished first)."""
+        try:
+            os.rename(self.path, dest.path)
+        except OSError as err:
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR):
+                raise
+            raise E.InvalidArgumentError(f"{dest.path} exists already (another snapshot to it finished first): a "
+                                         "snapshot goes to a new directory") from None
         fsync_dir(dest.path.parent)
 
     def discard(self) -> None:

@@ -60,6 +60,8 @@ from rlplane.shm import populate
 from rlplane.snapplace import Local, Remote, is_url, place
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.geometry import Geometry
+from rlplane.names import MAX_ID_LEN, MAX_NAME_LEN, check_task
+from rlplane.tags import tag_problem
 from rlplane.wire import raw
 
 log = logging.getLogger(__name__)
@@ -355,62 +357,78 @@ class _Part:
 
 class Snapshot:
     """A snapshot on disk. Opening it reads the manifest and checks that every file is
-    there at its size; :meth:`part` checks a partition's file against its digest and
-    parses its header (SnapshotError naming the file). Close it (or use ``with``) to unmap
-    its files."""
+    there at its size; :meth:`part` maps a partition's file, checks it against its digest
+    and parses its header (SnapshotError naming the file); :meth:`release` unmaps it. At
+    most the files being loaded and read ahead are open at once, whatever the number of
+    partitions (a snapshot of thousands restores under a limit of 1024 descriptors). Close
+    it (or use ``with``) to unmap what is still mapped."""
 
     def __init__(self, path: str | os.PathLike[str], *, shown: str | None = None) -> None:
         self.path = Path(path)
         self.shown = shown or str(self.path)  # what errors name (a URL the files were fetched from)
-        self._maps: list[Any] = []
-        self._files: list[BinaryIO] = []
-        try:
-            self.manifest = self._manifest()
-            self._maps = [self._open(p) for p in self.manifest["partitions"]]
-        except BaseException:
-            self.close()
-            raise
+        self._maps: dict[int, Any] = {}
+        self._files: dict[int, BinaryIO] = {}
+        self.manifest = self._manifest()
+        for entry in self.manifest["partitions"]:
+            self._sized(entry)
 
     def __len__(self) -> int:
-        return len(self._maps)
+        return len(self.manifest["partitions"])
 
     def _bad(self, name: str, why: str) -> E.SnapshotError:
         where = f"{self.shown.rstrip('/')}/{name}"
         return E.SnapshotError(f"{where} {why}; nothing of the snapshot was loaded", component=str(where))
 
-    def _open(self, entry: Any) -> Any:
-        """Partition ``entry``'s file, mapped, once its size is what the manifest says."""
+    def _sized(self, entry: Any) -> str:
+        """Partition ``entry``'s file name, once the file is there at the size the manifest says."""
         name = str(entry.get("file")) if isinstance(entry, dict) else "?"
         want = self.manifest["files"].get(name)
-        if not isinstance(want, dict) or "/" in name or name.startswith("."):
+        if not isinstance(want, dict) or "/" in name or "\0" in name or name.startswith("."):
             raise self._bad(name, "is named by the manifest without its size and digest")
         try:
-            f = open(self.path / name, "rb")
+            size = os.stat(self.path / name).st_size
         except OSError as err:
             raise self._bad(name, f"cannot be opened ({err.strerror})") from None
-        self._files.append(f)
-        size = os.fstat(f.fileno()).st_size
         if size != want.get("bytes"):
             raise self._bad(name, f"holds {size} bytes where the manifest says {want.get('bytes')} (truncated?)")
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        return name
+
+    def _map(self, k: int) -> Any:
+        """Partition ``k``'s file, mapped (once; until :meth:`release`)."""
+        if k not in self._maps:
+            name = self._sized(self.manifest["partitions"][k])  # (again: it may have changed since the open)
+            try:
+                f = open(self.path / name, "rb")
+            except OSError as err:
+                raise self._bad(name, f"cannot be opened ({err.strerror})") from None
+            self._files[k] = f
+            size = os.fstat(f.fileno()).st_size
+            self._maps[k] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        return self._maps[k]
+
+    def release(self, k: int) -> None:
+        """Unmap partition ``k``'s file and close it (a tensor still viewing it keeps the
+        mapping alive until it goes)."""
+        m, f = self._maps.pop(k, None), self._files.pop(k, None)
+        try:
+            if isinstance(m, mmap.mmap):
+                m.close()
+        except BufferError:
+            pass
+        if f is not None:
+            f.close()
 
     def prefetch(self, k: int) -> None:
         """Fault partition ``k``'s file into its mapping on a thread of its own while
         another is loaded (:func:`_read_through`): its check and its puts then find every
         page mapped instead of reading the disk 4 kB at a time."""
-        if 0 <= k < len(self._maps) and isinstance(self._maps[k], mmap.mmap):
-            threading.Thread(target=_read_through, args=(os.dup(self._files[k].fileno()),
-                                                         np.frombuffer(self._maps[k], np.uint8)),
+        if 0 <= k < len(self) and isinstance(m := self._map(k), mmap.mmap):
+            threading.Thread(target=_read_through, args=(os.dup(self._files[k].fileno()), np.frombuffer(m, np.uint8)),
                              name="rlplane-restore-readahead", daemon=True).start()
 
     def part(self, k: int) -> _Part:
         """Partition ``k``, its file checked against its digest and its header parsed."""
-        return self._part(self.manifest["partitions"][k], self._maps[k])
-
-    @property
-    def parts(self) -> list[_Part]:
-        """Every partition, checked (see :meth:`part`)."""
-        return [self.part(k) for k in range(len(self))]
+        return self._part(self.manifest["partitions"][k], self._map(k))
 
     def _manifest(self) -> dict[str, Any]:
         where = f"{self.shown.rstrip('/')}/{MANIFEST}"
@@ -465,12 +483,19 @@ class Snapshot:
                 raise ValueError(f"it holds partition {h.get('p')!r} where the manifest says {entry.get('name')!r}")
             ids = h["ids"]
             n = len(ids)
-            if not all(isinstance(i, str) for i in ids) or len(set(ids)) != n:
-                raise ValueError("its sample ids are not distinct strings")
+            if not all(isinstance(i, str) and 0 < len(i) <= MAX_ID_LEN for i in ids) or len(set(ids)) != n:
+                raise ValueError(f"its sample ids are not distinct strings of 1-{MAX_ID_LEN} characters")
             user = h.get("user")
             if user is not None and not (isinstance(user, list) and len(user) == n
                                          and all(t is None or isinstance(t, dict) for t in user)):
                 raise ValueError("its tags are not one map (or none) per sample")
+            odd = next((p for p in (tag_problem(t, strict=False) for t in user or () if t) if p), None)
+            if odd:
+                raise ValueError(f"a sample's tags hold {odd}")
+            for t in h["tasks"]:
+                check_task(t)
+            if not all(isinstance(f, str) and 0 < len(f) <= MAX_NAME_LEN for f in h["fields"]):
+                raise ValueError(f"its field names are not strings of 1-{MAX_NAME_LEN} characters")
             born = h.get("bn")
             if born is not None:
                 if not isinstance(born, bytes) or len(born) != 8 * n:
@@ -511,15 +536,8 @@ class Snapshot:
         return _Part(h["p"], ids, user, tasks, fields, born)
 
     def close(self) -> None:
-        for m in self._maps:
-            try:
-                if isinstance(m, mmap.mmap):
-                    m.close()
-            except BufferError:  # a tensor still views it: unmapped when that goes
-                pass
-        for f in self._files:
-            f.close()
-        self._maps, self._files = [], []
+        for k in list(self._maps):
+            self.release(k)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -616,8 +634,12 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
         replayed: Any = None
         paused = False
         try:
-            if jr is not None:  # what the restore puts is in the snapshot or the old journal already
-                transport.journal(floor=max(jr.last_seq, since) + 1, pause=True)
+            if jr is not None or transport.journal().get("journal"):
+                # What the restore puts is in the snapshot or the old journal already; a store that
+                # journals numbers its changes after both, so its journal continues the snapshot
+                # (without the floor, a restore of both after a crash took its changes for older
+                # ones and skipped them).
+                transport.journal(floor=max(jr.last_seq if jr is not None else 0, since) + 1, pause=True)
                 paused = True
             for k in range(len(snap)):
                 snap.prefetch(k + _FILES_AHEAD)
@@ -626,19 +648,11 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
                 _check_declared(part, declared, f"{snap.shown.rstrip('/')}/{snap.manifest['partitions'][k]['file']}")
                 say(f"restore: partition {part.name!r} ({len(part.ids)} samples)")
                 loaded.append(part.name)
-                keeps_born = getattr(transport, "checks_born", False)
-                for ids, columns, tags, create, born in _puts(part):
-                    if create and born is not None and keeps_born:  # the samples stay the incarnations metas name
-                        transport.put(part.name, ids, columns, tags, create=create, born=born)
-                    else:
-                        transport.put(part.name, ids, columns, tags, create=create)
-                    nbytes += sum(c.nbytes for c in columns.values())
-                for task, states in part.tasks.items():
-                    for a in range(0, len(part.ids), RESTORE_BATCH * 16):
-                        transport.set_consumption(part.name, task, part.ids[a : a + RESTORE_BATCH * 16],
-                                                  states[a : a + RESTORE_BATCH * 16].tobytes())
+                nbytes += _load(transport, part)
                 samples += len(part.ids)
                 tasks += len(part.tasks)
+                del part  # (its columns view the mapped file)
+                snap.release(k)
             if jr is not None:
                 say(f"restore: replaying {len(jr.after(since or 1))} journal changes from {journal}")
                 replayed = J.replay(transport, jr, since or 1, touched=loaded, progress=say)
@@ -665,6 +679,22 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
     say(f"restore: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s from {path or journal}"
         + (f" (+{replayed.changes} journal changes)" if replayed is not None else ""))
     return info
+
+
+def _load(transport: Any, part: _Part) -> int:
+    """Put partition ``part``'s samples and set its tasks' consumption; returns its bytes."""
+    nbytes, keeps_born = 0, getattr(transport, "checks_born", False)
+    for ids, columns, tags, create, born in _puts(part):
+        if create and born is not None and keeps_born:  # the samples stay the incarnations metas name
+            transport.put(part.name, ids, columns, tags, create=create, born=born)
+        else:
+            transport.put(part.name, ids, columns, tags, create=create)
+        nbytes += sum(c.nbytes for c in columns.values())
+    for task, states in part.tasks.items():
+        for a in range(0, len(part.ids), RESTORE_BATCH * 16):
+            transport.set_consumption(part.name, task, part.ids[a : a + RESTORE_BATCH * 16],
+                                      states[a : a + RESTORE_BATCH * 16].tobytes())
+    return nbytes
 
 
 def _count(x: Any) -> bool:
@@ -695,6 +725,9 @@ class _NoSnapshot:
         return 0
 
     def prefetch(self, k: int) -> None:
+        pass
+
+    def release(self, k: int) -> None:
         pass
 
     def part(self, k: int) -> _Part:

@@ -658,6 +658,8 @@ def snapshot_path(root: Optional[Path], given: str) -> Path | str:
     ``given`` (a path, or an fsspec URL the service's credentials may write)."""
     from rlplane.snapplace import is_url
 
+    if "\0" in given:
+        raise E.InvalidArgumentError("a snapshot path cannot hold a NUL character")
     if is_url(given):
         if root is not None:
             raise E.InvalidArgumentError(f"{given!r} is a URL and this service writes snapshots only inside its "

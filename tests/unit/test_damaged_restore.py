@@ -84,6 +84,12 @@ DAMAGE = {
         s, P1, lambda h: h["fields"]["input_ids"].__setitem__("start", float("inf"))),
     "second header's tags are a map": lambda s: _header(s, P1, lambda h: h.__setitem__("user", {i: {} for i in range(8)})),
     "second header names a sample twice": lambda s: _header(s, P1, lambda h: h.__setitem__("ids", [h["ids"][0]] * 8)),
+    # (a third review's: untyped errors, or a WireFormatError naming no file, once partitions were in)
+    "manifest names a file with a NUL": lambda s: _manifest(s, lambda m: (
+        m["partitions"][1].__setitem__("file", "p\0x"), m["files"].__setitem__("p\0x", m["files"].pop(P1)))),
+    "second header's tags have an int key": lambda s: _header(s, P1, lambda h: h.__setitem__("user", [{1: 2}] * 8)),
+    "second header has a task without a name": lambda s: _header(s, P1, lambda h: h.__setitem__("tasks", {"": b"\0" * 8})),
+    "second header has a sample id too long": lambda s: _header(s, P1, lambda h: h["ids"].__setitem__(0, "x" * 600)),
 }
 
 
@@ -95,7 +101,7 @@ def test_a_damaged_snapshot_loads_nothing_and_leaves_the_store_as_it_was(good, t
     with engine(3) as eng, connect(eng) as c:
         mine = text_step(4, 16, seed=9).fields
         meta = c.put_samples("mine", mine)
-        with pytest.raises(E.SnapshotError, match="manifest.json|part-0000"):
+        with pytest.raises(E.SnapshotError, match="manifest.json|part-0000|p\x00x"):
             snapshot.restore(c.transport, path)
         assert c.partitions() == ["mine"]
         assert c.read_columns(meta, ["input_ids"], pad_to_seqlen=16)["input_ids"].equal(mine["input_ids"])

@@ -278,6 +278,23 @@ def test_a_restored_store_journals_on_after_the_old_journal(tmp_path):
         assert c.transport.describe("b").sample_ids == m2.sample_ids
 
 
+def test_a_snapshot_restored_into_a_journalling_store_without_its_journal_is_continued_by_the_new_one(tmp_path):
+    """``snapshot.restore(transport, S)`` into a store that journals: its changes are numbered
+    after S's cut, so a crash and a restore of S plus the new journal bring them back
+    (before: numbered from 1, below the cut, they were skipped as older than S)."""
+    with engine(None, units=1) as eng, connect(eng) as a:
+        for k in range(6):
+            a.put_samples("old", text_step(2, 8, seed=k).fields)
+        a.snapshot(str(tmp_path / "S"))
+    with engine(tmp_path / "D", units=1) as eng, connect(eng) as a:
+        snapshot.restore(a.transport, tmp_path / "S")
+        new = a.put_samples("new", text_step(4, 8, seed=9).fields, durable=True)
+        want = wire(a, "new", new.sample_ids, ["input_ids"])
+    with engine(None, units=1) as eng, connect(eng) as b:
+        snapshot.restore(b.transport, tmp_path / "S", journal=tmp_path / "D")
+        assert b.partitions() == ["new", "old"] and same(wire(b, "new", new.sample_ids, ["input_ids"]), want)
+
+
 def test_a_rebuilt_controller_numbers_changes_above_the_journalled_acks(tmp_path):
     jdir = tmp_path / "journal"
     with engine(jdir) as eng, connect(eng) as a:

@@ -382,6 +382,50 @@ def test_the_http_api_confines_snapshots_to_the_snapshot_dir(tmp_path):
     assert snapshot_path(None, "file:///mnt/snaps/x") == Path("/mnt/snaps/x")
     with pytest.raises(E.InvalidArgumentError, match="is a URL"):
         snapshot_path(tmp_path, "s3://bucket/snaps/x")
+    for root in (tmp_path, None):
+        with pytest.raises(E.InvalidArgumentError, match="NUL"):  # (a ValueError, so a 500, before)
+            snapshot_path(root, "a\0b")
+
+
+def test_of_two_snapshots_to_one_path_the_second_to_finish_is_refused_typed(source, tmp_path, monkeypatch):
+    """(Before: a raw OSError, Directory not empty: a 500 over HTTP.)"""
+    from rlplane.snapplace import Local
+
+    real = Local.move_to
+
+    def first_lands_meanwhile(self, dest, last=None):
+        dest.path.mkdir()  # the other snapshot's rename, between this one's check and its own
+        (dest.path / "manifest.json").write_text("{}")
+        return real(self, dest, last)
+
+    with connect(source) as a:
+        a.put_samples("p", text_step(4, 8, seed=2).fields)
+        monkeypatch.setattr(Local, "move_to", first_lands_meanwhile)
+        with pytest.raises(E.InvalidArgumentError, match="exists already"):
+            a.snapshot(str(tmp_path / "S"))
+    assert sorted(os.listdir(tmp_path)) == ["S"] and os.listdir(tmp_path / "S") == ["manifest.json"]
+
+
+def test_a_restore_of_many_partitions_keeps_only_the_files_it_loads_and_reads_ahead_open(source, target, tmp_path,
+                                                                                         monkeypatch):
+    """Opening a snapshot opened and mapped every partition's file up front (two descriptors
+    each): a store with a partition per step failed to restore under a limit of 1024."""
+    with connect(source) as a:
+        for k in range(24):
+            a.put_samples(f"step-{k}", text_step(2, 8, seed=k).fields)
+        a.snapshot(str(tmp_path / "S"))
+    most, real = [0], snapshot.Snapshot._map
+
+    def counted(self, k):
+        got = real(self, k)
+        most[0] = max(most[0], len(self._maps))
+        return got
+
+    monkeypatch.setattr(snapshot.Snapshot, "_map", counted)
+    with connect(target) as b:
+        info = snapshot.restore(b.transport, tmp_path / "S")
+        assert info.partitions == 24 and len(b.partitions()) == 24
+    assert most[0] <= snapshot._FILES_AHEAD + 2
 
 
 def test_a_restore_refuses_fields_the_service_does_not_declare(snap, target):

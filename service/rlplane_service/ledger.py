@@ -235,10 +235,14 @@ class Lease:
     deadline: float
     ids: list[str]  # the samples of ``slots`` when claimed (a cleared slot's id is gone from the index)
     # A grouped claim's (``group_key``): the key, and each of ``slots``' group (lease-local codes).
-    # Its acks and nacks name whole groups: a group split between acked and given back
-    # would never be whole again, and its given-back members would wait forever.
+    # Its nacks name whole groups: a group split between acked and given back would never be
+    # whole again, and its given-back members would wait forever. Its acks may name part of a
+    # group (each data-parallel rank acks its shard): ``marked`` (per slot) holds them until
+    # the group's last member is acked, and the group is consumed then, all at once; a lease
+    # that lapses first gives the group back whole.
     group_key: str | None = None
     groups: np.ndarray | None = None
+    marked: np.ndarray | None = None
 
 
 class Ledger:
@@ -451,17 +455,33 @@ class Ledger:
             before: Callable[[list[str]], None] | None = None) -> int:
         """Mark the lease's samples (or those of ``ids``) consumed; LeaseError if it expired.
         ``before``: called with the sample ids first (a journal; if it raises, nothing changes)."""
-        le, slots = self._lease(partition, task, lease, ids, "ack")
+        le, slots, held = self._lease(partition, task, lease, ids, "ack")
+        named = int(slots.size)
+        if le.groups is not None:
+            slots = self._whole_groups_acked(le, held, slots)
         if before is not None:
             ps = self._part(partition)
             before(list(ps.index.ids_of(slots)) if ps is not None and ps.index is not None and slots.size else [])
         le.state.state[slots] = ACKED
         self._settle(le, slots)
-        return int(slots.size)
+        return named
+
+    @staticmethod
+    def _whole_groups_acked(le: Lease, held: np.ndarray, named: np.ndarray) -> np.ndarray:
+        """A grouped lease's ack of ``named``: they are marked, and the slots returned are
+        those of the groups every member of which the lease still holds (``held``) is marked
+        now (see :class:`Lease`)."""
+        assert le.groups is not None
+        if le.marked is None:
+            le.marked = np.zeros(le.slots.size, bool)
+        le.marked |= np.isin(le.slots, named)
+        mine = np.isin(le.slots, held)
+        done = mine & ~np.isin(le.groups, le.groups[mine & ~le.marked])
+        return le.slots[done]
 
     def nack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None = None) -> int:
         """Give the lease's samples (or those of ``ids``) back to the task at once."""
-        le, slots = self._lease(partition, task, lease, ids, "nack")
+        le, slots, _ = self._lease(partition, task, lease, ids, "nack")
         self._release(le.state, slots, partition)
         self._settle(le, slots)
         return int(slots.size)
@@ -537,7 +557,10 @@ class Ledger:
     def next_deadline(self) -> float | None:
         return min((le.deadline for le in self._leases.values()), default=None)
 
-    def _lease(self, partition: str, task: str, lid: int, ids: Sequence[str] | None, verb: str) -> tuple[Lease, np.ndarray]:
+    def _lease(self, partition: str, task: str, lid: int, ids: Sequence[str] | None, verb: str
+               ) -> tuple[Lease, np.ndarray, np.ndarray]:
+        """Lease ``lid`` and the slots of it ``ids`` name (all it holds when None), checked
+        (LeaseError otherwise); and every slot it still holds."""
         self.expire()
         le = self._leases.get(lid)
         if le is None or le.partition != partition or le.task != task:
@@ -564,10 +587,10 @@ class Ledger:
             if settled:  # acked or given back already (a sample cleared since the claim is left out instead)
                 raise E.LeaseError(f"cannot {verb}: samples {settled[:5]} are not held by lease {lid} any more")
             named = np.unique(np.asarray([held[s] for s in ids if held[s] in mine], np.int64))  # (a repeat: once)
-            if le.groups is not None:
+            if le.groups is not None and verb != "ack":
                 self._whole_groups_only(le, slots, named, verb)
-            slots = named
-        return le, slots
+            return le, named, slots
+        return le, slots, slots
 
     @staticmethod
     def _whole_groups_only(le: Lease, held: np.ndarray, named: np.ndarray, verb: str) -> None:

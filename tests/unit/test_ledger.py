@@ -467,22 +467,27 @@ def test_a_streamed_partition_renumbers_its_slots_and_every_task_lease_and_lengt
     assert led.consumption("p", "train")["acked"] == 1
 
 
-def test_a_grouped_claim_acks_and_nacks_whole_groups_only():
+def test_a_grouped_claim_nacks_whole_groups_and_consumes_a_group_acked_in_parts_once_its_last_part_is():
     """A group split between acked and given back is never whole again: its given-back
-    members used to wait for ever (pending, never claimed). Now a partial ack or nack of
-    a group is a LeaseError naming a member left out, and nothing changes."""
-    led, idx = _ledger()
-    _put(idx, "p", [f"s{i}" for i in range(8)], tags=[{"gid": i // 4, "group_size": 4} for i in range(8)])
-    got = led.claim(_req(n=8, group_key="gid"), final=True)
+    members used to wait for ever (pending, never claimed). So a partial nack is a
+    LeaseError naming a member left out, and nothing changes; a partial ack (each DP
+    rank acks its shard of the meta, which cuts groups) is held until the group's last
+    member is acked, and a lease that lapses first gives the group back whole."""
+    led, idx = _ledger(lease_s=60)
+    _put(idx, "p", [f"s{i}" for i in range(12)], tags=[{"gid": i // 4, "group_size": 4} for i in range(12)])
+    got = led.claim(_req(n=12, group_key="gid"), final=True)
     lid = got["lease"]
-    for verb in (led.ack, led.nack):
-        with pytest.raises(E.LeaseError, match=r"part of a group: .*group_key='gid'.* sample 's2' of the group of 's0'"):
-            verb("p", "train", lid, ["s0", "s1", "s4", "s5", "s6", "s7"])
-    assert led.consumption("p", "train")["acked"] == 0 and led.consumption("p", "train")["claimed"] == 8
-    assert led.nack("p", "train", lid, ["s4", "s5", "s6", "s7"]) == 4  # a whole group: given back
-    assert led.ack("p", "train", lid, ["s0", "s1", "s2", "s3"]) == 4
-    again = led.claim(_req(n=4, group_key="gid"), final=True)
-    assert again["ids"] == ["s4", "s5", "s6", "s7"]  # the group given back is whole and claimed again
-    assert led.ack("p", "train", again["lease"], None) == 4
+    with pytest.raises(E.LeaseError, match=r"part of a group: .*group_key='gid'.* sample 's2' of the group of 's0'"):
+        led.nack("p", "train", lid, ["s0", "s1", "s4", "s5", "s6", "s7"])
+    assert led.consumption("p", "train")["acked"] == 0 and led.consumption("p", "train")["claimed"] == 12
+    assert led.nack("p", "train", lid, ["s8", "s9", "s10", "s11"]) == 4  # a whole group: given back
+    assert led.ack("p", "train", lid, ["s0", "s1", "s4"]) == 3  # rank 0's shard: nothing consumed yet
+    assert led.consumption("p", "train")["acked"] == 0
+    assert led.ack("p", "train", lid, ["s2", "s3", "s5"]) == 3  # rank 1's: group 0 is whole, group 1 is not
+    assert led.consumption("p", "train")["acked"] == 4
+    led.expire(time.monotonic() + 120)  # rank 2 died before acking s6, s7: group 1 comes back whole
+    again = led.claim(_req(n=8, group_key="gid"), final=True)
+    assert again["ids"] == ["s4", "s5", "s6", "s7", "s8", "s9", "s10", "s11"]
+    assert led.ack("p", "train", again["lease"], None) == 8 and led.consumption("p", "train")["acked"] == 12
     plain = led.claim(_req(task="other", n=8), final=True)  # a claim without groups acks any part
     assert led.ack("p", "other", plain["lease"], ["s0", "s5"]) == 2

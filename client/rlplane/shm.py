@@ -172,6 +172,32 @@ def _clear_cuda_error() -> None:
         return
 
 
+_MAP_FIXED = 0x10  # (Linux; Python's mmap module does not name it)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+
+
+def privatize(addr: int, nbytes: int) -> bool:
+    """Make the pages under ``[addr, addr + nbytes)`` of a shared mapping this process's
+    own copy of what they hold now (private anonymous memory with the same bytes, read-only):
+    what a forked child does to the zero-copy views it inherited, whose memory the store
+    reuses once the parent lets go of them. False where the kernel refuses.
+
+    Example: ``privatize(view.ctypes.data, view.nbytes)`` in a forked child."""
+    page = mmap.PAGESIZE
+    start, end = addr - addr % page, -(-(addr + nbytes) // page) * page
+    if end <= start:
+        return True
+    keep = ctypes.string_at(start, end - start)
+    got = _libc.mmap(ctypes.c_void_p(start), end - start, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+    if got != start:
+        return False
+    ctypes.memmove(start, keep, end - start)
+    _libc.mprotect(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.PROT_READ)
+    return True
+
+
 _views: dict[str, weakref.ref] = {}  # slab socket name -> the process's mapping of it
 _views_lock = threading.Lock()
 
@@ -225,5 +251,5 @@ def open_slab(sock_name: str, ticket: str, nbytes: int, *, unit: str, timeout: f
     return SlabView(unit, nbytes, mm, np.frombuffer(mm, np.uint8), ro, os.getpid())
 
 
-__all__ = ["SlabView", "open_slab", "shared_slab", "populate", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE",
+__all__ = ["SlabView", "open_slab", "shared_slab", "populate", "privatize", "MADV_POPULATE_READ", "MADV_POPULATE_WRITE",
            "GRANULE_SHIFT", "PREFAULT_MIN"]

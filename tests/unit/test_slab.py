@@ -144,6 +144,51 @@ def test_a_zero_copy_view_keeps_its_extent_until_it_is_freed(engine):
         assert client.transport.stats()["pins"] == 0
 
 
+def _child_keeps_its_view(client, view, want, todo, q) -> None:
+    try:
+        later = todo.get(timeout=60)  # once the parent let go of its views and the memory was reused
+        same = torch.equal(torch.stack(list(view.unbind())), want)
+        fresh = client.read_columns(later, ["advantages"], layout="jagged", copy=False)["advantages"]
+        ok = torch.equal(torch.stack(list(fresh.unbind())), torch.full((8, 512), -7.0))
+        del fresh
+        gc.collect()  # (its pin goes before this process does: a later test counts pins)
+        wait_for(lambda: client.transport.stats()["pins"] == 0, "the child's pin was not released")
+        q.put((same, ok))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        q.put(repr(err))
+
+
+def test_a_forked_child_keeps_what_its_inherited_zero_copy_views_showed(engine):
+    """A view's pin is its reader's: a forked child (a DataLoader worker) inherited the
+    view but not the pin, and once the parent dropped its views, a clear and new puts
+    showed through the child's tensor, silently (its digests were checked at the read).
+    The child's inherited views now become copies of its own at the fork, and the
+    client it inherited maps the slabs afresh for its own zero-copy reads."""
+    import multiprocessing as mp
+
+    with connect(engine, "shm") as client:
+        first = torch.arange(4096, dtype=torch.float32).reshape(8, 512)
+        meta = client.put_samples("zfork", {"advantages": first, "input_lengths": torch.full((8,), 512)})
+        view = client.read_columns(meta, ["advantages"], layout="jagged", copy=False)["advantages"]
+        ctx = mp.get_context("fork")
+        todo, q = ctx.Queue(), ctx.Queue()
+        child = ctx.Process(target=_child_keeps_its_view, args=(client, view, first, todo, q))
+        child.start()
+        try:
+            del view
+            gc.collect()  # the parent is done with its views: their pin goes
+            wait_for(lambda: client.transport.stats()["pins"] == 0, "the parent's pin was not released")
+            client.clear("zfork")
+            later = [client.put_samples("zfork", {"advantages": torch.full((8, 512), -7.0),
+                                                  "input_lengths": torch.full((8,), 512)}) for _ in range(3)]
+            todo.put(later[-1])
+            answer = q.get(timeout=60)
+        finally:
+            child.join(timeout=30)
+        assert answer == (True, True), answer
+        client.clear("zfork")
+
+
 def test_a_copied_read_is_owned_memory_that_later_puts_never_touch(engine):
     with connect(engine, "shm") as client:
         x = torch.arange(2048, dtype=torch.int64).reshape(4, 512)

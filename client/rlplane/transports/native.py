@@ -72,7 +72,7 @@ from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataErr
                             RlplaneError, ShapeError, TransportError, UnavailableError, WireFormatError)
 from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
-from rlplane.shm import SlabView, shared_slab
+from rlplane.shm import SlabView, privatize, shared_slab
 from rlplane.te import DEFAULT_STAGING_BYTES, RemoteSlab, local_address, transfer_pool
 from rlplane.transports.base import PartitionInfo, Transport, check_put, sharing_of
 from rlplane.streams import DirectStreams
@@ -178,7 +178,8 @@ class NativeTransport(Transport):
         self._cursor = secrets.randbelow(max(1, len(self.units)))
         self.data_path = data_path
         self.pool = pool if pool is not None else ReadPool.shared()
-        self._slabs: dict[int, SlabView] = {}  # unit -> its slab, mapped (same host)
+        self._slab_map: dict[int, SlabView] = {}  # unit -> its slab, mapped (same host): see _slabs
+        self._slab_pid = os.getpid()
         self._remote: dict[int, RemoteSlab] = {}  # unit -> its slab over the transfer engine
         self._stage = threading.local()  # the put this thread is encoding into staged extents, if any
         self._views = _ViewPins(self.controller, secret.encode() if secret else None, user.encode())
@@ -186,6 +187,20 @@ class NativeTransport(Transport):
             self._map_slabs(required=data_path == "shm")
         if data_path in ("auto", "te"):
             self._reach_engines(te or TeOptions(), required=data_path == "te")
+        _TRANSPORTS.add(self)
+
+    @property
+    def _slabs(self) -> dict[int, SlabView]:
+        """The units' slabs mapped in this process (a forked child maps its own at first use)."""
+        if self._slab_pid != os.getpid():
+            self._slab_pid = os.getpid()
+            if self.data_path in ("auto", "shm"):
+                self._map_slabs(required=False)
+        return self._slab_map
+
+    @_slabs.setter
+    def _slabs(self, value: dict[int, SlabView]) -> None:
+        self._slab_map = value
 
     def on_device(self, device: Any, *, write: bool = False) -> bool:
         """On CUDA: every slab mapped here page-locked for reads (or, ``write``, for puts;
@@ -1259,10 +1274,15 @@ class _ViewPins:
 
     def __init__(self, controller: str, secret: bytes | None, user: bytes) -> None:
         self._controller, self._secret, self._user = controller, secret, user
+        self._lease = 60.0
+        self._views: list[weakref.ref] = []  # every view held (dead ones pruned as they pile up)
+        self._start()
+        _VIEW_PINS.add(self)
+
+    def _start(self) -> None:
         self._live: dict[str, int] = {}  # pin -> views of it still alive
         self._blocks: dict[str, bytes] = {}  # pin -> its blocks (int64 bytes), named in each renewal
         self._gone: collections.deque[str] = collections.deque()  # one entry per view collected
-        self._lease = 60.0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -1276,8 +1296,28 @@ class _ViewPins:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="rlplane-view-pins", daemon=True)
                 self._thread.start()
+            if len(self._views) > 2 * len(self._live) + 64:
+                self._views = [r for r in self._views if r() is not None]
+            self._views += [weakref.ref(v) for v in views]
         for v in views:
             weakref.finalize(v, self._dropped, pin)
+
+    def forked(self) -> int:
+        """In a forked child (a DataLoader worker): the views it inherited keep what they
+        show, as copies of their own (their pins are the parent's, which lets go of them with
+        its views, and the store then reuses their memory: the child would see a later put's
+        bytes); the child pins its own reads afresh. Returns the views copied."""
+        views = [v for v in (r() for r in self._views) if v is not None]
+        self._start()
+        self._views = []
+        kept = 0
+        for v in views:
+            if privatize(v.ctypes.data, v.nbytes):
+                kept += 1
+            else:
+                log.error("a zero-copy view inherited by this forked process could not be made its own: it may show "
+                          "memory the store reuses (read with copy=True before forking)")
+        return kept
 
     def _dropped(self, pin: str) -> None:
         self._gone.append(pin)
@@ -1338,6 +1378,22 @@ class _ViewPins:
                     renew_at = min(renew_at, time.monotonic() + 1.0)
         finally:
             channels.close()
+
+
+_VIEW_PINS: weakref.WeakSet[_ViewPins] = weakref.WeakSet()  # every transport's (see _ViewPins.forked)
+_TRANSPORTS: weakref.WeakSet[NativeTransport] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pins in list(_VIEW_PINS):
+        pins.forked()
+    for t in list(_TRANSPORTS):
+        t._slab_map, t._slab_pid = {}, -1  # the child maps the slabs afresh at its first use (the inherited
+        # read-only mappings hold the views made its own, which a new read must not land in)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _scatter(values: np.ndarray, offsets: np.ndarray, pos: np.ndarray, src: np.ndarray, src_offsets: np.ndarray) -> None:

@@ -46,6 +46,8 @@ NO_VERSION = np.iinfo(np.int64).max
 #: Slots a claim of the oldest ``batch_size`` looks at first (at least 4 x its batch); then
 #: twice as many, and so on, until it found them: a claim costs what it takes, not the backlog.
 SCAN_WINDOW = 4096
+#: The most consuming tasks a partition keeps state for (each: 9 bytes per slot of it).
+MAX_TASKS = 256
 #: Upper bounds (seconds) of the claim-wait histogram's buckets.
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0)
 
@@ -278,7 +280,7 @@ class Ledger:
         if ps is None:
             return self._not_ready(req, 0, final)
         idx, n = ps.index, ps.index.used
-        ts = ps.tasks.setdefault(req.task, TaskState())
+        ts = self._task(ps, req.partition, req.task)
         ts.fit(n)
         ts.fields = req.fields
         lo = ts.cursor
@@ -663,6 +665,19 @@ class Ledger:
             out[task] = st
         return out
 
+    @staticmethod
+    def _task(ps: PartState, partition: str, task: str) -> TaskState:
+        """Task ``task``'s state of a partition, made on its first claim: at most
+        MAX_TASKS of them (each holds a byte or more per slot, and /metrics walks them all)."""
+        ts = ps.tasks.get(task)
+        if ts is None:
+            if len(ps.tasks) >= MAX_TASKS:
+                raise E.InvalidArgumentError(f"partition {partition!r} has {len(ps.tasks)} consuming tasks already, the "
+                                             f"most it keeps: a task is a stage that consumes each sample once "
+                                             f"(logprob, ref, train), not a step; name it so (task {task!r} was not made)")
+            ts = ps.tasks[task] = TaskState()
+        return ts
+
     def load(self, partition: str, task: str, slots: np.ndarray, states: np.ndarray) -> None:
         """Set ``task``'s state of ``slots`` (what :meth:`export` gave; a restore)."""
         ps = self._part(partition)
@@ -670,7 +685,7 @@ class Ledger:
             raise E.MissingDataError(partition, {}, hint="restore the samples before their consumption")
         if states.shape != slots.shape or not bool(np.isin(states, (UNSEEN, ACKED, EXPIRED)).all()):
             raise E.WireFormatError(f"bad consumption states for task {task!r} of {partition!r}")
-        ts = ps.tasks.setdefault(task, TaskState())
+        ts = self._task(ps, partition, task)
         ts.fit(ps.index.used)
         ts.state[slots] = states
         ts.lease[slots] = 0

@@ -360,25 +360,30 @@ class _Collector:
         yield info
 
 
+#: The label of what is summed beyond the TOP_LABELLED biggest: no partition name has parentheses.
+OTHER = "(other)"
+
+
 def _top_partitions(parts: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """The TOP_LABELLED biggest partitions (bytes, then samples) by name, the rest summed as ``other``."""
+    """The TOP_LABELLED biggest partitions (bytes, then samples) by name, the rest summed as
+    :data:`OTHER` (no partition can be named so: a real one called ``other`` keeps its own)."""
     if len(parts) <= TOP_LABELLED:
         return dict(parts)
     ranked = sorted(parts.items(), key=lambda kv: (kv[1][1], kv[1][0], kv[0]), reverse=True)
     out = dict(ranked[: TOP_LABELLED])
     rest = ranked[TOP_LABELLED:]
-    out["other"] = (sum(n for _, (n, _) in rest), sum(b for _, (_, b) in rest))
+    out[OTHER] = (sum(n for _, (n, _) in rest), sum(b for _, (_, b) in rest))
     return out
 
 
 def _top_tasks(tasks: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The TOP_LABELLED (partition, task) pairs holding the most samples, the rest summed as ``other``/``other``."""
+    """The TOP_LABELLED (partition, task) pairs holding the most samples, the rest summed as :data:`OTHER`."""
     if len(tasks) <= TOP_LABELLED:
         return tasks
     size = lambda t: sum(int(t.get(k, 0)) for k in CONSUMPTION_STATES)  # noqa: E731
     ranked = sorted(tasks, key=size, reverse=True)
     rest = ranked[TOP_LABELLED:]
-    other = {"partition": "other", "task": "other",
+    other = {"partition": OTHER, "task": OTHER,
              **{k: sum(int(t.get(k, 0)) for t in rest) for k in (*CONSUMPTION_STATES, "redelivered")}}
     return [*ranked[: TOP_LABELLED], other]
 

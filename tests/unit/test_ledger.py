@@ -105,6 +105,22 @@ def test_an_ack_naming_a_sample_twice_counts_it_once():
     assert led.ack("p", "train", got["lease"], ["a", "a", "b", "b"]) == 2
 
 
+def test_a_partition_keeps_at_most_max_tasks_consuming_tasks(monkeypatch):
+    """Each task holds state per slot, and /metrics walks them all: a claim under a new
+    name per step grew the controller without bound (300 names: 515 MB on 200k slots)."""
+    from rlplane_service import ledger as L
+
+    monkeypatch.setattr(L, "MAX_TASKS", 3)
+    led, idx = _ledger()
+    _put(idx, "p", ["a", "b"])
+    for t in ("logprob", "ref", "train"):
+        assert led.claim(_req(task=t, n=2), final=True)["ids"] == ["a", "b"]
+    with pytest.raises(E.InvalidArgumentError, match="'p' has 3 consuming tasks.*'step-7' was not made"):
+        led.claim(_req(task="step-7", n=1), final=True)
+    assert sorted(led._parts["p"].tasks) == ["logprob", "ref", "train"]
+    assert led.consumption("p", "train")["claimed"] == 2
+
+
 def test_stale_samples_are_expired_and_counted_never_handed_out():
     led, idx = _ledger()
     _put(idx, "p", ["old0", "old1", "new0", "new1"],

@@ -323,6 +323,28 @@ def test_without_the_secret_no_ticket_and_without_a_ticket_no_slab(engine):
     good.close()
 
 
+def test_peers_that_connect_and_say_nothing_hold_up_no_ticket_holder(engine):
+    """Anyone on the host can find the share's socket (/proc/net/unix); it served one
+    connection at a time, 2 s per silent peer, so a few idle connections kept every client
+    from mapping the slab (data_path=shm failed, auto fell back to sockets)."""
+    good = Channel(engine["units"][0].endpoint, "u0", secret=SECRET)
+    share = good.call({"op": "slab"}, timeout=10)[0]
+    idle = []
+    try:
+        for _ in range(8):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect("\0" + share["sock"])
+            s.send(b"a")  # and never the rest of a ticket
+            idle.append(s)
+        t0 = time.monotonic()
+        open_slab(share["sock"], share["ticket"], share["bytes"], unit="u0", timeout=5).close()
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        for s in idle:
+            s.close()
+        good.close()
+
+
 def test_the_read_pool_reuses_a_buffer_only_once_nothing_refers_to_it():
     pool = ReadPool(max_bytes=64 << 20)
     a = pool.take(8 << 20)

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 #: A ticket not presented within this long is void.
 TICKET_TTL_S = 30.0
 _MAX_TICKETS = 4096
+#: How long a connection may take to present its ticket, and how many are served at once.
+SERVE_S, MAX_SERVING = 1.0, 64
 
 
 class Slab:
@@ -88,6 +90,7 @@ class SlabShare:
         self._sock.listen(64)
         self._sock.settimeout(0.5)
         self._stop = threading.Event()
+        self._serving = threading.BoundedSemaphore(MAX_SERVING)
         self._thread = threading.Thread(target=self._loop, name=f"rlplane-{name}-share", daemon=True)
 
     def start(self) -> SlabShare:
@@ -116,17 +119,28 @@ class SlabShare:
                 if self._stop.is_set():
                     return
                 continue
-            try:
-                self._serve(conn)
-            except OSError as err:  # a peer that went away mid-way: nothing to do
-                log.debug("%s: slab share connection failed: %s", self.name, err)
-            finally:
+            if not self._serving.acquire(blocking=False):  # (a flood of idle connections: the newest go)
                 conn.close()
+                continue
+            threading.Thread(target=self._serve_one, args=(conn,), name=f"rlplane-{self.name}-share-conn",
+                             daemon=True).start()
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        """One connection on a thread of its own, so a peer that connects and sends
+        nothing (anyone on the host can find the socket) holds up no one else."""
+        try:
+            self._serve(conn)
+        except OSError as err:  # a peer that went away mid-way, or too slow: nothing to do
+            log.debug("%s: slab share connection failed: %s", self.name, err)
+        finally:
+            conn.close()
+            self._serving.release()
 
     def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(2.0)
+        deadline = time.monotonic() + SERVE_S
         data = b""
         while b"\n" not in data and len(data) < 64:
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
             chunk = conn.recv(64 - len(data))
             if not chunk:
                 return

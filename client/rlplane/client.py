@@ -112,6 +112,8 @@ class Client:
                 raise InvalidArgumentError(f"put_samples(..., durable=True) needs the native backend with a "
                                            f"journal (RLPLANE_JOURNAL_DIR); this client's transport is "
                                            f"{getattr(self.transport, 'name', type(self.transport).__name__)!r}")
+            if not batch:  # (a step whose samples were all filtered out: checked, nothing to store)
+                return SampleMeta(partition, [], [], frozenset(f for f in fields if fields[f] is not None))
             # Rows the partition holds from earlier puts are not written again (rlplane.dedup);
             # if a clear takes them before the commit, the put writes them itself.
             lookup = getattr(self.transport, "held_rows", None) if self._shares and not durable else None
@@ -158,6 +160,8 @@ class Client:
             prep = prepare(self.registry, fields, given if given is not None else lengths, sample_ids=meta.sample_ids)
             if given is not None and not torch.equal(prep.lengths, lengths):
                 raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
+            if not len(meta):  # (checked, nothing to store, as a put of no samples)
+                return meta
             _ready_for(self.transport, fields)
             sizes = alloc_sizes(self.registry, fields, prep)
             with self._buffers() as mine, self.transport.put_buffers(len(meta), mine, sizes) as alloc:
@@ -278,6 +282,9 @@ class Client:
             names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
             for name in names:
                 self.registry.get(name)
+            if not len(meta):  # (no samples: no dtype or shape to give the fields' tensors)
+                raise InvalidArgumentError(f"the meta names no samples of partition {meta.partition!r}: there is "
+                                           "nothing to read (a step whose samples were all filtered out)")
             more: dict[str, Any] = born_check(self.transport, meta.tags)  # a stale meta (put again since) is refused
             if copy and device is None and layout == "padded" and self.transport.lends_views:
                 # Token rows are padded into memory of their own: out of the store's, not out of a copy of it.

@@ -584,3 +584,21 @@ def test_a_reserve_of_many_ids_in_a_wide_partition_costs_only_the_fields_it_writ
         c.clear("wide")
         c.close()
     intact(client, known)
+
+
+def test_a_step_whose_samples_were_all_filtered_out_puts_and_writes_nothing_and_reads_say_so(client, known):
+    """A put of no samples was a WireFormatError about block entries on the native engine
+    (and stored an empty partition on the memory transport); it is a checked no-op on both,
+    as is a write of no samples, and a read of none is an InvalidArgumentError that says so."""
+    from rlplane.transports import MemoryTransport
+
+    empty = {"input_ids": torch.zeros(0, 4, dtype=torch.int64), "input_lengths": torch.zeros(0, dtype=torch.int64)}
+    for c in (client, Client(default_registry(), MemoryTransport())):
+        meta = c.put_samples("none", empty)
+        assert len(meta) == 0 and "none" not in c.partitions()
+        assert c.write_columns(meta, {"prev_logprobs": torch.zeros(0, 4)}) is meta
+        with pytest.raises(E.InvalidArgumentError, match="no samples"):
+            c.read_columns(meta, ["input_ids"])
+        with pytest.raises(E.UnknownFieldError):  # still checked
+            c.put_samples("none", {**empty, "no_such_field": torch.zeros(0, 4)})
+    intact(client, known)

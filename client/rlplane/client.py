@@ -624,12 +624,17 @@ class Client:
 
 
 def _ready_for(transport: Transport, fields: Mapping[str, Any]) -> None:
-    """Before a put of tensors on a GPU: the transport's memory readied for copies from it."""
-    for value in fields.values():
+    """Before a put of tensors on a GPU: the transport's memory readied for copies from it.
+    InvalidArgumentError for a tensor on the meta device (a shape, no data to store)."""
+    ready = False
+    for name, value in fields.items():
         device = getattr(value, "device", None)
-        if isinstance(device, torch.device) and device.type != "cpu":
+        if isinstance(device, torch.device) and device.type == "meta":
+            raise InvalidArgumentError(f"field {name!r} is a tensor on the meta device (a shape with no data): "
+                                       "materialize it first")
+        if isinstance(device, torch.device) and device.type != "cpu" and not ready:
             transport.on_device(device, write=True)
-            return
+            ready = True
 
 
 def _device(device: torch.device | str) -> torch.device:

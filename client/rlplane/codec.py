@@ -282,7 +282,8 @@ def _encode_token_dense(
     rest = list(value.shape[2:])
     if value.is_nested:
         offsets = value.offsets().to("cpu", torch.int64)
-        got = torch.diff(offsets)
+        holes = getattr(value, "_lengths", None)  # (a narrowed jagged tensor: rows with gaps between them)
+        got = torch.diff(offsets) if holes is None else holes.to("cpu", torch.int64)
         bad = (got != lens).nonzero()
         if bad.numel():
             i = int(bad[0])
@@ -291,7 +292,7 @@ def _encode_token_dense(
                 field=spec.name,
                 sample=_name(ids, i),
             )
-        if getattr(value, "_lengths", None) is not None:
+        if holes is not None:
             values = torch.cat(list(value.unbind()))
         else:
             values = value.values()[int(offsets[0]) : int(offsets[-1])]

@@ -114,3 +114,35 @@ def test_a_tensordict_that_is_not_one_row_per_sample_is_a_shape_error(client):
     with pytest.raises(ContainerError, match="TensorDict"):
         put_tensordict(client, "p", {"input_ids": torch.ones(2, 3)})
     assert client.partitions() == []
+
+
+def test_a_narrowed_jagged_tensor_puts_its_rows_and_their_own_lengths(client):
+    """A jagged tensor with gaps between its rows (torch.nested.narrow) was refused, blaming
+    the wire's offsets, and its lengths were taken from the offsets (gaps included)."""
+    flat = torch.arange(40, dtype=torch.int64)
+    nt = torch.nested.narrow(flat.reshape(4, 10), 1, torch.zeros(4, dtype=torch.int64), torch.tensor([3, 5, 2, 4]),
+                             layout=torch.jagged)
+    meta = put_tensordict(client, "holes", TensorDict({"input_ids": nt}, batch_size=[4]))
+    assert meta.lengths == [3, 5, 2, 4]
+    got = read_tensordict(client, meta, ["input_ids"], tokens="jagged").get("input_ids")
+    assert [r.tolist() for r in got.unbind()] == [list(range(10 * i, 10 * i + n)) for i, n in enumerate((3, 5, 2, 4))]
+
+
+def test_a_field_named_like_another_ones_prefix_reads_flat_and_one_named_twice_is_a_shape_error(client):
+    """Both "reward" and "reward.score" are legal field names: nesting the read's keys put one
+    inside the other (KeyError); a TensorDict with "reward": {"score"} beside "reward.score"
+    names one field twice (KeyError too)."""
+    client.registry.register(FieldSpec("reward", "sample", "dense", {"train"}, dtype="float32"))
+    meta = put_tensordict(client, "rr", TensorDict({"reward": torch.ones(2), "reward.score": torch.zeros(2)}, [2]))
+    td = read_tensordict(client, meta, ["reward", "reward.score"])
+    assert torch.equal(td.get("reward"), torch.ones(2)) and torch.equal(td.get("reward.score"), torch.zeros(2))
+    twice = TensorDict({"reward": TensorDict({"score": torch.ones(2)}, [2]), "reward.score": torch.zeros(2)}, [2])
+    with pytest.raises(ShapeError, match="names one field twice"):
+        put_tensordict(client, "rr2", twice)
+
+
+def test_a_tensor_on_the_meta_device_is_refused_typed(client):
+    from rlplane.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="meta device"):
+        put_tensordict(client, "m", TensorDict({"reward.score": torch.empty(2, device="meta")}, [2]))

@@ -96,7 +96,9 @@ def put_tensordict(
         jagged = [v for n, v in fields.items() if isinstance(v, torch.Tensor) and v.is_nested
                   and client.registry.get(n).alignment == "token"]
         if jagged:
-            fields[LENGTHS_FIELD] = torch.diff(jagged[0].offsets().to("cpu", torch.int64))
+            holes = getattr(jagged[0], "_lengths", None)  # (a narrowed jagged tensor: its rows' own lengths)
+            fields[LENGTHS_FIELD] = torch.diff(jagged[0].offsets().to("cpu", torch.int64)) if holes is None else \
+                holes.to("cpu", torch.int64)
     return client.put_samples(partition, fields, sample_ids=sample_ids, tags=tags)
 
 
@@ -113,7 +115,8 @@ def read_tensordict(
 ) -> TensorDict:
     """The samples of ``meta`` as a TensorDict of ``batch_size [len(meta)]``: the named
     ``fields`` or a ``stage``'s (see the module docstring for what each kind becomes).
-    Field names with ``"."`` become nested keys; ``device`` is ``read_columns``'s (e.g.
+    Field names with ``"."`` become nested keys (flat where one is another's prefix,
+    e.g. "reward" beside "reward.score"); ``device`` is ``read_columns``'s (e.g.
     ``"cuda"``). Raises what ``read_columns`` raises.
 
     Example::
@@ -136,7 +139,7 @@ def read_tensordict(
         else:
             out[name] = value
     td = TensorDict(out, batch_size=[len(meta)])
-    return td.unflatten_keys(SEP) if any(SEP in k for k in out) else td
+    return td.unflatten_keys(SEP) if any(SEP in k for k in out) and not _prefix_is_a_key(out) else td
 
 
 # -- implementation ------------------------------------------------------------------
@@ -155,7 +158,17 @@ def _flat(td: Any) -> Any:
 
     if not isinstance(td, TensorDictBase):
         raise ContainerError(f"put_tensordict takes a tensordict.TensorDict, not {type(td).__name__}")
-    return td.flatten_keys(SEP)
+    try:
+        return td.flatten_keys(SEP)
+    except KeyError as err:  # {"a": {"b": x}} beside "a.b": one field name for two entries
+        raise ShapeError(f"the TensorDict names one field twice, nested and flat ({err.args[0] if err.args else err}); "
+                         f"a nested key is the field of its path joined by {SEP!r}") from None
+
+
+def _prefix_is_a_key(out: Mapping[str, Any]) -> bool:
+    """Whether a field's name with ``SEP`` starts with another field's name: nesting the
+    keys would put one inside the other (both "reward" and "reward.score"), so they stay flat."""
+    return any(SEP.join(k.split(SEP)[:i]) in out for k in out if SEP in k for i in range(1, k.count(SEP) + 1))
 
 
 def _batch(td: Any) -> int:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from rlplane.codec import WIRE_TAG, Encoded, Prepared, alloc_sizes, decode, encode, prepare
-from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, ShapeError,
-                            TransportError, WireFormatError)
+from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, RlplaneError,
+                            ShapeError, TransportError, WireFormatError)
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.geometry import Geometry
 from rlplane.gcpause import gc_paused
@@ -364,7 +364,7 @@ class Client:
     def _claim(self, want: ClaimRequest, timeout: float | None, stop: threading.Event | None = None) -> dict[str, Any]:
         """Ask the ledger in waits of at most MAX_WAIT_S; only the last may return a short batch.
         ``stop`` (an awaited claim's): waits of at most AWAIT_STEP_S, and once it is set no
-        more of them; a batch that comes after is given back (nobody would hold it)."""
+        more of them."""
         streams, step = self._streams(), MAX_WAIT_S if stop is None else AWAIT_STEP_S
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         while True:
@@ -374,16 +374,10 @@ class Client:
             if stop is not None and stop.is_set():
                 raise NotReadyError(f"the awaited claim on {want.partition!r} for {want.task!r} was cancelled")
             try:
-                reply = streams.claim(req)
+                return streams.claim(req)
             except NotReadyError:
                 if last:
                     raise
-                continue
-            if stop is not None and stop.is_set():
-                streams.nack(want.partition, want.task, int(reply["lease"]), list(reply["ids"]))
-                raise NotReadyError(f"the awaited claim on {want.partition!r} for {want.task!r} was cancelled; the "
-                                    "batch that came meanwhile was given back")
-            return reply
 
     def ack(self, meta: SampleMeta, task: str) -> int:
         """Mark the claimed samples of ``meta`` (a claim's meta, or a shard of it) consumed by
@@ -581,18 +575,37 @@ class Client:
         Example: ``await client.aclaim("step-0", "train", batch_size=64, stage="train")``."""
         timeout = kwargs.get("timeout")
         want = ClaimRequest.build(self.registry, partition, task, kwargs.pop("batch_size", None), **kwargs)
-        stop = threading.Event()
+        stop, lock, handed = threading.Event(), threading.Lock(), []
 
         def run() -> SampleMeta:
             with self._op("claim"):
                 reply = self._claim(replace(want, columnar=True), timeout, stop)
-            return self._claimed_meta(partition, reply)
+            meta = self._claimed_meta(partition, reply)
+            with lock:  # handed over, or given back: whichever of the answer and the cancel came first
+                if not stop.is_set():
+                    handed.append(meta)
+                    return meta
+            self._give_back(meta, task)
+            raise NotReadyError(f"the awaited claim on {partition!r} for {task!r} was cancelled; the batch that came "
+                                "meanwhile was given back")
 
         try:
             return await asyncio.to_thread(run)
         except asyncio.CancelledError:
-            stop.set()
+            with lock:
+                stop.set()
+                late = list(handed)  # answered, but cancelled before the awaiting task took it
+            if late:
+                asyncio.get_running_loop().run_in_executor(None, self._give_back, late[0], task)
             raise
+
+    def _give_back(self, meta: SampleMeta, task: str) -> None:
+        """Nack the batch an awaited claim got after it was cancelled (logged if that fails:
+        its lease then runs out)."""
+        try:
+            self.nack(meta, task)
+        except RlplaneError as err:
+            log.warning("could not give back the %d samples a cancelled aclaim got: %s", len(meta), err)
 
     async def aack(self, meta: SampleMeta, task: str) -> int:
         """Awaitable :meth:`ack`."""

@@ -458,28 +458,28 @@ class Ledger:
         """Mark the lease's samples (or those of ``ids``) consumed; LeaseError if it expired.
         ``before``: called with the sample ids first (a journal; if it raises, nothing changes)."""
         le, slots, held = self._lease(partition, task, lease, ids, "ack")
-        named = int(slots.size)
+        named, marked = int(slots.size), None
         if le.groups is not None:
-            slots = self._whole_groups_acked(le, held, slots)
+            slots, marked = self._whole_groups_acked(le, held, slots)
         if before is not None:
             ps = self._part(partition)
             before(list(ps.index.ids_of(slots)) if ps is not None and ps.index is not None and slots.size else [])
+        if marked is not None:  # (only once the journal took the ack: if it raised, nothing changed)
+            le.marked = marked
         le.state.state[slots] = ACKED
         self._settle(le, slots)
         return named
 
     @staticmethod
-    def _whole_groups_acked(le: Lease, held: np.ndarray, named: np.ndarray) -> np.ndarray:
-        """A grouped lease's ack of ``named``: they are marked, and the slots returned are
-        those of the groups every member of which the lease still holds (``held``) is marked
-        now (see :class:`Lease`)."""
+    def _whole_groups_acked(le: Lease, held: np.ndarray, named: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A grouped lease's ack of ``named``: the lease's marks with them added, and the
+        slots of the groups every member of which the lease still holds (``held``) is marked
+        then (see :class:`Lease`); the caller keeps the marks once the ack is journalled."""
         assert le.groups is not None
-        if le.marked is None:
-            le.marked = np.zeros(le.slots.size, bool)
-        le.marked |= np.isin(le.slots, named)
+        marked = (le.marked if le.marked is not None else np.zeros(le.slots.size, bool)) | np.isin(le.slots, named)
         mine = np.isin(le.slots, held)
-        done = mine & ~np.isin(le.groups, le.groups[mine & ~le.marked])
-        return le.slots[done]
+        done = mine & ~np.isin(le.groups, le.groups[mine & ~marked])
+        return le.slots[done], marked
 
     def nack(self, partition: str, task: str, lease: int, ids: Sequence[str] | None = None) -> int:
         """Give the lease's samples (or those of ``ids``) back to the task at once."""

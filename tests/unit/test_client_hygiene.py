@@ -284,3 +284,26 @@ def test_a_cancelled_aclaim_stops_waiting_and_gives_back_a_batch_that_came_meanw
         writer.clear("acancel")
         client.close()
         writer.close()
+
+
+def test_an_aclaim_cancelled_after_its_answer_came_but_before_it_was_taken_gives_the_batch_back(engine):
+    """(A diff review's: the thread had the batch when the cancel came; it was thrown away
+    with its lease.)"""
+    client = Client(default_registry(), NativeTransport(engine, timeout=30))
+
+    async def answered_then_cancelled() -> None:
+        task = asyncio.ensure_future(client.aclaim("alate", "train", batch_size=4, fields=["input_ids"], timeout=5))
+        await asyncio.sleep(0)  # its thread starts
+        time.sleep(0.5)  # the loop is busy while the thread's claim is answered
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        client.put_samples("alate", batch())
+        asyncio.run(answered_then_cancelled())  # (waits for the give-back, on the loop's executor)
+        got = client.claim("alate", "train", batch_size=4, fields=["input_ids"], timeout=0)
+        assert len(got) == 4 and client.ack(got, "train") == 4
+    finally:
+        client.clear("alate")
+        client.close()

@@ -105,6 +105,25 @@ def test_an_ack_naming_a_sample_twice_counts_it_once():
     assert led.ack("p", "train", got["lease"], ["a", "a", "b", "b"]) == 2
 
 
+def test_a_partial_group_ack_the_journal_refused_changes_nothing():
+    """(A diff review's: the marks were kept though the journal write raised, so another
+    rank's ack consumed the refused member and its retry was told the lease was gone.)"""
+    led, idx = _ledger()
+    _put(idx, "p", ["a", "b"], tags=[{"gid": 0, "group_size": 2}] * 2)
+    lid = led.claim(_req(n=2, group_key="gid"), final=True)["lease"]
+    assert led.ack("p", "train", lid, ["a"]) == 1
+
+    def journal_down(ids):
+        raise E.UnavailableError("journal: no unit kept the ack")
+
+    with pytest.raises(E.UnavailableError):
+        led.ack("p", "train", lid, ["b"], before=journal_down)
+    journalled = []
+    assert led.ack("p", "train", lid, ["a"], before=journalled.extend) == 1 and journalled == []  # b is not acked
+    assert led.ack("p", "train", lid, ["b"], before=journalled.extend) == 1 and sorted(journalled) == ["a", "b"]
+    assert led.consumption("p", "train")["acked"] == 2
+
+
 def test_a_partition_keeps_at_most_max_tasks_consuming_tasks(monkeypatch):
     """Each task holds state per slot, and /metrics walks them all: a claim under a new
     name per step grew the controller without bound (300 names: 515 MB on 200k slots)."""

@@ -236,7 +236,7 @@ class Channel:
         if self.closed:
             raise TransportError(f"channel to {self.name} is closed")
         rid = next(_rids)
-        self._send(pack_message({**header, "rid": rid}, columns, buffers))
+        self._send(pack_message({**header, "rid": rid}, columns, buffers, checked=True))
         self._pending.add(rid)
         return rid
 
@@ -244,7 +244,7 @@ class Channel:
         """Send a one-way request (the server handles it and never answers), e.g. an unpin."""
         if self.closed:
             raise TransportError(f"channel to {self.name} is closed")
-        self._send(pack_message({**header, "rid": 0, "nr": True}))
+        self._send(pack_message({**header, "rid": 0, "nr": True}, checked=True))
 
     def raise_if_dropped(self) -> None:
         """Raise peer_down (and close), before anything is sent, when the peer dropped this

@@ -89,9 +89,11 @@ def int_array(b: Any, what: str = "array") -> np.ndarray:
 
 
 def pack_message(header: Mapping[str, Any], columns: Mapping[str, Rows] | None = None,
-                 buffers: Sequence[Any] = ()) -> list[Any]:
+                 buffers: Sequence[Any] = (), *, checked: bool = False) -> list[Any]:
     """Frames of one message: the header, then per column its values and offsets, then
-    any extra ``buffers`` (their count is in the header as ``nbuf``)."""
+    any extra ``buffers`` (their count is in the header as ``nbuf``). ``checked`` (a
+    request): a header over SMALL_HEADER_BYTES is decoded here as the engine will, so one
+    it would refuse is a WireFormatError now, not a request that is never answered."""
     frames: list[Any] = [b""]
     layout = []
     for name, col in (columns or {}).items():
@@ -103,6 +105,12 @@ def pack_message(header: Mapping[str, Any], columns: Mapping[str, Rows] | None =
     if len(frames[0]) > MAX_HEADER_BYTES:
         raise WireFormatError(f"a {header.get('op', 'message')!s} header of {len(frames[0])} bytes is over the engine's "
                               f"limit of {MAX_HEADER_BYTES}: split the batch into smaller calls")
+    if checked and len(frames[0]) > SMALL_HEADER_BYTES:  # (the engine cannot answer what it cannot decode:
+        try:                                             # the caller would wait out its timeout, told nothing)
+            unpack_header(frames[0])
+        except WireFormatError as err:
+            raise WireFormatError(f"a {header.get('op', 'message')!s} header the engine would refuse ({err}): keep "
+                                  "tags small (big values go in fields) or split the batch") from None
     return frames
 
 

@@ -602,3 +602,14 @@ def test_a_step_whose_samples_were_all_filtered_out_puts_and_writes_nothing_and_
         with pytest.raises(E.UnknownFieldError):  # still checked
             c.put_samples("none", {**empty, "no_such_field": torch.zeros(0, 4)})
     intact(client, known)
+
+
+def test_a_put_whose_header_the_engine_would_refuse_is_refused_at_the_client_at_once(client, known):
+    """Tags of more than 2M lists and maps in all: the engine's decoder refuses such a header
+    and cannot say to whom, so the put waited out its whole timeout, told nothing."""
+    ids = {"input_ids": torch.ones(1, 4, dtype=torch.int64), "input_lengths": torch.tensor([4])}
+    t0 = time.monotonic()
+    with pytest.raises(E.WireFormatError, match="would refuse .*lists and maps"):
+        client.put_samples("nested", ids, tags=[{"x": [[]] * ((2 << 20) + 1)}])
+    assert time.monotonic() - t0 < 10 and "nested" not in client.partitions()
+    intact(client, known)

@@ -634,13 +634,21 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
         replayed: Any = None
         paused = False
         try:
-            if jr is not None or transport.journal().get("journal"):
+            state = transport.journal()
+            # A store that journals into a new directory, and has journalled nothing yet, records
+            # that its journal continues this snapshot: a restore from the journal alone loads it first.
+            based = jr is None and bool(state.get("journal")) and int(state.get("seq") or 0) <= 1 and since > 0 \
+                and path is not None
+            if jr is not None or state.get("journal"):
                 # What the restore puts is in the snapshot or the old journal already; a store that
                 # journals numbers its changes after both, so its journal continues the snapshot
                 # (without the floor, a restore of both after a crash took its changes for older
                 # ones and skipped them).
                 transport.journal(floor=max(jr.last_seq if jr is not None else 0, since) + 1, pause=True)
                 paused = True
+                if jr is None and not based:
+                    log.warning("restore: this store journalled changes before the restore; a restore from its "
+                                "journal alone will not bring back snapshot %s (restore it with the journal)", path)
             for k in range(len(snap)):
                 snap.prefetch(k + _FILES_AHEAD)
                 part = head if k == 0 else snap.part(k)
@@ -658,7 +666,7 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
                 replayed = J.replay(transport, jr, since or 1, touched=loaded, progress=say)
                 samples += replayed.samples
             if paused:
-                transport.journal(pause=False)
+                transport.journal(pause=False, base=(since, _where(path)) if based else None)
         except BaseException:
             for name in loaded:  # nothing of a refused snapshot stays
                 try:
@@ -679,6 +687,11 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
     say(f"restore: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s from {path or journal}"
         + (f" (+{replayed.changes} journal changes)" if replayed is not None else ""))
     return info
+
+
+def _where(path: str | os.PathLike[str]) -> str:
+    """A snapshot's path as a journal records it: absolute (a restore may run elsewhere), or the URL."""
+    return str(path) if is_url(path) else str(Path(path).resolve())
 
 
 def _load(transport: Any, part: _Part) -> int:

@@ -281,7 +281,8 @@ def test_a_restored_store_journals_on_after_the_old_journal(tmp_path):
 def test_a_snapshot_restored_into_a_journalling_store_without_its_journal_is_continued_by_the_new_one(tmp_path):
     """``snapshot.restore(transport, S)`` into a store that journals: its changes are numbered
     after S's cut, so a crash and a restore of S plus the new journal bring them back
-    (before: numbered from 1, below the cut, they were skipped as older than S)."""
+    (before: numbered from 1, below the cut, they were skipped as older than S); and the
+    new journal records that it continues S, so a restore from it alone loads S first."""
     with engine(None, units=1) as eng, connect(eng) as a:
         for k in range(6):
             a.put_samples("old", text_step(2, 8, seed=k).fields)
@@ -290,8 +291,15 @@ def test_a_snapshot_restored_into_a_journalling_store_without_its_journal_is_con
         snapshot.restore(a.transport, tmp_path / "S")
         new = a.put_samples("new", text_step(4, 8, seed=9).fields, durable=True)
         want = wire(a, "new", new.sample_ids, ["input_ids"])
+        deadline = time.monotonic() + 10  # (the units record it on a thread of the controller's)
+        while not (tmp_path / "D" / "u0" / "BASE").exists():
+            assert time.monotonic() < deadline, "the journal never recorded the snapshot it continues"
+            time.sleep(0.05)
     with engine(None, units=1) as eng, connect(eng) as b:
         snapshot.restore(b.transport, tmp_path / "S", journal=tmp_path / "D")
+        assert b.partitions() == ["new", "old"] and same(wire(b, "new", new.sample_ids, ["input_ids"]), want)
+    with engine(None, units=1) as eng, connect(eng) as b:  # the journal alone: it loads the snapshot it continues
+        snapshot.restore(b.transport, None, journal=tmp_path / "D")
         assert b.partitions() == ["new", "old"] and same(wire(b, "new", new.sample_ids, ["input_ids"]), want)
 
 

@@ -832,14 +832,20 @@ class NativeTransport(Transport):
             header.update(seq=seq, path=path)
         self._ask(header)
 
-    def journal(self, *, floor: int | None = None, pause: bool | None = None) -> dict[str, Any]:
+    def journal(self, *, floor: int | None = None, pause: bool | None = None,
+                base: tuple[int, str] | None = None) -> dict[str, Any]:
         """The store's journal: ``journal`` (whether it has one), ``seq`` (the next change's
-        number), ``paused``. A restore pauses it and sets the ``floor`` (the next number)."""
+        number), ``paused``. A restore pauses it and sets the ``floor`` (the next number);
+        ``base`` (a snapshot's cut and path): the units record that their journals continue
+        that snapshot, as a snapshot's truncation does (a restore from the journal alone
+        then loads it first)."""
         header: dict[str, Any] = {"op": "journal"}
         if floor is not None:
             header["floor"] = floor
         if pause is not None:
             header["pause"] = pause
+        if base is not None:
+            header["base"] = [int(base[0]), str(base[1])]
         return dict(self._ask(header))
 
     def set_consumption(self, partition: str, task: str, ids: list[str], states: bytes) -> None:

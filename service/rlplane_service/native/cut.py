@@ -151,9 +151,17 @@ class CutOps:
         units' journals, ``floor``: the next change's sequence number is at least this (the
         new journal continues the old one). Answers the journal's state."""
         self._full_only(header, "steer the journal")
-        floor, pause = header.get("floor"), header.get("pause")
+        floor, pause, base = header.get("floor"), header.get("pause"), header.get("base")
         if floor is not None and not (isinstance(floor, int) and not isinstance(floor, bool) and 0 < floor < 1 << 62):
             raise E.WireFormatError("journal 'floor' must be a sequence number")
+        if base is not None:  # a restored snapshot the journal continues: [its cut's change number, its path]
+            if not (isinstance(base, list) and len(base) == 2 and type(base[0]) is int and 0 < base[0] < 1 << 62
+                    and isinstance(base[1], str) and 0 < len(base[1]) <= 4096 and "\0" not in base[1]):
+                raise E.WireFormatError("journal 'base' must be [a change number, a snapshot's path]")
+            if getattr(self, "journaling", False):
+                self._truncation.acquire()  # (released by the truncation, on its thread)
+                threading.Thread(target=self._truncate_journals, args=(base[0], base[1]),
+                                 name="rlplane-journal-base", daemon=True).start()
         with self._lock:
             if floor is not None:
                 self._seq = max(self._seq, floor)  # type: ignore[attr-defined]

@@ -202,6 +202,15 @@ _views: dict[str, weakref.ref] = {}  # slab socket name -> the process's mapping
 _views_lock = threading.Lock()
 
 
+def _forget_views_lock() -> None:
+    global _views_lock
+    _views_lock = threading.Lock()  # (a thread of the parent may have held it at the fork: the child maps afresh)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_views_lock)
+
+
 def shared_slab(sock_name: str, ticket: str, nbytes: int, *, unit: str, timeout: float) -> SlabView:
     """The process's mapping of a unit's slab: the one another client of this process
     already holds, else a new one (:func:`open_slab`). Every client of a process shares

@@ -274,9 +274,11 @@ def test_a_tag_too_big_for_int64_counts_as_absent_and_spoils_no_other_sample(eng
     rewriting(monkeypatch, "commit", lambda h: {**h, "user": [{"grp": "B", "group_size": 2**64 - 1}]})
     client.put_samples("gp", {k: v[:1] for k, v in pair.items()}, sample_ids=["b0"])
     monkeypatch.undo()
-    got = ctrl.call({"op": "claim", "p": "gp", "task": "g", "n": 3, "min": 1, "fields": ["input_ids"], "group": "grp"},
-                    timeout=5)[0]
-    assert sorted(got["ids"]) == ["a0", "a1", "b0"]  # the size that does not fit counts as absent: a group of one
+    grouped = {"op": "claim", "p": "gp", "task": "g", "n": 3, "min": 1, "fields": ["input_ids"], "group": "grp"}
+    with pytest.raises(E.InvalidArgumentError, match="'b0'.*group_size"):  # a size that does not fit is no size
+        ctrl.call(grouped, timeout=5)
+    client.clear("gp", ["b0"])
+    assert sorted(ctrl.call(grouped, timeout=5)[0]["ids"]) == ["a0", "a1"]  # the others' sizes were read
     client.clear("gp")
     still_serving(engine, client, known, failures)
 

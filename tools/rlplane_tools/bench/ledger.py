@@ -74,6 +74,7 @@ def _index(backlog: int, claims: int) -> tuple[object, int]:
     for k in range(-(-backlog // BATCH) + claims + 1):
         slots = part.take([f"{k}-{i}" for i in range(BATCH)])
         fi = part.field_index("input_ids")
+        fi.cover(slots)
         fi.block[slots] = 1
         fi.set_geometry(slots, Geometry.token(lens.copy(), []))
         part.user[slots] = np.array([{"group_id": f"{k}-{i // GROUP}", "group_size": GROUP} for i in range(BATCH)],

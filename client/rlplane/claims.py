@@ -98,19 +98,19 @@ class ClaimRequest:
             raise E.InvalidArgumentError("a claim needs batch_size, max_tokens, or both")
         if batch_size is None:
             batch_size = MAX_CLAIM_BATCH
-        batch_size = _num(batch_size, int, "batch_size", E.InvalidArgumentError)
-        max_tokens, min_tokens, current_version, max_staleness = (
-            _opt(x, int, what, E.InvalidArgumentError) for x, what in ((max_tokens, "max_tokens"),
-                                                                        (min_tokens, "min_tokens"),
-                                                                        (current_version, "current_version"),
-                                                                        (max_staleness, "max_staleness")))
+
+        def arg(x: Any, kind: type, what: str) -> Any:  # a caller's argument, checked as a header's field is
+            return _opt(x, kind, what, E.InvalidArgumentError)
+
+        batch_size, max_tokens, min_tokens = arg(batch_size, int, "batch_size"), arg(max_tokens, int, "max_tokens"), \
+            arg(min_tokens, int, "min_tokens")
         if min_batch is None:
             min_batch = 1 if max_tokens is not None else batch_size
-        req = cls(partition, task, batch_size, tuple(names), _num(timeout or 0.0, float, "timeout", E.InvalidArgumentError),
-                  _num(min_batch, int, "min_batch", E.InvalidArgumentError), _opt(group_key, str, "group_key", E.InvalidArgumentError),
-                  current_version, max_staleness, _opt(lease_s, float, "lease_s", E.InvalidArgumentError), max_tokens,
-                  max_tokens if min_tokens is None else min_tokens, tokens_field,
-                  _flag(unfinished, "unfinished", E.InvalidArgumentError))
+        req = cls(partition, task, batch_size, tuple(names), arg(timeout or 0.0, float, "timeout"),
+                  arg(min_batch, int, "min_batch"), arg(group_key, str, "group_key"),
+                  arg(current_version, int, "current_version"), arg(max_staleness, int, "max_staleness"),
+                  arg(lease_s, float, "lease_s"), max_tokens, max_tokens if min_tokens is None else min_tokens,
+                  tokens_field, _flag(unfinished, "unfinished", E.InvalidArgumentError))
         req.check()
         return req
 

@@ -93,7 +93,8 @@ def tag_problem(value: Any, depth: int = 0, *, strict: bool = True) -> str | Non
     if isinstance(value, int):
         return None if -(1 << 63) <= value < 1 << 64 else f"an int of more than 64 bits ({str(value)[:40]})"
     if isinstance(value, float):
-        return None if math.isfinite(value) or not strict else f"a float that is not finite ({value}): JSON has no such number"
+        return None if math.isfinite(value) or not strict else \
+            f"a float that is not finite ({value}): JSON has no such number"
     if isinstance(value, bytes) and not strict:
         return None
     if isinstance(value, (list, tuple, dict)):  # (dicts only: msgpack packs no other mapping)

@@ -294,9 +294,11 @@ class Ledger:
             live = idx.live(a, z)
             st = ts.state[a:z]
             if req.max_staleness is not None:
-                stale = (ps.versions()[a:z] < req.current_version - req.max_staleness) & live & (st == UNSEEN)  # type: ignore[operator]
+                waiting = live & (st == UNSEEN)
+                oldest = req.current_version - req.max_staleness  # type: ignore[operator]
+                stale = (ps.versions()[a:z] < oldest) & waiting
                 if req.group_key is not None:
-                    stale |= _groups_of(ps, ts, req.group_key, a, z, stale) & live & (st == UNSEEN)
+                    stale |= _groups_of(ps, ts, req.group_key, a, z, stale) & waiting
                 st[stale] = EXPIRED
             ready = live & (st == UNSEEN)
             if not req.unfinished:  # a partial rollout is claimed once it is finished
@@ -383,9 +385,9 @@ class Ledger:
             return c, c, c, True
         if not bool(size[cand].all()):
             sid = ps.index.ids_of(cand[size[cand] == 0][:1])[0]
-            raise E.InvalidArgumentError(f"sample {sid!r} has a {req.group_key!r} tag (group_key) but no {GROUP_SIZE_TAG!r} "
-                                         "tag of a positive int: a grouped claim hands a group out once all its "
-                                         "group_size members are ready, so every member needs it")
+            raise E.InvalidArgumentError(f"sample {sid!r} has a {req.group_key!r} tag (group_key) but no "
+                                         f"{GROUP_SIZE_TAG!r} tag of a positive int: a grouped claim hands a group "
+                                         "out once all its group_size members are ready, so every member needs it")
         counts = np.bincount(c)  # ready samples per group, over all of cand (codes are small ints)
         head = c[:limit]
         _, first = np.unique(head, return_index=True)
@@ -672,9 +674,10 @@ class Ledger:
         ts = ps.tasks.get(task)
         if ts is None:
             if len(ps.tasks) >= MAX_TASKS:
-                raise E.InvalidArgumentError(f"partition {partition!r} has {len(ps.tasks)} consuming tasks already, the "
-                                             f"most it keeps: a task is a stage that consumes each sample once "
-                                             f"(logprob, ref, train), not a step; name it so (task {task!r} was not made)")
+                raise E.InvalidArgumentError(f"partition {partition!r} has {len(ps.tasks)} consuming tasks already, "
+                                             "the most it keeps: a task is a stage that consumes each sample once "
+                                             f"(logprob, ref, train), not a step; name it so (task {task!r} was not "
+                                             "made)")
             ts = ps.tasks[task] = TaskState()
         return ts
 

@@ -187,13 +187,14 @@ class NativeTransport(Transport):
             self._map_slabs(required=data_path == "shm")
         if data_path in ("auto", "te"):
             self._reach_engines(te or TeOptions(), required=data_path == "te")
-        _TRANSPORTS.add(self)
 
     @property
     def _slabs(self) -> dict[int, SlabView]:
-        """The units' slabs mapped in this process (a forked child maps its own at first use)."""
+        """The units' slabs mapped in this process: a forked child maps its own at first use
+        (the inherited read-only mappings hold the views it made its own, see
+        :meth:`_ViewPins.forked`, which a new read must not land in)."""
         if self._slab_pid != os.getpid():
-            self._slab_pid = os.getpid()
+            self._slab_pid, self._slab_map = os.getpid(), {}
             if self.data_path in ("auto", "shm"):
                 self._map_slabs(required=False)
         return self._slab_map
@@ -283,15 +284,16 @@ class NativeTransport(Transport):
         aligned = [] if create else list(aligned)
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
+        ids = list(sample_ids)
         try:
-            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born, grows, read_sums)
+            return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums)
         except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
             if not self._lost(err):
                 raise
             stage = getattr(self._stage, "put", None)
             if stage is not None and stage.kept:  # the fields encoded into its freed extents, as copied before
                 columns = {f: replace(c, values=stage.kept[f]) if f in stage.kept else c for f, c in columns.items()}
-            return self._put(partition, list(sample_ids), columns, tags, create, durable, aligned, born, grows, read_sums)
+            return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums)
 
     @contextmanager
     def put_buffers(self, batch: int, fallback: Alloc | None,
@@ -1387,15 +1389,11 @@ class _ViewPins:
 
 
 _VIEW_PINS: weakref.WeakSet[_ViewPins] = weakref.WeakSet()  # every transport's (see _ViewPins.forked)
-_TRANSPORTS: weakref.WeakSet[NativeTransport] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
     for pins in list(_VIEW_PINS):
         pins.forked()
-    for t in list(_TRANSPORTS):
-        t._slab_map, t._slab_pid = {}, -1  # the child maps the slabs afresh at its first use (the inherited
-        # read-only mappings hold the views made its own, which a new read must not land in)
 
 
 if hasattr(os, "register_at_fork"):

@@ -132,7 +132,8 @@ def _names(keys: np.ndarray) -> list[bytes]:
 def _holds(part: Partition, fi: FieldIndex, slots: np.ndarray, keys: np.ndarray) -> np.ndarray:
     ok = (slots >= 0) & (slots < part.used)
     s = np.where(ok, slots, 0)
-    return ok & (part.state[s] == COMMITTED) & (fi.at("block", s) >= 0) & (fi.at("k0", s) == keys[:, 0]) & (fi.at("k1", s) == keys[:, 1])
+    return ok & (part.state[s] == COMMITTED) & (fi.at("block", s) >= 0) & (fi.at("k0", s) == keys[:, 0]) \
+        & (fi.at("k1", s) == keys[:, 1])
 
 
 def _held_by_some_row(part: Partition, fi: FieldIndex, refs: np.ndarray) -> np.ndarray:

@@ -666,7 +666,10 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
                 replayed = J.replay(transport, jr, since or 1, touched=loaded, progress=say)
                 samples += replayed.samples
             if paused:
-                transport.journal(pause=False, base=(since, _where(path)) if based else None)
+                answer = transport.journal(pause=False, base=(since, _where(path)) if based else None)
+            if paused and based and not answer.get("based"):
+                log.warning("restore: the store was truncating its journal, so it does not record that the journal "
+                            "continues snapshot %s: until its next snapshot, restore it with that snapshot", path)
         except BaseException:
             for name in loaded:  # nothing of a refused snapshot stays
                 try:

@@ -303,6 +303,20 @@ def test_a_snapshot_restored_into_a_journalling_store_without_its_journal_is_con
         assert b.partitions() == ["new", "old"] and same(wire(b, "new", new.sample_ids, ["input_ids"]), want)
 
 
+def test_a_journal_base_asked_while_a_truncation_runs_is_answered_at_once_and_not_recorded(tmp_path):
+    """(The controller took the truncation lock blocking, on its serving thread: a request
+    could stall every other one for as long as the units took to truncate.)"""
+    with engine(tmp_path / "D", units=1) as eng, connect(eng) as a:
+        assert eng.core._truncation.acquire(timeout=5)
+        try:
+            t0 = time.monotonic()
+            assert a.transport.journal(base=(7, str(tmp_path / "S")))["based"] is False
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            eng.core._truncation.release()
+        assert not (tmp_path / "D" / "u0" / "BASE").exists()
+
+
 def test_a_rebuilt_controller_numbers_changes_above_the_journalled_acks(tmp_path):
     jdir = tmp_path / "journal"
     with engine(jdir) as eng, connect(eng) as a:

@@ -149,17 +149,20 @@ class CutOps:
     def op_journal(self, header: dict, columns: dict, extra: list) -> Any:
         """A restore replays an old journal: ``pause`` (bool) keeps what it puts out of the
         units' journals, ``floor``: the next change's sequence number is at least this (the
-        new journal continues the old one). Answers the journal's state."""
+        new journal continues the old one); ``base``: [a restored snapshot's cut, its path]
+        the units record their journals continue (``based`` in the answer: False when a
+        truncation is running; a request never waits for one). Answers the journal's state."""
         self._full_only(header, "steer the journal")
         floor, pause, base = header.get("floor"), header.get("pause"), header.get("base")
         if floor is not None and not (isinstance(floor, int) and not isinstance(floor, bool) and 0 < floor < 1 << 62):
             raise E.WireFormatError("journal 'floor' must be a sequence number")
-        if base is not None:  # a restored snapshot the journal continues: [its cut's change number, its path]
+        based = False
+        if base is not None:
             if not (isinstance(base, list) and len(base) == 2 and type(base[0]) is int and 0 < base[0] < 1 << 62
                     and isinstance(base[1], str) and 0 < len(base[1]) <= 4096 and "\0" not in base[1]):
                 raise E.WireFormatError("journal 'base' must be [a change number, a snapshot's path]")
-            if getattr(self, "journaling", False):
-                self._truncation.acquire()  # (released by the truncation, on its thread)
+            based = getattr(self, "journaling", False) and self._truncation.acquire(blocking=False)
+            if based:  # off the serving thread, as a snapshot's truncation (which releases the lock)
                 threading.Thread(target=self._truncate_journals, args=(base[0], base[1]),
                                  name="rlplane-journal-base", daemon=True).start()
         with self._lock:
@@ -168,7 +171,7 @@ class CutOps:
             if isinstance(pause, bool):
                 self.journal_paused = pause
             return {"journal": bool(getattr(self, "journaling", False)), "seq": self._seq,  # type: ignore[attr-defined]
-                    "paused": bool(getattr(self, "journal_paused", False))}, {}, []
+                    "paused": bool(getattr(self, "journal_paused", False)), "based": based}, {}, []
 
     def snapshot_stats(self) -> dict[str, float]:
         """The last snapshot's unix time, file bytes, seconds and samples (zeros: none yet)."""

@@ -105,7 +105,8 @@ class MooncakeMaster:
                 return cls._start_once(settings, host)
             except _ExitedAtStart as err:
                 if attempt == attempts:
-                    raise
+                    raise  # its log stays: the error names it
+                shutil.rmtree(err.log_dir, ignore_errors=True)
                 log.warning("mooncake_master exited at start (attempt %d of %d), starting it on new ports: %s",
                             attempt, attempts, err)
         raise AssertionError("unreachable")  # the loop returns or raises
@@ -153,7 +154,8 @@ class MooncakeMaster:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = log_file.read_text(errors="replace")[-2000:]
-                raise _ExitedAtStart(f"mooncake_master exited with {proc.returncode} at start (log {log_file}):\n{tail}")
+                raise _ExitedAtStart(f"mooncake_master exited with {proc.returncode} at start (log {log_file}):\n{tail}",
+                                     log_dir)
             # /health answers from the admin server before the RPC server has bound its
             # port; a master whose RPC bind fails still says "ok" for about a second.
             if master.healthy(timeout=1.0) and _listens(proc.pid, {rpc, meta, metrics}):
@@ -180,7 +182,8 @@ class MooncakeMaster:
             return False
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Terminate the process this object started (by pid); kill it if it lingers. Idempotent."""
+        """Terminate the process this object started (by pid); kill it if it lingers; remove
+        its log unless it ended by itself (then the log says why). Idempotent."""
         if self._proc.poll() is not None:
             return
         self._proc.terminate()
@@ -189,11 +192,16 @@ class MooncakeMaster:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait(timeout)
+        shutil.rmtree(Path(self._info.log_file).parent, ignore_errors=True)
         log.info("mooncake_master pid %d stopped", self._proc.pid)
 
 
 class _ExitedAtStart(TransportError):
     """The master process ended before it served (a port taken, a bad flag): its log says why."""
+
+    def __init__(self, message: str, log_dir: Path) -> None:
+        super().__init__(message)
+        self.log_dir = log_dir
 
 
 def _listens(pid: int, ports: set[int]) -> bool:

@@ -8,6 +8,7 @@ empty rows, a full pool, an unreachable master, and the master's lifetime.
 import json
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -184,6 +185,8 @@ def test_a_master_port_someone_else_holds_is_a_typed_error_naming_the_log():
             MooncakeMaster.start(settings, "127.0.0.1")
         assert time.monotonic() - start < 35
         assert "mooncake_master" in str(err.value) and "mooncake_master.log" in str(err.value)
+        named = str(err.value).split("(log ", 1)[1].split(")", 1)[0]
+        assert Path(named).is_file()  # the log the error names is kept
         with socket.create_connection(("127.0.0.1", taken), timeout=5):
             pass  # the holder still has its port
 
@@ -209,14 +212,19 @@ def test_a_chosen_port_taken_before_the_master_binds_it_starts_the_master_on_new
             return [taken, *ports[1:]] if len(calls) == 1 else ports
 
         monkeypatch.setattr(mooncake, "free_ports", first_choice_is_taken)
+        made = []
+        mkdtemp = mooncake.tempfile.mkdtemp
+        monkeypatch.setattr(mooncake.tempfile, "mkdtemp", lambda **kw: made.append(mkdtemp(**kw)) or made[-1])
         master = mooncake.MooncakeMaster.start(ServiceSettings(store_name="mc-retry"), "127.0.0.1")
     try:
-        assert len(calls) == 2
+        assert len(calls) == 2 and len(made) == 2
         assert not master.info()["master_address"].endswith(f":{taken}")
         assert master.healthy()
+        assert not Path(made[0]).exists() and Path(made[1]).is_dir()  # the failed attempt's log is gone
     finally:
         master.stop()
     assert not master.healthy()
+    assert not Path(made[1]).exists()  # a master stopped leaves no log directory behind
 
 
 def test_settings_refuse_one_port_for_two_of_the_masters_servers():

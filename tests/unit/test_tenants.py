@@ -69,7 +69,8 @@ SECRET = b"tenant-engine-secret"
 
 @pytest.fixture(scope="module")
 def engine():
-    tenants = {"job-a": (b"secret-a", (("job-a:",), True)), "reader": (b"secret-r", (("job-a:",), False))}
+    tenants = {"job-a": (b"secret-a", (("job-a:",), True)), "reader": (b"secret-r", (("job-a:",), False)),
+               "controller": (b"secret-c", (("ctl:",), True))}  # (a name the engine once trusted)
     with LocalEngine(2, secret=SECRET, slab_bytes=16 << 20, tenants=tenants) as eng:
         yield eng
 
@@ -128,6 +129,53 @@ def test_a_tenant_credential_cannot_map_or_allocate_in_a_slab(engine):
             ch.call({"op": "free", "b": b""}, timeout=5)
     finally:
         ch.close()
+
+
+@pytest.mark.parametrize("user, secret", [(b"job-a", b"secret-a"), (b"controller", b"secret-c")])
+def test_no_tenant_name_stands_for_the_controller_on_a_unit(engine, user, secret):
+    """The units trust the controller's own socket, not a user name: a tenant named
+    ``controller`` can neither map a slab nor read a block without its capability."""
+    from rlplane.channel import Channel
+
+    admin = _client(engine, None, SECRET)
+    try:
+        admin.transport.data_path = "zmq"
+        meta = admin.put_samples("job-b:private", FIELDS)
+        loc = admin.transport._ctrl().call({"op": "locate", "p": "job-b:private", "ids": meta.sample_ids,
+                                            "fields": ["input_ids"]}, timeout=5)[0]
+        u, entries = loc["units"][0]
+        field, blocks, rows = entries[0][:3]
+        ch = Channel(engine.units[u].endpoint, f"u{u}", secret=secret, user=user)
+        try:
+            with pytest.raises(E.ForbiddenError, match="slab"):
+                ch.call({"op": "slab"}, timeout=5)
+            with pytest.raises(E.ForbiddenError, match="capability"):
+                ch.call({"op": "read", "f": [[field, blocks, rows]]}, timeout=5)
+        finally:
+            ch.close()
+        assert torch.equal(admin.read_columns(meta, ["input_ids"])["input_ids"], WANT)
+        admin.clear("job-b:private")
+    finally:
+        admin.close()
+
+
+def test_a_read_only_tenant_cannot_write_blocks_into_a_unit(engine):
+    """Not through the controller, and not straight to a unit's data socket either (that
+    would fill the slab with bytes nobody can clear until the orphan sweep)."""
+    import numpy as np
+
+    from rlplane.channel import Channel
+    from rlplane.wire import RawColumn
+
+    before = engine.cores[0].alloc.free_bytes
+    ch = Channel(engine.units[0].endpoint, "u0", secret=b"secret-r", user=b"reader")
+    try:
+        junk = RawColumn("uint8", np.zeros(1 << 20, np.uint8), np.asarray([0, 1 << 20], np.int64))
+        with pytest.raises(E.ForbiddenError, match="read-only"):
+            ch.call({"op": "write", "b": 12345}, {"junk": junk}, timeout=5)
+    finally:
+        ch.close()
+    assert engine.cores[0].alloc.free_bytes == before
 
 
 def test_a_tenant_cannot_read_another_tenants_block_even_knowing_its_id(engine):

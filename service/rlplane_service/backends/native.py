@@ -73,7 +73,8 @@ class NativeStore(StoreBackend):
                     {name: s for name, (s, _) in scoped.items()},
                     (settings.te_protocol, settings.te_devices, *(settings.te_ports() or ())) if settings.te_protocol
                     else None,
-                    (str(settings.journal_dir), settings.journal_flush_ms) if settings.journal_dir else None)
+                    (str(settings.journal_dir), settings.journal_flush_ms) if settings.journal_dir else None,
+                    [name for name, (_, access) in users.items() if not access.write])
             for i in range(settings.storage_units)
         }
         try:

@@ -69,7 +69,8 @@ class LocalEngine:
         else:
             self.cores = [UnitCore(f"u{i}", slab_bytes, seal_key=control,
                                    te=TransferEngineConfig(h, te_protocol, ports=te_ports) if te_protocol else None,
-                                   journal=_journal(journal_dir, f"u{i}", journal_flush_ms))
+                                   journal=_journal(journal_dir, f"u{i}", journal_flush_ms),
+                                   readers=[u for u, (_, (_, write)) in tenants.items() if not write])
                           for i, h in zip(range(units), hosts)]
             self.units = [Server(c, host=h, secret=secret, name=f"u{i}", control_secret=control, users=users).start()
                           for i, (c, h) in enumerate(zip(self.cores, hosts))]

@@ -37,7 +37,9 @@ only peers holding that one: the handler's ``CONTROL_OPS`` (a storage unit's ``f
 so a data client cannot delete or copy out what the controller manages. ``users`` adds
 PLAIN users of their own to the data socket (tenants, :mod:`rlplane_service.tenants`):
 every request's header then carries ``_user``, the name its connection authenticated
-as (``rlplane`` for the full-access secret), for the handler to check its scope.
+as (``rlplane`` for the full-access secret), for the handler to check its scope, and
+``_control``, True only for a request that came in on the control socket (no user name
+can say that: a tenant may be called anything its tokens file allows).
 
 No request can stop the loop: whatever one request raises is answered or logged, a
 parked request's deadline is clamped to a finite time at most ``MAX_PARK_S`` away, at
@@ -301,7 +303,8 @@ class Server:
             header, columns, extra = unpack_message(frames, header)
             header = {k: v for k, v in header.items() if not (isinstance(k, str) and k.startswith("_"))}
             header["_t0"], header["_final"] = t0, final
-            header["_user"] = "controller" if control else self._user_of(frames[0])
+            header["_control"] = control
+            header["_user"] = None if control else self._user_of(frames[0])
             op = header.get("op")
             fn: Callable[..., Reply] | None = getattr(self.handler, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
             if fn is None:

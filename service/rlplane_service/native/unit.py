@@ -53,7 +53,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -188,13 +188,15 @@ class UnitCore:
 
     def __init__(self, name: str, slab_bytes: int = DEFAULT_SLAB_BYTES, *, share: bool = True,
                  seal_key: bytes | None = None, te: TransferEngineConfig | None = None,
-                 journal: JournalWriter | None = None) -> None:
+                 journal: JournalWriter | None = None, readers: Iterable[str] = ()) -> None:
         """``seal_key`` (the controller's credential): every extent the unit hands out is
         sealed with it (:func:`seal`), so a commit cannot claim extents or sizes it was not given.
         ``te``: register the slab with Mooncake's transfer engine (clients on other hosts
         then write and read it one-sided, :mod:`rlplane.te`). ``journal``: append every change
-        the controller logs here to it (:mod:`rlplane_service.native.journal`)."""
+        the controller logs here to it (:mod:`rlplane_service.native.journal`). ``readers``:
+        the engine users of read-only tenants (they may not write a block)."""
         self.name = name
+        self.readers = frozenset(readers)
         self.journal = journal
         self.seal_key = seal_key
         self.slab = Slab(slab_bytes, name)
@@ -284,6 +286,9 @@ class UnitCore:
 
     def op_write(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Store ``columns`` as block ``b`` (a block is written once): copied into new extents."""
+        if header.get("_user") in self.readers:
+            raise E.ForbiddenError(f"a read-only tenant's credential ({header.get('_user')!r}) may not write blocks "
+                                   f"into {self.name}")
         bid = _block_id(header)
         layout, where = self._write(bid, columns)
         return {"x": where, "xs": self._seals(bid, layout, where), "stored": sum(c.nbytes for c in columns.values())}, {}, []
@@ -620,7 +625,7 @@ class UnitCore:
     def _check_caps(self, header: dict[str, Any], asks: list[tuple[str, np.ndarray, np.ndarray]]) -> None:
         """With a seal key, every block a read names needs the controller's capability for
         it on this unit (``caps``: ``[[block, token], ...]``, from the locate that found it)."""
-        if self.seal_key is None or header.get("_user") == "controller":
+        if self.seal_key is None or header.get("_control") is True:
             return
         given = header.get("caps")
         caps = ({c[0]: c[1] for c in given if isinstance(c, list) and len(c) == 2 and isinstance(c[0], int)}
@@ -686,7 +691,7 @@ def read_cap(key: bytes, bid: int, unit: str) -> str:
 def _full_access(header: dict[str, Any], what: str) -> None:
     """ForbiddenError for a tenant's (scoped) credential: only full access may ``what``."""
     user = header.get("_user")
-    if user not in (None, PLAIN_USER.decode(), "controller"):
+    if user not in (None, PLAIN_USER.decode()) and header.get("_control") is not True:
         raise E.ForbiddenError(f"a tenant's credential ({user!r}) may not {what}; its bytes move over the engine's "
                                "sockets (data_path='zmq')")
 
@@ -716,8 +721,10 @@ def unit_actor_class() -> Any:
         def __init__(self, name: str, host: str | None, secret: str | None,
                      slab_bytes: int = DEFAULT_SLAB_BYTES, control_secret: str | None = None,
                      ports: Sequence[int] | None = None, tenants: dict[str, str] | None = None,
-                     te: Sequence[str] | None = None, journal: Sequence[Any] | None = None) -> None:
-            """``tenants``: engine user -> secret of each tenant (they may not map the slab).
+                     te: Sequence[str] | None = None, journal: Sequence[Any] | None = None,
+                     readers: Sequence[str] = ()) -> None:
+            """``tenants``: engine user -> secret of each tenant (they may not map the slab);
+            ``readers``: those of them with read-only access (they may not write a block).
             ``te``: ``(protocol, devices[, port min, port max])`` of the transfer engine to register the slab with.
             ``journal``: ``(directory, flush ms)`` of its write-ahead journal (RLPLANE_JOURNAL_DIR)."""
             from pathlib import Path
@@ -729,7 +736,7 @@ def unit_actor_class() -> Any:
                                           (int(te[2]), int(te[3])) if len(te) == 4 else None) if te else None
             writer = JournalWriter(Path(journal[0]), name, flush_ms=float(journal[1])) if journal else None
             self._core = UnitCore(name, slab_bytes, seal_key=control_secret.encode() if control_secret else None,
-                                  te=engine, journal=writer)
+                                  te=engine, journal=writer, readers=readers)
             self._server = Server(self._core, host=bind, secret=secret.encode() if secret else None, name=name,
                                   port=(int(ports[0]), int(ports[1])) if ports else 0,
                                   control_secret=control_secret.encode() if control_secret else None,

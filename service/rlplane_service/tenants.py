@@ -60,8 +60,11 @@ class TenantSpec(BaseModel):
     @field_validator("token")
     @classmethod
     def _long(cls, v: SecretStr) -> SecretStr:
-        if len(v.get_secret_value()) < 16:
+        token = v.get_secret_value()
+        if len(token) < 16:
             raise ValueError("a token needs at least 16 characters")
+        if not (token.isascii() and token.isprintable()) or " " in token:
+            raise ValueError("a token is printable ASCII without spaces (what an HTTP header carries as it is)")
         return v
 
     @field_validator("prefixes")
@@ -125,6 +128,10 @@ class Tenants:
     def __init__(self, admin_token: str | None, specs: list[TenantSpec] | None = None) -> None:
         self.admin_token = admin_token
         self.specs = list(specs or [])
+        if admin_token is not None and any(hmac.compare_digest(t.token.get_secret_value().encode(),
+                                                               admin_token.encode()) for t in self.specs):
+            raise E.InvalidArgumentError("a tenant's token is RLPLANE_API_TOKEN, the full-access token: give the "
+                                         "tenant a token of its own")
         self._by_token = [(t.token.get_secret_value().encode(), Access(t.name, tuple(t.prefixes), t.access == "read-write"))
                           for t in self.specs]
 
@@ -139,7 +146,15 @@ class Tenants:
             return cls(admin_token, TokensFile.model_validate(raw).tokens)
         except OSError as err:
             raise E.InvalidArgumentError(f"RLPLANE_TOKENS_FILE {path}: cannot read it ({err})") from None
-        except (ValidationError, ValueError, yaml.YAMLError) as err:
+        except ValidationError as err:  # (its text would quote the input: a token)
+            where = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors(include_input=False))
+            raise E.InvalidArgumentError(f"RLPLANE_TOKENS_FILE {path}: {where[:500]}") from None
+        except yaml.YAMLError as err:  # (where, not the line: it may hold a token)
+            mark = getattr(err, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise E.InvalidArgumentError(f"RLPLANE_TOKENS_FILE {path}: not YAML{at} "
+                                         f"({getattr(err, 'problem', None) or type(err).__name__})") from None
+        except ValueError as err:  # (JSON's errors say where, never what)
             raise E.InvalidArgumentError(f"RLPLANE_TOKENS_FILE {path}: {str(err)[:500]}") from None
 
     @property
@@ -162,9 +177,10 @@ class Tenants:
     def lookup_header(self, authorization: str | bytes) -> Access | None:
         """:meth:`lookup` of an ``Authorization: Bearer <token>`` header value."""
         value = authorization.decode("latin-1") if isinstance(authorization, bytes) else authorization
-        if not value.startswith("Bearer "):
+        scheme, _, token = value.partition(" ")
+        if scheme.lower() != "bearer":  # (a scheme is case-insensitive, RFC 9110)
             return None if self.enabled else FULL
-        return self.lookup(value[len("Bearer "):])
+        return self.lookup(token.strip(" "))
 
     def data_users(self, store_name: str) -> dict[str, tuple[str, Access]]:
         """Each tenant's native-engine credential: user -> (secret, scope). The secret is

@@ -5,6 +5,7 @@ bit-exactly."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -154,6 +155,25 @@ def test_a_client_cannot_reach_the_control_socket_with_the_data_secret(engine):
             assert time.monotonic() - start < 5
         finally:
             ch.close()
+
+
+def test_the_engine_never_logs_a_password_and_refuses_a_wrong_one_of_any_kind(engine, caplog):
+    """PLAIN credentials are checked by rlplane's own ZAP handler (constant-time compare;
+    pyzmq's logged every admitted password at DEBUG)."""
+    caplog.set_level(logging.DEBUG, logger="rlplane_service.native.server.zap")
+    ok = Channel(engine.info["controller"], "controller", secret=SECRET)
+    try:
+        assert ok.call({"op": "ping"}, timeout=5)[0]["ok"]
+    finally:
+        ok.close()
+    for wrong in (SECRET[:-1], SECRET + b"x", "hardening-s\u00e9cret".encode(), b"\xff\xfe" * 8):
+        ch = Channel(engine.info["controller"], "controller", secret=wrong, connect_timeout=1.0)
+        try:
+            with pytest.raises((E.AuthenticationError, E.UnavailableError)):
+                ch.call({"op": "ping"}, timeout=2)
+        finally:
+            ch.close()
+    assert SECRET.decode() not in caplog.text
 
 
 def test_discard_frees_only_blocks_the_index_does_not_know(ctrl, client, known):

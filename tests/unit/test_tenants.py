@@ -40,6 +40,8 @@ def test_a_token_stands_for_its_tenant_and_scope(tenants):
     assert tenants.lookup("nope") is None and tenants.lookup(None) is None
     assert tenants.lookup_header("Bearer token-of-job-a-0123").tenant == "job-a"
     assert tenants.lookup_header("token-of-job-a-0123") is None
+    assert tenants.lookup_header("bearer token-of-job-a-0123").tenant == "job-a"  # a scheme is case-insensitive
+    assert tenants.lookup_header("Basic token-of-job-a-0123") is None
     assert Tenants.load(None, None).lookup(None) is FULL  # no tokens at all: open, as without RLPLANE_API_TOKEN
 
 
@@ -53,15 +55,33 @@ def test_a_token_stands_for_its_tenant_and_scope(tenants):
      "share a token"),
     ("tokens: [{name: a, token: aaaaaaaaaaaaaaaaaa, prefixes: [x], access: admin}]", "access"),
     ("tokens: {{{", "tokens.yaml"),
+    ("tokens: [{name: a, token: \"t\u00f6ken-of-a-0123456\", prefixes: [x]}]", "printable ASCII"),
+    ("tokens: [{name: a, token: \"token of a 0123456\", prefixes: [x]}]", "without spaces"),
+    ("tokens: [{name: a, token: admin-token-xyz-0123, prefixes: [x]}]", "RLPLANE_API_TOKEN"),
 ])
 def test_a_bad_tokens_file_is_refused_naming_the_file_and_the_fault(tmp_path, text, what):
     path = tmp_path / "tokens.yaml"
     path.write_text(text)
     with pytest.raises(E.InvalidArgumentError, match="tokens.yaml") as err:
-        Tenants.load(None, str(path))
+        Tenants.load("admin-token-xyz-0123", str(path))
     assert what in str(err.value)
     with pytest.raises(E.InvalidArgumentError, match="cannot read"):
         Tenants.load(None, str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("text", [
+    "tokens: [{name: a, token: 82319477192345123470, prefixes: [x]}]",
+    "tokens: [{name: a, token: [82319477192345123470], prefixes: [x]}]",
+    "tokens: [{name: a, token: \"8231947\", prefixes: [x]}]",
+    "tokens:\n  - name: a\n    token: \"8231947719234512347-0\n    prefixes: [x]\n",
+])
+def test_an_error_about_a_tokens_file_never_quotes_a_token(tmp_path, text):
+    """The error reaches Serve's deployment status and the logs."""
+    path = tmp_path / "tokens.yaml"
+    path.write_text(text)
+    with pytest.raises(E.InvalidArgumentError, match="tokens.yaml") as err:
+        Tenants.load(None, str(path))
+    assert "8231947" not in str(err.value)
 
 
 SECRET = b"tenant-engine-secret"

@@ -579,17 +579,21 @@ def build_api(state: ServiceState) -> FastAPI:
         return {k: stats.get(k) for k in ("lost_samples", "lost_units", "under_replicated_samples")}
 
     api.include_router(v1)
-    api.add_middleware(Guard, tenants=tenants, limit=state.settings.max_request_bytes)
+    api.add_middleware(Guard, tenants=tenants, limit=state.settings.max_request_bytes,
+                       json_limit=min(state.settings.max_json_bytes, state.settings.max_request_bytes))
     return api
 
 
 class Guard:
     """Raw ASGI middleware: refuse a ``/v1`` request without the right token, and any body
     announced over the limit, *before* a byte of the body is read (FastAPI reads the body
-    before its dependencies run). The route's own ``authorize`` check stays as a second line."""
+    before its dependencies run). The route's own ``authorize`` check stays as a second line.
+    ``limit``: a data put's body (the binary envelope); ``json_limit``: every other body
+    (JSON, which takes tens of times its bytes once parsed)."""
 
-    def __init__(self, app: Any, *, tenants: Tenants, limit: int) -> None:
-        self.app, self.limit, self.tenants = app, limit, tenants
+    def __init__(self, app: Any, *, tenants: Tenants, limit: int, json_limit: int | None = None) -> None:
+        self.app, self.data_limit, self.tenants = app, limit, tenants
+        self.json_limit = limit if json_limit is None else json_limit
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -601,10 +605,12 @@ class Guard:
             path = path[len(root):]
         if path.startswith("/v1") and self.tenants.lookup_header(headers.get(b"authorization", b"")) is None:
             return await _refuse(send, 401, _unauthorized(), {"WWW-Authenticate": "Bearer"})
+        data = path.startswith("/v1/data/") and path.endswith("/put")
+        limit = self.data_limit if data else self.json_limit
         declared = headers.get(b"content-length", b"")
         if declared.isdigit():  # (the server delivers no more than it says)
-            if int(declared) > self.limit:
-                return await _refuse(send, 413, _too_big(self.limit))
+            if int(declared) > limit:
+                return await _refuse(send, 413, _too_big(limit, data))
             return await self.app(scope, receive, send)
         # A body of unknown length (chunked): counted as it comes, and refused once over the
         # limit; the app then sees the client gone and answers nothing (FastAPI reads a JSON
@@ -616,9 +622,9 @@ class Guard:
             message = await receive()
             if message.get("type") == "http.request" and not refused:
                 got += len(message.get("body", b""))
-                if got > self.limit:
+                if got > limit:
                     refused = True
-                    await _refuse(send, 413, _too_big(self.limit))
+                    await _refuse(send, 413, _too_big(limit, data))
                     return {"type": "http.disconnect"}
             return message
 
@@ -636,7 +642,12 @@ def _unauthorized() -> E.AuthenticationError:
     )
 
 
-def _too_big(limit: int) -> E.PayloadTooLargeError:
+def _too_big(limit: int, data: bool = True) -> E.PayloadTooLargeError:
+    if not data:
+        return E.PayloadTooLargeError(
+            f"request body is over this service's limit of {limit} bytes for JSON requests; name fewer samples per "
+            "call (or raise RLPLANE_MAX_JSON_BYTES), or use a direct transport (transport='direct')"
+        )
     return E.PayloadTooLargeError(
         f"request body is over this service's limit of {limit} bytes; put fewer samples per call "
         "(or raise RLPLANE_MAX_REQUEST_BYTES), or use a direct transport (transport='direct')"

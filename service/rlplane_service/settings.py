@@ -55,7 +55,11 @@ class ServiceSettings(BaseSettings):
         "read-write (see rlplane_service.tenants). RLPLANE_API_TOKEN stays a full-access token.",
     )
     max_request_bytes: int = Field(
-        2 << 30, ge=1 << 10, description="Largest HTTP data request body; larger ones get 413."
+        2 << 30, ge=1 << 10, description="Largest HTTP data request body (POST /v1/data/{id}/put); larger ones get 413."
+    )
+    max_json_bytes: int = Field(
+        8 << 20, ge=1 << 10, description="Largest body of every other HTTP request (JSON: a get's, clear's, ack's "
+        "sample ids...); larger ones get 413. Parsed JSON takes ~40x its bytes in memory.",
     )
     snapshot_dir: Optional[Path] = Field(
         None, description="Backend native: where POST /v1/snapshot (rlplane snapshot --to) may write; a relative path "

@@ -407,7 +407,9 @@ def build_api(state: ServiceState) -> FastAPI:
                                      max_staleness=body.max_staleness, lease_s=body.lease_s,
                                      max_tokens=body.max_tokens, min_tokens=body.min_tokens,
                                      unfinished=body.unfinished)
-            out = await ledger().acall({"op": "claim", **req.to_header()}, req.wait_s)
+            out = await _kept_if_abandoned(ledger().acall({"op": "claim", **req.to_header()}, req.wait_s),
+                                           lambda got: ledger().acall({"op": "nack", "p": partition, "task": body.task,
+                                                                       "lease": got["lease"], "ids": None}))
         answer = {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
                   "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"],
                   **{k: out[k] for k in ("tokens", "over_budget", "born") if k in out}}
@@ -582,6 +584,34 @@ def build_api(state: ServiceState) -> FastAPI:
     api.add_middleware(Guard, tenants=tenants, limit=state.settings.max_request_bytes,
                        json_limit=min(state.settings.max_json_bytes, state.settings.max_request_bytes))
     return api
+
+
+_ABANDONED: set[asyncio.Task] = set()  # claims whose caller left while they waited: given back once they land
+
+
+async def _kept_if_abandoned(call: Any, give_back: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
+    """``await call``; if the awaiting request is cancelled first (its HTTP client went
+    away: Serve cancels the handler), the call still runs to its answer, and what it
+    leased is handed to ``give_back`` (a nack): a batch leased to nobody would wait out
+    its lease (300 s by default) before another claim could have it."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        async def settle() -> None:
+            try:
+                got = await task
+            except Exception:  # noqa: BLE001 - nothing leased, nothing to give back
+                return
+            try:
+                await give_back(got)
+            except Exception:  # noqa: BLE001 - the lease lapses on its own
+                log.warning("could not give back a claim whose caller left; it lapses with its lease", exc_info=True)
+
+        done = asyncio.ensure_future(settle())
+        _ABANDONED.add(done)
+        done.add_done_callback(_ABANDONED.discard)
+        raise
 
 
 class Guard:

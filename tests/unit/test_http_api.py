@@ -5,6 +5,8 @@ status codes, the typed errors that come back and the all-or-nothing writes are 
 in milliseconds.
 """
 
+import time
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -546,3 +548,44 @@ def test_a_json_body_has_a_limit_of_its_own_far_below_a_data_puts(served):
     assert store.describe("p").num_samples == 2
     got = client.read_columns(meta, ["input_ids"])["input_ids"]
     assert torch.equal(got, torch.ones(2, 40_000, dtype=torch.int64))
+
+
+def test_a_waiting_claim_whose_caller_leaves_gives_its_batch_back():
+    """Serve cancels a handler when its HTTP client disconnects (Ctrl-C, a client timeout):
+    the parked claim still leased the batch once samples came, to nobody, for its whole
+    lease (300 s). Now the batch is given back as it lands: the same task claims it next."""
+    import asyncio
+
+    import httpx
+
+    from rlplane.transports.native import NativeTransport
+    from rlplane_service.native.local import LocalEngine
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    fields = {"input_ids": torch.arange(16).reshape(2, 8), "input_lengths": torch.tensor([8, 8])}
+    body = {"task": "train", "batch_size": 2, "fields": ["input_ids"], "timeout": 20}
+
+    async def run(store, writer):
+        app = build_api(ServiceState(ServiceSettings(api_token=TOKEN), default_registry(), store))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rlplane.test") as http:
+            waiting = asyncio.create_task(http.post("/v1/partitions/p/claim", json=body, headers=auth))
+            await asyncio.sleep(0.5)  # parked at the controller
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            meta = await asyncio.to_thread(writer.put_samples, "p", fields)
+            start = time.monotonic()
+            r = await http.post("/v1/partitions/p/claim", json={**body, "timeout": 10}, headers=auth)
+            assert r.status_code == 200, r.text
+            assert sorted(r.json()["sample_ids"]) == sorted(meta.sample_ids) and time.monotonic() - start < 10
+            r = await http.get("/v1/partitions/p/consumption", params={"task": "train"}, headers=auth)
+            assert r.json()["claimed"] == 2 and r.json()["pending"] == 0
+
+    with LocalEngine(1, secret=None, slab_bytes=16 << 20) as eng:
+        store = NativeTransport(dict(eng.info), timeout=10)
+        writer = Client(default_registry(), NativeTransport(dict(eng.info), timeout=10))
+        try:
+            asyncio.run(run(store, writer))
+        finally:
+            writer.close()
+            store.close()

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import threading
 import time
 import uuid
+from typing import Any
 
 import httpx
 import pytest
@@ -149,11 +150,14 @@ CLAIMS = {"logprob": dict(batch_size=5, min_batch=1),
 GROUP = 5
 
 
-def _claimer(url: str, token: str, transport: str, p: str, results: mp.Queue, until: float) -> None:
-    """Claim for every task in turn until nothing more comes; report what each claim got."""
+def _claimer(url: str, token: str, transport: str, p: str, results: mp.Queue, until: float, written: Any) -> None:
+    """Claim for every task in turn until nothing more comes after the producer is done
+    (``written`` set); report what each claim got."""
     with rlplane.connect(url, token=token, transport=transport) as c:
-        idle = dict.fromkeys(CLAIMS, 0)
-        while time.monotonic() < until and min(idle.values()) < 3:
+        idle, done = dict.fromkeys(CLAIMS, 0), False
+        while time.monotonic() < until and min(idle.values()) < (1 if done else 3):
+            if not done and written.is_set():  # from here on, one empty round of every task ends it
+                idle, done = dict.fromkeys(CLAIMS, 0), True
             for task, how in CLAIMS.items():
                 try:
                     meta = c.claim(p, task, fields=["input_ids"], timeout=0.5, **how)
@@ -174,8 +178,8 @@ def test_exactly_once_per_task_under_concurrent_claimer_processes(live):
     ctx = mp.get_context("forkserver")  # a clean process (no Ray, no sockets) forked from one that imported these once
     ctx.set_forkserver_preload(["torch", "rlplane", "rlplane.client", "httpx"])
     results: mp.Queue = ctx.Queue()
-    until = time.monotonic() + 90
-    procs = [ctx.Process(target=_claimer, args=(live.url, live.token, live.direct, p, results, until))
+    until, all_written = time.monotonic() + 90, ctx.Event()
+    procs = [ctx.Process(target=_claimer, args=(live.url, live.token, live.direct, p, results, until, all_written))
              for _ in range(4)]
     for proc in procs:
         proc.start()
@@ -190,6 +194,7 @@ def test_exactly_once_per_task_under_concurrent_claimer_processes(live):
             group_of.update({s: t["group_id"] for s, t in zip(ids, tags)})
             written += ids
             time.sleep(0.1)
+        all_written.set()
         got: dict[str, list[str]] = {task: [] for task in CLAIMS}
         done = 0
         while done < len(procs):

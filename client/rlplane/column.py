@@ -102,6 +102,8 @@ class Column:
             check_same(self.same, n)
         if v.dim() != 1 or not v.is_contiguous():
             raise WireFormatError(f"column values must be 1-D and contiguous, got shape {list(v.shape)}")
+        if not v.numel() and v.stride() != (1,):  # (an empty selection's stride 0: a byte view of it fails)
+            object.__setattr__(self, "values", v := v.new_empty(0))
         if o.dim() != 1 or o.dtype != torch.int64 or o.numel() < 1:
             raise WireFormatError("column offsets must be a non-empty 1-D int64 tensor")
         # Checked through a numpy view on the CPU: a few small torch ops cost more than the check.

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from rlplane.channel import PLAIN_USER, SharedChannels, acall, ride
 from rlplane.errors import TransportError
-from rlplane.claims import ClaimRequest
+from rlplane.claims import MAX_WAIT_S, ClaimRequest
 
 
 class DirectStreams:
@@ -65,6 +65,14 @@ class DirectStreams:
         when any is stored or being written by another put. Returns the reservation."""
         return str(self._call({"op": "reserve", "p": partition, "ids": [str(s) for s in ids]})["res"])
 
+    def hold(self, partition: str, ids: Sequence[str] | None, kind: str) -> str:
+        """Hold stored samples (``ids``; None: the whole partition) for a ``write`` or a
+        ``clear`` (TransferQueue-based stores): answered once no put, write or clear of any
+        of them is under way (UnavailableError after MAX_WAIT_S). Ended by ``record``
+        (a write), ``drop`` (a clear) or ``abort``. Returns the hold."""
+        return str(self._call({"op": "hold", "p": partition, "ids": _ids(ids), "kind": kind},
+                              MAX_WAIT_S + self.timeout)["res"])
+
     def abort(self, reservation: str) -> None:
         """Give up a reservation (the write failed)."""
         self._call({"op": "abort", "res": reservation})
@@ -76,9 +84,9 @@ class DirectStreams:
         self._call({"op": "record", "p": partition, "ids": list(ids), "fields": list(fields),
                     "tags": [dict(t) for t in tags], "create": create, "res": reservation})
 
-    def drop(self, partition: str, ids: Sequence[str] | None) -> None:
-        """Tell such a ledger what a clear removed."""
-        self._call({"op": "drop", "p": partition, "ids": _ids(ids)})
+    def drop(self, partition: str, ids: Sequence[str] | None, hold: str | None = None) -> None:
+        """Tell such a ledger what a clear removed; it ends the clear's ``hold``."""
+        self._call({"op": "drop", "p": partition, "ids": _ids(ids), "res": hold})
 
     def lose(self, unit: str, partition: str = "", ids: Sequence[str] = ()) -> None:
         """Tell such a ledger that storage ``unit`` died, taking ``partition``'s ``ids`` with it."""

@@ -266,6 +266,74 @@ def test_ids_a_killed_writer_left_in_transferqueue_are_written_again_by_the_retr
         client.clear(p)
 
 
+def _slowed(client, seconds: float) -> None:
+    """Make this client's TransferQueue writes land ``seconds`` late (ids and tags already taken)."""
+    import asyncio
+
+    write = client.transport._client.async_put
+
+    async def late(*args, **kwargs):
+        await asyncio.sleep(seconds)
+        return await write(*args, **kwargs)
+
+    client.transport._client.async_put = late
+
+
+@pytest.mark.parametrize("backend", ["simple_service", "mooncake_service"])
+def test_a_clear_racing_a_write_of_its_partition_never_changes_another_partition(request, backend):
+    """TransferQueue hands a cleared sample's storage slots to the next put of any partition:
+    a put (or write_columns) still under way into them landed in that put's rows (an
+    IntegrityError for its reader, or worse). A clear now waits for the writes of its samples."""
+    import threading
+
+    live = request.getfixturevalue(backend)
+    p, q = part(), part()
+    with rlplane.connect(live.url, token=live.token, transport="tq") as a, \
+            rlplane.connect(live.url, token=live.token, transport="tq") as b:
+        a.put_samples(p, {"sample_mask": torch.zeros(1)}, sample_ids=["old"])
+        stored = a.put_samples(f"{p}-w", {"sample_mask": torch.zeros(2)}, sample_ids=["w0", "w1"])
+        _slowed(a, 1.5)
+        rounds = [(p, lambda: a.put_samples(p, {"sample_mask": torch.full((2,), 7.0)}, sample_ids=["p0", "p1"])),
+                  (f"{p}-w", lambda: a.write_columns(stored, {"advantages": torch.ones(2, 4)}))]
+        for target, write in rounds:
+            done: list = []
+            writer = threading.Thread(target=lambda: done.append(write()))
+            writer.start()
+            time.sleep(0.7)  # the writer holds its samples' storage slots; its bytes are not there yet
+            cleared = b.clear(target)  # waits for the write: it clears what the write stored too
+            mine = b.put_samples(q, {"sample_mask": torch.tensor([1.0, 2.0, 3.0])})
+            writer.join(timeout=60)
+            assert done and cleared == (3 if target == p else 2)
+            assert torch.equal(b.read_columns(mine, ["sample_mask"])["sample_mask"], torch.tensor([1.0, 2.0, 3.0]))
+            assert target not in b.partitions()
+            b.clear(q)
+
+
+@pytest.mark.parametrize("backend", ["simple_service", "mooncake_service"])
+def test_two_writes_of_different_fields_of_the_same_samples_at_once_keep_both(request, backend):
+    """TransferQueue replaces a sample's whole tag map: of two write_columns at once, the
+    slower one's tags dropped the other's field (its reads then said the field was never
+    written). Writes of the same samples now take turns."""
+    import threading
+
+    live = request.getfixturevalue(backend)
+    p = part()
+    with rlplane.connect(live.url, token=live.token, transport="tq") as a, \
+            rlplane.connect(live.url, token=live.token, transport="tq") as b:
+        meta = a.put_samples(p, {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])})
+        _slowed(a, 1.5)
+        first = threading.Thread(target=a.write_columns, args=(meta, {"advantages": torch.full((2, 4), 0.5)}))
+        first.start()
+        time.sleep(0.5)
+        b.write_columns(meta, {"prev_logprobs": torch.full((2, 4), -1.0)})
+        first.join(timeout=60)
+        got = b.read_columns(meta, ["advantages", "prev_logprobs"])
+        assert torch.equal(got["advantages"], torch.full((2, 4), 0.5))
+        assert torch.equal(got["prev_logprobs"], torch.full((2, 4), -1.0))
+        assert b.clear(p, [meta.sample_ids[0], meta.sample_ids[0]]) == 1  # an id named twice clears once
+        b.clear(p)
+
+
 @pytest.mark.parametrize("transport", ["direct", "http"])
 def test_a_hundred_connected_clients_cost_at_most_twice_one(service, transport):
     """Clients of one process with one URL and token share their HTTP and engine

@@ -281,3 +281,12 @@ def test_decode_checks_every_row_against_its_writers_digest_naming_partition_sam
     plain = {k: c.with_meta(None, c.geom) for k, c in enc.columns.items()}
     with pytest.raises(IntegrityError):
         decode(default_registry(), plain, [dict(t) for t in enc.tags], sample_ids=["a", "b"])
+
+
+def test_a_token_field_of_samples_without_tokens_encodes_to_an_empty_column_any_store_can_take():
+    """An empty selection came out with stride 0: TransferQueue's byte view of it failed
+    (an untyped TransportError for write_columns on samples of no tokens, backend simple)."""
+    enc = encode(default_registry(), {"advantages": torch.ones(2, 4)}, torch.tensor([0, 0]), sample_ids=["a", "b"])
+    values = enc.columns["advantages"].values
+    assert values.numel() == 0 and values.stride() == (1,)
+    assert values.view(torch.uint8).numel() == 0

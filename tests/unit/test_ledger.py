@@ -526,3 +526,52 @@ def test_a_grouped_claim_nacks_whole_groups_and_consumes_a_group_acked_in_parts_
     assert led.ack("p", "train", again["lease"], None) == 8 and led.consumption("p", "train")["acked"] == 12
     plain = led.claim(_req(task="other", n=8), final=True)  # a claim without groups acks any part
     assert led.ack("p", "other", plain["lease"], ["s0", "s5"]) == 2
+
+
+def test_writes_and_clears_of_the_same_samples_take_turns_at_the_ledger_and_a_dead_holder_lapses():
+    """The TransferQueue-based stores' ledger keeps a write and a clear of the same samples
+    apart (a clear freed storage slots a write still under way then filled). Waiting is
+    parked, not refused; different samples never wait; a holder that died frees its samples
+    after put_lease_s; a put waits for a clear of its partition."""
+    import threading
+    import time
+
+    from rlplane import errors as E
+    from rlplane.streams import DirectStreams
+    from rlplane_service.native.server import Server
+    from rlplane_service.native.stream import LedgerCore
+
+    server = Server(LedgerCore(lease_s=60, put_lease_s=2.0), host="127.0.0.1", name="ledger").start()
+    streams = DirectStreams({"endpoint": server.endpoint}, timeout=10)
+    try:
+        made = streams.reserve("p", ["a", "b"])
+        streams.record("p", ["a", "b"], ["x"], [{}, {}], create=True, reservation=made)
+        first = streams.hold("p", ["a", "b"], "write")
+        streams.hold("p", ["c"], "clear")  # other samples: at once (and left to lapse)
+        got: list[tuple[str, float]] = []
+
+        def wait(kind: str, ids) -> None:
+            t0 = time.monotonic()
+            got.append((streams.hold("p", ids, kind), time.monotonic() - t0))
+
+        waiter = threading.Thread(target=wait, args=("clear", ["b"]))
+        waiter.start()
+        time.sleep(0.5)
+        assert not got  # parked while the write holds b
+        streams.record("p", ["a", "b"], ["x"], [{}, {}], create=False, reservation=first)
+        waiter.join(timeout=5)
+        assert got and got[0][1] < 2.0  # given as the write ended, not at a lapse
+        whole = threading.Thread(target=wait, args=("write", None))  # the partition: waits for every hold in it
+        whole.start()
+        with pytest.raises(E.DuplicateSampleError):
+            streams.reserve("p", ["a"])  # (stored: the id check still comes first)
+        whole.join(timeout=10)
+        assert len(got) == 2 and 1.0 < got[1][1] < 5.0  # the clear's holder never ended it: it lapsed
+        t0 = time.monotonic()
+        streams.abort(got[1][0])
+        streams.hold("q", None, "clear")  # a clear of q (left to lapse): a put there waits for it
+        streams.reserve("q", ["n"])
+        assert time.monotonic() - t0 > 1.0
+    finally:
+        streams.close()
+        server.stop()

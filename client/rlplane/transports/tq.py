@@ -288,10 +288,13 @@ class TQTransport(Transport):
             tags = tags.with_born(mine) if isinstance(tags, RowTags) else \
                 [{**t, BORN_TAG: int(b)} for t, b in zip(tags, mine.tolist())]
             born = None
-        # TransferQueue's own id check is check-then-create: the ledger arbitrates new ids first.
-        res = self.streams.reserve(partition, ids) if self.streams is not None and create else None
+        # TransferQueue's own id check is check-then-create: the ledger arbitrates new ids first;
+        # a write of stored samples holds them (a clear of them waits for it, and it for a clear).
+        res = None
+        if self.streams is not None:
+            res = self.streams.reserve(partition, ids) if create else self.streams.hold(partition, ids, "write")
         try:
-            self._run(self._put(partition, ids, columns, tags, create, reserved=res is not None, born=born,
+            self._run(self._put(partition, ids, columns, tags, create, reserved=create and res is not None, born=born,
                                 aligned=() if create else aligned, grows=grows))
         except BaseException:
             if res is not None:
@@ -315,10 +318,21 @@ class TQTransport(Transport):
         return self._run(self._get(partition, list(sample_ids), list(fields), born))
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
-        ids = None if sample_ids is None else list(sample_ids)
-        cleared = self._run(self._clear(partition, ids))
+        ids = None if sample_ids is None else list(dict.fromkeys(sample_ids))  # (an id named twice clears once)
+        # Held first: TransferQueue hands a cleared sample's slots to the next put, so a write
+        # of these samples still under way would land in that put's rows.
+        hold = self.streams.hold(partition, ids, "clear") if self.streams is not None else None
+        try:
+            cleared = self._run(self._clear(partition, ids))
+        except BaseException:
+            if hold is not None:
+                try:
+                    self.streams.abort(hold)
+                except Exception:  # noqa: BLE001 - the hold lapses on its own
+                    pass
+            raise
         if self.streams is not None:
-            self.streams.drop(partition, ids)
+            self.streams.drop(partition, ids, hold)
         return cleared
 
     def partitions(self) -> list[str]:

@@ -19,12 +19,17 @@ import threading
 import time
 from typing import Any, Mapping
 
+import numpy as np
+
 from rlplane import errors as E
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane_service.ledger import Ledger, SimpleIndexes
 from rlplane.names import MAX_ID_LEN, check_partition, check_task
 from rlplane_service.tenants import FULL, Access
 from rlplane_service.native.server import Park
+
+
+_NOTHING = np.empty(0, np.int64)
 
 
 class StreamOps:
@@ -121,6 +126,14 @@ class LedgerCore(StreamOps):
     gets them; the others DuplicateSampleError), writes, then ``record`` s with the
     reservation; ``abort`` (or a reservation outliving ``put_lease_s``) frees them.
 
+    And it keeps writes and clears of the same samples apart (TransferQueue frees a
+    cleared sample's storage slots for the next put of any partition: a write still
+    under way into them landed in that put's rows). A write of stored samples and a clear
+    ``hold`` their ids first (a whole-partition clear, the partition), a put's reservation
+    counts as a hold of its ids, and a hold that overlaps a live one waits (parked, no
+    thread) until that one is recorded, aborted, dropped or lapses; ``abort`` ends a hold
+    too, and ``drop`` with the clear's hold.
+
     And it remembers what a dead storage unit took (``lose``): those samples leave the
     index, and ``lost`` tells a reader which unit they went with."""
 
@@ -129,7 +142,8 @@ class LedgerCore(StreamOps):
         self.ledger = Ledger(self.indexes.get, lease_s=lease_s)
         self._lock = threading.RLock()
         self.put_lease_s = put_lease_s
-        self._held: dict[str, tuple[str, list[str], float]] = {}  # reservation -> (partition, ids, deadline)
+        # reservation or hold -> (partition, ids (None: the whole partition), deadline, kind: put, write or clear)
+        self._held: dict[str, tuple[str, list[str] | None, float, str]] = {}
         self.lost: dict[str, dict[str, str]] = {}  # partition -> {sample id: the storage unit it was lost with}
         self.lost_units: set[str] = set()
         self.lost_samples = 0  # since the store started, like the native controller's count
@@ -140,24 +154,66 @@ class LedgerCore(StreamOps):
         if not _strs(ids) or len(set(ids)) != len(ids):
             raise E.WireFormatError("reserve needs 'p' and distinct 'ids'")
         with self._lock:
-            now = time.monotonic()
-            for rid in [r for r, (_, _, deadline) in self._held.items() if deadline <= now]:
-                del self._held[rid]  # its writer died or hung: the ids are free again
+            now = self._lapse()
             index = self.indexes.get(p)
             stored = [s for s in ids if index is not None and s in index.slot]
-            pending = {s for q, held, _ in self._held.values() if q == p for s in held} & set(ids)
+            pending = {s for q, held, _, kind in self._held.values() if q == p and kind == "put" and held
+                       for s in held} & set(ids)
             if stored or pending:
                 err = E.DuplicateSampleError(p, stored + sorted(pending))
                 if pending:
                     err.args = (f"{err} ({len(pending)} of them are being written by another put right now)",)
                 raise err
+            self._wait_for(header, p, ids, "put")
             rid = secrets.token_hex(12)
-            self._held[rid] = (p, list(ids), now + self.put_lease_s)
+            self._held[rid] = (p, list(ids), now + self.put_lease_s, "put")
         return {"res": rid}, {}, []
+
+    def op_hold(self, header: dict, columns: dict, extra: list) -> Any:
+        """Hold samples ``ids`` of ``p`` (None: the whole partition) for a ``write`` or a
+        ``clear``: answered once no live put, write or clear holds any of them (see the
+        class docstring), with ``res`` to end it by (record, abort, drop)."""
+        p, ids, kind = header.get("p"), header.get("ids"), header.get("kind")
+        check_partition(p)
+        if kind not in ("write", "clear") or not (ids is None or _strs(ids)):
+            raise E.WireFormatError("hold needs 'p', a kind ('write' or 'clear') and 'ids' (or none: the partition)")
+        with self._lock:
+            now = self._lapse()
+            self._wait_for(header, p, ids, kind)
+            rid = secrets.token_hex(12)
+            self._held[rid] = (p, None if ids is None else list(ids), now + self.put_lease_s, kind)
+        return {"res": rid}, {}, []
+
+    def _lapse(self) -> float:
+        """Drop the holds that outlived ``put_lease_s`` (their writer died or hung); the time now."""
+        now = time.monotonic()
+        for rid in [r for r, h in self._held.items() if h[2] <= now]:
+            self._release(self._held.pop(rid)[0])
+        return now
+
+    def _wait_for(self, header: dict, p: str, ids: list[str] | None, kind: str) -> None:
+        """Park the request while a live hold overlaps ``ids`` of ``p`` (for a put: a clear's
+        only; puts of the same new ids are told apart above); at its deadline, UnavailableError."""
+        want = None if ids is None else set(ids)
+        busy = [k for q, held, _, k in self._held.values() if q == p and (kind != "put" or k == "clear")
+                and (held is None or want is None or not want.isdisjoint(held))]
+        if not busy:
+            return
+        wait_s = min(float(self.put_lease_s), MAX_WAIT_S)
+        if not header.get("_final"):
+            raise Park(float(header.get("_t0") or time.monotonic()) + wait_s, key=p)
+        raise E.UnavailableError(f"a {kind} of partition {p!r} waited {wait_s:.0f} s for a {busy[0]} of the same samples "
+                                 "that is still under way; retry", component="ledger")
+
+    def _release(self, p: str) -> None:
+        """A hold on ``p`` ended: what waits on one there looks again (claims rescan nothing)."""
+        self.ledger.touch(p, _NOTHING)
 
     def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
         with self._lock:
             gone = self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
+            if gone is not None:
+                self._release(gone[0])
         return {"aborted": gone is not None}, {}, []
 
     def op_record(self, header: dict, columns: dict, extra: list) -> Any:
@@ -167,6 +223,8 @@ class LedgerCore(StreamOps):
             raise E.WireFormatError("record needs 'p', 'ids', 'fields' and one tag map per id")
         with self._lock:
             held = self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
+            if held is not None:
+                self._release(held[0])
             if header.get("create"):
                 if held is None or held[0] != p or held[1] != ids:  # lapsed: another put may hold the ids now
                     raise E.LeaseError(f"this put's reservation of its ids lapsed before it was recorded (it took "
@@ -188,6 +246,8 @@ class LedgerCore(StreamOps):
         if not isinstance(p, str) or not (ids is None or _strs(ids)):
             raise E.WireFormatError("drop needs 'p' and optionally 'ids'")
         with self._lock:
+            if self._held.pop(header.get("res"), None) is not None:  # type: ignore[arg-type]
+                self._release(p)  # (the clear's hold ends with it)
             self.indexes.drop(p, ids, self.ledger)
             if p not in self.indexes:
                 self.ledger.forget(p)

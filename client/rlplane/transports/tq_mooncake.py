@@ -4,8 +4,9 @@ What differs from the shared part: the client reaches the Mooncake master and me
 server (it mounts no memory of its own: samples live in the service's segments, so a
 worker that exits takes nothing with it); a key-value store cannot hold a zero-byte
 value, so empty rows travel as one element each and are cut back on read by the byte
-count recorded per row; storage is cleared by field name (samples holding tags only are
-forgotten by the controller alone); a read of a value the pool lost says which.
+count recorded per row; a clear removes each sample's own values from the pool (by the
+fields its tags record), then the controller forgets the samples; a read of a value the
+pool lost says which.
 
 Example::
 
@@ -14,16 +15,17 @@ Example::
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 from urllib.parse import urlsplit
 
 import torch
 
 from rlplane.column import Column
-from rlplane.errors import TransportError
-from rlplane.transports.tq import TQTransport, reachable
+from rlplane.errors import TransportError, UnavailableError
+from rlplane.transports.tq import NBYTES_TAG, TQTransport, reachable
 from rlplane.transports.tq_errors import mooncake_not_found
 
 
@@ -81,20 +83,37 @@ class MooncakeTQTransport(TQTransport):
         return col.to_nested()
 
     async def _clear_all(self, partition: str, held: Mapping[str, Any]) -> None:
-        meta = await self._meta(partition, list(held), create=False)
-        if not meta.field_names:
-            await self._clear_samples(meta)
-        else:
-            await self._client.async_clear_partition(partition)
+        await self._clear_samples(await self._meta(partition, list(held), create=False))
 
     async def _clear_samples(self, meta: Any) -> None:
-        if not meta.field_names:
-            # TransferQueue's KV managers find stored values by field name and refuse a
-            # clear without one; these samples hold tags only, so only the controller
-            # has anything to forget.
-            await self._forget_meta(meta)
-        else:
-            await self._client.async_clear_samples(meta)
+        """Remove every value each sample holds from the pool, then the controller forgets
+        them. (TransferQueue's own clear removes only the fields *every* sample holds, its
+        meta's ``field_names``: a clear of samples of different fields left the rest in the
+        pool for good, a mix of image and text samples their images.)"""
+        keys = pool_keys(meta.global_indexes, meta.custom_meta)
+        await self._client._mark_clearing_in_controller(meta)
+        if keys:
+            store = self._client.storage_manager.storage_client._store  # TransferQueue's MooncakeStoreClient's
+            codes = await asyncio.get_running_loop().run_in_executor(None, lambda: store.batch_remove(keys, force=True))
+            failed = [(k, c) for k, c in zip(keys, codes) if c not in (0, _NOT_FOUND)]
+            if failed:
+                raise UnavailableError(f"the Mooncake pool did not remove {len(failed)} of {len(keys)} values (first "
+                                     f"{failed[0][0]!r}: error {failed[0][1]}); the samples stay listed: clear them "
+                                     "again", component="mooncake_master")
+        await self._forget_meta(meta)
+
+
+#: Mooncake's "object not found": a value already gone (a clear that ran before, a lost segment).
+_NOT_FOUND = -704
+
+
+def pool_keys(global_indexes: Sequence[int], tags: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The pool's keys (``{global index}@{field}``) of every value each sample holds, by the
+    fields its tags record a byte count for.
+
+    Example: ``pool_keys([3], [{NBYTES_TAG: {"input_ids": 64}}])  # ['3@input_ids']``
+    """
+    return [f"{g}@{f}" for g, t in zip(global_indexes, tags) for f in sorted((t or {}).get(NBYTES_TAG) or {})]
 
 
 def _host_port(address: str) -> tuple[str, int]:
@@ -142,4 +161,4 @@ def _unpad(col: Column, nbytes: list[int]) -> Column:
     return Column.from_rows(rows, col.dtype)
 
 
-__all__ = ["MooncakeTQTransport", "mooncake_config"]
+__all__ = ["MooncakeTQTransport", "mooncake_config", "pool_keys"]

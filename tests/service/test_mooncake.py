@@ -158,6 +158,8 @@ def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_proce
     assert "master_key_count" in httpx.get(metrics_url, timeout=10).text  # scrapeable as documented
     pid = httpx.get(f"{tiny_mooncake}/v1/status", timeout=30).json()["store"]["mooncake_master"]["pid"]
     assert pid_alive(pid)
+    client = rlplane.connect(tiny_mooncake, transport="tq", timeout=60)
+    meta = client.put_samples(part(), {"sample_mask": torch.ones(2)})
 
     ray.kill(ray.get_actor("mc-tiny-mooncake-master", namespace="rlplane"), no_restart=True)  # no chance to clean up
     deadline = time.monotonic() + 20
@@ -167,6 +169,16 @@ def test_master_health_shows_in_readyz_and_a_killed_master_actor_takes_its_proce
     r = readyz(tiny_mooncake, lambda r: r.status_code == 503)
     assert r.status_code == 503 and r.json()["components"]["mooncake_master"] is False
     assert "mooncake_master" in json.dumps(r.json()["reason"])
+    try:  # a client's calls name the master within seconds (a read's RPC_FAIL, after Mooncake's own
+        # retries of ~15 s: tests/unit/test_tq_errors.py)
+        for call in (lambda: client.clear(meta.partition),
+                     lambda: client.put_samples(meta.partition, {"sample_mask": torch.ones(2)})):
+            t0 = time.monotonic()
+            with pytest.raises(E.UnavailableError) as err:
+                call()
+            assert err.value.component == "mooncake_master" and time.monotonic() - t0 < 10
+    finally:
+        client.close()  # the put given up on still retries in a thread: closed under it, this process crashed
 
 
 

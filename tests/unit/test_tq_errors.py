@@ -37,6 +37,11 @@ def test_a_transfer_failure_names_the_unit_the_service_declared_dead():
     assert err.component is None and "mc-unit-1, mc-unit-2" in str(err)
 
 
+def test_a_master_that_does_not_answer_is_named():
+    err = translate("mooncake", RuntimeError("batch_get_into failed for keys ['0@x'] with error codes [-900]"))
+    assert isinstance(err, E.UnavailableError) and err.component == "mooncake_master" and "master" in str(err)
+
+
 def test_every_rule_is_for_a_known_backend_and_recognises_only_its_own_code():
     assert {r.backend for r in RULES} <= set(BACKENDS)
     for rule in RULES:

@@ -128,18 +128,41 @@ def store_client(info: Mapping[str, Any], client_id: str) -> Any:
 
 def close_store_client(client: Any) -> None:
     """Close a :func:`store_client`, including what TransferQueue's KV managers leave open
-    (the Mooncake client that unregisters this process's engine, the thread pool)."""
+    (the Mooncake client that unregisters this process's engine, the thread pool).
+
+    A storage call this transport gave up on (its master or unit died) can still run in a
+    thread of TransferQueue's; closing the Mooncake client under it crashed the process
+    (SIGSEGV). Those threads get up to SETTLE_S to return; a client one of them still uses
+    is left open (and said so) rather than closed under it."""
     manager = getattr(client, "storage_manager", None)
     kv_client = getattr(manager, "storage_client", None)
+    pools = [getattr(getattr(client, "_loop", None), "_default_executor", None),
+             getattr(manager, "_multi_threads_executor", None)]
+    settled = _settled([p for p in pools if p is not None], time.monotonic() + SETTLE_S)
     try:
-        if kv_client is not None:
+        if kv_client is not None and settled:
             kv_client.close()
+        elif kv_client is not None:
+            log.warning("a storage call given up on still runs after %.0f s (its Mooncake master or unit does not "
+                        "answer): this process's Mooncake client is left open, not closed under it", SETTLE_S)
     except Exception as err:  # noqa: BLE001 - closing: report, carry on
         log.warning("closing the Mooncake client failed: %s", err)
-    pool = getattr(manager, "_multi_threads_executor", None)
-    if pool is not None:
-        pool.shutdown(wait=False)
     client.close()
+
+
+#: How long a close waits for the storage calls still running in TransferQueue's threads.
+SETTLE_S = 30.0
+
+
+def _settled(pools: list[Any], deadline: float) -> bool:
+    """Shut ``pools`` (thread pools) down and wait until ``deadline`` for the calls running
+    in them to return; whether they all did."""
+    for pool in pools:
+        pool.shutdown(wait=False)  # (idle threads leave at once)
+    threads = [t for pool in pools for t in list(getattr(pool, "_threads", ()))]
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 def _no_ray_context(manager: Any) -> None:

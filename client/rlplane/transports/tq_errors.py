@@ -38,6 +38,7 @@ class Rule:
     pattern: re.Pattern[str]
     error: type[RlplaneError]
     hint: str
+    component: str = ""  # what an UnavailableError names (else: the one unit declared dead, if one)
 
 
 RULES: tuple[Rule, ...] = (
@@ -51,6 +52,9 @@ RULES: tuple[Rule, ...] = (
          "a Mooncake storage unit this call needs does not answer ({why}); a dead unit's samples are declared "
          "lost within seconds, and Mooncake's master stops placing new values on its segment within its client "
          "TTL (30 s): retry, and check /readyz"),
+    Rule("mooncake", "RPC_FAIL (-900)", _codes(-900), UnavailableError,
+         "the Mooncake master does not answer (its process died, or it is out of reach): nothing can be placed, "
+         "found or removed until the service is restarted with a new one; check /readyz", "mooncake_master"),
     Rule("mooncake", "LEASE_EXPIRED (-707)", _codes(-707), TransportError,
          "a Mooncake read took longer than the lease on its objects and was refused; read fewer "
          "samples per call, or raise RLPLANE_MOONCAKE_LEASE_TTL_MS on the service"),
@@ -63,6 +67,8 @@ def translate(backend: str, err: BaseException, dead: Callable[[], list[str]] = 
     text = str(err)
     for rule in RULES:
         if rule.backend == backend and rule.pattern.search(text):
+            if rule.component:
+                return rule.error(rule.hint, component=rule.component)  # type: ignore[call-arg]
             if "{why}" not in rule.hint:
                 return rule.error(rule.hint)
             units = dead()

@@ -25,7 +25,7 @@ import torch
 
 from rlplane.column import Column
 from rlplane.errors import TransportError, UnavailableError
-from rlplane.transports.tq import NBYTES_TAG, TQTransport, reachable
+from rlplane.transports.tq import NBYTES_TAG, PROBE_TIMEOUT_S, TQTransport, reachable
 from rlplane.transports.tq_errors import mooncake_not_found
 
 
@@ -56,6 +56,22 @@ class MooncakeTQTransport(TQTransport):
         # Mooncake's transfer engine otherwise binds its RPC socket to whichever interface
         # it finds first; bind it where this client says it can be reached.
         os.environ.setdefault("MC_TCP_BIND_ADDRESS", config["local_hostname"])
+
+    def _refusing(self) -> str | None:
+        """As for every TransferQueue store, and ``mooncake_master`` when its RPC or metadata
+        port refuses a connection (its process died: Mooncake's client retries it for long)."""
+        dead = super()._refusing()
+        if dead is not None:
+            return dead
+        for host, port in self.data_endpoints(self.info):
+            try:
+                with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+                    pass
+            except ConnectionRefusedError:
+                return "mooncake_master"
+            except OSError:
+                continue  # slow or filtered: not evidence of death; the deadline covers it
+        return None
 
     def replica_endpoints(self, keys: list[str]) -> dict[str, set[str]]:
         """Key (``{global index}@{field}``) -> the transfer endpoints of the segments holding

@@ -154,8 +154,8 @@ class MooncakeMaster:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 tail = log_file.read_text(errors="replace")[-2000:]
-                raise _ExitedAtStart(f"mooncake_master exited with {proc.returncode} at start (log {log_file}):\n{tail}",
-                                     log_dir)
+                raise _ExitedAtStart(
+                    f"mooncake_master exited with {proc.returncode} at start (log {log_file}):\n{tail}", log_dir)
             # /health answers from the admin server before the RPC server has bound its
             # port; a master whose RPC bind fails still says "ok" for about a second.
             if master.healthy(timeout=1.0) and _listens(proc.pid, {rpc, meta, metrics}):

@@ -147,7 +147,8 @@ class Tenants:
         except OSError as err:
             raise E.InvalidArgumentError(f"RLPLANE_TOKENS_FILE {path}: cannot read it ({err})") from None
         except ValidationError as err:  # (its text would quote the input: a token)
-            where = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in err.errors(include_input=False))
+            where = "; ".join(f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}"
+                              for e in err.errors(include_input=False))
             raise E.InvalidArgumentError(f"RLPLANE_TOKENS_FILE {path}: {where[:500]}") from None
         except yaml.YAMLError as err:  # (where, not the line: it may hold a token)
             mark = getattr(err, "problem_mark", None)

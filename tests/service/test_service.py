@@ -320,7 +320,8 @@ def test_two_writes_of_different_fields_of_the_same_samples_at_once_keep_both(re
     p = part()
     with rlplane.connect(live.url, token=live.token, transport="tq") as a, \
             rlplane.connect(live.url, token=live.token, transport="tq") as b:
-        meta = a.put_samples(p, {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.tensor([4, 4])})
+        meta = a.put_samples(p, {"input_ids": torch.ones(2, 4, dtype=torch.int64),
+                                 "input_lengths": torch.tensor([4, 4])})
         _slowed(a, 1.5)
         first = threading.Thread(target=a.write_columns, args=(meta, {"advantages": torch.full((2, 4), 0.5)}))
         first.start()

@@ -151,6 +151,17 @@ def test_a_tenant_credential_cannot_map_or_allocate_in_a_slab(engine):
         ch.close()
 
 
+def _stored_block(admin: Client, partition: str) -> tuple:
+    """Put FIELDS into ``partition`` over the engine's sockets; the meta and where the first
+    unit holds them: ``(unit, field, blocks, rows)`` as a locate names them."""
+    admin.transport.data_path = "zmq"
+    meta = admin.put_samples(partition, FIELDS)
+    loc = admin.transport._ctrl().call({"op": "locate", "p": partition, "ids": meta.sample_ids,
+                                        "fields": ["input_ids"]}, timeout=5)[0]
+    u, entries = loc["units"][0]
+    return meta, (u, *entries[0][:3])
+
+
 @pytest.mark.parametrize("user, secret", [(b"job-a", b"secret-a"), (b"controller", b"secret-c")])
 def test_no_tenant_name_stands_for_the_controller_on_a_unit(engine, user, secret):
     """The units trust the controller's own socket, not a user name: a tenant named
@@ -159,12 +170,7 @@ def test_no_tenant_name_stands_for_the_controller_on_a_unit(engine, user, secret
 
     admin = _client(engine, None, SECRET)
     try:
-        admin.transport.data_path = "zmq"
-        meta = admin.put_samples("job-b:private", FIELDS)
-        loc = admin.transport._ctrl().call({"op": "locate", "p": "job-b:private", "ids": meta.sample_ids,
-                                            "fields": ["input_ids"]}, timeout=5)[0]
-        u, entries = loc["units"][0]
-        field, blocks, rows = entries[0][:3]
+        meta, (u, field, blocks, rows) = _stored_block(admin, "job-b:private")
         ch = Channel(engine.units[u].endpoint, f"u{u}", secret=secret, user=user)
         try:
             with pytest.raises(E.ForbiddenError, match="slab"):
@@ -205,12 +211,7 @@ def test_a_tenant_cannot_read_another_tenants_block_even_knowing_its_id(engine):
 
     admin = _client(engine, None, SECRET)
     try:
-        admin.transport.data_path = "zmq"
-        meta = admin.put_samples("job-b:secret", FIELDS)
-        loc = admin.transport._ctrl().call({"op": "locate", "p": "job-b:secret", "ids": meta.sample_ids,
-                                            "fields": ["input_ids"]}, timeout=5)[0]
-        u, entries = loc["units"][0]
-        field, blocks, rows = entries[0][:3]
+        meta, (u, field, blocks, rows) = _stored_block(admin, "job-b:secret")
         ch = Channel(engine.units[u].endpoint, f"u{u}", secret=b"secret-a", user=b"job-a")
         try:
             with pytest.raises(E.ForbiddenError, match="capability"):

@@ -29,7 +29,8 @@ import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -316,16 +317,9 @@ class TQTransport(Transport):
         res = None
         if self.streams is not None:
             res = self.streams.reserve(partition, ids) if create else self.streams.hold(partition, ids, "write")
-        try:
+        with self._given_back_on_failure(res):
             self._run(self._put(partition, ids, columns, tags, create, reserved=create and res is not None, born=born,
                                 aligned=() if create else aligned, grows=grows))
-        except BaseException:
-            if res is not None:
-                try:
-                    self.streams.abort(res)
-                except Exception:  # noqa: BLE001 - the reservation lapses on its own
-                    pass
-            raise
         if self.streams is not None:
             self.streams.record(partition, ids, list(columns), tags, create=create, reservation=res)
         return given
@@ -345,18 +339,24 @@ class TQTransport(Transport):
         # Held first: TransferQueue hands a cleared sample's slots to the next put, so a write
         # of these samples still under way would land in that put's rows.
         hold = self.streams.hold(partition, ids, "clear") if self.streams is not None else None
-        try:
+        with self._given_back_on_failure(hold):
             cleared = self._run(self._clear(partition, ids))
-        except BaseException:
-            if hold is not None:
-                try:
-                    self.streams.abort(hold)
-                except Exception:  # noqa: BLE001 - the hold lapses on its own
-                    pass
-            raise
         if self.streams is not None:
             self.streams.drop(partition, ids, hold)
         return cleared
+
+    @contextmanager
+    def _given_back_on_failure(self, hold: str | None) -> Iterator[None]:
+        """Run the body; if it fails, end ``hold`` (a put's reservation, a write's or clear's hold)."""
+        try:
+            yield
+        except BaseException:
+            if hold is not None and self.streams is not None:
+                try:
+                    self.streams.abort(hold)
+                except Exception:  # noqa: BLE001 - it lapses on its own
+                    pass
+            raise
 
     def partitions(self) -> list[str]:
         listing = self._run(self._client.async_kv_list(None))

@@ -202,8 +202,8 @@ class LedgerCore(StreamOps):
         wait_s = min(float(self.put_lease_s), MAX_WAIT_S)
         if not header.get("_final"):
             raise Park(float(header.get("_t0") or time.monotonic()) + wait_s, key=p)
-        raise E.UnavailableError(f"a {kind} of partition {p!r} waited {wait_s:.0f} s for a {busy[0]} of the same samples "
-                                 "that is still under way; retry", component="ledger")
+        raise E.UnavailableError(f"a {kind} of partition {p!r} waited {wait_s:.0f} s for a {busy[0]} of the same "
+                                 "samples that is still under way; retry", component="ledger")
 
     def _release(self, p: str) -> None:
         """A hold on ``p`` ended: what waits on one there looks again (claims rescan nothing)."""

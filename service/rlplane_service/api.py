@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import time
 import inspect
@@ -201,6 +202,7 @@ def build_api(state: ServiceState) -> FastAPI:
     )
     tenants = state.tenants or Tenants.load(state.settings.token(), str(state.settings.tokens_file or ""))
     registry, transport = state.registry, state.transport
+    waiting = [0]  # claims parked at the ledger from this replica now (MAX_WAITING_CLAIMS)
 
     async def offload(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         # Store calls block on sockets and the codec on memory; keep the event loop free.
@@ -407,9 +409,22 @@ def build_api(state: ServiceState) -> FastAPI:
                                      max_staleness=body.max_staleness, lease_s=body.lease_s,
                                      max_tokens=body.max_tokens, min_tokens=body.min_tokens,
                                      unfinished=body.unfinished)
-            out = await _kept_if_abandoned(ledger().acall({"op": "claim", **req.to_header()}, req.wait_s),
-                                           lambda got: ledger().acall({"op": "nack", "p": partition, "task": body.task,
-                                                                       "lease": got["lease"], "ids": None}))
+            crowded = req.wait_s > 0 and waiting[0] >= MAX_WAITING_CLAIMS
+            if crowded:  # it asks once, without waiting: the replica's request slots stay for puts and reads
+                req = dataclasses.replace(req, wait_s=0.0)
+            waiting[0] += req.wait_s > 0
+            try:
+                out = await _kept_if_abandoned(
+                    ledger().acall({"op": "claim", **req.to_header()}, req.wait_s),
+                    lambda got: ledger().acall({"op": "nack", "p": partition, "task": body.task,
+                                                "lease": got["lease"], "ids": None}))
+            except E.NotReadyError as err:
+                if crowded:
+                    raise E.NotReadyError(f"{err} ({MAX_WAITING_CLAIMS} claims wait at this replica already: this "
+                                          "one did not wait; ask again)") from None
+                raise
+            finally:
+                waiting[0] -= req.wait_s > 0
         answer = {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
                   "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"],
                   **{k: out[k] for k in ("tokens", "over_budget", "born") if k in out}}
@@ -585,6 +600,12 @@ def build_api(state: ServiceState) -> FastAPI:
                        json_limit=min(state.settings.max_json_bytes, state.settings.max_request_bytes))
     return api
 
+
+#: The most claims one replica lets wait at once. A waiting claim holds no thread but one of
+#: the replica's request slots (Serve's max_ongoing_requests, 256 in rlplane_service.app):
+#: past this many, a claim asks once without waiting, so puts and reads always find a slot
+#: (trainer ranks waiting on claims must not queue the rollout's puts they wait for).
+MAX_WAITING_CLAIMS = 192
 
 _ABANDONED: set[asyncio.Task] = set()  # claims whose caller left while they waited: given back once they land
 

@@ -22,7 +22,7 @@ import ray
 from ray import serve
 
 from rlplane import errors as E
-from rlplane_service.api import ServiceState, build_api
+from rlplane_service.api import MAX_WAITING_CLAIMS, ServiceState, build_api
 from rlplane_service.backends import open_store
 from rlplane_service.settings import ServiceSettings, load_registry
 from rlplane_service.snapshotter import start_snapshotter
@@ -36,7 +36,12 @@ log = logging.getLogger(__name__)
 DRAIN_POLL_S = 0.25
 
 
-@serve.deployment(name="rlplane", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64,
+#: Requests one replica serves at once: waiting claims take up to MAX_WAITING_CLAIMS of them
+#: (rlplane_service.api), the rest stay for puts, reads and the control plane.
+MAX_ONGOING_REQUESTS = MAX_WAITING_CLAIMS + 64
+
+
+@serve.deployment(name="rlplane", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=MAX_ONGOING_REQUESTS,
                   graceful_shutdown_wait_loop_s=DRAIN_POLL_S)
 @serve.ingress()
 class RlplaneService:

@@ -589,3 +589,46 @@ def test_a_waiting_claim_whose_caller_leaves_gives_its_batch_back():
         finally:
             writer.close()
             store.close()
+
+
+def test_past_the_cap_of_waiting_claims_a_claim_asks_once_and_puts_still_go_through(monkeypatch):
+    """Each waiting claim takes one of the replica's request slots: trainer ranks waiting on
+    claims filled them all and queued the very puts they waited for. Past the cap a claim
+    does not wait: it takes what is ready, or is a 408 at once saying why."""
+    import asyncio
+
+    import httpx
+
+    from rlplane.transports.native import NativeTransport
+    from rlplane_service import api as api_mod
+    from rlplane_service.native.local import LocalEngine
+
+    monkeypatch.setattr(api_mod, "MAX_WAITING_CLAIMS", 2)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"task": "train", "batch_size": 2, "fields": ["input_ids"], "timeout": 20}
+    fields = {"input_ids": torch.arange(16).reshape(2, 8), "input_lengths": torch.tensor([8, 8])}
+
+    async def run(store, writer):
+        app = build_api(ServiceState(ServiceSettings(api_token=TOKEN), default_registry(), store))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://rlplane.test") as http:
+            waiters = [asyncio.create_task(http.post("/v1/partitions/p/claim", json={**body, "task": f"w{k}"},
+                                                     headers=auth)) for k in range(2)]
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            r = await http.post("/v1/partitions/p/claim", json=body, headers=auth)
+            assert r.status_code == 408 and "did not wait" in r.json()["message"] and time.monotonic() - t0 < 5
+            await asyncio.to_thread(writer.put_samples, "p", fields)
+            r = await http.post("/v1/partitions/p/claim", json=body, headers=auth)  # ready: taken at once
+            assert r.status_code == 200 and len(r.json()["sample_ids"]) == 2
+            assert [w.status_code for w in await asyncio.gather(*waiters)] == [200, 200]  # and theirs came
+            r = await http.post("/v1/partitions/q/claim", json={**body, "timeout": 0.5}, headers=auth)
+            assert r.status_code == 408 and "did not wait" not in r.json()["message"]  # the waiters are done: it waited
+
+    with LocalEngine(1, secret=None, slab_bytes=16 << 20) as eng:
+        store = NativeTransport(dict(eng.info), timeout=10)
+        writer = Client(default_registry(), NativeTransport(dict(eng.info), timeout=10))
+        try:
+            asyncio.run(run(store, writer))
+        finally:
+            writer.close()
+            store.close()

@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import math
 import logging
 import os
 
@@ -78,6 +79,8 @@ def connect(
     """
     if transport not in TRANSPORTS:
         raise InvalidArgumentError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise InvalidArgumentError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if token is None:
         token = os.environ.get("RLPLANE_API_TOKEN") or None
     if data_path is None:
@@ -86,18 +89,19 @@ def connect(
         raise InvalidArgumentError(f"data_path (RLPLANE_DATA_PATH) must be one of {DATA_PATHS}, got {data_path!r}")
     from rlplane.client import Client
     from rlplane.fields import Registry
-    from rlplane.http_api import ServiceAPI
+    from rlplane.http_api import ServiceAPI, shown_url
 
     api = ServiceAPI(url, token=token, timeout=timeout)
+    url = api.url  # (checked)
     try:
         described = api.json("GET", "/v1/transport")
-        same_release(url, described.get("version"))
+        same_release(shown_url(url), described.get("version"))
         registry = Registry.from_dict(api.json("GET", "/v1/registry"))
         chosen = _transport(api, described, transport, timeout, data_path)
     except BaseException:
         api.close()
         raise
-    log.info("connected to %s: %d fields, transport %s", url, len(registry.names()), chosen.name)
+    log.info("connected to %s: %d fields, transport %s", shown_url(url), len(registry.names()), chosen.name)
     return Client(registry, chosen, service=api, reuse_buffers=reuse_buffers)
 
 

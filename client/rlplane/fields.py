@@ -82,6 +82,9 @@ class FieldSpec:
         stages = self.stages
         if isinstance(stages, str):
             stages = {stages}
+        elif isinstance(stages, Mapping):  # (a YAML mapping where a list was meant: its keys would be taken)
+            raise RegistryError(f"field {self.name!r}: stages is a list of stage names, got a mapping",
+                                field=str(self.name))
         object.__setattr__(self, "stages", frozenset(stages))
         for attr in ("dtype", "wire_dtype"):
             value = getattr(self, attr)
@@ -172,6 +175,13 @@ def _check_spec(spec: FieldSpec) -> None:
             f"field {name!r}: pad_value {spec.pad_value!r} is not representable in {dtype_name(spec.dtype)}",
             field=name,
         )
+    if not isinstance(spec.optional, bool):  # (a YAML "false" string is true)
+        raise RegistryError(f"field {name!r}: optional must be true or false, got {spec.optional!r}", field=name)
+    integral = spec.dtype is not None and not (spec.dtype.is_floating_point or spec.dtype.is_complex
+                                               or spec.dtype == torch.bool)
+    if integral and not torch.iinfo(spec.dtype).min <= spec.pad_value <= torch.iinfo(spec.dtype).max:
+        raise RegistryError(f"field {name!r}: pad_value {spec.pad_value!r} does not fit {dtype_name(spec.dtype)}",
+                            field=name)
     if not all(isinstance(s, str) and s for s in spec.stages):
         raise RegistryError(f"field {name!r}: stages must be non-empty strings, got {sorted(map(str, spec.stages))}", field=name)
     model = spec.stages & MODEL_STAGES

@@ -50,6 +50,35 @@ def _close_http(key: _HttpKey, http: httpx.Client) -> None:
 _CLIENTS: Refcounted[httpx.Client] = Refcounted(make=_new_http, closed=lambda h: h.is_closed, close=_close_http)
 
 
+def checked_url(url: Any) -> str:
+    """``url`` without a trailing slash, once it is an http(s) URL of a host and a valid port
+    (TransportError saying what is wrong, never quoting a password the URL carries).
+
+    Example: ``checked_url("http://127.0.0.1:8000/")  # 'http://127.0.0.1:8000'``
+    """
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise TransportError(f"service URL must be a string starting with http:// or https://, got "
+                             f"{shown_url(url)!r}")
+    try:
+        parsed = httpx.URL(url)
+        parsed.port  # noqa: B018 - (a port that is not a number raises here)
+    except (httpx.InvalidURL, ValueError, TypeError) as err:
+        raise TransportError(f"service URL {shown_url(url)!r} does not parse ({err}); e.g. "
+                             "http://127.0.0.1:8000") from None
+    if not parsed.host:
+        raise TransportError(f"service URL {shown_url(url)!r} names no host; e.g. http://127.0.0.1:8000")
+    return url.rstrip("/")
+
+
+def shown_url(url: Any) -> Any:
+    """``url`` with any ``user:password@`` taken out (for messages)."""
+    if not isinstance(url, str) or "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    host = rest.split("/", 1)[0]
+    return url.replace(host, "***@" + host.rsplit("@", 1)[1], 1) if "@" in host else url
+
+
 class ServiceAPI:
     """HTTP access to one service (see the module docstring). Every ServiceAPI of a
     process for the same URL, token and timeout shares one connection pool; it closes with
@@ -58,9 +87,7 @@ class ServiceAPI:
     def __init__(
         self, url: str, *, token: str | None = None, timeout: float = 300.0, http: httpx.Client | None = None
     ) -> None:
-        if not url.startswith(("http://", "https://")):
-            raise TransportError(f"service URL must start with http:// or https://, got {url!r}")
-        self.url = url.rstrip("/")
+        self.url = checked_url(url)
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._token, self._timeout = token, timeout
         self._own = http is None  # tests pass an in-process client (fastapi.testclient.TestClient)
@@ -83,7 +110,8 @@ class ServiceAPI:
     def http(self) -> httpx.Client:
         """The HTTP client; a forked child gets its own (never its parent's connections)."""
         if self.closed:
-            raise TransportError(f"the connection to {self.url} was closed; connect again (rlplane.connect)")
+            raise TransportError(f"the connection to {shown_url(self.url)} was closed; connect again "
+                                 "(rlplane.connect)")
         if self._pid != os.getpid() and self._own:
             if self._finalizer is not None:
                 self._finalizer.detach()
@@ -98,7 +126,8 @@ class ServiceAPI:
         try:
             response = http.request(method, path, **kwargs)
         except httpx.HTTPError as err:
-            raise TransportError(f"{method} {self.url}{path} failed: {err}. Is the service running (rlplane serve)?") from err
+            raise TransportError(f"{method} {shown_url(self.url)}{path} failed: {err}. Is the service running "
+                                 "(rlplane serve)?") from err
         finally:
             add_wait(time.monotonic() - start)  # (blocked on the service: rlplane.opstats)
         if response.is_success:
@@ -133,7 +162,8 @@ class ServiceAPI:
                     into[pos : pos + len(chunk)] = chunk
                     pos += len(chunk)
         except httpx.HTTPError as err:
-            raise TransportError(f"{method} {self.url}{path} failed: {err}. Is the service running (rlplane serve)?") from err
+            raise TransportError(f"{method} {shown_url(self.url)}{path} failed: {err}. Is the service running "
+                                 "(rlplane serve)?") from err
         if pos != out.size:
             raise TransportError(f"{method} {path}: the answer ended after {pos} of {out.size} bytes")
         return out

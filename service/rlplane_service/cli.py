@@ -54,12 +54,19 @@ TOKEN_OPTION = typer.Option(
 )
 
 
+#: The ``serve`` flags of settings (an error about one names the flag, not only RLPLANE_*).
+FLAGS = {"host": "--host", "port": "--port", "storage_units": "--storage-units", "capacity": "--capacity",
+         "unit_bytes": "--unit-bytes", "registry_file": "--registry", "api_token": "--token",
+         "backend": "--backend", "restore_from": "--restore", "journal_dir": "--journal"}
+
+
 @app.command()
 def serve(
     host: Optional[str] = typer.Option(None, help="HTTP bind address (default 127.0.0.1).", show_default=False),
     port: Optional[int] = typer.Option(None, min=1, max=65535, help="HTTP port (default 8000).", show_default=False),
     storage_units: Optional[int] = typer.Option(
-        None, "--storage-units", min=1, help="TransferQueue storage units (default 2).", show_default=False
+        None, "--storage-units", min=1, max=256, help="Storage units: the actors (or processes) that hold the "
+        "samples' bytes (default 2; RLPLANE_STORAGE_UNITS).", show_default=False
     ),
     capacity: Optional[int] = typer.Option(None, min=1, help="Most samples held (default: no limit)."),
     unit_bytes: Optional[int] = typer.Option(
@@ -97,7 +104,9 @@ def serve(
 
     from rlplane.snapplace import Local, place
     from rlplane_service.embedded import EmbeddedService
-    from rlplane_service.settings import ServiceSettings
+    from pydantic import ValidationError
+
+    from rlplane_service.settings import ServiceSettings, settings_problem
 
     where = place(restore) if restore is not None else None
     if isinstance(where, Local) and not where.path.is_dir():
@@ -106,7 +115,11 @@ def serve(
     given = {"host": host, "port": port, "storage_units": storage_units, "capacity": capacity, "unit_bytes": unit_bytes,
              "registry_file": registry_file, "api_token": token, "backend": backend.value if backend else None,
              "restore_from": restore, "journal_dir": journal}
-    settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_* or defaults
+    try:
+        settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_* or defaults
+    except ValidationError as err:
+        console.print(f"[red]error[/]: {settings_problem(err, FLAGS)}")
+        raise typer.Exit(2)
     def on_signal(*_: object) -> None:
         raise KeyboardInterrupt
 
@@ -210,7 +223,11 @@ def _call(url: str, token: Optional[str], method: str, path: str, *, timeout: fl
     from rlplane.errors import RlplaneError
     from rlplane.http_api import ServiceAPI
 
-    api = ServiceAPI(url, token=token, timeout=timeout)
+    try:
+        api = ServiceAPI(url, token=token, timeout=timeout)
+    except RlplaneError as err:
+        console.print(f"[red]error[/]: {err}")
+        raise typer.Exit(2)
     try:
         return api.json(method, path, timeout=timeout, **kwargs)
     except RlplaneError as err:

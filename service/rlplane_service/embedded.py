@@ -178,7 +178,11 @@ def replica_error(app: str) -> Exception | None:
 
 def _answers(url: str, timeout: float = 5.0) -> bool:
     """Whether a service answers ``/healthz`` at ``url`` (a refused port says no at once; a
-    loaded 2-core machine's Serve proxy can take over a second to answer)."""
+    loaded 2-core machine's Serve proxy can take over a second to answer). TransportError
+    for a URL that does not parse."""
+    from rlplane.http_api import checked_url
+
+    url = checked_url(url)
     try:
         httpx.get(f"{url}/healthz", timeout=timeout)
         return True

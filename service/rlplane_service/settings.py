@@ -13,9 +13,9 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlplane.errors import RegistryError
@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # the registry needs torch; settings alone (the CLI's --help,
 class ServiceSettings(BaseSettings):
     """Everything the rlplane service reads (env prefix ``RLPLANE_``)."""
 
-    model_config = SettingsConfigDict(env_prefix="RLPLANE_", extra="forbid")
+    # (hide_input_in_errors: an error would quote every value given, RLPLANE_API_TOKEN's too)
+    model_config = SettingsConfigDict(env_prefix="RLPLANE_", extra="forbid", hide_input_in_errors=True)
 
     host: str = Field("127.0.0.1", description="HTTP bind address of the embedded server (rlplane serve).")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port.")
@@ -229,6 +230,24 @@ class ServiceSettings(BaseSettings):
     def _empty_token_is_none(cls, v: Optional[SecretStr]) -> Optional[SecretStr]:
         return None if v is not None and not v.get_secret_value() else v
 
+    @field_validator("registry_file", "tokens_file", "snapshot_dir", "restore_from", "journal_dir",
+                     "mooncake_master_bin", "storage_resource", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v: Any) -> Any:
+        """``RLPLANE_JOURNAL_DIR=""`` means no journal, not one in the working directory."""
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @model_validator(mode="after")
+    def _copies_fit(self) -> "ServiceSettings":
+        if self.backend != "native" and (self.replicas > 1 or self.te_protocol):
+            what = "RLPLANE_REPLICAS > 1" if self.replicas > 1 else "RLPLANE_TE_PROTOCOL"
+            raise ValueError(f"{what} needs the native backend; this service is configured for backend "
+                             f"{self.backend!r} (it would be ignored)")
+        if self.replicas > self.storage_units:
+            raise ValueError(f"RLPLANE_REPLICAS={self.replicas} copies need as many storage units (each copy on a "
+                             f"distinct one); RLPLANE_STORAGE_UNITS is {self.storage_units}")
+        return self
+
     def token(self) -> str | None:
         return None if self.api_token is None else self.api_token.get_secret_value()
 
@@ -237,6 +256,21 @@ class ServiceSettings(BaseSettings):
         out = self.model_dump(mode="json")
         out["api_token"] = self.token()
         return out
+
+
+def settings_problem(err: ValidationError, flags: Mapping[str, str] | None = None) -> str:
+    """What is wrong with the settings, one line per fault, each naming the setting as its
+    flag (``flags``: field -> flag) and its RLPLANE_* variable, never quoting a value.
+
+    Example: ``settings_problem(err)  # 'port (RLPLANE_PORT): Input should be a valid integer...'``
+    """
+    lines = []
+    for e in err.errors(include_input=False, include_url=False):
+        field = str(e["loc"][0]) if e.get("loc") else ""
+        what = "/".join(x for x in ((flags or {}).get(field), f"RLPLANE_{field.upper()}" if field else None) if x)
+        msg = str(e["msg"]).removeprefix("Value error, ")
+        lines.append(f"{what}: {msg}" if what else msg)
+    return "; ".join(lines)
 
 
 def load_registry(settings: ServiceSettings) -> Registry:
@@ -256,7 +290,7 @@ def load_registry(settings: ServiceSettings) -> Registry:
         return registry
     try:
         text = Path(path).read_text()
-    except OSError as err:
+    except (OSError, UnicodeDecodeError) as err:
         raise RegistryError(f"cannot read registry file {str(path)!r}: {err}") from None
     import yaml  # JSON is YAML too
 
@@ -267,6 +301,9 @@ def load_registry(settings: ServiceSettings) -> Registry:
     if not isinstance(data, dict) or not isinstance(data.get("fields"), list):
         raise RegistryError(f"registry file {str(path)!r} must hold {{'fields': [spec, ...]}}")
     for entry in data["fields"]:
+        if not isinstance(entry, dict):
+            raise RegistryError(f"registry file {str(path)!r}: each field is a mapping (name, dtype, ...), got "
+                                f"{entry!r:.80}")
         try:
             registry.register(FieldSpec.from_dict(entry))
         except RegistryError as err:

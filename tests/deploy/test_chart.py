@@ -93,6 +93,21 @@ def test_values_schema_rejects_a_typo_and_impossible_placement():
         render({"service": {"storageUnits": 2, "dataReplicas": 3}})
 
 
+@pytest.mark.parametrize("values, says", [
+    ({"mooncake": {"segmentBytes": 8 << 20}}, "segmentBytes"),
+    ({"mooncake": {"bufferBytes": 65536}}, "bufferBytes"),
+    ({"mooncake": {"masterPort": 15001, "metadataPort": 15001}}, "must differ"),
+    ({"service": {"enginePorts": {"min": 30000, "max": 20000}}}, "enginePorts"),
+    ({"storage": {"transferEngine": {"protocol": "tcp", "ports": {"min": 16000, "max": 16000}}}}, "must be below"),
+    ({"storage": {"transferEngine": {"protocol": "tcp"}}, "tokensSecret": "tenants"}, "authenticates nobody"),
+    ({"storage": {"transferEngine": {"protocol": "tcp"}}, "service": {"backend": "simple"}}, "needs service.backend"),
+])
+def test_values_the_service_would_refuse_at_start_are_refused_at_render(values, says):
+    """Each of these rendered, and the Serve replica then failed at deploy time."""
+    with pytest.raises(helm.HelmError, match=says):
+        render(values)
+
+
 def test_renders_the_expected_kinds(rendered):
     _, out = rendered
     assert set(out) == {"RayService", "Secret", "NetworkPolicy", "PodMonitor"}

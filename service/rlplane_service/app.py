@@ -14,6 +14,7 @@ Configure with ``RLPLANE_*`` environment variables or the app's args::
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from ray import serve
 from rlplane import errors as E
 from rlplane_service.api import MAX_WAITING_CLAIMS, ServiceState, build_api
 from rlplane_service.backends import open_store
-from rlplane_service.settings import ServiceSettings, load_registry
+from rlplane_service.settings import ServiceSettings, load_registry, unknown_variables
 from rlplane_service.snapshotter import start_snapshotter
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ class RlplaneService:
 
     def __init__(self, args: dict[str, Any] | None = None) -> None:
         settings = ServiceSettings(**(args or {}))
+        for name in unknown_variables(os.environ):
+            log.warning("%s is set but no rlplane setting has that name (ignored)", name)
         registry = load_registry(settings)
         store = open_store(settings)
         transport = store.service_transport()

@@ -106,7 +106,7 @@ def serve(
     from rlplane_service.embedded import EmbeddedService
     from pydantic import ValidationError
 
-    from rlplane_service.settings import ServiceSettings, settings_problem
+    from rlplane_service.settings import ServiceSettings, settings_problem, unknown_variables
 
     where = place(restore) if restore is not None else None
     if isinstance(where, Local) and not where.path.is_dir():
@@ -120,6 +120,8 @@ def serve(
     except ValidationError as err:
         console.print(f"[red]error[/]: {settings_problem(err, FLAGS)}")
         raise typer.Exit(2)
+    for name in unknown_variables(os.environ):
+        console.print(f"[yellow]warning[/]: {name} is set but no rlplane setting has that name (ignored)")
     def on_signal(*_: object) -> None:
         raise KeyboardInterrupt
 

@@ -258,6 +258,29 @@ class ServiceSettings(BaseSettings):
         return out
 
 
+#: RLPLANE_* variables read elsewhere than ServiceSettings (the client, the CLI, the tools).
+OTHER_VARIABLES = frozenset({"RLPLANE_URL", "RLPLANE_DATA_PATH", "RLPLANE_TE_STAGING_BYTES", "RLPLANE_TE_HOSTNAME",
+                             "RLPLANE_LOG_DIR", "RLPLANE_LOCAL_SECRET", "RLPLANE_LOCAL_CONTROL"})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """The RLPLANE_* variables of ``environ`` that nothing reads (a misspelling is
+    otherwise silently ignored), each with the closest known name.
+
+    Example::
+
+        unknown_variables({"RLPLANE_STORAGE_UNIT": "5"})  # ['RLPLANE_STORAGE_UNIT (RLPLANE_STORAGE_UNITS?)']
+    """
+    import difflib
+
+    known = {f"RLPLANE_{name.upper()}" for name in ServiceSettings.model_fields} | OTHER_VARIABLES
+    out = []
+    for name in sorted(n for n in environ if n.startswith("RLPLANE_") and n not in known):
+        near = difflib.get_close_matches(name, known, n=1)
+        out.append(f"{name} ({near[0]}?)" if near else name)
+    return out
+
+
 def settings_problem(err: ValidationError, flags: Mapping[str, str] | None = None) -> str:
     """What is wrong with the settings, one line per fault, each naming the setting as its
     flag (``flags``: field -> flag) and its RLPLANE_* variable, never quoting a value.

@@ -87,3 +87,22 @@ def test_the_cli_says_one_line_for_a_url_that_does_not_parse():
                          capture_output=True, text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "COLUMNS": "300"})
     out = res.stdout + res.stderr
     assert res.returncode == 2 and "does not parse" in out and "Traceback" not in out
+
+
+def test_a_misspelled_variable_is_named_with_the_setting_it_was_likely_meant_for():
+    from rlplane_service.settings import unknown_variables
+
+    env = {"RLPLANE_STORAGE_UNIT": "5", "RLPLANE_STORAGE_UNITS": "2", "RLPLANE_DATA_PATH": "shm", "PATH": "/bin"}
+    assert unknown_variables(env) == ["RLPLANE_STORAGE_UNIT (RLPLANE_STORAGE_UNITS?)"]
+    import http.server
+    import threading
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler) as taken:
+        threading.Thread(target=taken.serve_forever, daemon=True).start()
+        try:  # (serve stops at once: something answers on its port)
+            res = subprocess.run([sys.executable, "-m", "rlplane_tools", "serve", "--port", str(taken.server_port)],
+                                 capture_output=True, text=True, timeout=120,
+                                 env={"PATH": "/usr/bin:/bin", "RLPLANE_STORAGE_UNIT": "5", "COLUMNS": "300"})
+        finally:
+            taken.shutdown()
+    assert "RLPLANE_STORAGE_UNIT (RLPLANE_STORAGE_UNITS?) is set but no rlplane setting" in res.stdout, res.stdout

@@ -36,6 +36,7 @@ class DirectStreams:
             raise TransportError(f"the service's streams address is malformed ({err})") from None
         self.secret = secret.encode() if secret else None
         self.timeout, self.name = timeout, name
+        self.hold_lease_s = 60.0  # the ledger's put_lease_s, as its last reserve or hold said
         self._pool = SharedChannels(self.secret, self.user)
 
     def _call(self, header: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
@@ -63,15 +64,26 @@ class DirectStreams:
     def reserve(self, partition: str, ids: Sequence[str]) -> int:
         """Take new ids before writing them (TransferQueue-based stores): DuplicateSampleError
         when any is stored or being written by another put. Returns the reservation."""
-        return str(self._call({"op": "reserve", "p": partition, "ids": [str(s) for s in ids]})["res"])
+        return self._held(self._call({"op": "reserve", "p": partition, "ids": [str(s) for s in ids]}))
 
     def hold(self, partition: str, ids: Sequence[str] | None, kind: str) -> str:
         """Hold stored samples (``ids``; None: the whole partition) for a ``write`` or a
         ``clear`` (TransferQueue-based stores): answered once no put, write or clear of any
         of them is under way (UnavailableError after MAX_WAIT_S). Ended by ``record``
         (a write), ``drop`` (a clear) or ``abort``. Returns the hold."""
-        return str(self._call({"op": "hold", "p": partition, "ids": _ids(ids), "kind": kind},
-                              MAX_WAIT_S + self.timeout)["res"])
+        return self._held(self._call({"op": "hold", "p": partition, "ids": _ids(ids), "kind": kind},
+                                     MAX_WAIT_S + self.timeout))
+
+    def _held(self, answer: dict[str, Any]) -> str:
+        lease = answer.get("lease_s")
+        if isinstance(lease, (int, float)) and lease > 0:
+            self.hold_lease_s = float(lease)  # (how often a holder renews: rlplane.transports.tq)
+        return str(answer["res"])
+
+    def renew(self, hold: str) -> bool:
+        """Keep a reservation or hold alive (its writer still works on it): whether it was
+        (False: it lapsed before, and another writer may have the samples now)."""
+        return bool(self._call({"op": "renew", "res": hold})["renewed"])
 
     def abort(self, reservation: str) -> None:
         """Give up a reservation (the write failed)."""

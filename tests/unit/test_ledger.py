@@ -575,3 +575,36 @@ def test_writes_and_clears_of_the_same_samples_take_turns_at_the_ledger_and_a_de
     finally:
         streams.close()
         server.stop()
+
+
+def test_a_writer_that_still_works_keeps_its_hold_past_the_lease_and_one_that_stopped_loses_it():
+    """A put slower than put_lease_s lost its reservation: a second put of the same ids then
+    cleared what the first was still writing, and the two mixed. A transport renews its
+    hold while it works; only a writer that stopped (killed, hung) loses it."""
+    import time
+    from types import SimpleNamespace
+
+    from rlplane import errors as E
+    from rlplane.streams import DirectStreams
+    from rlplane.transports.tq import TQTransport
+    from rlplane_service.native.server import Server
+    from rlplane_service.native.stream import LedgerCore
+
+    server = Server(LedgerCore(lease_s=60, put_lease_s=0.6), host="127.0.0.1", name="ledger").start()
+    streams, other = (DirectStreams({"endpoint": server.endpoint}, timeout=10) for _ in range(2))
+    try:
+        working = streams.reserve("p", ["a"])
+        assert streams.hold_lease_s == 0.6
+        with TQTransport._given_back_on_failure(SimpleNamespace(streams=streams), working):
+            time.sleep(1.5)  # the writer's put, slower than the lease: renewed meanwhile
+            with pytest.raises(E.DuplicateSampleError, match="being written"):
+                other.reserve("p", ["a"])
+        streams.record("p", ["a"], ["x"], [{}], create=True, reservation=working)
+        stopped = streams.reserve("p", ["b"])  # its writer never comes back
+        time.sleep(1.0)
+        assert not streams.renew(stopped)
+        other.record("p", ["b"], ["x"], [{}], create=True, reservation=other.reserve("p", ["b"]))
+    finally:
+        streams.close()
+        other.close()
+        server.stop()

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -347,7 +348,25 @@ class TQTransport(Transport):
 
     @contextmanager
     def _given_back_on_failure(self, hold: str | None) -> Iterator[None]:
-        """Run the body; if it fails, end ``hold`` (a put's reservation, a write's or clear's hold)."""
+        """Run the body with ``hold`` (a put's reservation, a write's or clear's hold) kept
+        alive: renewed every third of the ledger's lease while the body runs, so a slow but
+        live writer never loses it to another (who would clear what it is still writing);
+        if the body fails, end it."""
+        done = threading.Event()
+        if hold is not None and self.streams is not None:
+            every, streams = self.streams.hold_lease_s / 3, self.streams
+
+            def renew() -> None:
+                while not done.wait(every):
+                    try:
+                        if not streams.renew(hold) and not done.is_set():
+                            log.warning("a write's hold on its samples lapsed while it ran; another writer may "
+                                        "have them now")
+                            return
+                    except Exception:  # noqa: BLE001 - the ledger is away: the hold may lapse
+                        continue
+
+            threading.Thread(target=renew, name="rlplane-hold", daemon=True).start()
         try:
             yield
         except BaseException:
@@ -357,6 +376,8 @@ class TQTransport(Transport):
                 except Exception:  # noqa: BLE001 - it lapses on its own
                     pass
             raise
+        finally:
+            done.set()
 
     def partitions(self) -> list[str]:
         listing = self._run(self._client.async_kv_list(None))

@@ -124,7 +124,8 @@ class LedgerCore(StreamOps):
     It also arbitrates new ids for those stores, whose own check is check-then-create:
     a writer ``reserve`` s its ids first (of concurrent puts of the same new ids exactly one
     gets them; the others DuplicateSampleError), writes, then ``record`` s with the
-    reservation; ``abort`` (or a reservation outliving ``put_lease_s``) frees them.
+    reservation; ``abort`` (or a reservation outliving ``put_lease_s`` without a ``renew``
+    from its writer, which renews while it works) frees them.
 
     And it keeps writes and clears of the same samples apart (TransferQueue frees a
     cleared sample's storage slots for the next put of any partition: a write still
@@ -167,7 +168,7 @@ class LedgerCore(StreamOps):
             self._wait_for(header, p, ids, "put")
             rid = secrets.token_hex(12)
             self._held[rid] = (p, list(ids), now + self.put_lease_s, "put")
-        return {"res": rid}, {}, []
+        return {"res": rid, "lease_s": self.put_lease_s}, {}, []
 
     def op_hold(self, header: dict, columns: dict, extra: list) -> Any:
         """Hold samples ``ids`` of ``p`` (None: the whole partition) for a ``write`` or a
@@ -182,7 +183,17 @@ class LedgerCore(StreamOps):
             self._wait_for(header, p, ids, kind)
             rid = secrets.token_hex(12)
             self._held[rid] = (p, None if ids is None else list(ids), now + self.put_lease_s, kind)
-        return {"res": rid}, {}, []
+        return {"res": rid, "lease_s": self.put_lease_s}, {}, []
+
+    def op_renew(self, header: dict, columns: dict, extra: list) -> Any:
+        """Extend a live put's reservation or hold by ``put_lease_s`` (its writer still
+        works on it): ``renewed`` False when it lapsed already (or never was)."""
+        with self._lock:
+            now = self._lapse()
+            held = self._held.get(header.get("res"))  # type: ignore[arg-type]
+            if held is not None:
+                self._held[header["res"]] = (held[0], held[1], now + self.put_lease_s, held[3])
+        return {"renewed": held is not None}, {}, []
 
     def _lapse(self) -> float:
         """Drop the holds that outlived ``put_lease_s`` (their writer died or hung); the time now."""

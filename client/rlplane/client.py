@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from rlplane.codec import WIRE_TAG, Encoded, Prepared, alloc_sizes, decode, encode, prepare
-from rlplane.errors import (HELD_GONE, InvalidArgumentError, LeaseError, MissingDataError, NotReadyError, RlplaneError,
-                            ShapeError, TransportError, WireFormatError)
+from rlplane.errors import (HELD_GONE, IntegrityError, InvalidArgumentError, LeaseError, MissingDataError,
+                            NotReadyError, RlplaneError, ShapeError, TransportError, WireFormatError)
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.geometry import Geometry
 from rlplane.gcpause import gc_paused
@@ -299,8 +299,15 @@ class Client:
             op.nbytes = sum(col.nbytes for col in columns.values())
             pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
             with op.part("codec"):
-                return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
-                              partition=meta.partition, device=device, verified=verified)
+                try:
+                    return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
+                                  partition=meta.partition, device=device, verified=verified)
+                except IntegrityError as err:  # damage, or a clear that raced this read (the rows were reused)
+                    gone = self.transport.replaced(meta.partition, meta.sample_ids, tags)
+                    if not gone:
+                        raise
+                    raise MissingDataError(meta.partition, {s: [] for s in gone}, hint="they were cleared (and "
+                                           "their storage given to another put) while this read ran") from err
 
     # -- streaming -------------------------------------------------------------------
     def claim(

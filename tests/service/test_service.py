@@ -310,6 +310,43 @@ def test_a_clear_racing_a_write_of_its_partition_never_changes_another_partition
 
 
 @pytest.mark.parametrize("backend", ["simple_service", "mooncake_service"])
+def test_a_read_that_raced_a_clear_whose_storage_went_to_another_put_says_the_samples_are_gone(request, backend):
+    """It read the other put's rows, and said the stored copy was damaged (IntegrityError)."""
+    import asyncio
+    import threading
+
+    live = request.getfixturevalue(backend)
+    p, q = part(), part()
+    with rlplane.connect(live.url, token=live.token, transport="tq") as a, \
+            rlplane.connect(live.url, token=live.token, transport="tq") as b:
+        meta = a.put_samples(p, {"sample_mask": torch.tensor([7.0, 8.0])})
+        get = a.transport._client.async_get_data
+
+        async def late(*args, **kwargs):
+            await asyncio.sleep(1.5)
+            return await get(*args, **kwargs)
+
+        a.transport._client.async_get_data = late
+        outcome: list = []
+
+        def read() -> None:
+            try:
+                outcome.append(a.read_columns(meta, ["sample_mask"]))
+            except E.RlplaneError as err:
+                outcome.append(err)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        time.sleep(0.5)
+        b.clear(p)
+        mine = b.put_samples(q, {"sample_mask": torch.tensor([1.0, 2.0])})
+        reader.join(timeout=60)
+        assert isinstance(outcome[0], E.MissingDataError) and "while this read ran" in str(outcome[0]), outcome
+        assert torch.equal(b.read_columns(mine, ["sample_mask"])["sample_mask"], torch.tensor([1.0, 2.0]))
+        b.clear(q)
+
+
+@pytest.mark.parametrize("backend", ["simple_service", "mooncake_service"])
 def test_two_writes_of_different_fields_of_the_same_samples_at_once_keep_both(request, backend):
     """TransferQueue replaces a sample's whole tag map: of two write_columns at once, the
     slower one's tags dropped the other's field (its reads then said the field was never

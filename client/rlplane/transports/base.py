@@ -124,6 +124,13 @@ class Transport(ABC):
         dtype)`` the caller will ask for, per field, where it knows them (a hint)."""
         yield fallback
 
+    def replaced(self, partition: str, sample_ids: Sequence[str], tags: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Which of the samples a read got (with ``tags``) the store no longer holds as they
+        were: cleared, or cleared and put again, while the read ran. Asked only when a read's
+        rows fail their digests, to tell such a race (MissingDataError) from damage. [] here:
+        a store whose reads cannot see another put's rows."""
+        return []
+
     def on_device(self, device: Any, *, write: bool = False) -> bool:
         """Ready this transport's memory for copies from ``device`` (a torch.device other
         than the host; ``write``: for a put) or onto it: True when reads onto it should take

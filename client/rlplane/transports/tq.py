@@ -325,6 +325,17 @@ class TQTransport(Transport):
             self.streams.record(partition, ids, list(columns), tags, create=create, reservation=res)
         return given
 
+    def replaced(self, partition: str, sample_ids: Sequence[str], tags: Sequence[Mapping[str, Any]]) -> list[str]:
+        """TransferQueue hands a cleared sample's storage slots to the next put: a read that
+        raced a clear can get another sample's rows. Those whose sample is gone or whose
+        incarnation changed since the read's tags."""
+        ids = list(sample_ids)
+        meta = self._run(self._meta(partition, ids, create=False))
+        if meta.size != len(ids):  # some are gone: those
+            return self._run(self._unknown(partition, ids))
+        now = [(t or {}).get(BORN_TAG) for t in meta.custom_meta]  # (in the order of ids)
+        return [s for s, was, t in zip(ids, now, tags) if was != (t or {}).get(BORN_TAG)]
+
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
         born: Any = None,

@@ -279,7 +279,7 @@ def _slowed(client, seconds: float) -> None:
     client.transport._client.async_put = late
 
 
-@pytest.mark.parametrize("backend", ["simple_service", "mooncake_service"])
+@pytest.mark.parametrize("backend", ["simple_service"])  # (the TransferQueue layer both share; one backend each)
 def test_a_clear_racing_a_write_of_its_partition_never_changes_another_partition(request, backend):
     """TransferQueue hands a cleared sample's storage slots to the next put of any partition:
     a put (or write_columns) still under way into them landed in that put's rows (an
@@ -309,7 +309,7 @@ def test_a_clear_racing_a_write_of_its_partition_never_changes_another_partition
             b.clear(q)
 
 
-@pytest.mark.parametrize("backend", ["simple_service", "mooncake_service"])
+@pytest.mark.parametrize("backend", ["simple_service"])  # (the TransferQueue layer both share; one backend each)
 def test_a_read_that_raced_a_clear_whose_storage_went_to_another_put_says_the_samples_are_gone(request, backend):
     """It read the other put's rows, and said the stored copy was damaged (IntegrityError)."""
     import asyncio
@@ -346,7 +346,7 @@ def test_a_read_that_raced_a_clear_whose_storage_went_to_another_put_says_the_sa
         b.clear(q)
 
 
-@pytest.mark.parametrize("backend", ["simple_service", "mooncake_service"])
+@pytest.mark.parametrize("backend", ["mooncake_service"])  # (the TransferQueue layer both share; one backend each)
 def test_two_writes_of_different_fields_of_the_same_samples_at_once_keep_both(request, backend):
     """TransferQueue replaces a sample's whole tag map: of two write_columns at once, the
     slower one's tags dropped the other's field (its reads then said the field was never

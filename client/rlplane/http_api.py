@@ -61,7 +61,8 @@ def checked_url(url: Any) -> str:
                              f"{shown_url(url)!r}")
     try:
         parsed = httpx.URL(url)
-        parsed.port  # noqa: B018 - (a port that is not a number raises here)
+        if parsed.port is not None and not 0 < parsed.port < 65536:  # (a number that is not a port raises here)
+            raise ValueError(f"port {parsed.port} is not in 1-65535")
     except (httpx.InvalidURL, ValueError, TypeError) as err:
         raise TransportError(f"service URL {shown_url(url)!r} does not parse ({err}); e.g. "
                              "http://127.0.0.1:8000") from None

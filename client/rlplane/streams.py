@@ -64,7 +64,8 @@ class DirectStreams:
     def reserve(self, partition: str, ids: Sequence[str]) -> int:
         """Take new ids before writing them (TransferQueue-based stores): DuplicateSampleError
         when any is stored or being written by another put. Returns the reservation."""
-        return self._held(self._call({"op": "reserve", "p": partition, "ids": [str(s) for s in ids]}))
+        return self._held(self._call({"op": "reserve", "p": partition, "ids": [str(s) for s in ids]},
+                                     MAX_WAIT_S + self.timeout))  # (it may wait for a clear of the partition)
 
     def hold(self, partition: str, ids: Sequence[str] | None, kind: str) -> str:
         """Hold stored samples (``ids``; None: the whole partition) for a ``write`` or a

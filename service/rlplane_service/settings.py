@@ -231,10 +231,11 @@ class ServiceSettings(BaseSettings):
         return None if v is not None and not v.get_secret_value() else v
 
     @field_validator("registry_file", "tokens_file", "snapshot_dir", "restore_from", "journal_dir",
-                     "mooncake_master_bin", "storage_resource", mode="before")
+                     "mooncake_master_bin", "storage_resource", "capacity", mode="before")
     @classmethod
     def _empty_is_unset(cls, v: Any) -> Any:
-        """``RLPLANE_JOURNAL_DIR=""`` means no journal, not one in the working directory."""
+        """An optional setting given empty is unset: ``RLPLANE_JOURNAL_DIR=""`` means no journal,
+        not one in the working directory."""
         return None if isinstance(v, str) and not v.strip() else v
 
     @model_validator(mode="after")

@@ -101,6 +101,7 @@ def test_values_schema_rejects_a_typo_and_impossible_placement():
     ({"storage": {"transferEngine": {"protocol": "tcp", "ports": {"min": 16000, "max": 16000}}}}, "must be below"),
     ({"storage": {"transferEngine": {"protocol": "tcp"}}, "tokensSecret": "tenants"}, "authenticates nobody"),
     ({"storage": {"transferEngine": {"protocol": "tcp"}}, "service": {"backend": "simple"}}, "needs service.backend"),
+    ({"service": {"backend": "simple", "dataReplicas": 2, "storageUnits": 2}}, "dataReplicas > 1 needs"),
 ])
 def test_values_the_service_would_refuse_at_start_are_refused_at_render(values, says):
     """Each of these rendered, and the Serve replica then failed at deploy time."""

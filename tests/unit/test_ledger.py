@@ -608,3 +608,61 @@ def test_a_writer_that_still_works_keeps_its_hold_past_the_lease_and_one_that_st
         streams.close()
         other.close()
         server.stop()
+
+
+def test_a_clear_of_a_partition_puts_keep_arriving_in_comes_first_and_a_slow_reserve_waits_for_it():
+    """A waiting clear of a partition starved while rollouts kept putting into it (each
+    re-check found some put under way): it now waits only for what was under way when it
+    came; puts arriving meanwhile wait for it. A put's reserve waits for it as long as a
+    hold would, not only the client's own timeout (it left a reservation nobody owned)."""
+    import threading
+    import time
+
+    from rlplane.streams import DirectStreams
+    from rlplane_service.native.server import Server
+    from rlplane_service.native.stream import LedgerCore
+
+    server = Server(LedgerCore(lease_s=60, put_lease_s=3.0), host="127.0.0.1", name="ledger").start()
+    stop, puts, errors = threading.Event(), [0], []
+
+    def writer(k: int) -> None:
+        streams = DirectStreams({"endpoint": server.endpoint}, timeout=1.0)  # below the 1.5 s a reserve waits
+        try:
+            for i in range(200):
+                if stop.is_set():
+                    return
+                ids = [f"w{k}-{i}"]
+                held = streams.reserve("stream", ids)
+                time.sleep(0.2)
+                streams.record("stream", ids, ["x"], [{}], create=True, reservation=held)
+                puts[0] += 1
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+        finally:
+            streams.close()
+
+    writers = [threading.Thread(target=writer, args=(k,)) for k in range(4)]
+    for w in writers:
+        w.start()
+    clearer = DirectStreams({"endpoint": server.endpoint}, timeout=1.0)  # (a short client timeout)
+    try:
+        deadline = time.monotonic() + 10
+        while puts[0] < 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        hold = clearer.hold("stream", None, "clear")
+        assert time.monotonic() - t0 < 1.5  # the puts under way when it came, not a stream of them
+        before = puts[0]
+        time.sleep(1.5)  # while it holds, the writers' puts wait (longer than their client's timeout)
+        assert puts[0] <= before + 4
+        clearer.drop("stream", None, hold)
+        deadline = time.monotonic() + 10
+        while puts[0] < before + 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert puts[0] >= before + 8 and not errors  # and then they went on
+    finally:
+        stop.set()
+        for w in writers:
+            w.join(timeout=10)
+        clearer.close()
+        server.stop()

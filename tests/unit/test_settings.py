@@ -35,7 +35,7 @@ def test_a_refused_setting_is_named_and_no_value_is_quoted(args, says):
 
 
 @pytest.mark.parametrize("name", ["RLPLANE_JOURNAL_DIR", "RLPLANE_RESTORE_FROM", "RLPLANE_SNAPSHOT_DIR",
-                                  "RLPLANE_REGISTRY_FILE", "RLPLANE_TOKENS_FILE"])
+                                  "RLPLANE_REGISTRY_FILE", "RLPLANE_TOKENS_FILE", "RLPLANE_CAPACITY"])
 def test_an_empty_variable_means_unset_not_the_working_directory(monkeypatch, name):
     monkeypatch.setenv(name, "")
     settings = ServiceSettings()
@@ -67,6 +67,7 @@ def test_a_registry_file_mistake_is_a_registry_error_naming_the_file(tmp_path, t
 
 @pytest.mark.parametrize("url, kwargs, error, says", [
     ("http://127.0.0.1:abc", {}, E.TransportError, "does not parse"),
+    ("http://127.0.0.1:99999", {}, E.TransportError, "not in 1-65535"),
     ("http://[::1:8000", {}, E.TransportError, "does not parse"),
     (None, {}, E.TransportError, "http://"),
     ("localhost:8000", {}, E.TransportError, "http://"),

@@ -145,6 +145,8 @@ class LedgerCore(StreamOps):
         self.put_lease_s = put_lease_s
         # reservation or hold -> (partition, ids (None: the whole partition), deadline, kind: put, write or clear)
         self._held: dict[str, tuple[str, list[str] | None, float, str]] = {}
+        # the clears parked until the holds they overlap end: (partition, arrival) -> (deadline, ids)
+        self._clearing: dict[tuple[str, Any], tuple[float, list[str] | None]] = {}
         self.lost: dict[str, dict[str, str]] = {}  # partition -> {sample id: the storage unit it was lost with}
         self.lost_units: set[str] = set()
         self.lost_samples = 0  # since the store started, like the native controller's count
@@ -204,17 +206,35 @@ class LedgerCore(StreamOps):
 
     def _wait_for(self, header: dict, p: str, ids: list[str] | None, kind: str) -> None:
         """Park the request while a live hold overlaps ``ids`` of ``p`` (for a put: a clear's
-        only; puts of the same new ids are told apart above); at its deadline, UnavailableError."""
+        only; puts of the same new ids are told apart above), or, for a put or a write, while
+        a clear of them waits (it comes first: it waits only for what was under way when it
+        came, not for every put that keeps arriving); at its deadline, UnavailableError."""
         want = None if ids is None else set(ids)
+
+        def overlaps(held: list[str] | None) -> bool:
+            return held is None or want is None or not want.isdisjoint(held)
+
+        now = time.monotonic()
+        self._clearing = {k: w for k, w in self._clearing.items() if w[0] > now}  # (given up, or its caller gone)
+        me = (p, header.get("_t0"))
         busy = [k for q, held, _, k in self._held.values() if q == p and (kind != "put" or k == "clear")
-                and (held is None or want is None or not want.isdisjoint(held))]
+                and overlaps(held)]
+        if kind != "clear":
+            busy += ["clear" for (q, _), (_, held) in self._clearing.items() if q == p and overlaps(held)]
         if not busy:
+            self._clearing.pop(me, None)
             return
         wait_s = min(float(self.put_lease_s), MAX_WAIT_S)
+        deadline = float(header.get("_t0") or now) + wait_s
         if not header.get("_final"):
-            raise Park(float(header.get("_t0") or time.monotonic()) + wait_s, key=p)
-        raise E.UnavailableError(f"a {kind} of partition {p!r} waited {wait_s:.0f} s for a {busy[0]} of the same "
-                                 "samples that is still under way; retry", component="ledger")
+            if kind == "clear":
+                self._clearing[me] = (deadline, ids)
+            raise Park(deadline, key=p)
+        if self._clearing.pop(me, None) is not None:
+            self._release(p)  # (what waited behind it goes on)
+        what = "of the same samples" if ids is not None else "in it"
+        raise E.UnavailableError(f"a {kind} of partition {p!r} waited {wait_s:.0f} s for a {busy[0]} {what} that is "
+                                 "still under way; retry", component="ledger")
 
     def _release(self, p: str) -> None:
         """A hold on ``p`` ended: what waits on one there looks again (claims rescan nothing)."""

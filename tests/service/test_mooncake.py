@@ -6,6 +6,7 @@ empty rows, a full pool, an unreachable master, and the master's lifetime.
 """
 
 import json
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -97,8 +98,10 @@ def tiny_mooncake(service, pid_alive, ending_store):
         status = httpx.get(f"{url}/v1/status", timeout=30).json()
         serve.delete("rlplane-mc-tiny")
         ending_store(args)  # a test killed its master: attaching would start another
-        pid = status["store"].get("mooncake_master", {}).get("pid")
-        assert pid is None or not pid_alive(pid)
+        master = status["store"].get("mooncake_master", {})
+        assert master.get("pid") is None or not pid_alive(master["pid"])
+        if master.get("log_file"):  # (a master a test killed keeps its log: it ended by itself)
+            shutil.rmtree(Path(master["log_file"]).parent, ignore_errors=True)
 
 
 def test_a_full_pool_is_storage_full_and_keeps_what_was_stored(tiny_mooncake):
@@ -205,6 +208,7 @@ def test_a_master_port_someone_else_holds_is_a_typed_error_naming_the_log():
         assert "mooncake_master" in str(err.value) and "mooncake_master.log" in str(err.value)
         named = str(err.value).split("(log ", 1)[1].split(")", 1)[0]
         assert Path(named).is_file()  # the log the error names is kept
+        shutil.rmtree(Path(named).parent)
         with socket.create_connection(("127.0.0.1", taken), timeout=5):
             pass  # the holder still has its port
 

@@ -666,3 +666,52 @@ def test_a_clear_of_a_partition_puts_keep_arriving_in_comes_first_and_a_slow_res
             w.join(timeout=10)
         clearer.close()
         server.stop()
+
+
+def test_a_clear_that_gives_up_lets_the_puts_waiting_behind_it_go_on_at_once():
+    """A put that came while a clear waited waits behind it; when the clear gave up (a put
+    under way outlasted its wait) the put still waited out its own deadline."""
+    import threading
+    import time
+
+    from rlplane import errors as E
+    from rlplane.streams import DirectStreams
+    from rlplane_service.native.server import Server
+    from rlplane_service.native.stream import LedgerCore
+
+    server = Server(LedgerCore(lease_s=60, put_lease_s=2.0), host="127.0.0.1", name="ledger").start()
+    slow, clearer, late = (DirectStreams({"endpoint": server.endpoint}, timeout=10) for _ in range(3))
+    stop, out = threading.Event(), {}
+    try:
+        working = slow.reserve("p", ["a"])  # a put under way that outlasts the clear's wait (it renews)
+
+        def renew() -> None:
+            while not stop.wait(0.4):
+                slow.renew(working)
+
+        renewer = threading.Thread(target=renew)
+        renewer.start()
+        t0 = time.monotonic()
+
+        def clear() -> None:
+            with pytest.raises(E.UnavailableError, match="waited"):
+                clearer.hold("p", None, "clear")
+            out["clear"] = time.monotonic() - t0
+
+        def put() -> None:
+            late.reserve("p", ["b"])
+            out["put"] = time.monotonic() - t0
+
+        threads = [threading.Thread(target=clear), threading.Thread(target=put)]
+        threads[0].start()
+        time.sleep(1.0)
+        threads[1].start()
+        for t in threads:
+            t.join(timeout=20)
+        assert out["clear"] < out["put"] < out["clear"] + 0.5  # it went on as the clear gave up (~2 s), not at ~3 s
+    finally:
+        stop.set()
+        renewer.join(timeout=20)
+        for s in (slow, clearer, late):
+            s.close()
+        server.stop()

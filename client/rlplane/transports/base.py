@@ -128,7 +128,8 @@ class Transport(ABC):
         """Which of the samples a read got (with ``tags``) the store no longer holds as they
         were: cleared, or cleared and put again, while the read ran. Asked only when a read's
         rows fail their digests, to tell such a race (MissingDataError) from damage. [] here:
-        a store whose reads cannot see another put's rows."""
+        a store that cannot tell (its reads never see another put's rows, or, over HTTP, the
+        service does not say)."""
         return []
 
     def on_device(self, device: Any, *, write: bool = False) -> bool:

@@ -87,9 +87,10 @@ MAX_BATCH = 64
 class Park(Exception):
     """Raised by a handler op: answer this request later (see the module docstring)."""
 
-    def __init__(self, deadline: float, key: Any = None) -> None:
+    def __init__(self, deadline: float, key: Any = None, refused: Callable[[], None] | None = None) -> None:
+        """``refused``: run when the server does not park it after all (MAX_PARKED waiting)."""
         super().__init__(deadline)
-        self.deadline, self.key = deadline, key
+        self.deadline, self.key, self.refused = deadline, key, refused
 
 
 class _PlainAuthenticator(ThreadAuthenticator):
@@ -270,6 +271,12 @@ class Server:
                 deadline = park.deadline if math.isfinite(park.deadline) else now
                 self._parked.append((sock, ident, body, t0, min(max(deadline, now), now + MAX_PARK_S), park.key))
                 return None if send else (None, None)
+            if park.refused is not None:
+                try:
+                    park.refused()
+                except Exception:  # noqa: BLE001 - a bug in one request must not stop the server
+                    self.failures += 1
+                    log.exception("%s: a request it could not park failed to let go", self.name)
             reply = pack_message({"ok": False, "rid": _rid(body), "error": _payload(E.UnavailableError(
                 f"{self.name} has {MAX_PARKED} requests waiting already; retry later", component=self.name))})
         if not send:

@@ -215,22 +215,31 @@ class LedgerCore(StreamOps):
             return held is None or want is None or not want.isdisjoint(held)
 
         now = time.monotonic()
-        self._clearing = {k: w for k, w in self._clearing.items() if w[0] > now}  # (given up, or its caller gone)
         me = (p, header.get("_t0"))
+        mine = self._clearing.pop(me, None)  # (this clear's own marker, from when it parked)
+        for gone in [k for k, w in self._clearing.items() if w[0] <= now]:  # (their callers gave up)
+            del self._clearing[gone]
+            self._release(gone[0])
         busy = [k for q, held, _, k in self._held.values() if q == p and (kind != "put" or k == "clear")
                 and overlaps(held)]
         if kind != "clear":
             busy += ["clear" for (q, _), (_, held) in self._clearing.items() if q == p and overlaps(held)]
         if not busy:
-            self._clearing.pop(me, None)
             return
         wait_s = min(float(self.put_lease_s), MAX_WAIT_S)
         deadline = float(header.get("_t0") or now) + wait_s
         if not header.get("_final"):
             if kind == "clear":
                 self._clearing[me] = (deadline, ids)
+
+                def not_parked() -> None:  # (the server refused to park it: nothing waits here)
+                    with self._lock:
+                        if self._clearing.pop(me, None) is not None:
+                            self._release(p)
+
+                raise Park(deadline, key=p, refused=not_parked)
             raise Park(deadline, key=p)
-        if self._clearing.pop(me, None) is not None:
+        if mine is not None:
             self._release(p)  # (what waited behind it goes on)
         what = "of the same samples" if ids is not None else "in it"
         raise E.UnavailableError(f"a {kind} of partition {p!r} waited {wait_s:.0f} s for a {busy[0]} {what} that is "

@@ -116,7 +116,7 @@ def serve(
              "registry_file": registry_file, "api_token": token, "backend": backend.value if backend else None,
              "restore_from": restore, "journal_dir": journal}
     try:
-        settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_* or defaults
+        settings = ServiceSettings(**{k: v for k, v in given.items() if v is not None})  # the rest: RLPLANE_*, defaults
     except ValidationError as err:
         console.print(f"[red]error[/]: {settings_problem(err, FLAGS)}")
         raise typer.Exit(2)

@@ -558,9 +558,6 @@ def test_a_waiting_claim_whose_caller_leaves_gives_its_batch_back():
 
     import httpx
 
-    from rlplane.transports.native import NativeTransport
-    from rlplane_service.native.local import LocalEngine
-
     auth = {"Authorization": f"Bearer {TOKEN}"}
     fields = {"input_ids": torch.arange(16).reshape(2, 8), "input_lengths": torch.tensor([8, 8])}
     body = {"task": "train", "batch_size": 2, "fields": ["input_ids"], "timeout": 20}
@@ -581,14 +578,7 @@ def test_a_waiting_claim_whose_caller_leaves_gives_its_batch_back():
             r = await http.get("/v1/partitions/p/consumption", params={"task": "train"}, headers=auth)
             assert r.json()["claimed"] == 2 and r.json()["pending"] == 0
 
-    with LocalEngine(1, secret=None, slab_bytes=16 << 20) as eng:
-        store = NativeTransport(dict(eng.info), timeout=10)
-        writer = Client(default_registry(), NativeTransport(dict(eng.info), timeout=10))
-        try:
-            asyncio.run(run(store, writer))
-        finally:
-            writer.close()
-            store.close()
+    _on_an_engine(run)
 
 
 def test_past_the_cap_of_waiting_claims_a_claim_asks_once_and_puts_still_go_through(monkeypatch):
@@ -599,9 +589,7 @@ def test_past_the_cap_of_waiting_claims_a_claim_asks_once_and_puts_still_go_thro
 
     import httpx
 
-    from rlplane.transports.native import NativeTransport
     from rlplane_service import api as api_mod
-    from rlplane_service.native.local import LocalEngine
 
     monkeypatch.setattr(api_mod, "MAX_WAITING_CLAIMS", 2)
     auth = {"Authorization": f"Bearer {TOKEN}"}
@@ -623,6 +611,17 @@ def test_past_the_cap_of_waiting_claims_a_claim_asks_once_and_puts_still_go_thro
             assert [w.status_code for w in await asyncio.gather(*waiters)] == [200, 200]  # and theirs came
             r = await http.post("/v1/partitions/q/claim", json={**body, "timeout": 0.5}, headers=auth)
             assert r.status_code == 408 and "did not wait" not in r.json()["message"]  # the waiters are done: it waited
+
+    _on_an_engine(run)
+
+
+def _on_an_engine(run) -> None:
+    """``asyncio.run(run(store, writer))`` with a store (the app's transport) and a writer
+    (a client) on one in-process native engine."""
+    import asyncio
+
+    from rlplane.transports.native import NativeTransport
+    from rlplane_service.native.local import LocalEngine
 
     with LocalEngine(1, secret=None, slab_bytes=16 << 20) as eng:
         store = NativeTransport(dict(eng.info), timeout=10)

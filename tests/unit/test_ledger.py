@@ -595,7 +595,7 @@ def test_a_writer_that_still_works_keeps_its_hold_past_the_lease_and_one_that_st
     try:
         working = streams.reserve("p", ["a"])
         assert streams.hold_lease_s == 0.6
-        with TQTransport._given_back_on_failure(SimpleNamespace(streams=streams), working):
+        with TQTransport._holding(SimpleNamespace(streams=streams), working):
             time.sleep(1.5)  # the writer's put, slower than the lease: renewed meanwhile
             with pytest.raises(E.DuplicateSampleError, match="being written"):
                 other.reserve("p", ["a"])

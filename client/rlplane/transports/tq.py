@@ -167,6 +167,18 @@ def _settled(pools: list[Any], deadline: float) -> bool:
     return not any(t.is_alive() for t in threads)
 
 
+def refuses(host: str, port: int) -> bool:
+    """Whether ``host:port`` refuses a TCP connection (its process died). A slow or filtered
+    port is no evidence of death: False (the caller's deadline covers it)."""
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 def _no_ray_context(manager: Any) -> None:
     """TransferQueue's KV managers size their thread pool from ``ray.get_runtime_context()``
     on first use, which starts a local Ray cluster in a plain process. Give them their pool
@@ -318,7 +330,7 @@ class TQTransport(Transport):
         res = None
         if self.streams is not None:
             res = self.streams.reserve(partition, ids) if create else self.streams.hold(partition, ids, "write")
-        with self._given_back_on_failure(res):
+        with self._holding(res):
             self._run(self._put(partition, ids, columns, tags, create, reserved=create and res is not None, born=born,
                                 aligned=() if create else aligned, grows=grows))
         if self.streams is not None:
@@ -351,14 +363,14 @@ class TQTransport(Transport):
         # Held first: TransferQueue hands a cleared sample's slots to the next put, so a write
         # of these samples still under way would land in that put's rows.
         hold = self.streams.hold(partition, ids, "clear") if self.streams is not None else None
-        with self._given_back_on_failure(hold):
+        with self._holding(hold):
             cleared = self._run(self._clear(partition, ids))
         if self.streams is not None:
             self.streams.drop(partition, ids, hold)
         return cleared
 
     @contextmanager
-    def _given_back_on_failure(self, hold: str | None) -> Iterator[None]:
+    def _holding(self, hold: str | None) -> Iterator[None]:
         """Run the body with ``hold`` (a put's reservation, a write's or clear's hold) kept
         alive: renewed every third of the ledger's lease while the body runs, so a slow but
         live writer never loses it to another (who would clear what it is still writing);
@@ -497,14 +509,8 @@ class TQTransport(Transport):
                 ip, ports = d["ip"], list(d["ports"].values())
             except (KeyError, TypeError, AttributeError):
                 continue
-            for port in ports:
-                try:
-                    with socket.create_connection((ip, int(port)), timeout=PROBE_TIMEOUT_S):
-                        pass
-                except ConnectionRefusedError:
-                    return name
-                except OSError:
-                    continue  # slow or filtered: not evidence of death; the deadline covers it
+            if any(refuses(ip, int(port)) for port in ports):
+                return name
         return None
 
     async def _meta(self, partition: str, ids: list[str], create: bool) -> Any:

@@ -25,7 +25,7 @@ import torch
 
 from rlplane.column import Column
 from rlplane.errors import TransportError, UnavailableError
-from rlplane.transports.tq import NBYTES_TAG, PROBE_TIMEOUT_S, TQTransport, reachable
+from rlplane.transports.tq import NBYTES_TAG, TQTransport, reachable, refuses
 from rlplane.transports.tq_errors import mooncake_not_found
 
 
@@ -63,20 +63,16 @@ class MooncakeTQTransport(TQTransport):
         dead = super()._refusing()
         if dead is not None:
             return dead
-        for host, port in self.data_endpoints(self.info):
-            try:
-                with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
-                    pass
-            except ConnectionRefusedError:
-                return "mooncake_master"
-            except OSError:
-                continue  # slow or filtered: not evidence of death; the deadline covers it
-        return None
+        return "mooncake_master" if any(refuses(h, p) for h, p in self.data_endpoints(self.info)) else None
+
+    def _pool(self) -> Any:
+        """This client's Mooncake store (inside TransferQueue's MooncakeStoreClient)."""
+        return self._client.storage_manager.storage_client._store
 
     def replica_endpoints(self, keys: list[str]) -> dict[str, set[str]]:
         """Key (``{global index}@{field}``) -> the transfer endpoints of the segments holding
         its memory replicas (keys the pool does not know are left out)."""
-        store = self._client.storage_manager.storage_client._store  # TransferQueue's MooncakeStoreClient
+        store = self._pool()
         out = {}
         for key, replicas in store.batch_get_replica_desc(keys).items():
             out[key] = {r.get_memory_descriptor().buffer_descriptor.transport_endpoint
@@ -109,14 +105,14 @@ class MooncakeTQTransport(TQTransport):
         keys = pool_keys(meta.global_indexes, meta.custom_meta)
         await self._client._mark_clearing_in_controller(meta)
         if keys:
-            store = self._client.storage_manager.storage_client._store  # TransferQueue's MooncakeStoreClient's
+            store = self._pool()
             codes = await asyncio.get_running_loop().run_in_executor(None, lambda: store.batch_remove(keys, force=True))
             failed = [(k, c) for k, c in zip(keys, codes) if c not in (0, _NOT_FOUND)]
             if failed:
-                raise UnavailableError(f"the Mooncake pool did not remove {len(failed)} of {len(keys)} values (first "
-                                     f"{failed[0][0]!r}: error {failed[0][1]}); the samples stay listed: clear them "
-                                     "again", component="mooncake_master")
-        await self._forget_meta(meta)
+                raise UnavailableError(f"the Mooncake pool did not remove {len(failed)} of {len(keys)} values "
+                                       f"(first {failed[0][0]!r}: error {failed[0][1]}); the samples stay listed: "
+                                       "clear them again", component="mooncake_master")
+        await self._client._clear_meta_in_controller(meta)  # (marked as clearing above)
 
 
 #: Mooncake's "object not found": a value already gone (a clear that ran before, a lost segment).

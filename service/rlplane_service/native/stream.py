@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
@@ -30,6 +30,15 @@ from rlplane_service.native.server import Park
 
 
 _NOTHING = np.empty(0, np.int64)
+
+
+class _Hold(NamedTuple):
+    """A put's reservation, or a write's or clear's hold, at the ledger (see LedgerCore)."""
+
+    partition: str
+    ids: list[str] | None  # None: the whole partition
+    deadline: float  # it lapses then, unless its writer renews it
+    kind: str  # put, write or clear
 
 
 class StreamOps:
@@ -143,8 +152,7 @@ class LedgerCore(StreamOps):
         self.ledger = Ledger(self.indexes.get, lease_s=lease_s)
         self._lock = threading.RLock()
         self.put_lease_s = put_lease_s
-        # reservation or hold -> (partition, ids (None: the whole partition), deadline, kind: put, write or clear)
-        self._held: dict[str, tuple[str, list[str] | None, float, str]] = {}
+        self._held: dict[str, _Hold] = {}  # reservation or hold -> what it holds
         # the clears parked until the holds they overlap end: (partition, arrival) -> (deadline, ids)
         self._clearing: dict[tuple[str, Any], tuple[float, list[str] | None]] = {}
         self.lost: dict[str, dict[str, str]] = {}  # partition -> {sample id: the storage unit it was lost with}
@@ -160,8 +168,8 @@ class LedgerCore(StreamOps):
             now = self._lapse()
             index = self.indexes.get(p)
             stored = [s for s in ids if index is not None and s in index.slot]
-            pending = {s for q, held, _, kind in self._held.values() if q == p and kind == "put" and held
-                       for s in held} & set(ids)
+            pending = {s for h in self._held.values() if h.partition == p and h.kind == "put" and h.ids
+                       for s in h.ids} & set(ids)
             if stored or pending:
                 err = E.DuplicateSampleError(p, stored + sorted(pending))
                 if pending:
@@ -169,7 +177,7 @@ class LedgerCore(StreamOps):
                 raise err
             self._wait_for(header, p, ids, "put")
             rid = secrets.token_hex(12)
-            self._held[rid] = (p, list(ids), now + self.put_lease_s, "put")
+            self._held[rid] = _Hold(p, list(ids), now + self.put_lease_s, "put")
         return {"res": rid, "lease_s": self.put_lease_s}, {}, []
 
     def op_hold(self, header: dict, columns: dict, extra: list) -> Any:
@@ -184,7 +192,7 @@ class LedgerCore(StreamOps):
             now = self._lapse()
             self._wait_for(header, p, ids, kind)
             rid = secrets.token_hex(12)
-            self._held[rid] = (p, None if ids is None else list(ids), now + self.put_lease_s, kind)
+            self._held[rid] = _Hold(p, None if ids is None else list(ids), now + self.put_lease_s, kind)
         return {"res": rid, "lease_s": self.put_lease_s}, {}, []
 
     def op_renew(self, header: dict, columns: dict, extra: list) -> Any:
@@ -194,14 +202,14 @@ class LedgerCore(StreamOps):
             now = self._lapse()
             held = self._held.get(header.get("res"))  # type: ignore[arg-type]
             if held is not None:
-                self._held[header["res"]] = (held[0], held[1], now + self.put_lease_s, held[3])
+                self._held[header["res"]] = held._replace(deadline=now + self.put_lease_s)
         return {"renewed": held is not None}, {}, []
 
     def _lapse(self) -> float:
         """Drop the holds that outlived ``put_lease_s`` (their writer died or hung); the time now."""
         now = time.monotonic()
-        for rid in [r for r, h in self._held.items() if h[2] <= now]:
-            self._release(self._held.pop(rid)[0])
+        for rid in [r for r, h in self._held.items() if h.deadline <= now]:
+            self._release(self._held.pop(rid).partition)
         return now
 
     def _wait_for(self, header: dict, p: str, ids: list[str] | None, kind: str) -> None:
@@ -220,8 +228,8 @@ class LedgerCore(StreamOps):
         for gone in [k for k, w in self._clearing.items() if w[0] <= now]:  # (their callers gave up)
             del self._clearing[gone]
             self._release(gone[0])
-        busy = [k for q, held, _, k in self._held.values() if q == p and (kind != "put" or k == "clear")
-                and overlaps(held)]
+        busy = [h.kind for h in self._held.values() if h.partition == p and (kind != "put" or h.kind == "clear")
+                and overlaps(h.ids)]
         if kind != "clear":
             busy += ["clear" for (q, _), (_, held) in self._clearing.items() if q == p and overlaps(held)]
         if not busy:
@@ -253,7 +261,7 @@ class LedgerCore(StreamOps):
         with self._lock:
             gone = self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
             if gone is not None:
-                self._release(gone[0])
+                self._release(gone.partition)
         return {"aborted": gone is not None}, {}, []
 
     def op_record(self, header: dict, columns: dict, extra: list) -> Any:
@@ -264,9 +272,9 @@ class LedgerCore(StreamOps):
         with self._lock:
             held = self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
             if held is not None:
-                self._release(held[0])
+                self._release(held.partition)
             if header.get("create"):
-                if held is None or held[0] != p or held[1] != ids:  # lapsed: another put may hold the ids now
+                if held is None or held.partition != p or held.ids != ids:  # lapsed: another put may hold the ids now
                     raise E.LeaseError(f"this put's reservation of its ids lapsed before it was recorded (it took "
                                        f"longer than {self.put_lease_s:.0f} s) or is another put's; the samples are "
                                        "not claimable: put them again")

@@ -715,3 +715,26 @@ def test_a_clear_that_gives_up_lets_the_puts_waiting_behind_it_go_on_at_once():
         for s in (slow, clearer, late):
             s.close()
         server.stop()
+
+
+@pytest.mark.parametrize("op", ["renew", "abort", "record", "drop"])
+def test_a_ledger_request_naming_its_hold_by_anything_but_a_string_is_a_wire_format_error(op):
+    """A ``res`` that is not a string (a list) failed inside the server as an untyped
+    error counted as a failure of the server; it is refused as malformed, and the hold it
+    did not name stays."""
+    from rlplane.streams import DirectStreams
+    from rlplane_service.native.server import Server
+    from rlplane_service.native.stream import LedgerCore
+
+    server = Server(LedgerCore(lease_s=60, put_lease_s=60), host="127.0.0.1", name="ledger").start()
+    streams = DirectStreams({"endpoint": server.endpoint}, timeout=10)
+    try:
+        made = streams.reserve("p", ["a"])
+        header = {"op": op, "res": [made], "p": "p", "ids": ["a"], "fields": ["x"], "tags": [{}], "create": True}
+        with pytest.raises(E.WireFormatError, match="'res'"):
+            streams._call(header)
+        assert server.failures == 0 and streams.renew(made)  # the reservation is still there
+        streams.record("p", ["a"], ["x"], [{}], create=True, reservation=made)
+    finally:
+        streams.close()
+        server.stop()

@@ -200,9 +200,10 @@ class LedgerCore(StreamOps):
         works on it): ``renewed`` False when it lapsed already (or never was)."""
         with self._lock:
             now = self._lapse()
-            held = self._held.get(header.get("res"))  # type: ignore[arg-type]
+            rid = _res(header, "renew")
+            held = self._held.get(rid)
             if held is not None:
-                self._held[header["res"]] = held._replace(deadline=now + self.put_lease_s)
+                self._held[rid] = held._replace(deadline=now + self.put_lease_s)
         return {"renewed": held is not None}, {}, []
 
     def _lapse(self) -> float:
@@ -258,8 +259,9 @@ class LedgerCore(StreamOps):
         self.ledger.touch(p, _NOTHING)
 
     def op_abort(self, header: dict, columns: dict, extra: list) -> Any:
+        rid = _res(header, "abort")
         with self._lock:
-            gone = self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
+            gone = self._held.pop(rid, None)
             if gone is not None:
                 self._release(gone.partition)
         return {"aborted": gone is not None}, {}, []
@@ -269,8 +271,9 @@ class LedgerCore(StreamOps):
         if not (isinstance(p, str) and p and _strs(ids) and _strs(fields) and isinstance(tags, list)
                 and len(tags) in (0, len(ids)) and all(isinstance(t, dict) for t in tags)):
             raise E.WireFormatError("record needs 'p', 'ids', 'fields' and one tag map per id")
+        rid = _res(header, "record")
         with self._lock:
-            held = self._held.pop(header.get("res"), None)  # type: ignore[arg-type]
+            held = self._held.pop(rid, None)
             if held is not None:
                 self._release(held.partition)
             if header.get("create"):
@@ -293,8 +296,9 @@ class LedgerCore(StreamOps):
         p, ids = header.get("p"), header.get("ids")
         if not isinstance(p, str) or not (ids is None or _strs(ids)):
             raise E.WireFormatError("drop needs 'p' and optionally 'ids'")
+        rid = _res(header, "drop")
         with self._lock:
-            if self._held.pop(header.get("res"), None) is not None:  # type: ignore[arg-type]
+            if self._held.pop(rid, None) is not None:
                 self._release(p)  # (the clear's hold ends with it)
             self.indexes.drop(p, ids, self.ledger)
             if p not in self.indexes:
@@ -338,6 +342,15 @@ class LedgerCore(StreamOps):
 
     def op_ping(self, header: dict, columns: dict, extra: list) -> Any:
         return {}, {}, []
+
+
+def _res(header: dict, op: str) -> str | None:
+    """The reservation or hold a request names (None: none), WireFormatError unless a string."""
+    rid = header.get("res")
+    if rid is not None and not isinstance(rid, str):
+        raise E.WireFormatError(f"{op} names its reservation or hold by the string 'res' it was given, not a "
+                                f"{type(rid).__name__}")
+    return rid
 
 
 def _strs(x: Any) -> bool:

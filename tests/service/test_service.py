@@ -347,6 +347,39 @@ def test_a_read_that_raced_a_clear_whose_storage_went_to_another_put_says_the_sa
         b.clear(q)
 
 
+def test_over_http_a_read_that_raced_a_clear_and_got_another_puts_rows_says_the_samples_are_gone(simple_service):
+    """Over HTTP the client could not ask whether the samples it read were replaced
+    meanwhile: such a read said the stored copy was damaged (IntegrityError). It asks the
+    service for their tags alone now, naming the incarnations it read. (The race is made
+    here: the read's answer is held back while the samples are cleared and put again, and
+    comes back with rows that fail their digests, as the other put's do.)"""
+    live = simple_service
+    p = part()
+    with rlplane.connect(live.url, token=live.token, transport="http") as a, \
+            rlplane.connect(live.url, token=live.token, transport="http") as b:
+        meta = a.put_samples(p, {"sample_mask": torch.tensor([7.0, 8.0])})
+        get, again = a.transport.get, []
+
+        def damaged(*args, **kwargs):
+            columns, tags = get(*args, **kwargs)
+            columns["sample_mask"].values.view(torch.uint8)[0] ^= 1
+            return columns, tags
+
+        def raced(*args, **kwargs):
+            got = damaged(*args, **kwargs)
+            b.clear(p)
+            again.append(b.put_samples(p, {"sample_mask": torch.tensor([1.0, 2.0])}, sample_ids=meta.sample_ids))
+            return got
+
+        a.transport.get = raced
+        with pytest.raises(E.MissingDataError, match="cleared"):
+            a.read_columns(meta, ["sample_mask"])
+        a.transport.get = damaged  # the same damage where nothing was replaced is damage
+        with pytest.raises(E.IntegrityError):
+            a.read_columns(again[0], ["sample_mask"])
+        b.clear(p)
+
+
 @pytest.mark.parametrize("backend", ["mooncake_service"])  # (the TransferQueue layer both share; one backend each)
 def test_two_writes_of_different_fields_of_the_same_samples_at_once_keep_both(request, backend):
     """TransferQueue replaces a sample's whole tag map: of two write_columns at once, the

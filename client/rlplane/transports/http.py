@@ -23,6 +23,7 @@ from rlplane.envelope import CONTENT_TYPE, chunked, pack_parts, unpack
 from rlplane.errors import MissingDataError, WireFormatError
 from rlplane.http_api import ServiceAPI
 from rlplane.claims import ClaimRequest
+from rlplane.tags import BORN_TAG
 from rlplane.transports.base import PartitionInfo, Transport, check_put
 
 
@@ -109,6 +110,10 @@ class HttpTransport(Transport):
         """``born``: the incarnations the caller's meta names (MissingDataError, from a
         store that keeps them, for samples cleared and put again since). ``shared``: a row
         the store keeps once for several of the samples crosses once (Column.same)."""
+        return self._fetch(partition, sample_ids, fields, born, shared)
+
+    def _fetch(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], born: Any, shared: bool
+               ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         ask: dict[str, Any] = {"sample_ids": list(sample_ids), "fields": list(fields)}
         if shared:
             ask["shared"] = True
@@ -123,6 +128,19 @@ class HttpTransport(Transport):
         if lacking:
             raise MissingDataError(partition, {s: lacking for s in sample_ids}, hint="the service returned no column")
         return columns, tags
+
+    def replaced(self, partition: str, sample_ids: Sequence[str], tags: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Those of the samples a read got (with ``tags``) that are gone or were put again
+        since: the service is asked for their tags alone, naming the incarnations the read
+        got ([] where the store keeps none)."""
+        born = [(t or {}).get(BORN_TAG) for t in tags]
+        if not born or not all(type(b) is int and b > 0 for b in born):
+            return []
+        try:
+            self._fetch(partition, sample_ids, [], born, False)
+        except MissingDataError as err:
+            return [s for s, lacks in err.missing.items() if not lacks] or list(sample_ids)
+        return []
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         if sample_ids is None:

@@ -7,7 +7,9 @@ package and that scheme's driver). Locally a snapshot is written under a hidden 
 name, every file and the directory fsynced, then renamed into place. Remotely it is
 written into place (a move on an object store is a copy of every byte), the manifest
 last: a reader that finds the manifest finds every file it lists, and one that does not
-finds no snapshot; a failed one is removed. A restore reads a remote snapshot by copying
+finds no snapshot; a failed one is removed. A remote writer first leaves a marker of its
+own there and refuses the place when it finds anything else (another writer's marker, or
+files): two snapshots to one URL at once do not both succeed into one directory. A restore reads a remote snapshot by copying
 its files into a local temporary directory first (:meth:`Remote.fetched`): it needs that
 much room under ``TMPDIR``.
 
@@ -44,12 +46,25 @@ def is_url(path: Any) -> bool:
     return isinstance(path, str) and "://" in path and not path.startswith("file://")
 
 
+def lasting(path: Any) -> bool:
+    """Whether a snapshot at ``path`` outlives the process that wrote it (one at ``memory://``
+    does not): only such a snapshot may stand in for the journal before it."""
+    return not (is_url(path) and str(path).startswith("memory://"))
+
+
+def local(path: str | os.PathLike[str]) -> Path:
+    """The local path ``path`` names (a path, or a ``file://`` URL), absolute.
+
+    Example: ``local("file:///srv/snaps/a") == Path("/srv/snaps/a")``."""
+    text = str(path)
+    return Path(text[len("file://"):] if text.startswith("file://") else text).resolve()
+
+
 def place(path: str | os.PathLike[str]) -> Local | Remote:
     """The place ``path`` names (see the module docstring)."""
     if is_url(path):
         return Remote.of(str(path))
-    text = str(path)
-    return Local(Path(text[len("file://"):] if text.startswith("file://") else text))
+    return Local(local(path))
 
 
 class Local:
@@ -137,6 +152,7 @@ class Remote:
 
     def __init__(self, fs: Any, path: str, url: str) -> None:
         self.fs, self.path, self.url = fs, path.rstrip("/"), url
+        self._written: list[str] = []  # what this writer made here (its marker first)
 
     @classmethod
     def of(cls, url: str) -> Remote:
@@ -172,25 +188,45 @@ class Remote:
             raise E.InvalidArgumentError(f"{self.url} exists already: a snapshot goes to a new directory")
 
     def temporary(self) -> Remote:
-        """The place itself (see the module docstring), made."""
+        """The place itself (see the module docstring), made and claimed by a marker of this
+        writer's: InvalidArgumentError (and nothing of it left) when anything else is there."""
         self.fs.makedirs(self.path, exist_ok=True)
+        marker = self._child(f".rlplane-writing-{secrets.token_hex(8)}")
+        self.fs.pipe_file(marker, b"")
+        self._written = [marker]
+        mine = PurePosixPath(marker).name
+        if any(PurePosixPath(n).name != mine for n in self.fs.ls(self.path, detail=False)):
+            self.discard()
+            raise E.InvalidArgumentError(f"{self.url}: another snapshot is being written there (or was): a snapshot "
+                                         "goes to a new directory")
         return self
 
     def open(self, name: str) -> _RemoteFile:
+        self._written.append(self._child(name))
         return _RemoteFile(self.fs.open(self._child(name), "wb"))
 
     def put(self, name: str, data: bytes) -> None:
+        self._written.append(self._child(name))
         self.fs.pipe_file(self._child(name), data)
 
     def move_to(self, dest: Remote, last: str | None = None) -> None:
-        """Nothing to move: written in place, ``last`` (the manifest) after the rest."""
+        """Nothing to move: written in place, ``last`` (the manifest) after the rest; the
+        writer's marker goes."""
         if dest.path != self.path:
             raise ValueError(f"a remote snapshot is written in place, not moved to {dest}")
+        if self._written:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self._written[0])
 
     def discard(self) -> None:
-        """Remove what a failed snapshot wrote (it had no manifest: no reader took it)."""
+        """Remove what this writer wrote of a snapshot that failed (it had no manifest: no
+        reader took it), and the directory if nothing else is in it."""
         try:
-            self.fs.rm(self.path, recursive=True)
+            for path in reversed(self._written):
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(path)
+            if not self.fs.ls(self.path, detail=False):
+                self.fs.rm(self.path, recursive=True)
         except FileNotFoundError:
             pass
         except Exception as err:  # noqa: BLE001 - the failure being raised is the one to report
@@ -212,4 +248,4 @@ class Remote:
             shutil.rmtree(local, ignore_errors=True)
 
 
-__all__ = ["is_url", "place", "Local", "Remote"]
+__all__ = ["is_url", "lasting", "local", "place", "Local", "Remote"]

@@ -57,7 +57,7 @@ from rlplane import errors as E
 from rlplane import parallel
 from rlplane.column import Column
 from rlplane.shm import populate
-from rlplane.snapplace import Local, Remote, is_url, place
+from rlplane.snapplace import Local, Remote, is_url, lasting, local, place
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.geometry import Geometry
 from rlplane.names import MAX_ID_LEN, MAX_NAME_LEN, check_task
@@ -200,7 +200,9 @@ def _take(transport: Any, path: str | os.PathLike[str], progress: Callable[[str]
                         sum(len(p["tasks"]) for p in parts), round(cut_ms, 3), round(time.monotonic() - t0, 3),
                         created, [p["name"] for p in parts], int(cut.get("seq") or 0))
     try:
-        transport.snapshotted(info.files_bytes, info.seconds, info.samples, int(cut.get("seq") or 0) or None, str(dest))
+        # (its journal is truncated: at a lasting place only, recorded absolute for a restore elsewhere)
+        seq = int(cut.get("seq") or 0) if lasting(path) else 0
+        transport.snapshotted(info.files_bytes, info.seconds, info.samples, seq or None, _where(path))
     except E.RlplaneError as err:  # the snapshot is on disk; only its metrics miss it
         log.warning("the controller was not told of snapshot %s: %s", dest, err)
     say(f"snapshot: {samples} samples, {nbytes} bytes in {info.seconds:.2f} s -> {dest}")
@@ -584,7 +586,7 @@ def _continued(path: str | os.PathLike[str], journal: str | os.PathLike[str]) ->
     seq, later = J.base(journal)
     if seq <= 1 or not later or is_url(path) or is_url(later):
         return None
-    mine, theirs = Path(path).resolve(), Path(later).resolve()
+    mine, theirs = local(path), local(later)
     if mine == theirs or mine.parent != theirs.parent:
         return None  # another directory: an operator's choice, not a periodic snapshot's
     try:
@@ -694,7 +696,7 @@ def _restore(transport: Any, path: str | os.PathLike[str] | None, progress: Call
 
 def _where(path: str | os.PathLike[str]) -> str:
     """A snapshot's path as a journal records it: absolute (a restore may run elsewhere), or the URL."""
-    return str(path) if is_url(path) else str(Path(path).resolve())
+    return str(path) if is_url(path) else str(local(path))
 
 
 def _load(transport: Any, part: _Part) -> int:

@@ -74,12 +74,26 @@ class Snapshotter:
         return dest
 
     def prune(self) -> list[Path]:
-        """Delete the oldest complete automatic snapshots beyond ``keep``; returns them."""
+        """Delete the oldest complete automatic snapshots beyond ``keep``, and what the
+        automatic snapshots of a process that died while writing left (a hidden
+        ``.auto-*.tmp-*`` directory nothing was written into for an interval, at least a
+        minute: one still being written is left alone); returns them."""
         done = sorted(p for p in self.root.glob(f"{PREFIX}*") if (p / "manifest.json").is_file())
         gone = done[: max(0, len(done) - self.keep)]
+        idle_s = max(float(self.interval_s), 60.0)
+        gone += [p for p in self.root.glob(f".{PREFIX}*.tmp-*") if p.is_dir() and _idle_s(p) > idle_s]
         for p in gone:
             shutil.rmtree(p, ignore_errors=True)
         return gone
+
+
+def _idle_s(path: Path) -> float:
+    """Seconds since anything in directory ``path`` (one level) was last written."""
+    try:
+        last = max([path.stat().st_mtime] + [f.stat().st_mtime for f in path.iterdir()])
+    except OSError:  # (removed meanwhile)
+        return 0.0
+    return time.time() - last
 
 
 def start_snapshotter(settings: Any, transport: Any, ledger: Any) -> Snapshotter | None:

@@ -259,6 +259,42 @@ def test_a_journal_a_snapshot_truncated_brings_the_store_back_alone_from_that_sn
         assert str(s2) in str(err.value) and b.partitions() == []
 
 
+def test_a_snapshot_named_relative_or_by_file_url_continues_its_journal_and_one_in_memory_truncates_none(
+        tmp_path, monkeypatch):
+    """The journal records the snapshot it continues as its caller named it: a relative
+    path (or one under a relative RLPLANE_SNAPSHOT_DIR) could not be found from another
+    working directory, and a ``file://`` URL was taken for a relative path; a restore after
+    a crash then failed. A snapshot to ``memory://`` (gone with its process) truncated the
+    journal: every durable put before it was lost."""
+    jdir = tmp_path / "journal"
+    monkeypatch.chdir(tmp_path)
+
+    def based_on(name: str) -> bool:  # (truncations run on a thread of the controller's)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(J.read_base(d).get("snapshot") == name for d in jdir.iterdir()):
+            time.sleep(0.05)
+        return all(J.read_base(d).get("snapshot") == name for d in jdir.iterdir())
+
+    with engine(jdir) as eng, connect(eng) as a:
+        a.put_samples("a", text_step(4, 16, seed=1).fields, durable=True)
+        (tmp_path / "snaps").mkdir()
+        a.snapshot("snaps/s1")
+        assert based_on(str(tmp_path / "snaps" / "s1"))
+        a.put_samples("b", text_step(4, 16, seed=2).fields, durable=True)
+        a.snapshot(f"file://{tmp_path}/snaps/s2")
+        assert based_on(str(tmp_path / "snaps" / "s2"))
+        a.put_samples("c", text_step(4, 16, seed=3).fields, durable=True)
+        a.snapshot("memory://rlplane-test/s3")
+        time.sleep(0.5)
+        a.put_samples("d", text_step(4, 16, seed=4).fields, durable=True)
+        assert based_on(str(tmp_path / "snaps" / "s2"))  # the memory snapshot truncated nothing
+    monkeypatch.chdir(jdir)
+    for named in (None, f"file://{tmp_path}/snaps/s1"):  # a crash's restore; one naming the older snapshot
+        with engine(None) as new, connect(new) as b:
+            snapshot.restore(b.transport, named, journal=jdir, newest=True)
+            assert sorted(b.partitions()) == ["a", "b", "c", "d"]
+
+
 def test_a_restored_store_journals_on_after_the_old_journal(tmp_path):
     """The new store's own changes continue the old journal's numbers: a second crash is
     restored from the same snapshot and journal, old and new changes alike."""

@@ -511,6 +511,32 @@ def test_a_snapshot_at_a_url_that_fails_leaves_nothing_there(source, memfs, monk
         assert fs.ls(root, detail=False) == []
 
 
+def test_two_snapshots_to_one_url_at_once_never_both_succeed_and_the_loser_removes_only_its_own(source, memfs,
+                                                                                               monkeypatch):
+    """Both wrote into the one directory and both said they succeeded (the files could
+    mix); a writer now claims the place with a marker first, and one that finds another
+    writer there refuses, removing only what it wrote."""
+    from rlplane.snapplace import Remote, place
+
+    fs, root = memfs
+    with connect(source) as a:
+        a.put_samples("p", text_step(8, 16, seed=2).fields)
+        first = place(f"{root}/s").temporary()  # (a writer that passed the check too, and writes)
+        with first.open("part-00000.rlsnap") as f:
+            f.write(b"theirs")
+        with monkeypatch.context() as m:
+            m.setattr(Remote, "check_new", lambda self: None)  # (this one checked before the other began)
+            with pytest.raises(E.InvalidArgumentError, match="another snapshot is being written there"):
+                snapshot.take(a.transport, f"{root}/s")
+        assert fs.cat_file(f"{root}/s/part-00000.rlsnap") == b"theirs"
+        assert len(fs.ls(f"{root}/s", detail=False)) == 2  # its marker and its file
+        first.discard()
+        assert fs.ls(root, detail=False) == []
+        info = snapshot.take(a.transport, f"{root}/s")
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(f"{root}/s", detail=False))
+        assert names == ["manifest.json", "part-00000.rlsnap"] and info.samples == 8  # (no marker left)
+
+
 def test_an_unknown_url_scheme_or_a_filesystems_root_is_a_clear_error(source):
     with connect(source) as a:
         a.put_samples("p", text_step(4, 16, seed=2).fields)

@@ -33,6 +33,25 @@ def test_it_keeps_the_newest_automatic_snapshots_and_leaves_others_alone(client,
     assert all(p.name.startswith(PREFIX) for p in taken) and s.taken == 3
 
 
+def test_what_a_snapshot_killed_while_writing_left_is_removed_once_idle_and_one_being_written_is_not(client,
+                                                                                                      tmp_path):
+    """A snapshot whose process died while writing left its hidden temporary directory for
+    good: a few preemptions filled the snapshot volume."""
+    import os
+
+    client.put_samples("a", text_step(4, 8, seed=1).fields)
+    dead, live = (tmp_path / f".{PREFIX}{n}.tmp-0000" for n in ("20260101T000000Z", "29990101T000000Z"))
+    for d in (dead, live):
+        d.mkdir()
+        (d / "part-00000.rlsnap").write_bytes(b"x" * 1024)
+    (tmp_path / ".by-hand.tmp-0000").mkdir()  # (not an automatic one's: never touched)
+    old = time.time() - 120
+    for f in (dead / "part-00000.rlsnap", dead, tmp_path / ".by-hand.tmp-0000"):
+        os.utime(f, (old, old))
+    Snapshotter(client.transport, tmp_path, 30, keep=2).once()
+    assert not dead.exists() and live.exists() and (tmp_path / ".by-hand.tmp-0000").exists()
+
+
 def test_it_takes_one_per_interval_only_with_the_turn_and_survives_a_failure(client, tmp_path):
     client.put_samples("a", text_step(4, 8, seed=1).fields)
     turns = iter([False, True, True] + [False] * 1000)

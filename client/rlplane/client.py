@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from rlplane.codec import WIRE_TAG, Encoded, Prepared, alloc_sizes, decode, encode, prepare
-from rlplane.errors import (HELD_GONE, IntegrityError, InvalidArgumentError, LeaseError, MissingDataError,
+from rlplane.errors import (DtypeError, HELD_GONE, IntegrityError, InvalidArgumentError, LeaseError, MissingDataError,
                             NotReadyError, RlplaneError, ShapeError, TransportError, WireFormatError)
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.geometry import Geometry
@@ -160,6 +160,9 @@ class Client:
             prep = prepare(self.registry, fields, given if given is not None else lengths, sample_ids=meta.sample_ids)
             if given is not None and not torch.equal(prep.lengths, lengths):
                 raise ShapeError("differs from the meta's lengths; lengths are fixed at put_samples", field=LENGTHS_FIELD)
+            if given is not None and LENGTHS_FIELD in meta.fields:
+                # (it checked the write; stored again, a meta older than an extend would put old lengths back)
+                fields = {k: v for k, v in fields.items() if k != LENGTHS_FIELD}
             if not len(meta):  # (checked, nothing to store, as a put of no samples)
                 return meta
             _ready_for(self.transport, fields)
@@ -182,7 +185,8 @@ class Client:
         every other field stays as it is. ``finished=True`` marks them done: claims hand
         them out from then on. Returns the meta with the new lengths. A token field left
         out (the store says which the samples hold, whatever the meta lists), or one the
-        samples do not hold, is a ShapeError naming it, and nothing changes.
+        samples do not hold, is a ShapeError naming it, and nothing changes; tokens a put
+        would store as another dtype than the samples' are a DtypeError naming the field.
         One writer extends a sample at a time (the rollout that owns it): of two extends of
         the same sample at once, the later to commit is a ShapeError and stores nothing, and
         so is an extend after whose read a write replaced a token row it read (atomic on the
@@ -215,6 +219,10 @@ class Client:
                     new = fields[name]
                     if new.device.type != "cpu":  # appended on the host, to the stored rows read there
                         new = new.cpu()
+                    if (kept := self.registry.get(name).stored_dtype(new.dtype)) != stored[name].dtype:
+                        raise DtypeError(f"appended tokens would be stored as {kept} after stored ones of "
+                                         f"{stored[name].dtype}: extend with the dtype the samples were put with",
+                                         field=name, sample=meta.sample_ids[0] if len(meta) else None)
                     into = (lambda numel, dtype, f=name: alloc(f, numel, dtype)) if alloc is not None else None
                     out[name] = plan.rows(stored[name], new, field=name, into=into)  # where the put lands them
                 out[LENGTHS_FIELD] = lengths = plan.lengths
@@ -301,7 +309,7 @@ class Client:
             with op.part("codec"):
                 try:
                     return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
-                                  partition=meta.partition, device=device, verified=verified)
+                                  partition=meta.partition, device=device, verified=verified, lengths=meta.lengths)
                 except IntegrityError as err:  # damage, or a clear that raced this read (the rows were reused)
                     gone = self.transport.replaced(meta.partition, meta.sample_ids, tags)
                     if not gone:

@@ -429,6 +429,7 @@ def decode(
     verify: bool = True,
     device: torch.device | str | None = None,
     verified: Collection[str] = (),
+    lengths: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Turn wire columns back into fields: the exact inverse of :func:`encode`.
 
@@ -445,7 +446,9 @@ def decode(
     samples' rows one after another, ``[sum(lengths), ...]`` (their lengths: the
     ``input_lengths`` field; what varlen attention takes, no padding, no nested tensor). Sample fields are ``[B, ...]``; packed
     fields PackedTensor; object fields lists. Dense results may share memory with the
-    columns. ``sample_ids`` only name samples in errors.
+    columns. ``sample_ids`` only name samples in errors. ``lengths``: the samples' lengths
+    as the reader's meta names them (all 0: not known); a token row of another length is a
+    ShapeError (the sample was extended since the meta was made).
 
     Example::
 
@@ -476,6 +479,8 @@ def decode(
         geoms = _geometries(spec, tags, ids, col.geom)
         if spec.alignment == "token":
             leads[name] = geoms.lead
+            if lengths is not None and len(leads) == 1:
+                _check_meta_lengths(name, geoms.lead, lengths, ids)
         if col.same is not None and spec.container != "packed":  # only packed rows come back as shared views
             col = col.expanded()
         if device is not None and spec.container != "object":
@@ -490,6 +495,22 @@ def decode(
     if leads and LENGTHS_FIELD in out:
         _check_lengths(leads, out[LENGTHS_FIELD], ids)
     return out
+
+
+def _check_meta_lengths(name: str, got: np.ndarray | None, lengths: Sequence[int], ids: list[Any] | None) -> None:
+    """ShapeError naming ``name`` and the first sample whose token rows (``got`` tokens each)
+    are not as long as the reader's meta says (``lengths``, all 0 where it does not know):
+    the sample was extended since the meta was made, and a read would hand out more
+    tokens than the meta (a claim's token budget) said."""
+    want = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if got is None or got.shape != want.shape or not want.any():
+        return
+    bad = np.flatnonzero(got != want)
+    if bad.size:
+        i = int(bad[0])
+        raise ShapeError(f"the sample holds {int(got[i])} tokens where the meta read with says {int(want[i])} ("
+                         f"{bad.size} samples differ): it was extended since the meta was made. Read with the meta "
+                         "the extend returned (or claim again)", field=name, sample=_name(ids, i))
 
 
 def _check_lengths(leads: Mapping[str, np.ndarray | None], lengths: Any, ids: list[Any] | None) -> None:

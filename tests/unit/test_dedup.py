@@ -281,6 +281,32 @@ def test_clearing_the_sample_that_holds_a_groups_bytes_hands_them_to_the_next_an
         assert (st["blocks"], st["shared_bytes"], st["written_bytes"], st["live_bytes"]) == (0, 0, 0, 0)
 
 
+def test_empty_rows_beside_a_shared_one_never_take_over_its_bytes_when_its_holder_goes():
+    """An empty segment repeated by a group (a text-only group's image) lies at the offset
+    of the next stored row: clearing the holder of that row's bytes handed them to an empty
+    twin, the stats lost the bytes still stored, and a put of the same image stored it again."""
+    from rlplane.dedup import row_keys
+
+    x, z = torch.randn(40, 1176, generator=torch.Generator().manual_seed(1)), torch.zeros(0, 1176)
+    with LocalEngine(2, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        def put(prefix: str, rows: list):
+            n = len(rows)
+            return c.put_samples("p", {"input_ids": torch.ones(n, 4, dtype=torch.int64),
+                                       "input_lengths": torch.full((n,), 4), "pixel_values": PackedTensor(rows)},
+                                 sample_ids=[f"{prefix}{i}" for i in range(n)])
+
+        meta = put("a", [[z], [z], [x], [x]])
+        c.clear("p", ["a2"])  # the holder of x's bytes; a3 still reads them
+        assert torch.equal(read_all(c, meta.subset([3]), ["pixel_values"])["pixel_values"].rows[0][0], x.bfloat16())
+        key = row_keys([(x,)], np.array([-1]), torch.bfloat16)
+        assert c.transport.held_rows("p", "pixel_values", key)[0][3] == x.numel() * 2  # found under its key
+        before = c.stats()["sharing"]
+        assert before["stored_bytes"] > x.numel() * 2 and before["shared_bytes"] == 0  # (what a3 and a0..a1 hold)
+        put("b", [[x]])  # the same image again: stored once still
+        after = c.stats()["sharing"]
+        assert after["shared_bytes"] == x.numel() * 2 and after["stored_bytes"] < before["stored_bytes"] + 100
+
+
 @pytest.mark.parametrize("gone", [[1], [0, 1], [0, 0, 3]], ids=["a-sharer", "the-holder-and-a-sharer", "an-id-twice"])
 def test_stats_stay_exact_whichever_members_of_a_group_go(gone):
     w = vlm_grpo(batch=8, seqlen=64, seed=4)  # one group of 8, two images each

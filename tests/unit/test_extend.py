@@ -307,3 +307,34 @@ def test_an_extend_after_which_a_write_replaced_a_row_it_read_is_refused_and_the
         grown = roll.extend(meta, more, finished=True)  # read again: it goes through
         assert stage.read_columns(grown, ["advantages"], layout="jagged")["advantages"][0].tolist() == \
             [7.0] * width + [1.0, 1.0]
+
+
+def test_a_meta_older_than_an_extend_neither_writes_old_lengths_back_nor_reads_more_tokens_than_it_says():
+    """With the put's meta after an extend: a write_columns carrying input_lengths wrote the
+    old lengths back, and every later read of the samples failed; a read (a token budget
+    claim's, extended since) handed out 104 tokens a sample where the meta said 4."""
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        meta = c.put_samples("p", tokens([4, 4], 0), finished=False)
+        claimed = c.claim("p", "train", max_tokens=8, fields=["input_ids"], timeout=0, unfinished=True)
+        grown = c.extend(meta, tokens([3, 3], 100), finished=True)
+        c.write_columns(meta, {"input_lengths": torch.tensor([4, 4]), "sample_mask": torch.ones(2)})
+        got = c.read_columns(grown, ["input_ids", "input_lengths", "sample_mask"], layout="jagged")
+        assert got["input_lengths"].tolist() == [7, 7] and got["sample_mask"].tolist() == [1.0, 1.0]
+        assert [r.tolist() for r in got["input_ids"]] == [[0, 1, 2, 3, 100, 101, 102], [4, 5, 6, 7, 103, 104, 105]]
+        for old in (meta, claimed):
+            with pytest.raises(E.ShapeError, match="extended since the meta was made") as err:
+                c.read_columns(old, ["input_ids"], layout="jagged")
+            assert err.value.field == "input_ids" and err.value.sample == meta.sample_ids[0]
+        assert c.read_columns(old, ["sample_mask"])["sample_mask"].tolist() == [1.0, 1.0]  # (no token rows read)
+
+
+def test_an_extend_never_casts_its_tokens_to_a_dtype_the_field_does_not_declare():
+    """A field without a declared dtype keeps what its put gave; an extend of float tokens
+    onto int32 ones cast 0.7 to 0 and 1e10 to -2147483648, silently."""
+    with LocalEngine(1, secret=SECRET, lease_s=30) as eng, connect(eng) as c:
+        meta = c.put_samples("p", {**tokens([2], 0), "token_mask": torch.ones(1, 2, dtype=torch.int32)}, finished=False)
+        with pytest.raises(E.DtypeError) as err:
+            c.extend(meta, {**tokens([2], 9), "token_mask": torch.tensor([[0.7, 1e10]])})
+        assert err.value.field == "token_mask" and "int32" in str(err.value)
+        grown = c.extend(meta, {**tokens([2], 9), "token_mask": torch.tensor([[0, 5]], dtype=torch.int32)})
+        assert c.read_columns(grown, ["token_mask"])["token_mask"].tolist() == [[1, 1, 0, 5]]

@@ -146,3 +146,29 @@ def test_a_tensor_on_the_meta_device_is_refused_typed(client):
 
     with pytest.raises(InvalidArgumentError, match="meta device"):
         put_tensordict(client, "m", TensorDict({"reward.score": torch.empty(2, device="meta")}, [2]))
+
+
+def test_a_nested_tensor_of_torchs_default_strided_layout_is_a_container_error_naming_the_field(client):
+    """It failed as an AttributeError ('Tensor' object has no attribute 'offsets')."""
+    tokens = torch.nested.nested_tensor([torch.arange(3), torch.arange(5)])  # (layout=torch.strided)
+    with pytest.raises(ContainerError, match="torch.jagged") as err:
+        put_tensordict(client, "s", TensorDict({"input_ids": tokens}, batch_size=[2]))
+    assert err.value.field == "input_ids"
+    images = torch.nested.nested_tensor([torch.randn(2, 1176), torch.randn(3, 1176)])
+    with pytest.raises(ContainerError, match="torch.jagged") as err:
+        put_tensordict(client, "s", TensorDict({"input_ids": torch.ones(2, 5, dtype=torch.int64),
+                                                "input_lengths": torch.tensor([3, 5]), "pixel_values": images}, [2]))
+    assert err.value.field == "pixel_values" and client.partitions() == []
+
+
+def test_a_lazy_stack_of_rollouts_of_their_own_lengths_puts_each_ones_tokens(client):
+    """TorchRL's form of a batch of rollouts: a lazy stack of per-sample TensorDicts whose
+    token entries differ in length. It failed as an untyped RuntimeError (they do not stack)."""
+    from tensordict import LazyStackedTensorDict
+
+    rollouts = [TensorDict({"input_ids": torch.arange(n) + 10 * n, "reward.score": torch.tensor(float(n))}, [])
+                for n in (2, 4, 3)]
+    meta = put_tensordict(client, "lz", LazyStackedTensorDict.lazy_stack(rollouts, 0))
+    got = read_tensordict(client, meta, ["input_ids", "input_lengths", "reward.score"], tokens="jagged")
+    assert [r.tolist() for r in got["input_ids"].unbind()] == [r["input_ids"].tolist() for r in rollouts]
+    assert got["input_lengths"].tolist() == [2, 4, 3] and got["reward", "score"].tolist() == [2.0, 4.0, 3.0]

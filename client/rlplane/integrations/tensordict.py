@@ -85,7 +85,7 @@ def put_tensordict(
     fields: dict[str, Any] = {}
     for name in td.keys():
         spec = client.registry.get(name)  # an undeclared key fails here, before any byte moves
-        value = td.get(name)
+        value = _entry(td, name)
         if spec.container == "packed":
             fields[name] = _packed_in(name, value, batch, (dim_to_pack or {}).get(name, 0))
         elif spec.container == "object":
@@ -93,11 +93,13 @@ def put_tensordict(
         else:
             fields[name] = value
     if LENGTHS_FIELD not in fields:
-        jagged = [v for n, v in fields.items() if isinstance(v, torch.Tensor) and v.is_nested
+        jagged = [(n, v) for n, v in fields.items() if isinstance(v, torch.Tensor) and v.is_nested
                   and client.registry.get(n).alignment == "token"]
         if jagged:
-            holes = getattr(jagged[0], "_lengths", None)  # (a narrowed jagged tensor: its rows' own lengths)
-            fields[LENGTHS_FIELD] = torch.diff(jagged[0].offsets().to("cpu", torch.int64)) if holes is None else \
+            name, first = jagged[0]
+            _jagged_layout(first, name)
+            holes = getattr(first, "_lengths", None)  # (a narrowed jagged tensor: its rows' own lengths)
+            fields[LENGTHS_FIELD] = torch.diff(first.offsets().to("cpu", torch.int64)) if holes is None else \
                 holes.to("cpu", torch.int64)
     return client.put_samples(partition, fields, sample_ids=sample_ids, tags=tags)
 
@@ -171,6 +173,30 @@ def _prefix_is_a_key(out: Mapping[str, Any]) -> bool:
     return any(SEP.join(k.split(SEP)[:i]) in out for k in out if SEP in k for i in range(1, k.count(SEP) + 1))
 
 
+def _entry(td: Any, name: str) -> Any:
+    """``td``'s entry ``name``; of a lazy stack of per-sample TensorDicts whose entries differ
+    in length (rollouts of their own lengths), a jagged nested tensor of them."""
+    try:
+        return td.get(name)
+    except RuntimeError as err:  # (its entries do not stack densely)
+        from tensordict import LazyStackedTensorDict
+
+        if isinstance(td, LazyStackedTensorDict):
+            try:
+                return td.get(name, as_nested_tensor=True, layout=torch.jagged)
+            except (RuntimeError, ValueError, TypeError) as why:
+                err = why
+        raise ShapeError(f"its per-sample entries do not stack, not even as a jagged tensor ({err})",
+                         field=name) from None
+
+
+def _jagged_layout(value: torch.Tensor, name: str) -> None:
+    """ContainerError naming ``name`` unless nested tensor ``value`` has the jagged layout."""
+    if value.layout is not torch.jagged:
+        raise ContainerError(f"a nested tensor of layout {value.layout}: rlplane takes nested tensors of layout "
+                             "torch.jagged (torch.nested.nested_tensor(rows, layout=torch.jagged))", field=name)
+
+
 def _batch(td: Any) -> int:
     if len(td.batch_size) != 1:
         raise ShapeError(f"a TensorDict of samples has batch_size [B] (one row per sample), got {list(td.batch_size)}")
@@ -200,6 +226,7 @@ def _packed_in(name: str, value: Any, batch: int, dim: int) -> PackedTensor:
         if not value.is_nested:
             raise ContainerError("a media field is a NonTensorStack of per-sample rows or a jagged nested tensor, "
                                  f"not a dense tensor of shape {list(value.shape)}", field=name)
+        _jagged_layout(value, name)
         offsets = value.offsets().to("cpu", torch.int64)
         lens = torch.diff(offsets).tolist()
         if getattr(value, "_lengths", None) is not None:  # a nested tensor with holes: its rows one by one

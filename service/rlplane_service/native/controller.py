@@ -629,6 +629,7 @@ def _heirs(fi: FieldIndex, slots: np.ndarray) -> np.ndarray:
     if not own.size or not bool(fi.dup.any()):
         return own[:0]
     others = np.setdiff1d(np.flatnonzero(fi.dup), slots)
+    others = others[fi.nbytes[others] > 0]  # (an empty row at the same offset shares nothing either)
     if not others.size:
         return others
     block = np.concatenate([fi.block[own], fi.block[others]])

@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 SNAPSHOT_TIMEOUT_S = 3600.0
 #: How often (at most) a tq client hands its op counts to the service's /metrics.
 REPORT_EVERY_S = 5.0
+#: The longest a report of ops to the service waits for it, and the longest between two
+#: reports while they fail (each failure doubles the wait from REPORT_EVERY_S).
+REPORT_TIMEOUT_S, REPORT_BACKOFF_S = 2.0, 60.0
 
 
 class Client:
@@ -67,6 +70,8 @@ class Client:
         self._service = service  # the ServiceAPI when made by rlplane.connect; closed with the client
         self.ops = OpStats(transport.name)
         self._last_report = time.monotonic()
+        self._report_every = REPORT_EVERY_S  # (longer while reports fail)
+        self._report_lock, self._reporter = threading.Lock(), None
         self.closed = False
         # A client dropped without close() still gives its connections back when it is
         # garbage (the finalizer holds the transport and the service, not the client).
@@ -505,33 +510,51 @@ class Client:
 
         Example: ``client.snapshot("/mnt/shared/snaps/step-1200").samples``
         """
-        with self._op("snapshot"):
+        with self._op("snapshot") as op:
             if self._service is not None:
+                op.by_service = True
                 return SnapshotInfo(**self._service.json("POST", "/v1/snapshot", json={"path": str(path)},
                                                           timeout=SNAPSHOT_TIMEOUT_S))
             return snapshot.take(self.transport, path)
 
     def report_ops(self) -> None:
         """Hand the ops done since the last report to the service's ``/metrics`` (direct
-        transports only: the service counts http ops itself). Never raises; a failed report is retried
-        with the next one. Runs by itself every few seconds and on :meth:`close`."""
+        transports only: the service counts http ops itself), waiting at most
+        REPORT_TIMEOUT_S. Never raises; a failed report is retried with the next one, and
+        reports back off while they fail. Runs every few seconds on a thread of its own
+        (an op never waits for it), and on :meth:`close`."""
         self._last_report = time.monotonic()
         if self._service is None or not self.transport.direct:
             return
-        events = self.ops.drain()
+        events = [e for e in self.ops.drain() if not e.by_service]
         if not events:
             return
         try:
-            self._service.json("POST", "/v1/metrics/report", json={"events": [e.to_dict() for e in events]})
+            self._service.json("POST", "/v1/metrics/report", json={"events": [e.to_dict() for e in events]},
+                               timeout=REPORT_TIMEOUT_S)
+            self._report_every = REPORT_EVERY_S
         except Exception as err:  # noqa: BLE001 - metrics must never fail the caller's work
             self.ops.requeue(events)
-            log.warning("could not report %d ops to the service: %s", len(events), err)
+            self._report_every = min(self._report_every * 2, REPORT_BACKOFF_S)
+            log.warning("could not report %d ops to the service (next try in %.0f s): %s", len(events),
+                        self._report_every, err)
+
+    def _report_soon(self) -> None:
+        """:meth:`report_ops` on a thread of its own, unless one runs already."""
+        self._last_report = time.monotonic()
+        with self._report_lock:
+            if self._reporter is not None and self._reporter.is_alive():
+                return
+            self._reporter = threading.Thread(target=self.report_ops, name="rlplane-report", daemon=True)
+            self._reporter.start()
 
     def close(self) -> None:
         """Release the transport's connections (and the service connection, if any).
         Idempotent; a client used after it is a TransportError."""
         if self.closed:
             return
+        if self._reporter is not None:
+            self._reporter.join(timeout=REPORT_TIMEOUT_S)
         self.report_ops()
         self.closed = True
         self._finalizer()
@@ -550,8 +573,8 @@ class Client:
             raise TransportError(f"{name} on a closed client; connect again (rlplane.connect)")
         with gc_paused(), self.ops.timed(name) as event:
             yield event
-        if time.monotonic() - self._last_report >= REPORT_EVERY_S:
-            self.report_ops()
+        if time.monotonic() - self._last_report >= self._report_every:
+            self._report_soon()
 
     # -- async twins: the same verbs, awaitable; the work runs in a worker thread ----
     async def aput_samples(self, partition: str, fields: Mapping[str, Any], **kwargs: Any) -> SampleMeta:

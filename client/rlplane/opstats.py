@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 #: The operations a client reports (the ``op`` label of rlplane's metrics).
-OPS = ("put_samples", "write_columns", "read_columns", "clear", "delete_partition", "claim", "ack", "nack", "snapshot")
+OPS = ("put_samples", "write_columns", "extend", "read_columns", "clear", "delete_partition", "claim", "ack", "nack",
+       "snapshot")
 
 _WINDOW = 1024  # recent durations kept per op for the percentiles
 _PENDING_LIMIT = 10_000  # events kept for the service when it cannot be reached
@@ -60,6 +61,17 @@ def add_engine(seconds: float) -> None:
     _waits.answers = getattr(_waits, "answers", 0) + 1
 
 
+def failure(op: str, err: BaseException) -> str | None:
+    """The error ``op`` ending in ``err`` counts as: its class's name, or None for a claim
+    that found nothing ready in time (an answer a polling consumer gets all day, not a
+    failure: counted as one, it fired the error-ratio alert on healthy pipelines).
+
+    Example: ``failure("claim", NotReadyError("0 of 8 ready")) is None``."""
+    from rlplane.errors import NotReadyError
+
+    return None if op == "claim" and isinstance(err, NotReadyError) else type(err).__name__
+
+
 def _waited() -> float:
     return getattr(_waits, "total", 0.0)
 
@@ -79,6 +91,8 @@ class OpEvent:
     error: str | None = None
     #: Seconds per part of the op (:data:`PARTS`), once it has finished.
     parts: dict[str, float] = field(default_factory=dict)
+    #: Made through the service, which counted it for ``/metrics`` itself (not reported again).
+    by_service: bool = False
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
@@ -117,13 +131,13 @@ class OpStats:
     @contextmanager
     def timed(self, op: str) -> Iterator[OpEvent]:
         """Time the block as one ``op``; set ``.nbytes`` on the yielded event. An exception
-        is recorded as an error of its class and re-raised."""
+        is recorded as an error of its class (see :func:`failure`) and re-raised."""
         event = OpEvent(op, self.transport, 0.0)
         start, waited, (engine, answers) = time.perf_counter(), _waited(), _engine()
         try:
             yield event
         except BaseException as err:
-            event.error = type(err).__name__
+            event.error = failure(op, err)
             raise
         finally:
             event.seconds = time.perf_counter() - start

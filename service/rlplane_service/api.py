@@ -46,6 +46,7 @@ from rlplane.fields import Registry
 from rlplane.tags import check_written_tags
 from rlplane.readpool import ReadPool
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
+from rlplane.opstats import failure
 from rlplane.streams import DirectStreams
 from rlplane.transports.base import PartitionInfo, Transport, length_check, sharing_of
 from rlplane_service.backends.base import StoreBackend, described_sizes
@@ -328,7 +329,7 @@ def build_api(state: ServiceState) -> FastAPI:
         try:
             yield event
         except BaseException as err:
-            event["error"] = type(err).__name__
+            event["error"] = failure(op, err)
             raise
         finally:
             event["seconds"] = time.perf_counter() - start
@@ -499,7 +500,7 @@ def build_api(state: ServiceState) -> FastAPI:
             body = await _read_body(request, state.settings.max_request_bytes)
             (stored, event["nbytes"]), born = await offload(_check_and_store, registry, transport, partition, body,
                                                             create, durable, aligned and not create,
-                                                            state.settings.max_request_bytes)
+                                                            state.settings.max_request_bytes, event)
         return {"partition": partition, "stored": stored, "nbytes": len(body), **({"born": born} if born else {})}
 
     @v1.post("/data/{partition}/get", tags=["data"])
@@ -751,12 +752,13 @@ def births(born: Any, n: int, key: str = "born", what: str = "one incarnation") 
 
 def _check_and_store(
     registry: Registry, transport: Transport, partition: str, body: np.ndarray | bytearray, create: bool,
-    durable: bool = False, check_lengths: bool = False, limit: int | None = None,
+    durable: bool = False, check_lengths: bool = False, limit: int | None = None, event: dict | None = None,
 ) -> tuple[int, int]:
     """Parse, check and store one put body; returns ((samples, column bytes), the
     incarnation a create gave its samples or None). Parsing and checking touch every byte,
     so this runs off the event loop, with the store call. The header's ``born`` (a write:
-    each sample's incarnation as the writer's meta names it) goes to a store that checks it."""
+    each sample's incarnation as the writer's meta names it) goes to a store that checks it.
+    ``event``: the op being counted, named ``extend`` when the body is one."""
     header, columns = unpack(body)
     ids, tags = header.get("sample_ids"), header.get("tags")
     if (
@@ -780,6 +782,8 @@ def _check_and_store(
     if check_lengths:
         grown = header.get("grown_from")
         read = None if grown is None else births(grown, len(ids), "grown_from", "the length the extend read")
+        if read is not None and event is not None:
+            event["op"] = "extend"  # (as a direct client's extend counts itself)
         extra.update(length_check(registry, transport, grows=read, read_sums=_read_sums(header, columns, len(ids))))
     born = header.get("born")
     if born is not None:

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from pydantic import BaseModel, Field
 
 import rlplane
-from rlplane.errors import ERROR_NAMES
+from rlplane.errors import ERROR_NAMES, RlplaneError
 from rlplane.opstats import OPS
 
 if TYPE_CHECKING:
@@ -87,7 +87,7 @@ class Ledger:
             if error:
                 kind = str(error) if str(error) in ERROR_NAMES else "Other"  # a fixed set: no label flooding
                 self.errors[(op, kind)] = self.errors.get((op, kind), 0) + 1
-            else:
+            elif op != "snapshot":  # (a snapshot's bytes go to disk, not through the store: its own gauges)
                 direction = "out" if op == "read_columns" else "in"
                 key = (op, transport, direction)
                 self.nbytes[key] = self.nbytes.get(key, 0) + int(e.get("nbytes", 0))
@@ -147,10 +147,14 @@ def store_view(
     per partition and unit, and the engine's own account (``engine_stats()``) or the
     service's loss count (``loss()``) where the store keeps one (see
     :class:`~rlplane_service.backends.base.StoreBackend`)."""
-    partitions, units = sizes(unit_names)
+    try:
+        partitions, units = sizes(unit_names)
+        stats = engine_stats()
+    except RlplaneError as err:  # (the controller is down: the rest still renders, its up gauge 0 among it)
+        log.warning("a scrape could not read the stored sizes: %s", err)
+        partitions, units, stats = {}, {u: None for u in unit_names}, None
     counts = None
     slabs: dict[str, Any] = {}
-    stats = engine_stats()
     controller = None
     if stats is not None and "controller_restarts" in stats:
         controller = {k: float(stats.get(k, 0.0))
@@ -383,8 +387,7 @@ def _top_tasks(tasks: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     size = lambda t: sum(int(t.get(k, 0)) for k in CONSUMPTION_STATES)  # noqa: E731
     ranked = sorted(tasks, key=size, reverse=True)
     rest = ranked[TOP_LABELLED:]
-    other = {"partition": OTHER, "task": OTHER,
-             **{k: sum(int(t.get(k, 0)) for t in rest) for k in (*CONSUMPTION_STATES, "redelivered")}}
+    other = {"partition": OTHER, "task": OTHER, **{k: sum(int(t.get(k, 0)) for t in rest) for k in CONSUMPTION_STATES}}
     return [*ranked[: TOP_LABELLED], other]
 
 
@@ -398,11 +401,15 @@ def _consumption(streams: Mapping[str, Any]) -> Iterable[Any]:
                             "Samples per partition and consuming task, by state (pending: ready, never claimed; "
                             "claimed: leased, not acked; acked; expired: too stale for the task).",
                             labels=["partition", "task", "state"])
-    again = CounterMetricFamily("rlplane_claim_redelivered", "Samples whose lease lapsed and went back to the task.",
-                                labels=["partition", "task"])
-    for t in _top_tasks(streams.get("tasks", [])):
+    again = CounterMetricFamily("rlplane_claim_redelivered", "Samples whose lease lapsed and went back to the task "
+                                f"(the {TOP_LABELLED} tasks with the most).", labels=["partition", "task"])
+    tasks = streams.get("tasks", [])
+    for t in _top_tasks(tasks):
         for state in CONSUMPTION_STATES:
             per.add_metric([t["partition"], t["task"], state], t.get(state, 0))
+    # (no sum of the rest for a counter: tasks moving in and out of the top made it fall and rise, a false count)
+    for t in sorted(tasks, key=lambda t: (int(t.get("redelivered", 0)), t["partition"], t["task"]),
+                    reverse=True)[:TOP_LABELLED]:
         again.add_metric([t["partition"], t["task"]], t.get("redelivered", 0))
     yield per
     yield again

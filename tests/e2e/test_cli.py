@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 
@@ -49,6 +50,26 @@ def test_demo_text_only_requests_no_multimodal_field(service):
 def test_demo_without_a_service_and_without_embedded_says_what_to_do():
     res = rlplane("demo", "--url", "http://127.0.0.1:9", "--no-embedded", "--batch", "2", "--seqlen", "16")
     assert res.returncode == 1 and "rlplane serve" in res.stdout
+
+
+def test_soak_against_a_service_that_does_not_answer_or_takes_no_such_token_says_so_in_one_line(service):
+    """It ended after ~30 s with a traceback of a worker process that could not start."""
+    for args, says in ((["--url", "http://127.0.0.1:9"], "rlplane serve"),
+                       (["--url", service.url, "--token", "not-the-token"], "token")):
+        res = rlplane("soak", *args, "--minutes", "0.1", "--no-kill", timeout=60)
+        assert res.returncode == 1 and says in res.stdout and "Traceback" not in res.stdout + res.stderr, res.stdout
+
+
+def test_a_soak_in_which_nothing_was_written_or_read_is_a_violation_not_ok():
+    """A run whose every put failed with a typed error (a full store, a read-only token)
+    printed OK and exited 0: nothing had been tested."""
+    from rlplane_tools.soak import Outcome, SoakConfig, _summary
+
+    out = Outcome(reports=[{"role": "writer", "ms": [], "errors": {"StorageFullError": 30}, "untyped": []},
+                           {"role": "reader", "ms": [], "errors": {}, "untyped": [], "wrong": [], "samples": 0}],
+                  final={"checked": 0, "lost": [], "wrong": []})
+    violations = _summary(SoakConfig(minutes=0.1, writers=1, readers=1), out, 6.0)["violations"]
+    assert len(violations) == 2 and "no put succeeded (StorageFullError x30)" in violations[0]
 
 
 def test_status_shows_the_store_and_partitions(service):
@@ -215,6 +236,15 @@ FOREIGN = [
     r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ ",  # glog: "I1130 13:47:27.835464 ..."
     r"\w+Warning: ",
 ]
+
+
+def test_an_async_demo_whose_workers_fail_ends_at_once_and_says_why(service):
+    """With a token the service does not take, every worker failed within seconds; the run
+    waited silently for its deadline (~210 s) and then lost what the workers had said."""
+    t0 = time.monotonic()
+    res = rlplane("demo", "--async", "--batch", "2", "--url", service.url, "--token", "not-the-token", timeout=150)
+    assert res.returncode == 1 and time.monotonic() - t0 < 100, res.stdout[-2000:]
+    assert "AuthenticationError" in res.stdout or "401" in res.stdout, res.stdout[-2000:]
 
 
 def test_demo_prints_only_rlplanes_lines_and_names_the_log_with_the_rest(tmp_path):

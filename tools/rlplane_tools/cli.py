@@ -375,15 +375,23 @@ def soak(
 ) -> None:
     """Writers and readers for minutes, a unit, the replica and the controller killed midway, every byte checked.
 
-    Exits 1 on a wrong byte, a lost acknowledged write or an untyped error. Example:
+    Exits 1 on a wrong byte, a lost acknowledged write, an untyped error, or a run in which
+    no put (or no read) succeeded. Example:
 
     rlplane soak --minutes 10 --json out/soak.json
     """
     from rlplane.errors import RlplaneError
+    from rlplane.http_api import ServiceAPI
     from rlplane_tools.soak import SoakConfig, run_soak
 
     cfg = SoakConfig(minutes=minutes, writers=writers, readers=readers, batch=batch, seqlen=seqlen, kill=kill)
     try:
+        if url is not None:  # (answers, and takes the token: said here, not by a worker process's traceback)
+            api = ServiceAPI(url, token=token, timeout=10)
+            try:
+                api.json("GET", "/v1/registry")
+            finally:
+                api.close()
         with captured_output(console, "soak", verbose=verbose):
             report = run_soak(cfg, console, url=url, token=token)
     except RlplaneError as err:

@@ -207,6 +207,8 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
     before = _held(cfg, None)
     for p in procs.values():
         p.start()
+    for r in roles:  # (the worker's end lives in the worker only: its exit reads as an end of file here)
+        pipes[r][1].close()
     held: str | None = None
     log: list[list[Any]] = []
     ledger: dict[str, dict[str, int]] = {}
@@ -230,6 +232,8 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
             finished.add(role)
         elif kind in ("error", "mismatch"):
             problems.append(f"{role}: {kind} {detail} {ids[:4]}")
+            if kind == "error":  # (the worker stops: the run ends now, not at its deadline)
+                closed.add(role)
     try:
         while time.monotonic() < deadline and len(finished) < len(roles) - 1:  # train-a never finishes
             open_ = {pipes[r][0]: r for r in roles if r not in finished and r not in killed_roles and r not in closed}
@@ -249,11 +253,14 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
         else:
             if len(finished) < len(roles) - 1:
                 problems.append(f"the run did not finish within {cfg.deadline_s + 30:.0f} s (finished: {sorted(finished)})")
-        with rlplane.connect(cfg.url, token=cfg.token, transport="http") as c:
-            ledger = {task: c.consumption(cfg.partition, task) for task in ("logprob", "train")}
-            problems += _check(cfg, log, ledger, killed, total)
-            held = _held(cfg, before) if before is not None else None
-            c.clear(cfg.partition)
+        try:
+            with rlplane.connect(cfg.url, token=cfg.token, transport="http") as c:
+                ledger = {task: c.consumption(cfg.partition, task) for task in ("logprob", "train")}
+                problems += _check(cfg, log, ledger, killed, total)
+                held = _held(cfg, before) if before is not None else None
+                c.clear(cfg.partition)
+        except E.RlplaneError as err:  # (what the workers said is reported all the same)
+            problems.append(f"the consumption could not be read: {type(err).__name__}: {err}")
     finally:
         stop.set()
         for p in procs.values():

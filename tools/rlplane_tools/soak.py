@@ -12,8 +12,9 @@ from the units; the store runs with ``replicas=2``, so the unit takes no sample 
 At the end the driver reads back every acknowledged sample.
 
 Violations (exit 1): a wrong byte, an acknowledged sample that is gone, an error that is
-not one of rlplane's typed errors. Typed errors (a put failing while the unit dies) are
-counted by type and are not violations.
+not one of rlplane's typed errors, a run in which no put or no read succeeded (nothing was
+tested: a full store, a read-only token). Typed errors (a put failing while the unit dies)
+are counted by type and are not violations.
 
 Example::
 
@@ -358,9 +359,11 @@ def _summary(cfg: SoakConfig, out: Outcome, wall_s: float) -> dict[str, Any]:
     untyped = [u for r in out.reports for u in r["untyped"]]
     wrong = [w for r in readers for w in r["wrong"]] + out.final.get("wrong", [])
     lost = out.final.get("lost", [])
+    idle = [f"no {what} succeeded ({', '.join(f'{k} x{n}' for k, n in errors.most_common(3)) or 'no errors'}): "
+            "nothing was tested" for what, done in (("put", puts), ("claim+read+ack", reads)) if not done]
     violations = ([f"{len(wrong)} wrong rows: {wrong[:3]}"] if wrong else []) + \
         ([f"{len(lost)} acknowledged samples lost: {lost[:5]}"] if lost else []) + \
-        ([f"{len(untyped)} untyped errors: {untyped[:2]}"] if untyped else [])
+        ([f"{len(untyped)} untyped errors: {untyped[:2]}"] if untyped else []) + idle
     return {
         "config": asdict(cfg), "wall_s": wall_s, "events": out.events,
         "ops": {

@@ -635,3 +635,73 @@ def test_a_put_whose_header_the_engine_would_refuse_is_refused_at_the_client_at_
         client.put_samples("nested", ids, tags=[{"x": [[]] * ((2 << 20) + 1)}])
     assert time.monotonic() - t0 < 10 and "nested" not in client.partitions()
     intact(client, known)
+
+
+def test_a_unit_stalled_across_a_controller_rebuild_keeps_its_samples_and_the_others_are_listed(monkeypatch):
+    """A unit that did not answer the rebuild (stopped a few seconds: a GC pause, a slow
+    node) had its samples declared lost, and its blocks freed as orphans once it answered;
+    and waiting on it in turn used up the inventory's deadline, so the units after it were
+    counted unreachable too, with their samples, silently."""
+    from rlplane_service.native import health, recovery
+
+    monkeypatch.setattr(recovery, "INVENTORY_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(health, "ORPHAN_MARGIN_S", 0.0)
+    with LocalEngine(3, secret=SECRET, slab_bytes=16 << 20, processes=True, grace_s=3600, lease_s=1) as eng:
+        c = Client(default_registry(), NativeTransport(eng.info, timeout=10, data_path="shm"))
+        try:
+            fields = {"input_ids": torch.arange(64).reshape(8, 8), "input_lengths": torch.full((8,), 8)}
+            metas = [c.put_samples("stall", fields) for _ in range(6)]  # blocks on every unit
+            os.kill(eng.unit_pid(0), signal.SIGSTOP)
+            try:
+                eng.kill_controller()
+                report = eng.restart_controller()
+                assert len(report["unreachable_units"]) == 1 and report["unreachable_units"][0].startswith("u0")
+                assert report["lost_samples"] == 0 and report["samples"] == 48 and report["waiting_blocks"] > 0
+            finally:
+                os.kill(eng.unit_pid(0), signal.SIGCONT)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and (eng.core._suspect or eng.core._unlisted):
+                time.sleep(0.2)
+            assert not eng.core._suspect and not eng.core._unlisted
+            time.sleep(2.5)  # older than a put's lease could keep them: what the sweep frees, if it does
+            eng.core._sweep()
+            assert eng.core.orphans_freed == 0 and eng.core.stats()["lost_samples"] == 0
+            for meta in metas:  # (over the slab, mapped: the extents it listed once it answered)
+                assert torch.equal(c.read_columns(meta, ["input_ids"])["input_ids"], fields["input_ids"])
+        finally:
+            c.close()
+
+
+def test_a_put_that_failed_on_a_slow_unit_leaves_no_record_a_rebuild_counts_as_lost(monkeypatch):
+    """A unit too slow to answer a put's commit-log write still kept the record; the failed
+    put's records were withdrawn only from the units that had answered, and a rebuild then
+    counted its samples lost (rlplane_lost_samples) though they were never stored."""
+    from rlplane_service.native import recovery
+
+    monkeypatch.setattr(recovery, "LOG_TIMEOUT_S", 0.5)
+    with LocalEngine(3, secret=SECRET, slab_bytes=16 << 20, replicas=2, grace_s=3600, lease_s=30) as eng:
+        c = Client(default_registry(), NativeTransport(eng.info, timeout=10, data_path="zmq"))
+        try:
+            c.put_samples("p", {"input_ids": torch.full((2, 4), 7), "input_lengths": torch.full((2,), 4)})
+            slow, real = eng.cores[0], eng.cores[0].op_log
+
+            def late(header, columns, extra):
+                time.sleep(1.0)
+                return real(header, columns, extra)
+
+            slow.op_log = late
+            failed = 0
+            for k in range(4):  # (whichever units the put's copies and records go to, one is u0 now and then)
+                try:
+                    c.put_samples("p", {"input_ids": torch.full((2, 4), k), "input_lengths": torch.full((2,), 4)})
+                except E.RlplaneError:
+                    failed += 1
+            slow.op_log = real
+            assert failed
+            eng.core._ping(0, timeout=20)  # (answered after what it was sent before, the one-way forgets among it)
+            eng.kill_controller()
+            report = eng.restart_controller()
+            assert report["lost_samples"] == 0 and eng.core.stats()["lost_samples"] == 0, report
+            assert report["samples"] == 2 * (1 + 4 - failed)
+        finally:
+            c.close()

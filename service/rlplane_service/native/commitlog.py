@@ -109,12 +109,19 @@ def parse(e: Entry) -> dict[str, Any]:
     return out
 
 
+#: At most this many sequence numbers a unit was told to forget before it saw them (UnitLog).
+MAX_EARLY = 4096
+
+
 class UnitLog:
     """A storage unit's share of the commit log (see the module docstring). Thread-safe."""
 
     def __init__(self) -> None:
         self._entries: dict[int, Entry] = {}
         self._dropped: dict[str, int] = {}  # partition -> its latest whole clear
+        # Entries forgotten before they arrived (a failed put's, withdrawn while this unit was
+        # still too slow to have kept it): kept out when they come.
+        self._early: set[int] = set()
         self._lock = threading.Lock()
         self.high = 0  # the highest sequence number seen (acks included): a rebuilt controller continues above it
 
@@ -124,6 +131,9 @@ class UnitLog:
         with self._lock:
             self.high = max(self.high, e.seq)
             if e.kind == ACK:
+                return
+            if e.seq in self._early:
+                self._early.discard(e.seq)
                 return
             if e.kind == DROP:
                 for seq in [s for s, old in self._entries.items() if old.partition == e.partition and s < e.seq]:
@@ -137,15 +147,18 @@ class UnitLog:
         for e in entries:
             self.append(e)
 
-    def forget(self, seqs: Iterable[int]) -> int:
+    def forget(self, seqs: Iterable[int], *, early: bool = False) -> int:
         """Drop the entries ``seqs`` (a rebuild no longer needs them; a whole clear's entry
         goes with the mark that kept older entries of its partition out: the controller names
-        one only once no such entry can still arrive). Returns how many were held."""
+        one only once no such entry can still arrive). ``early``: the entries of a failed
+        put, which may not have arrived yet; kept out when they do. Returns how many were held."""
         n = 0
         with self._lock:
             for s in seqs:
                 e = self._entries.pop(s, None)
                 if e is None:
+                    if early and len(self._early) < MAX_EARLY:  # (not seen yet: it may still come)
+                        self._early.add(s)
                     continue
                 n += 1
                 if e.kind == DROP and self._dropped.get(e.partition) == s:

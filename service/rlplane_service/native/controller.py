@@ -118,6 +118,7 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         self._stop = threading.Event()
         self._lost_units: dict[int, str] = {}  # unit index -> why it was declared lost
         self._suspect: dict[int, tuple[float, str]] = {}  # unit index -> (suspect since, why)
+        self._unlisted: dict[int, set[int]] = {}  # unit -> blocks a rebuild left waiting on it (it did not answer)
         self._reported: dict[int, float] = {}  # unit index -> when a client's report of it was last checked
         self._lost_samples = 0
         self.loop_errors: dict[str, int] = {}  # background loop -> iterations that failed (and were survived)

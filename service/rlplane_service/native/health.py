@@ -36,6 +36,7 @@ from rlplane.placement import spread
 from rlplane.wire import int_array, ints
 from rlplane_service.native.index import Partition, rows_in
 from rlplane_service.native.pins import Pins
+from rlplane_service.native.requests import LISTED
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class UnitHealth:
     _block_ext: dict[int, Any]
     _lost_units: dict[int, str]
     _suspect: dict[int, tuple[float, str]]
+    _unlisted: dict[int, set[int]]  # unit -> blocks a rebuild found recorded on it while it did not answer
     _unit_slabs: dict[int, dict[str, Any]]
     _lost_samples: int
     _frees: Any
@@ -93,34 +95,75 @@ class UnitHealth:
                 return
             self._lost_units[u] = why
             self._suspect.pop(u, None)
-            gone = []
-            for b, units in list(self._block_units.items()):
-                if u in units:
-                    rest = tuple(x for x in units if x != u)
-                    self._block_ext.get(b, ({}, {}))[1].pop(u, None)
-                    if rest:
-                        self._block_units[b] = rest
-                    else:
-                        gone.append(b)
-            lost = 0
-            if gone:
-                dead = np.asarray(sorted(gone), np.int64)
-                for p, part in list(self._parts.items()):
-                    slots = rows_in(part, dead)
-                    if slots.size:
-                        part.lost.update(dict.fromkeys(part.names[slots].tolist(), name))
-                        self._forget(p, part, slots)
-                        lost += int(slots.size)
-                for b in gone:  # nothing to free on a dead unit
-                    self._block_units.pop(b, None)
-                    self._block_refs.pop(b, None)
-                    self._block_bytes.pop(b, None)
-                    self._block_ext.pop(b, None)
-            self._lost_samples += lost
-            for p in self._parts:
-                self.ledger.touch(p)
+            self._unlisted.pop(u, None)
+            lost = self._drop_copies(u, [b for b, units in self._block_units.items() if u in units], name)
         log.error("storage unit %s is lost (%s): %d samples lost with it, %d blocks keep a copy elsewhere",
                   name, why, lost, sum(1 for units in self._block_units.values() if len(units) < self.replicas))
+
+    def _drop_copies(self, u: int, blocks: list[int], name: str) -> int:
+        """Unit ``u`` holds no copy of ``blocks`` (any more): those with a copy elsewhere keep
+        it; samples with a row in one that had no other are lost (with ``name``); returns
+        how many. Under the lock."""
+        gone = []
+        for b in blocks:
+            units = self._block_units.get(b, ())
+            rest = tuple(x for x in units if x != u)
+            self._block_ext.get(b, ({}, {}))[1].pop(u, None)
+            if rest:
+                self._block_units[b] = rest
+            elif units:
+                gone.append(b)
+        lost = 0
+        if gone:
+            dead = np.asarray(sorted(gone), np.int64)
+            for p, part in list(self._parts.items()):
+                slots = rows_in(part, dead)
+                if slots.size:
+                    part.lost.update(dict.fromkeys(part.names[slots].tolist(), name))
+                    self._forget(p, part, slots)
+                    lost += int(slots.size)
+            for b in gone:  # nothing to free on a unit that does not hold them
+                self._block_units.pop(b, None)
+                self._block_refs.pop(b, None)
+                self._block_bytes.pop(b, None)
+                self._block_ext.pop(b, None)
+        self._lost_samples += lost
+        for p in self._parts:
+            self.ledger.touch(p)
+        return lost
+
+    def _adopt(self, u: int) -> None:
+        """Unit ``u`` did not answer a rebuild and answers now: the blocks the rebuild left
+        waiting on it (``_unlisted``) take the extents it lists; those it does not hold are
+        dropped from it, their samples lost where it held the only copy. A typed error when
+        it stops answering again (it stays suspect, its blocks waiting)."""
+        name = self.units[u][0]
+        listed: dict[int, list[Any]] = {}
+        after = 0
+        for _ in range(1 << 20):  # a page of blocks a call (entries: none, they were replayed)
+            reply = self._pool.get(self._control[u], name).call({"op": "inventory", "b": after, "s": LISTED},
+                                                                timeout=CHECK_TIMEOUT_S)[0]
+            for b, fields in reply.get("blocks", []):
+                listed[int(b)] = fields
+            if not isinstance(reply.get("more_b"), int):
+                break
+            after = int(reply["more_b"])
+        with self._lock:
+            waiting = self._unlisted.pop(u, set())
+            missing = []
+            for b in waiting:
+                fields = listed.get(b)
+                if b not in self._block_units:
+                    continue  # freed meanwhile
+                if fields is None:
+                    missing.append(b)
+                    continue
+                dtypes, where = self._block_ext.setdefault(b, ({}, {}))
+                dtypes.update({str(f): str(d) for f, d, _ in fields})
+                where[u] = {str(f): int(at) for f, _, at in fields}
+            lost = self._drop_copies(u, missing, name) if missing else 0
+        log.warning("storage unit %s, which did not answer the controller's rebuild, answers now: %d of its %d blocks "
+                    "found, %d samples lost with the rest", name, len(waiting) - len(missing), len(waiting), lost)
 
     def _watch(self) -> None:
         """One round of pings: a unit that answers is well; one that does not is suspect,
@@ -130,6 +173,8 @@ class UnitHealth:
                 continue
             try:
                 self._ping(u)
+                if u in self._unlisted:
+                    self._adopt(u)
                 self._answers(u)
             except E.RlplaneError as err:
                 self._suspected(u, str(err))

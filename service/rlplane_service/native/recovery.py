@@ -53,7 +53,7 @@ from rlplane_service.native.commitlog import ACK, CLEAR, DROP, MAX_ENTRIES_PER_R
 from rlplane_service.native.index import COMMITTED, Partition, Reservation, incarnation, rows_in
 from rlplane_service.native.logbook import LogBook
 from rlplane_service.native.pins import RESTART_HOLD_S, Pins
-from rlplane_service.native.requests import births, blocks_of
+from rlplane_service.native.requests import LISTED, births, blocks_of
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,6 @@ log = logging.getLogger(__name__)
 LOG_TIMEOUT_S, SYNC_TIMEOUT_S, INVENTORY_TIMEOUT_S = 5.0, 60.0, 60.0
 #: How often the controller tells the units which entries a rebuild no longer needs.
 COMPACT_EVERY_S = 2.0
-_LISTED = (1 << 63) - 1  # an inventory cursor past every block id and sequence number
 #: Reservation ids of recent commits remembered (a commit sent again is answered as done).
 DONE_REMEMBERED = 1 << 16
 
@@ -95,10 +94,12 @@ class RecoveryOps:
     _block_ext: dict[int, Any]
     _lost_units: dict[int, str]
     _suspect: dict[int, tuple[float, str]]
+    _unlisted: dict[int, set[int]]
     _lost_samples: int
     pins: Pins
     journaling: bool
     _forget: Callable[[str, Partition, np.ndarray], None]
+    _dead: Callable[[int], bool]  # (UnitHealth's: whether a unit's process is known to be dead)
     _parse_commit: Callable[..., Any]
     _apply_commit: Callable[..., None]
     _suspected: Callable[[int, str], None]
@@ -215,7 +216,9 @@ class RecoveryOps:
         if kept is not None:
             kept.extend(u for u in targets if u not in errors)
         if rows is not None and (short := [u for u in holders if u in errors]):
-            self._tell([u for u in targets if u not in errors], {"op": "forget", "s": ints([seq])})
+            forget = {"op": "forget", "s": ints([seq]), "early": True}
+            self._tell([u for u in targets if u not in errors], forget)
+            self._post([u for u in targets if u in errors], forget)  # (one too slow to answer may have kept it)
             err = answers.get(short[0])
             raise err if isinstance(err, E.RlplaneError) else self._not_kept(what, [errors[u] for u in short])
         if not any(u not in errors for u in targets):
@@ -322,6 +325,16 @@ class RecoveryOps:
                 failed.append(f"{name}: {err}")
         return failed
 
+    def _post(self, targets: list[int], header: dict[str, Any]) -> None:
+        """``header`` to each unit of ``targets``, one-way (nothing awaited; a unit that is
+        gone does not get it, which is what its loss would do anyway)."""
+        for u in targets:
+            name = self.units[u][0]
+            try:
+                self._pool.get(self._control[u], name).post(header)
+            except E.RlplaneError as err:
+                log.info("could not tell %s %s: %s", name, header.get("op"), err)
+
     def _compact(self) -> None:
         """Tell every unit that is not lost to forget the commit-log entries a rebuild no
         longer needs (:mod:`~rlplane_service.native.logbook`); they count as gone once all of
@@ -369,7 +382,7 @@ class RecoveryOps:
 
         holders: dict[int, dict[int, list[Any]]] = {}  # block -> unit -> [[field, dtype, start], ...]
         copies: dict[int, list[tuple[str, Entry]]] = {}  # seq -> (unit, entry) of every copy
-        unreachable, ignored = [], []
+        unreachable, ignored, silent = [], [], set()
         high = 0  # the highest sequence number a unit saw (acks are journalled only)
         asked: dict[int, tuple[Any, int] | E.RlplaneError] = {}
         cursor = {u: {} for u in range(len(self.units))}  # unit -> where its next inventory page starts
@@ -397,10 +410,11 @@ class RecoveryOps:
                     high = max(high, int(reply.get("high") or 0))
                     more = {k: reply.get(f"more_{k}") for k in ("b", "s")}
                     if any(isinstance(v, int) for v in more.values()):  # a kind listed whole is asked past its end
-                        cursor[u] = {k: v if isinstance(v, int) else _LISTED for k, v in more.items()}
+                        cursor[u] = {k: v if isinstance(v, int) else LISTED for k, v in more.items()}
                         continue
                 except E.RlplaneError as err:
                     unreachable.append(f"{name}: {err}")
+                    silent.add(u)
                     self._suspected(u, f"it did not answer the controller's rebuild: {err}")
                 del cursor[u]
                 step(units_done=len(self.units) - len(cursor))
@@ -442,14 +456,15 @@ class RecoveryOps:
                 self._seq = max(max(entries, default=0), high) + 1
                 for p in [p for p, part in self._parts.items() if not part.ids and not part.lost]:
                     del self._parts[p]  # made for records a later clear undid
-                lost = self._locate_copies(holders)
+                lost = self._locate_copies(holders, [u for u in silent if not self._dead(u)])
             finally:
                 self._replaying = False
         samples = sum(int((p.state[: p.used] == COMMITTED).sum()) for p in self._parts.values())
         self.rebuilt = {"seconds": round(time.monotonic() - t0, 3), "entries": len(entries), "samples": samples,
                         "partitions": len(self._parts), "blocks": len(self._block_units), "lost_samples": lost,
                         "ignored": len(ignored), "ignored_entries": ignored[:20], "skipped": skipped,
-                        "unreachable_units": unreachable}
+                        "unreachable_units": unreachable,
+                        "waiting_blocks": sum(len(b) for b in self._unlisted.values())}
         self.recovering = None
         step(phase="done")
         log.warning("controller rebuilt its index in %.2f s: %d samples in %d partitions from %d log entries "
@@ -519,17 +534,23 @@ class RecoveryOps:
                 self._forget(p, part, stand_ins)
         return True
 
-    def _locate_copies(self, holders: dict[int, dict[int, list[Any]]]) -> int:
-        """Each block's copies as the units listed them; samples with a row on no unit are
-        lost. Returns how many were."""
+    def _locate_copies(self, holders: dict[int, dict[int, list[Any]]], silent: Collection[int] = ()) -> int:
+        """Each block's copies as the units listed them, and as its record placed them on a
+        unit of ``silent`` (which did not answer: it may still hold them, and says so once
+        it answers, :meth:`~rlplane_service.native.health.UnitHealth._adopt`); samples
+        with a row on no unit are lost. Returns how many were."""
         gone = []
+        self._unlisted = {}
         for b in list(self._block_units):
             where = holders.get(b, {})
-            if not where:
+            waiting = tuple(u for u in self._block_units[b] if u in silent and u not in where)
+            if not where and not waiting:
                 gone.append(b)
                 continue
-            self._block_units[b] = tuple(sorted(where))
-            fields = next(iter(where.values()))
+            self._block_units[b] = tuple(sorted(where)) + waiting
+            for u in waiting:
+                self._unlisted.setdefault(u, set()).add(b)
+            fields = next(iter(where.values())) if where else []
             self._block_ext[b] = ({str(f): str(d) for f, d, _ in fields},
                                   {u: {str(f): int(s) for f, _, s in got} for u, got in where.items()})
         if not gone:

@@ -24,6 +24,9 @@ from rlplane.names import MAX_ID_LEN, MAX_NAME_LEN, check_partition
 from rlplane.wire import check_same
 from rlplane_service.native.index import Reservation
 
+#: An inventory cursor past every block id and sequence number (a unit lists nothing more of that kind).
+LISTED = (1 << 63) - 1
+
 
 def partition_of(header: dict) -> str:
     p = header.get("p")
@@ -160,4 +163,4 @@ def shared_rows(given: Any, fields: list[str], n: int, row_bytes: dict[str, np.n
     return out
 
 
-__all__ = ["partition_of", "sample_ids", "field_names", "births", "block_id_ok", "plain_int", "blocks_of", "digests", "extents", "shared_rows"]
+__all__ = ["LISTED", "partition_of", "sample_ids", "field_names", "births", "block_id_ok", "plain_int", "blocks_of", "digests", "extents", "shared_rows"]

@@ -408,12 +408,13 @@ class UnitCore:
 
     def op_forget(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Drop the commit-log entries ``s`` (int64 sequence numbers): the controller found
-        that a rebuild no longer needs them (rlplane_service.native.logbook). The journal on
+        that a rebuild no longer needs them (rlplane_service.native.logbook), or (``early``)
+        they are a failed put's, which may still arrive (kept out then). The journal on
         disk keeps them until a snapshot truncates it."""
         seqs = int_array(header.get("s", b""), "sequence numbers")
         if seqs.size > MAX_FORGET:
             raise E.WireFormatError(f"forget names at most {MAX_FORGET} entries at once")
-        return {"forgot": self.log.forget(seqs.tolist())}, {}, []
+        return {"forgot": self.log.forget(seqs.tolist(), early=header.get("early") is True)}, {}, []
 
     def _journal(self, e: Entry) -> None:
         """Append entry ``e`` to the journal; a put with the bytes of its blocks stored here."""

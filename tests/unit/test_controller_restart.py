@@ -431,3 +431,23 @@ def test_a_pin_taken_up_on_a_block_still_in_flight_never_frees_it_once_stored(mo
             time.sleep(0.6)  # (the free loop has run)
             assert torch.equal(c.read_columns(meta, ["input_ids"])["input_ids"], x["input_ids"])
             assert eng.cores[0].alloc.used_bytes > 0
+
+
+def test_each_units_figures_count_a_sample_once_and_a_shared_row_once_and_survive_a_restart():
+    """With two copies a sample whose blocks had their first and second copies on one unit
+    counted twice there (27 of 24 samples), the number changed across a restart (the copies'
+    order did), and a row stored once for a group counted once per sample in a unit's live bytes."""
+    from rlplane.testing.workloads import vlm_grpo
+
+    with LocalEngine(3, secret=SECRET, lease_s=30, replicas=2) as eng, connect(eng, "zmq") as c:
+        w = vlm_grpo(batch=8, seqlen=32, seed=2)
+        for k in range(3):
+            c.put_samples(f"p{k}", w.fields)
+        before = c.transport.stats()["units"]
+        for name, unit in before.items():
+            assert unit["samples"] <= 24 and unit["live_bytes"] <= unit["bytes"], (name, unit)
+        eng.kill_controller()
+        eng.restart_controller()
+        after = c.transport.stats()["units"]
+        assert {k: (u["samples"], u["live_bytes"]) for k, u in after.items()} == \
+               {k: (u["samples"], u["live_bytes"]) for k, u in before.items()}

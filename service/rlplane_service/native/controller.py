@@ -288,32 +288,37 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         return sum(int(rows_in(part, few).size) for part in self._parts.values())
 
     def _unit_usage(self, per_unit: dict[str, dict[str, int]]) -> None:
-        """Add each unit's live bytes and the samples with a row there (vectorized per field)."""
+        """Add each unit's live bytes (a row stored once for several samples counted once, as
+        the store's own figure does) and the samples with a row there, each once whichever
+        of its blocks' copies the unit holds (vectorized per field)."""
         if not self._block_units:
             return
         bids = np.fromiter(self._block_units, np.int64, len(self._block_units))
         order = np.argsort(bids)
         bids = bids[order]
         lists = list(self._block_units.values())
-        for r in range(self.replicas):
-            unit_of = np.asarray([units[r] if r < len(units) else -1 for units in lists], np.int64)[order]
-            for part in self._parts.values():
-                live = part.state[: part.used] == COMMITTED
-                seen = np.full((len(self.units), part.used), False)
-                for fi in part.fields.values():
-                    blk = fi.upto("block", part.used)
-                    has = live & (blk >= 0)
-                    if not has.any():
-                        continue
-                    u = unit_of[np.searchsorted(bids, blk[has])]
-                    slots = np.flatnonzero(has)
+        unit_of = [np.asarray([units[r] if r < len(units) else -1 for units in lists], np.int64)[order]
+                   for r in range(max(map(len, lists)))]
+        for part in self._parts.values():
+            live = part.state[: part.used] == COMMITTED
+            seen = np.full((len(self.units), part.used), False)
+            for fi in part.fields.values():
+                blk = fi.upto("block", part.used)
+                has = live & (blk >= 0)
+                if not has.any():
+                    continue
+                at = np.searchsorted(bids, blk[has])
+                slots = np.flatnonzero(has)
+                own = np.where(fi.upto("dup", part.used)[has], 0, fi.upto("nbytes", part.used)[has])
+                for copies in unit_of:
+                    u = copies[at]
                     ok = u >= 0
                     seen[u[ok], slots[ok]] = True
-                    nb = np.bincount(u[ok], weights=fi.upto("nbytes", part.used)[has][ok], minlength=len(self.units))
+                    nb = np.bincount(u[ok], weights=own[ok], minlength=len(self.units))
                     for k, (name, _) in enumerate(self.units):
                         per_unit[name]["live_bytes"] += int(nb[k])
-                for k, (name, _) in enumerate(self.units):
-                    per_unit[name]["samples"] += int(seen[k].sum())
+            for k, (name, _) in enumerate(self.units):
+                per_unit[name]["samples"] += int(seen[k].sum())
 
     def stop(self) -> None:
         self._stop.set()

@@ -9,9 +9,9 @@ written into place (a move on an object store is a copy of every byte), the mani
 last: a reader that finds the manifest finds every file it lists, and one that does not
 finds no snapshot; a failed one is removed. A remote writer first leaves a marker of its
 own there and refuses the place when it finds anything else (another writer's marker, or
-files): two snapshots to one URL at once do not both succeed into one directory. A restore reads a remote snapshot by copying
-its files into a local temporary directory first (:meth:`Remote.fetched`): it needs that
-much room under ``TMPDIR``.
+files): two snapshots to one URL at once do not both succeed into one directory. A
+restore reads a remote snapshot by copying its files into a local temporary directory
+first (:meth:`Remote.fetched`): it needs that much room under ``TMPDIR``.
 
 Example::
 

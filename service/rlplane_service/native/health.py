@@ -113,23 +113,30 @@ class UnitHealth:
                 self._block_units[b] = rest
             elif units:
                 gone.append(b)
-        lost = 0
-        if gone:
-            dead = np.asarray(sorted(gone), np.int64)
-            for p, part in list(self._parts.items()):
-                slots = rows_in(part, dead)
-                if slots.size:
-                    part.lost.update(dict.fromkeys(part.names[slots].tolist(), name))
-                    self._forget(p, part, slots)
-                    lost += int(slots.size)
-            for b in gone:  # nothing to free on a unit that does not hold them
-                self._block_units.pop(b, None)
-                self._block_refs.pop(b, None)
-                self._block_bytes.pop(b, None)
-                self._block_ext.pop(b, None)
-        self._lost_samples += lost
+        lost = self._lose_blocks(gone, name)
         for p in self._parts:
             self.ledger.touch(p)
+        return lost
+
+    def _lose_blocks(self, gone: list[int], where: str) -> int:
+        """No unit holds ``gone`` any more: the samples with a row in one are lost (reads
+        say so, naming ``where``) and the blocks leave the index; returns how many samples
+        were lost. Under the lock."""
+        if not gone:
+            return 0
+        dead, lost = np.asarray(sorted(gone), np.int64), 0
+        for p, part in list(self._parts.items()):
+            slots = rows_in(part, dead)
+            if slots.size:
+                part.lost.update(dict.fromkeys(part.names[slots].tolist(), where))
+                self._forget(p, part, slots)
+                lost += int(slots.size)
+        for b in gone:  # nothing to free on a unit that does not hold them
+            self._block_units.pop(b, None)
+            self._block_refs.pop(b, None)
+            self._block_bytes.pop(b, None)
+            self._block_ext.pop(b, None)
+        self._lost_samples += lost
         return lost
 
     def _adopt(self, u: int) -> None:

@@ -50,7 +50,7 @@ from rlplane.gcpause import gc_paused
 from rlplane.wire import ints
 from rlplane_service.native import commitlog as clog
 from rlplane_service.native.commitlog import ACK, CLEAR, DROP, MAX_ENTRIES_PER_REQUEST, PUT, Entry
-from rlplane_service.native.index import COMMITTED, Partition, Reservation, incarnation, rows_in
+from rlplane_service.native.index import COMMITTED, Partition, Reservation, incarnation
 from rlplane_service.native.logbook import LogBook
 from rlplane_service.native.pins import RESTART_HOLD_S, Pins
 from rlplane_service.native.requests import LISTED, births, blocks_of
@@ -100,6 +100,7 @@ class RecoveryOps:
     journaling: bool
     _forget: Callable[[str, Partition, np.ndarray], None]
     _dead: Callable[[int], bool]  # (UnitHealth's: whether a unit's process is known to be dead)
+    _lose_blocks: Callable[[list[int], str], int]  # (UnitHealth's: samples with a row in these blocks are lost)
     _parse_commit: Callable[..., Any]
     _apply_commit: Callable[..., None]
     _suspected: Callable[[int, str], None]
@@ -555,19 +556,8 @@ class RecoveryOps:
                                   {u: {str(f): int(s) for f, _, s in got} for u, got in where.items()})
         if not gone:
             return 0
-        dead, lost = np.asarray(sorted(gone), np.int64), 0
         went = ", ".join(sorted({self.units[u][0] for b in gone for u in self._block_units[b]})) or "a storage unit"
-        for p, part in list(self._parts.items()):
-            slots = rows_in(part, dead)
-            if slots.size:
-                part.lost.update(dict.fromkeys(part.names[slots].tolist(), went))
-                self._forget(p, part, slots)
-                lost += int(slots.size)
-        for b in gone:  # nothing to free: no unit holds them
-            self._block_units.pop(b, None)
-            self._block_refs.pop(b, None)
-            self._block_ext.pop(b, None)
-        self._lost_samples += lost
+        lost = self._lose_blocks(gone, went)
         log.error("rebuild: %d samples had rows in %d blocks no storage unit holds; they are lost", lost, len(gone))
         return lost
 

@@ -163,4 +163,5 @@ def shared_rows(given: Any, fields: list[str], n: int, row_bytes: dict[str, np.n
     return out
 
 
-__all__ = ["LISTED", "partition_of", "sample_ids", "field_names", "births", "block_id_ok", "plain_int", "blocks_of", "digests", "extents", "shared_rows"]
+__all__ = ["LISTED", "partition_of", "sample_ids", "field_names", "births", "block_id_ok", "plain_int", "blocks_of",
+           "digests", "extents", "shared_rows"]

@@ -217,11 +217,12 @@ def _lengths(
     if lens.is_floating_point() or lens.dtype == torch.bool:
         raise ShapeError(f"lengths must be integers, got {lens.dtype}")
     lens = lens.to(torch.int64)
-    if token and lens.numel() != batch:
-        raise ShapeError(f"{lens.numel()} lengths for a batch of {batch} samples", field=token[0])
+    if lens.numel() != batch:  # (whether or not a token field is cut by them: they are stored)
+        raise ShapeError(f"{lens.numel()} lengths for a batch of {batch} samples", field=token[0] if token else
+                         LENGTHS_FIELD)
     if lens.numel() and int(lens.min()) < 0:
         i = int(torch.argmin(lens))
-        raise ShapeError(f"negative length {int(lens[i])}", sample=_name(ids, i))
+        raise ShapeError(f"negative length {int(lens[i])}", field=LENGTHS_FIELD, sample=_name(ids, i))
     return lens
 
 
@@ -278,6 +279,7 @@ class _TokenRows:
 def _encode_token_dense(
     spec: FieldSpec, value: torch.Tensor, tokens: _TokenRows, batch: int, ids, alloc
 ) -> tuple[Column, Geometry]:
+    value = value.detach()  # (its bytes are stored, not its graph: numpy refuses a tensor that requires grad)
     lens = tokens.lens
     rest = list(value.shape[2:])
     if value.is_nested:
@@ -790,8 +792,26 @@ def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: s
             field=spec.name,
             sample=_name(ids, i),
         )
-    return _padded(rows, lens_t, partial(masks.mask, lens_t, width, rows.device), (batch, width, *rest), spec.pad_value,
-                   check)
+    return _padded(rows, lens_t, partial(masks.mask, lens_t, width, rows.device), (batch, width, *rest),
+                   _pad_of(spec, rows.dtype), check)
+
+
+def _pad_of(spec: FieldSpec, dtype: torch.dtype) -> Any:
+    """``spec.pad_value``, DtypeError naming the field unless rows of ``dtype`` hold it
+    exactly (a pad of -1 in a bool field became True: padding counted in the loss)."""
+    pad = spec.pad_value
+    if dtype == torch.bool:
+        fits = pad in (0, 1)
+    elif dtype.is_floating_point or dtype.is_complex:
+        fits = math.isnan(float(pad)) or float(torch.tensor(pad, dtype=torch.float64).to(dtype)) == float(pad)
+    else:
+        info = torch.iinfo(dtype)
+        fits = float(pad).is_integer() and info.min <= pad <= info.max
+    if not fits:
+        raise DtypeError(f"pad_value {pad!r} cannot be held by its rows' {str(dtype).removeprefix('torch.')}: padded "
+                         "rows would carry another value; read it jagged or packed, or declare a pad_value that fits",
+                         field=spec.name)
+    return pad
 
 
 def _as_numpy(t: torch.Tensor) -> Any:

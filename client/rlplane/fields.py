@@ -182,6 +182,8 @@ def _check_spec(spec: FieldSpec) -> None:
     if integral and not torch.iinfo(spec.dtype).min <= spec.pad_value <= torch.iinfo(spec.dtype).max:
         raise RegistryError(f"field {name!r}: pad_value {spec.pad_value!r} does not fit {dtype_name(spec.dtype)}",
                             field=name)
+    if spec.dtype == torch.bool and spec.pad_value not in (0, 1):  # (-1 padded as True)
+        raise RegistryError(f"field {name!r}: pad_value {spec.pad_value!r} of a bool field must be 0 or 1", field=name)
     if not all(isinstance(s, str) and s for s in spec.stages):
         raise RegistryError(f"field {name!r}: stages must be non-empty strings, got {sorted(map(str, spec.stages))}", field=name)
     model = spec.stages & MODEL_STAGES
@@ -388,8 +390,14 @@ def _check_value(spec: FieldSpec, value: Any) -> int:
 
 def check_dtype(spec: FieldSpec, dtype: torch.dtype) -> None:
     """DtypeError naming the field unless ``dtype`` is one ``spec`` takes (its declared
-    dtype, or its wire dtype)."""
-    if spec.dtype is None or dtype == spec.dtype or (spec.wire_dtype is not None and dtype == spec.wire_dtype):
+    dtype, or its wire dtype; any the wire carries where it declares none)."""
+    if spec.dtype is None:
+        try:
+            dtype_name(dtype)
+        except ValueError as err:
+            raise DtypeError(f"{err}; cast before writing", field=spec.name) from None
+        return
+    if dtype == spec.dtype or (spec.wire_dtype is not None and dtype == spec.wire_dtype):
         return
     allowed = dtype_name(spec.dtype) + (f" or {dtype_name(spec.wire_dtype)}" if spec.wire_dtype else "")
     got = str(dtype).removeprefix("torch.")

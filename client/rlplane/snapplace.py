@@ -215,8 +215,12 @@ class Remote:
         if dest.path != self.path:
             raise ValueError(f"a remote snapshot is written in place, not moved to {dest}")
         if self._written:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self.fs.rm(self._written[0])
+            except FileNotFoundError:
+                pass
+            except Exception as err:  # noqa: BLE001 - complete with its manifest; a restore never lists the marker
+                log.warning("could not remove the writer's marker %s of the snapshot: %s", self._written[0], err)
 
     def discard(self) -> None:
         """Remove what this writer wrote of a snapshot that failed (it had no manifest: no

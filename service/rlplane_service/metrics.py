@@ -107,7 +107,7 @@ class StoreView:
     """The stored state at scrape time (what :func:`store_view` reads)."""
 
     backend: str
-    partitions: dict[str, tuple[int, int]]  # name -> (samples, bytes)
+    partitions: dict[str, tuple[int, int]] | None  # name -> (samples, bytes); None: not known (the store is down)
     units: dict[str, tuple[int, int] | None]  # unit -> (samples, bytes), None where unknown
     units_up: dict[str, bool]
     capacity: int | None
@@ -152,7 +152,7 @@ def store_view(
         stats = engine_stats()
     except RlplaneError as err:  # (the controller is down: the rest still renders, its up gauge 0 among it)
         log.warning("a scrape could not read the stored sizes: %s", err)
-        partitions, units, stats = {}, {u: None for u in unit_names}, None
+        partitions, units, stats = None, {u: None for u in unit_names}, None
     counts = None
     slabs: dict[str, Any] = {}
     controller = None
@@ -272,16 +272,8 @@ class _Collector:
             hist.add_metric([op, transport], buckets, sum_value=counts[-1])
         yield hist
 
-        yield _gauge("rlplane_partitions", "Partitions holding samples.", len(v.partitions))
-        samples = GaugeMetricFamily("rlplane_partition_samples", "Samples per partition.", labels=["partition"])
-        nbytes = GaugeMetricFamily("rlplane_partition_bytes", "Stored bytes per partition.", labels=["partition"])
-        for name, (n, b) in sorted(_top_partitions(v.partitions).items()):
-            samples.add_metric([name], n)
-            nbytes.add_metric([name], b)
-        yield samples
-        yield nbytes
-        yield _gauge("rlplane_stored_samples", "Samples held by the store.", sum(n for n, _ in v.partitions.values()))
-        yield _gauge("rlplane_stored_bytes", "Bytes held by the store.", sum(b for _, b in v.partitions.values()))
+        if v.partitions is not None:  # (None: not known, the controller down; not 0)
+            yield from _sizes(v.partitions)
         if v.shared_bytes is not None:
             yield _gauge("rlplane_shared_bytes", "Bytes of rlplane_stored_bytes that no storage unit holds a second "
                          "time: rows identical across samples (a GRPO group's images) are stored once (native).",
@@ -366,6 +358,20 @@ class _Collector:
 
 #: The label of what is summed beyond the TOP_LABELLED biggest: no partition name has parentheses.
 OTHER = "(other)"
+
+
+def _sizes(parts: Mapping[str, tuple[int, int]]) -> Iterable[Any]:
+    """rlplane_partitions, rlplane_partition_{samples,bytes} and rlplane_stored_{samples,bytes}."""
+    yield _gauge("rlplane_partitions", "Partitions holding samples.", len(parts))
+    samples = GaugeMetricFamily("rlplane_partition_samples", "Samples per partition.", labels=["partition"])
+    nbytes = GaugeMetricFamily("rlplane_partition_bytes", "Stored bytes per partition.", labels=["partition"])
+    for name, (n, b) in sorted(_top_partitions(parts).items()):
+        samples.add_metric([name], n)
+        nbytes.add_metric([name], b)
+    yield samples
+    yield nbytes
+    yield _gauge("rlplane_stored_samples", "Samples held by the store.", sum(n for n, _ in parts.values()))
+    yield _gauge("rlplane_stored_bytes", "Bytes held by the store.", sum(b for _, b in parts.values()))
 
 
 def _top_partitions(parts: Mapping[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:

@@ -705,3 +705,30 @@ def test_a_put_that_failed_on_a_slow_unit_leaves_no_record_a_rebuild_counts_as_l
             assert report["samples"] == 2 * (1 + 4 - failed)
         finally:
             c.close()
+
+
+def test_a_put_every_unit_refused_never_costs_a_later_change_its_record_across_restarts():
+    """A refused put's records were withdrawn 'early' from units that had refused them (and
+    never would keep them): the sequence number was then handed out again by a rebuilt
+    controller, and the unit dropped that later change, a clear (the partition came back)
+    or an acknowledged put (gone)."""
+    with LocalEngine(1, secret=SECRET, slab_bytes=1 << 20, lease_s=30) as eng:
+        c = Client(default_registry(), NativeTransport(eng.info, timeout=10, data_path="zmq"))
+        try:
+            for k in range(40):  # the unit fills, and refuses the last put itself
+                try:
+                    c.put_samples("full", {"input_ids": torch.full((4, 2048), k), "input_lengths": torch.full((4,), 2048)})
+                except E.StorageFullError:
+                    break
+            else:
+                pytest.fail("the unit never filled")
+            eng.kill_controller()
+            eng.restart_controller()
+            assert c.clear("full") > 0
+            kept = c.put_samples("b", {"input_ids": torch.full((3, 8), 2), "input_lengths": torch.full((3,), 8)})
+            eng.kill_controller()
+            eng.restart_controller()
+            assert c.partitions() == ["b"]
+            assert torch.equal(c.read_columns(kept, ["input_ids"])["input_ids"], torch.full((3, 8), 2))
+        finally:
+            c.close()

@@ -129,6 +129,7 @@ def test_a_scrape_answers_while_the_controller_is_down_and_says_so():
             got = http.get("/metrics")
             assert got.status_code == 200, got.text[:300]
             assert 'rlplane_component_up{component="controller"} 0.0' in got.text
+            assert "rlplane_stored_samples" not in got.text  # (not known: not a store that went empty)
 
 
 def test_a_direct_clients_ops_never_wait_for_a_service_that_does_not_answer(engine, monkeypatch):

@@ -537,6 +537,24 @@ def test_two_snapshots_to_one_url_at_once_never_both_succeed_and_the_loser_remov
         assert names == ["manifest.json", "part-00000.rlsnap"] and info.samples == 8  # (no marker left)
 
 
+def test_a_snapshot_at_a_url_whose_store_refuses_deletes_is_complete_and_said_to_be(source, memfs, monkeypatch):
+    """Removing the writer's marker after the manifest failed the snapshot, untyped, on a
+    put-only credential (the complete snapshot stayed, said to have failed)."""
+    fs, root = memfs
+
+    def no_delete(path, *args, **kwargs):
+        raise PermissionError("AccessDenied: s3:DeleteObject")
+
+    with connect(source) as a:
+        a.put_samples("p", text_step(8, 16, seed=2).fields)
+        monkeypatch.setattr(fs, "rm", no_delete)
+        info = snapshot.take(a.transport, f"{root}/s")
+        monkeypatch.undo()
+        assert info.samples == 8 and fs.exists(f"{root}/s/manifest.json")
+    with LocalEngine(2, secret=SECRET, lease_s=30, slab_bytes=64 << 20) as eng, connect(eng) as c:
+        assert snapshot.restore(c.transport, f"{root}/s").samples == 8  # (the marker left there is not read)
+
+
 def test_an_unknown_url_scheme_or_a_filesystems_root_is_a_clear_error(source):
     with connect(source) as a:
         a.put_samples("p", text_step(4, 16, seed=2).fields)

@@ -129,6 +129,11 @@ class MemoryTransport(Transport):
                 raise stale_meta(partition, list(sample_ids), bad, "read")
             picked = [part[sid] for sid in sample_ids]
             dtypes = {f: self._dtypes.get((partition, f), torch.uint8) for f in fields}
+        for f in fields:  # (torch.cat would promote rows written with another dtype, silently: bool rows as uint8)
+            kinds = {s.rows[f].dtype for s in picked}
+            if len(kinds) > 1:
+                raise ShapeError(f"the requested samples were written with different dtypes "
+                                 f"{sorted(str(k).removeprefix('torch.') for k in kinds)}", field=f)
         columns = {f: Column.from_rows([s.rows[f] for s in picked], dtype=dtypes[f]) for f in fields}
         return columns, [dict(s.tags) for s in picked]
 

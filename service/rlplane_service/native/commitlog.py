@@ -157,7 +157,10 @@ class UnitLog:
             for s in seqs:
                 e = self._entries.pop(s, None)
                 if e is None:
-                    if early and len(self._early) < MAX_EARLY:  # (not seen yet: it may still come)
+                    if early:  # (not seen yet: it may still come; its number is never handed out again)
+                        self.high = max(self.high, s)
+                        if len(self._early) >= MAX_EARLY:  # (the older half: long past coming)
+                            self._early = set(sorted(self._early)[MAX_EARLY // 2:])
                         self._early.add(s)
                     continue
                 n += 1

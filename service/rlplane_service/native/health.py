@@ -157,11 +157,12 @@ class UnitHealth:
             after = int(reply["more_b"])
         with self._lock:
             waiting = self._unlisted.pop(u, set())
-            missing = []
+            missing, freed = [], 0
             for b in waiting:
                 fields = listed.get(b)
                 if b not in self._block_units:
-                    continue  # freed meanwhile
+                    freed += 1  # (its samples were cleared meanwhile)
+                    continue
                 if fields is None:
                     missing.append(b)
                     continue
@@ -170,7 +171,8 @@ class UnitHealth:
                 where[u] = {str(f): int(at) for f, _, at in fields}
             lost = self._drop_copies(u, missing, name) if missing else 0
         log.warning("storage unit %s, which did not answer the controller's rebuild, answers now: %d of its %d blocks "
-                    "found, %d samples lost with the rest", name, len(waiting) - len(missing), len(waiting), lost)
+                    "found, %d cleared meanwhile, %d samples lost with the rest", name,
+                    len(waiting) - len(missing) - freed, len(waiting), freed, lost)
 
     def _watch(self) -> None:
         """One round of pings: a unit that answers is well; one that does not is suspect,

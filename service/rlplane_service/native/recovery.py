@@ -219,7 +219,8 @@ class RecoveryOps:
         if rows is not None and (short := [u for u in holders if u in errors]):
             forget = {"op": "forget", "s": ints([seq]), "early": True}
             self._tell([u for u in targets if u not in errors], forget)
-            self._post([u for u in targets if u in errors], forget)  # (one too slow to answer may have kept it)
+            late = [u for u in targets if u in errors and isinstance(answers.get(u), E.TransportError)]
+            self._post(late, forget)  # (one too slow to answer may keep it yet; one that refused never will)
             err = answers.get(short[0])
             raise err if isinstance(err, E.RlplaneError) else self._not_kept(what, [errors[u] for u in short])
         if not any(u not in errors for u in targets):

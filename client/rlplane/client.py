@@ -38,7 +38,6 @@ from rlplane.gcpause import gc_paused
 from rlplane.claims import AWAIT_STEP_S, MAX_WAIT_S, ClaimRequest
 from rlplane.extension import Appending, token_fields
 from rlplane.meta import SampleMeta
-from rlplane.packed import PackedTensor
 from rlplane.names import check_partition
 from rlplane.opstats import OpEvent, OpStats
 from rlplane import rowkernels, snapshot
@@ -165,8 +164,9 @@ class Client:
             given = fields.get(LENGTHS_FIELD)
             if LENGTHS_FIELD not in meta.fields and not any(meta.lengths) and \
                     (token := [n for n in fields if n in self.registry and self.registry.get(n).alignment == "token"]):
-                raise ShapeError("the samples were put without input_lengths, so a token field's rows have no length "
-                                 "to be cut to (they would be stored empty); put input_lengths with the samples",
+                raise ShapeError("the meta names no lengths (the samples were put without input_lengths, or the meta "
+                                 "was made by hand), so a token field's rows have none to be cut to (they would be "
+                                 "stored empty); put input_lengths with the samples, and write with their meta",
                                  field=token[0], sample=meta.sample_ids[0] if len(meta) else None)
             prep = prepare(self.registry, fields, given if given is not None else lengths, sample_ids=meta.sample_ids)
             if given is not None and not torch.equal(prep.lengths, lengths):
@@ -258,8 +258,8 @@ class Client:
 
         Example: ``client.fields_for_stage("train", meta)``.
         """
-        if isinstance(meta_or_partition, SampleMeta):  # what any of its samples holds (a batch of mixed puts)
-            present = _held(meta_or_partition)[1]
+        if isinstance(meta_or_partition, SampleMeta):
+            present = meta_or_partition.fields
         else:
             present = set(self.transport.describe(meta_or_partition).fields)
         return self.registry.fields_for_stage(stage, present)
@@ -287,22 +287,10 @@ class Client:
         ``device`` (e.g. ``"cuda"``): tensors land there, each field's bytes copied once
         after their digests were checked on the host (default: host memory).
 
-        A packed optional field (an image field) that only some of the samples hold (a
-        batch of text-only and image samples put apart) comes back with empty (None) rows for
-        the others, read from those that hold it; it used to be left out of a stage's read
-        whole (the image samples read image-blind). Any other field some samples lack is a
-        MissingDataError naming them.
-
         Example::
 
             batch = client.read_columns(shard, stage="train", device="cuda")
         """
-        if fields is not None or stage is not None:
-            names = list(fields) if fields is not None else self.fields_for_stage(stage, meta)  # type: ignore[arg-type]
-            apart = self._held_apart(meta, names)
-            if apart:
-                return self._read_apart(meta, names, apart, layout=layout, pad_to_seqlen=pad_to_seqlen, copy=copy,
-                                        device=device)
         with self._op("read_columns") as op:
             if fields is None and stage is None:
                 raise InvalidArgumentError("read_columns needs fields=[...] or stage=...")
@@ -339,37 +327,6 @@ class Client:
                         raise
                     raise MissingDataError(meta.partition, {s: [] for s in gone}, hint="they were cleared (and "
                                            "their storage given to another put) while this read ran") from err
-
-    def _held_apart(self, meta: SampleMeta, names: Sequence[str]) -> dict[str, list[int]]:
-        """Of ``names``, the packed optional fields only some samples of ``meta`` hold (as
-        their tags say), each with the positions of those that do."""
-        maybe = [n for n in names if n not in meta.fields and n in self.registry
-                 and self.registry.get(n).optional and self.registry.get(n).container == "packed"]
-        wires = _held(meta)[0] if maybe else None
-        if not wires:
-            return {}
-        held = {n: [i for i, w in enumerate(wires) if n in w] for n in maybe}
-        return {n: pos for n, pos in held.items() if len(pos) < len(wires)}  # (all of them: read as any field)
-
-    def _read_apart(self, meta: SampleMeta, names: Sequence[str], apart: dict[str, list[int]], **how: Any
-                    ) -> dict[str, Any]:
-        """:meth:`read_columns` of ``names`` where the fields of ``apart`` are held only by
-        the samples at their positions: those read from them, None rows for the rest."""
-        rest = [n for n in names if n not in apart]
-        out = self.read_columns(meta, rest, **how) if rest else {}
-        together: dict[tuple[int, ...], list[str]] = {}  # (fields held by the same samples: one read)
-        for name, pos in apart.items():
-            together.setdefault(tuple(pos), []).append(name)
-        for pos, group in together.items():
-            got = self.read_columns(meta.subset(list(pos)), group, copy=how["copy"], device=how["device"]) if pos else {}
-            for name in group:
-                part = got.get(name)
-                rows: list[Any] = [None] * len(meta)
-                for i, row in zip(pos, part.rows if part is not None else ()):
-                    rows[i] = row
-                out[name] = PackedTensor(rows, part.dim_to_pack if part is not None else 0,
-                                         pad_to_max_shape=part.pad_to_max_shape if part is not None else False)
-        return out
 
     # -- streaming -------------------------------------------------------------------
     def claim(
@@ -721,15 +678,6 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _held(meta: SampleMeta) -> tuple[list[Any] | None, set[str]]:
-    """Each sample's fields as its tags name them (None where some tags do not), and what
-    any of them holds (at least ``meta.fields``)."""
-    wires = [t.get(WIRE_TAG) if isinstance(t, Mapping) else None for t in meta.tags]
-    if not wires or any(not isinstance(w, Mapping) for w in wires):
-        return None, set(meta.fields)
-    return wires, set(meta.fields).union(*wires)
 
 
 def _ready_for(transport: Transport, fields: Mapping[str, Any]) -> None:

@@ -217,7 +217,7 @@ def _lengths(
     if lens.is_floating_point() or lens.dtype == torch.bool:
         raise ShapeError(f"lengths must be integers, got {lens.dtype}")
     lens = lens.to(torch.int64)
-    if lens.numel() != batch:  # (whether or not a token field is cut by them: they are stored)
+    if lens.numel() != batch and (token or batch):  # (they are stored, cut a token field or not; none: no batch)
         raise ShapeError(f"{lens.numel()} lengths for a batch of {batch} samples", field=token[0] if token else
                          LENGTHS_FIELD)
     if lens.numel() and int(lens.min()) < 0:
@@ -792,18 +792,21 @@ def _decode_token_dense(spec: FieldSpec, col: Column, geoms: Geometry, layout: s
             field=spec.name,
             sample=_name(ids, i),
         )
+    padding = batch and int(lens_t.min()) < width
     return _padded(rows, lens_t, partial(masks.mask, lens_t, width, rows.device), (batch, width, *rest),
-                   _pad_of(spec, rows.dtype), check)
+                   _pad_of(spec, rows.dtype) if padding else spec.pad_value, check)
 
 
 def _pad_of(spec: FieldSpec, dtype: torch.dtype) -> Any:
-    """``spec.pad_value``, DtypeError naming the field unless rows of ``dtype`` hold it
-    exactly (a pad of -1 in a bool field became True: padding counted in the loss)."""
+    """``spec.pad_value``, DtypeError naming the field unless rows of ``dtype`` hold it (a
+    pad of -1 in a bool field became True: padding counted in the loss; -100 in uint8
+    rows 156); a float pad may round, not overflow to infinity."""
     pad = spec.pad_value
     if dtype == torch.bool:
         fits = pad in (0, 1)
     elif dtype.is_floating_point or dtype.is_complex:
-        fits = math.isnan(float(pad)) or float(torch.tensor(pad, dtype=torch.float64).to(dtype)) == float(pad)
+        held = float(torch.tensor(float(pad), dtype=torch.float64).to(dtype))
+        fits = not math.isfinite(float(pad)) or math.isfinite(held)
     else:
         info = torch.iinfo(dtype)
         fits = float(pad).is_integer() and info.min <= pad <= info.max

@@ -291,7 +291,8 @@ def test_a_clear_racing_a_write_of_its_partition_never_changes_another_partition
     with rlplane.connect(live.url, token=live.token, transport="tq") as a, \
             rlplane.connect(live.url, token=live.token, transport="tq") as b:
         a.put_samples(p, {"sample_mask": torch.zeros(1)}, sample_ids=["old"])
-        stored = a.put_samples(f"{p}-w", {"sample_mask": torch.zeros(2)}, sample_ids=["w0", "w1"])
+        stored = a.put_samples(f"{p}-w", {"sample_mask": torch.zeros(2), "input_lengths": torch.tensor([4, 4])},
+                               sample_ids=["w0", "w1"])
         _slowed(a, 1.5)
         rounds = [(p, lambda: a.put_samples(p, {"sample_mask": torch.full((2,), 7.0)}, sample_ids=["p0", "p1"])),
                   (f"{p}-w", lambda: a.write_columns(stored, {"advantages": torch.ones(2, 4)}))]

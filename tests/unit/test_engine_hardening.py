@@ -717,7 +717,8 @@ def test_a_put_every_unit_refused_never_costs_a_later_change_its_record_across_r
         try:
             for k in range(40):  # the unit fills, and refuses the last put itself
                 try:
-                    c.put_samples("full", {"input_ids": torch.full((4, 2048), k), "input_lengths": torch.full((4,), 2048)})
+                    c.put_samples("full", {"input_ids": torch.full((4, 2048), k),
+                                           "input_lengths": torch.full((4,), 2048)})
                 except E.StorageFullError:
                     break
             else:

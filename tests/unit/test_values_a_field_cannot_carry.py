@@ -46,7 +46,8 @@ def test_lengths_of_another_shape_than_the_batch_are_refused_before_anything_is_
         client.put_samples(part(request), {"sample_mask": torch.ones(2), "input_lengths": torch.ones(2, 2).long()})
     assert err.value.field == "input_lengths" and part(request) not in client.partitions()
     with pytest.raises(E.ShapeError, match="negative length") as err:
-        client.put_samples(part(request), {"input_ids": torch.ones(2, 4).long(), "input_lengths": torch.tensor([4, -1])})
+        client.put_samples(part(request), {"input_ids": torch.ones(2, 4).long(),
+                                           "input_lengths": torch.tensor([4, -1])})
     assert err.value.field == "input_lengths"
 
 

@@ -8,6 +8,8 @@ import sys
 import time
 from types import SimpleNamespace
 
+import pytest
+
 
 def rlplane(*args, timeout=240):
     return subprocess.run([sys.executable, "-m", "rlplane_tools", *args], capture_output=True, text=True,
@@ -18,6 +20,7 @@ def live_args(service):
     return ["--url", service.url, "--token", service.settings.token()]
 
 
+@pytest.mark.parametrize("live", ["native", "mooncake"], indirect=True)  # (simple's ranks run as mooncake's do)
 def test_demo_runs_a_verified_vlm_step_through_the_live_service(live):
     """Its two DP ranks per stage are plain processes of their own, each its own client of the
     backend's engine (on mooncake, a Mooncake client each)."""

@@ -147,6 +147,7 @@ def _replica_handles(app):
     ]
 
 
+@pytest.mark.parametrize("live", ["native", "mooncake"], indirect=True)  # (simple re-attaches as mooncake does)
 def test_a_replica_restart_keeps_every_sample(live, vlm):
     """...and every task's consumption: acked stays acked, a lease taken before still acks."""
     import ray

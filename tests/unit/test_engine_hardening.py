@@ -646,7 +646,7 @@ def test_a_unit_stalled_across_a_controller_rebuild_keeps_its_samples_and_the_ot
 
     monkeypatch.setattr(recovery, "INVENTORY_TIMEOUT_S", 3.0)
     monkeypatch.setattr(health, "ORPHAN_MARGIN_S", 0.0)
-    with LocalEngine(3, secret=SECRET, slab_bytes=16 << 20, processes=True, grace_s=3600, lease_s=1) as eng:
+    with LocalEngine(3, secret=SECRET, slab_bytes=16 << 20, processes=True, grace_s=3600, lease_s=0.5) as eng:
         c = Client(default_registry(), NativeTransport(eng.info, timeout=10, data_path="shm"))
         try:
             fields = {"input_ids": torch.arange(64).reshape(8, 8), "input_lengths": torch.full((8,), 8)}
@@ -663,7 +663,7 @@ def test_a_unit_stalled_across_a_controller_rebuild_keeps_its_samples_and_the_ot
             while time.monotonic() < deadline and (eng.core._suspect or eng.core._unlisted):
                 time.sleep(0.2)
             assert not eng.core._suspect and not eng.core._unlisted
-            time.sleep(2.5)  # older than a put's lease could keep them: what the sweep frees, if it does
+            time.sleep(1.2)  # older than a put's lease could keep them: what the sweep frees, if it does
             eng.core._sweep()
             assert eng.core.orphans_freed == 0 and eng.core.stats()["lost_samples"] == 0
             for meta in metas:  # (over the slab, mapped: the extents it listed once it answered)

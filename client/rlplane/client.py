@@ -254,12 +254,13 @@ class Client:
 
     # -- reading ---------------------------------------------------------------------
     def fields_for_stage(self, stage: str, meta_or_partition: SampleMeta | str) -> list[str]:
-        """The fields ``stage`` reads for these samples (required + optional ones present).
+        """The fields ``stage`` reads for these samples (required + optional ones present,
+        in every sample or in some: ``meta.some_fields``).
 
         Example: ``client.fields_for_stage("train", meta)``.
         """
         if isinstance(meta_or_partition, SampleMeta):
-            present = meta_or_partition.fields
+            present = meta_or_partition.fields | meta_or_partition.some_fields
         else:
             present = set(self.transport.describe(meta_or_partition).fields)
         return self.registry.fields_for_stage(stage, present)
@@ -287,6 +288,14 @@ class Client:
         ``device`` (e.g. ``"cuda"``): tensors land there, each field's bytes copied once
         after their digests were checked on the host (default: host memory).
 
+        A read by ``stage`` also asks for the stage's optional fields that only some of the
+        samples hold (``meta.some_fields``: text-only samples put apart from image ones, as
+        a claim or ``SampleMeta.concat`` over both says). The store decides which samples
+        hold each: a media field comes back for all of them, empty (no images) for those
+        without, as for a text-only sample put beside image ones, and is left out only
+        when none of them holds it; an optional field of another kind that some lack is a
+        MissingDataError naming them (nothing is ever left out for all of them silently).
+
         Example::
 
             batch = client.read_columns(shard, stage="train", device="cuda")
@@ -304,29 +313,51 @@ class Client:
             if not len(meta):  # (no samples: no dtype or shape to give the fields' tensors)
                 raise InvalidArgumentError(f"the meta names no samples of partition {meta.partition!r}: there is "
                                            "nothing to read (a step whose samples were all filtered out)")
-            more: dict[str, Any] = born_check(self.transport, meta.tags)  # a stale meta (put again since) is refused
-            if copy and device is None and layout == "padded" and self.transport.lends_views:
-                # Token rows are padded into memory of their own: out of the store's, not out of a copy of it.
-                more["lend"] = [n for n in names if self.registry.get(n).alignment == "token"
-                                and self.registry.get(n).container == "dense"]
-            if self._shares:  # rows stored once for several samples come back as views of one copy
-                more["shared"] = True
-            verified: set[str] = set()
-            if self.transport.verifies_reads:  # rows checked as they are copied: not digested again below
-                more["verified"] = verified
-            columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, **more)
-            op.nbytes = sum(col.nbytes for col in columns.values())
-            pad = pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen
-            with op.part("codec"):
-                try:
-                    return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
-                                  partition=meta.partition, device=device, verified=verified, lengths=meta.lengths)
-                except IntegrityError as err:  # damage, or a clear that raced this read (the rows were reused)
-                    gone = self.transport.replaced(meta.partition, meta.sample_ids, tags)
-                    if not gone:
-                        raise
-                    raise MissingDataError(meta.partition, {s: [] for s in gone}, hint="they were cleared (and "
-                                           "their storage given to another put) while this read ran") from err
+            how = dict(layout=layout, pad=pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen,
+                       copy=copy, device=device)
+            try:
+                return self._read(meta, names, op, **how)
+            except MissingDataError as err:
+                lacking = _lacking(err, meta.some_fields) if fields is None else None
+                if lacking is None:
+                    raise
+                other = sorted(f for f in lacking if self.registry.get(f).container != "packed")
+                if other:
+                    raise MissingDataError(meta.partition, err.missing, hint=f"stage {stage!r} reads the optional "
+                                           f"field(s) {other}, which only some of these samples hold (they were put "
+                                           "apart): write them for the others too, or read those apart") from err
+            out = self._read(meta, [n for n in names if n not in lacking], op, **how)
+            for group, holders in _holders(meta, lacking):  # (fields the same samples lack: one read)
+                if holders.size:
+                    got = self._read(meta.subset(holders), group, op, **how)
+                    out.update({f: got[f].placed(holders.tolist(), len(meta)) for f in group})
+            return {n: out[n] for n in names if n in out}
+
+    def _read(self, meta: SampleMeta, names: list[str], op: Any, *, layout: str, pad: int | None, copy: bool,
+              device: torch.device | None) -> dict[str, Any]:
+        """One read of ``names`` for every sample of ``meta`` (see :meth:`read_columns`)."""
+        more: dict[str, Any] = born_check(self.transport, meta.tags)  # a stale meta (put again since) is refused
+        if copy and device is None and layout == "padded" and self.transport.lends_views:
+            # Token rows are padded into memory of their own: out of the store's, not out of a copy of it.
+            more["lend"] = [n for n in names if self.registry.get(n).alignment == "token"
+                            and self.registry.get(n).container == "dense"]
+        if self._shares:  # rows stored once for several samples come back as views of one copy
+            more["shared"] = True
+        verified: set[str] = set()
+        if self.transport.verifies_reads:  # rows checked as they are copied: not digested again below
+            more["verified"] = verified
+        columns, tags = self.transport.get(meta.partition, meta.sample_ids, names, copy=copy, **more)
+        op.nbytes += sum(col.nbytes for col in columns.values())
+        with op.part("codec"):
+            try:
+                return decode(self.registry, columns, tags, layout, pad, sample_ids=meta.sample_ids,
+                              partition=meta.partition, device=device, verified=verified, lengths=meta.lengths)
+            except IntegrityError as err:  # damage, or a clear that raced this read (the rows were reused)
+                gone = self.transport.replaced(meta.partition, meta.sample_ids, tags)
+                if not gone:
+                    raise
+                raise MissingDataError(meta.partition, {s: [] for s in gone}, hint="they were cleared (and "
+                                       "their storage given to another put) while this read ran") from err
 
     # -- streaming -------------------------------------------------------------------
     def claim(
@@ -383,9 +414,12 @@ class Client:
 
     def _claimed_meta(self, partition: str, reply: dict[str, Any]) -> SampleMeta:
         tags, lengths = self._claimed(reply)
+        some = reply.get("some_fields") or []  # (a store of an earlier release sends none)
+        if not isinstance(some, list) or not all(isinstance(f, str) for f in some):
+            raise WireFormatError(f"a claim's some_fields must be a list of field names, got {some!r}")
         return SampleMeta(partition, reply["ids"], lengths, frozenset(reply["fields"]), tags,
                           pad_to_seqlen=max(lengths) if lengths and max(lengths) > 0 else None, lease=int(reply["lease"]),
-                          over_budget=bool(reply.get("over_budget", False)))
+                          over_budget=bool(reply.get("over_budget", False)), some_fields=frozenset(some))
 
     def _claim(self, want: ClaimRequest, timeout: float | None, stop: threading.Event | None = None) -> dict[str, Any]:
         """Ask the ledger in waits of at most MAX_WAIT_S; only the last may return a short batch.
@@ -692,6 +726,30 @@ def _ready_for(transport: Transport, fields: Mapping[str, Any]) -> None:
         if isinstance(device, torch.device) and device.type != "cpu" and not ready:
             transport.on_device(device, write=True)
             ready = True
+
+
+
+def _lacking(err: MissingDataError, some: frozenset[str]) -> dict[str, list[str]] | None:
+    """The samples lacking each field, from the store's answer ``err``, when every sample it
+    names is known and lacks only fields of ``some``; else None."""
+    lacking: dict[str, list[str]] = {}
+    missing = err.missing if isinstance(getattr(err, "missing", None), dict) else {}
+    for sample, names in missing.items():
+        if not names or not set(names) <= some:
+            return None
+        for name in names:
+            lacking.setdefault(name, []).append(sample)
+    return lacking or None
+
+
+def _holders(meta: SampleMeta, lacking: Mapping[str, list[str]]) -> list[tuple[list[str], np.ndarray]]:
+    """Fields lacked by the same samples, each group with the positions in ``meta`` of the
+    samples that hold them."""
+    groups: dict[frozenset[str], list[str]] = {}
+    for name, who in lacking.items():
+        groups.setdefault(frozenset(who), []).append(name)
+    ids = np.asarray(meta.sample_ids)
+    return [(names, np.flatnonzero(~np.isin(ids, list(who)))) for who, names in groups.items()]
 
 
 def _device(device: torch.device | str) -> torch.device:

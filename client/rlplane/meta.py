@@ -47,6 +47,9 @@ class SampleMeta:
     lease: int | None = None
     #: A token-budget claim whose first sample (or group) alone was larger than ``max_tokens``.
     over_budget: bool = False
+    #: Fields some samples may hold and others not (``fields`` is what every one holds): text-only
+    #: samples put apart from image ones. A read by stage asks for those too; see ``Client.read_columns``.
+    some_fields: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         n = len(self.sample_ids)
@@ -55,6 +58,7 @@ class SampleMeta:
         if not isinstance(self.tags, RowTags):  # RowTags: kept as they are, built when asked for
             object.__setattr__(self, "tags", list(self.tags) if self.tags else [{} for _ in range(n)])
         object.__setattr__(self, "fields", frozenset(self.fields))
+        object.__setattr__(self, "some_fields", frozenset(self.some_fields) - self.fields)
         if not isinstance(self.partition, str) or not self.partition:
             raise InvalidArgumentError(f"partition must be a non-empty string, got {self.partition!r}")
         if len(self.lengths) != n or len(self.tags) != n:
@@ -99,8 +103,8 @@ class SampleMeta:
     def concat(cls, *metas: SampleMeta | Sequence[SampleMeta]) -> SampleMeta:
         """Samples of ``metas`` one after another (same partition).
 
-        ``fields`` is what every part holds (the intersection); ``pad_to_seqlen`` the
-        largest set. Example: ``SampleMeta.concat(*shards)``.
+        ``fields`` is what every part holds (the intersection), ``some_fields`` what only
+        some parts hold; ``pad_to_seqlen`` the largest set. Example: ``SampleMeta.concat(*shards)``.
         """
         parts: list[SampleMeta] = []
         for m in metas:
@@ -112,15 +116,17 @@ class SampleMeta:
             raise InvalidArgumentError(f"cannot concat metas of different partitions {sorted(partitions)}")
         pads = [m.pad_to_seqlen for m in parts if m.pad_to_seqlen is not None]
         leases = {m.lease for m in parts}
+        every = frozenset.intersection(*(m.fields for m in parts))
         return cls(
             partition=parts[0].partition,
             sample_ids=[s for m in parts for s in m.sample_ids],
             lengths=[x for m in parts for x in m.lengths],
-            fields=frozenset.intersection(*(m.fields for m in parts)),
+            fields=every,
             tags=[t for m in parts for t in m.tags],
             pad_to_seqlen=max(pads) if pads else None,
             lease=leases.pop() if len(leases) == 1 else None,
             over_budget=any(m.over_budget for m in parts),
+            some_fields=frozenset().union(*(m.fields | m.some_fields for m in parts)) - every,
         )
 
     def shard(self, dp_size: int, balance: str = "seqlen") -> list[SampleMeta]:
@@ -155,7 +161,7 @@ class SampleMeta:
             new_tags = self.tags.merged(tags)
         else:
             new_tags = [merge_tags(a, b) for a, b in zip(self.tags, tags, strict=True)]
-        return replace(self, fields=self.fields | set(names), tags=new_tags)
+        return replace(self, fields=self.fields | set(names), tags=new_tags, some_fields=self.some_fields - set(names))
 
     # -- (de)serialising -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -169,6 +175,7 @@ class SampleMeta:
             "pad_to_seqlen": self.pad_to_seqlen,
             "lease": self.lease,
             "over_budget": self.over_budget,
+            "some_fields": sorted(self.some_fields),
         }
 
     @classmethod
@@ -184,6 +191,7 @@ class SampleMeta:
                 pad_to_seqlen=data.get("pad_to_seqlen"),
                 lease=data.get("lease"),
                 over_budget=bool(data.get("over_budget", False)),
+                some_fields=frozenset(data.get("some_fields") or ()),
             )
         except (KeyError, TypeError) as err:
             raise WireFormatError(f"not a SampleMeta dict: {err}") from None
@@ -209,7 +217,9 @@ class SampleMeta:
     def __repr__(self) -> str:
         return (
             f"SampleMeta(partition={self.partition!r}, samples={len(self)}, "
-            f"fields={sorted(self.fields)}, pad_to_seqlen={self.pad_to_seqlen})"
+            f"fields={sorted(self.fields)}, "
+            + (f"some_fields={sorted(self.some_fields)}, " if self.some_fields else "")
+            + f"pad_to_seqlen={self.pad_to_seqlen})"
         )
 
 

@@ -144,6 +144,14 @@ class PackedTensor:
             indices = indices.tolist()
         return self._like([self._rows[int(i)] for i in indices])
 
+    def placed(self, positions: Sequence[int], size: int) -> PackedTensor:
+        """``size`` rows: this one's at ``positions``, empty ones everywhere else (the samples
+        of a read that hold none). Example: ``pt.placed([0, 2], 3)[1]`` is None."""
+        rows: list[Row] = [()] * size
+        for at, row in zip(positions, self._rows, strict=True):
+            rows[at] = row
+        return self._like(rows)
+
     @classmethod
     def concat(cls, parts: Sequence[PackedTensor]) -> PackedTensor:
         """Rows of ``parts`` one after another. Example: ``PackedTensor.concat([a, b])``."""

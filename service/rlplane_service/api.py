@@ -428,7 +428,7 @@ def build_api(state: ServiceState) -> FastAPI:
                 waiting[0] -= req.wait_s > 0
         answer = {"partition": partition, "task": body.task, "lease": out["lease"], "lease_s": out["lease_s"],
                   "sample_ids": out["ids"], "tags": out["tags"], "fields": out["fields"],
-                  **{k: out[k] for k in ("tokens", "over_budget", "born") if k in out}}
+                  **{k: out[k] for k in ("tokens", "over_budget", "born", "some_fields") if k in out}}
         try:  # (the ledger leased the batch already: an answer that cannot be sent must give it back)
             return Response(json.dumps(answer, allow_nan=False).encode(), media_type="application/json")
         except (TypeError, ValueError) as err:  # tags an earlier release stored (NaN, bytes) that JSON cannot carry

@@ -342,8 +342,10 @@ class Ledger:
         ids = idx.ids_of(take)
         groups = ps.group_of(req.group_key)[0][take].copy() if req.group_key is not None else None  # type: ignore[arg-type]
         self._leases[lid] = Lease(lid, req.partition, req.task, ts, take, now + lease_s, ids, req.group_key, groups)
+        held = {f: _at(partial(idx.has, f), take) for f in idx.field_names()}
         out = {"lease": lid, "lease_s": lease_s, "ids": ids, **_tags(idx, take, req.columnar),
-               "fields": [f for f in idx.field_names() if bool(_at(partial(idx.has, f), take).all())]}
+               "fields": [f for f, h in held.items() if bool(h.all())],  # every sample holds them
+               "some_fields": [f for f, h in held.items() if bool(h.any()) and not bool(h.all())]}
         born = getattr(idx, "born", None)  # each sample's incarnation, where the index keeps them (native)
         if born is not None:
             out["born"] = born[take].tolist()

@@ -6,12 +6,13 @@ count, typed errors that store nothing, claims exactly once per task."""
 
 import uuid
 from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 import torch
 
 import rlplane
-from rlplane import Client, default_registry
+from rlplane import Client, SampleMeta, default_registry
 from rlplane import errors as E
 from rlplane.testing.verify import diff_fields
 from rlplane.testing.workloads import vlm_step
@@ -192,6 +193,40 @@ def test_claims_hand_each_sample_out_once_per_task_and_a_nack_gives_them_back(co
         assert sorted(again.sample_ids) == sorted(second.sample_ids)
         assert client.ack(first, "train") + client.ack(again, "train") == 6
         assert client.consumption(p, "train")["acked"] == 6
+        client.clear(p)
+
+
+def test_image_samples_put_apart_from_text_only_ones_keep_their_images_on_a_read_by_stage(conn, request):
+    """A claim (or a concat) over text-only samples and image samples put apart listed only
+    the fields every sample holds: a read by stage left pixel_values out for all of them and
+    the model trained image-blind. The store now says which samples hold it."""
+    image, grid = torch.randn(16, 1176), torch.tensor([[1, 4, 4]])
+    with conn() as client:
+        p = part()
+        with_images = client.put_samples(p, {**small(2), "pixel_values": rlplane.PackedTensor([image, None]),
+                                             "image_grid_thw": rlplane.PackedTensor([grid, None])})
+        text = client.put_samples(p, {**small(2), "mm_token_type_ids": torch.zeros(2, 4, dtype=torch.int64)})
+        metas = {"concat": SampleMeta.concat(text, with_images)}
+        if request.node.callspec.params["conn"] != "memory":  # (no claims in process)
+            metas["claim"] = client.claim(p, "logprob", batch_size=4, stage="logprob", timeout=10)
+        for how, meta in metas.items():
+            assert {"pixel_values", "image_grid_thw", "mm_token_type_ids"} <= meta.some_fields, how
+            at = meta.sample_ids.index(with_images.sample_ids[0])
+            with pytest.raises(E.MissingDataError, match="only some") as err:  # a token field some lack: named
+                client.read_columns(meta, stage="logprob")
+            lack = {s for s, names in err.value.missing.items() if "mm_token_type_ids" in names}
+            assert lack == set(with_images.sample_ids) and "mm_token_type_ids" in str(err.value), how
+            meta = replace(meta, some_fields=meta.some_fields - {"mm_token_type_ids"})
+            got = client.read_columns(meta, stage="logprob")
+            rows = got["pixel_values"].rows
+            assert torch.equal(rows[at][0], image.to(torch.bfloat16)) and sum(r is not None for r in rows) == 1, how
+            assert torch.equal(got["image_grid_thw"].rows[at][0], grid) and len(got["image_grid_thw"]) == 4, how
+            assert torch.equal(got["input_ids"][at, :4], small(2)["input_ids"][0]), how
+            texts = meta.subset([meta.sample_ids.index(s) for s in text.sample_ids])
+            assert "pixel_values" not in client.read_columns(texts, stage="logprob")  # none of them holds one
+            with pytest.raises(E.MissingDataError) as err:  # named, a sample that lacks it is named too
+                client.read_columns(meta, ["input_ids", "pixel_values"])
+            assert set(err.value.missing) == set(text.sample_ids), how
         client.clear(p)
 
 

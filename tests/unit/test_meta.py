@@ -62,6 +62,18 @@ def test_concat_inverts_shard_and_keeps_common_fields():
         SampleMeta.concat(make(1), SampleMeta("q", ["x"]))
 
 
+def test_fields_only_some_samples_hold_are_kept_through_concat_subset_and_the_wire():
+    """A concat of an image put and a text-only put said only what both hold: a read by
+    stage of it then left the images out for every sample."""
+    images = make(2).with_fields({"pixel_values"})
+    both = SampleMeta.concat(images, SampleMeta("p", ["t0"], fields={"input_ids"}))
+    assert both.fields == {"input_ids"} and both.some_fields == {"pixel_values"}
+    assert both.subset([2]).some_fields == {"pixel_values"}  # (which of them hold it: the store says)
+    assert SampleMeta.from_msgpack(both.to_msgpack()) == both and SampleMeta.from_json(both.to_json()) == both
+    assert both.with_fields({"pixel_values"}).some_fields == set() and "some_fields" in repr(both)
+    assert SampleMeta.concat(images.slice(0, 1), images.slice(1, 2)).some_fields == set()
+
+
 def test_msgpack_and_json_round_trip():
     m = make(4, pad=100)
     assert SampleMeta.from_msgpack(m.to_msgpack()) == m

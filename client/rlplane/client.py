@@ -327,11 +327,29 @@ class Client:
                                            f"field(s) {other}, which only some of these samples hold (they were put "
                                            "apart): write them for the others too, or read those apart") from err
             out = self._read(meta, [n for n in names if n not in lacking], op, **how)
-            for group, holders in _holders(meta, lacking):  # (fields the same samples lack: one read)
-                if holders.size:
-                    got = self._read(meta.subset(holders), group, op, **how)
-                    out.update({f: got[f].placed(holders.tolist(), len(meta)) for f in group})
+            out.update(self._read_held(meta, lacking, op, how))
             return {n: out[n] for n in names if n in out}
+
+    def _read_held(self, meta: SampleMeta, lacking: dict[str, list[str]], op: Any, how: dict[str, Any]
+                   ) -> dict[str, Any]:
+        """The media fields of ``lacking`` (each with the samples of ``meta`` the store said
+        lack it), read from the samples that hold them; empty rows for the others, and left
+        out where none does. A read in pieces names one piece's lacking samples at a time:
+        more of them named are added and the fields read again (each time one more at least)."""
+        while True:
+            out: dict[str, Any] = {}
+            try:
+                for group, holders in _holders(meta, lacking):  # (fields the same samples lack: one read)
+                    if holders.size:
+                        got = self._read(meta.subset(holders), group, op, **how)
+                        out.update({f: got[f].placed(holders.tolist(), len(meta)) for f in group})
+                return out
+            except MissingDataError as err:
+                more = _lacking(err, frozenset(lacking))
+                if more is None or all(set(who) <= set(lacking[f]) for f, who in more.items()):
+                    raise
+                for f, who in more.items():
+                    lacking[f] = sorted(set(lacking[f]) | set(who))
 
     def _read(self, meta: SampleMeta, names: list[str], op: Any, *, layout: str, pad: int | None, copy: bool,
               device: torch.device | None) -> dict[str, Any]:

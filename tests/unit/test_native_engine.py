@@ -174,6 +174,29 @@ def pins_gone(engine, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def test_a_read_by_stage_in_pieces_keeps_the_images_of_samples_put_apart_from_text_only_ones(client, monkeypatch):
+    """A read in pieces names one piece's samples lacking a field at a time: every image
+    sample keeps its images however many pieces hold text-only samples."""
+    import rlplane.transports.native as native
+    from rlplane import PackedTensor, SampleMeta
+
+    def put(n: int, images: bool) -> SampleMeta:
+        f = {"input_ids": torch.arange(n * 4).reshape(n, 4), "input_lengths": torch.full((n,), 4)}
+        if images:
+            f["pixel_values"] = PackedTensor([torch.full((2, 8), float(i + 1)) for i in range(n)])
+        return client.put_samples("apart", f)
+
+    parts = [put(4, True), put(3, False), put(3, True), put(2, False), put(1, True)]
+    meta = SampleMeta.concat(*parts)
+    monkeypatch.setattr(native, "READ_CELLS", 3 * 3)  # 3 samples a piece for 3 fields
+    try:
+        rows = client.read_columns(meta, stage="logprob")["pixel_values"].rows
+        want = [float(i + 1) if p in (0, 2, 4) else None for p, m in enumerate(parts) for i in range(len(m))]
+        assert [r[0][0, 0].item() if r else None for r in rows] == want
+    finally:
+        client.clear("apart")
+
+
 def test_a_read_bigger_than_one_locate_goes_in_pieces_and_reads_back_bit_exact(client, engine, monkeypatch):
     """Past READ_CELLS (samples x fields) a read is located and read in pieces, put
     together: every field bit-exact, shared images still shared, owned (writable) memory,

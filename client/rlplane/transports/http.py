@@ -126,7 +126,8 @@ class HttpTransport(Transport):
             raise WireFormatError(f"the service returned tags for {len(tags or [])} of {len(sample_ids)} samples")
         lacking = [f for f in fields if f not in columns]
         if lacking:
-            raise MissingDataError(partition, {s: lacking for s in sample_ids}, hint="the service returned no column")
+            # (the service answers every field or an error: an answer without one is not the store's word)
+            raise WireFormatError(f"the service answered a read of {partition!r} without the column(s) {lacking}")
         return columns, tags
 
     def replaced(self, partition: str, sample_ids: Sequence[str], tags: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -622,9 +622,10 @@ class TQTransport(Transport):
             if name not in got.keys():
                 if await self._unknown(partition, ids):  # forgotten while this read ran (a clear, a lost unit)
                     raise await self._missing(partition, ids)
-                raise MissingDataError(
-                    partition, {s: [name] for s in ids}, hint="the storage units did not return the field"
-                )
+                # (their tags say they hold it: not the store's word that they lack it, which a read by
+                # stage would take as "none of them has an image")
+                raise TransportError(f"partition {partition!r}: TransferQueue's storage units did not return field "
+                                     f"{name!r} of {len(ids)} sample(s) whose tags say they hold it")
             columns[name] = self._restored(_column(got[name], name, len(ids)), [int(s.get(name, -1)) for s in stored])
         return columns, tags
 

@@ -196,7 +196,8 @@ def _groups_of(ps: PartState, ts: TaskState, key: str, a: int, z: int, stale: np
     staleness is never whole again, so its fresh members would wait for ever)."""
     code = ps.group_of(key)[0]
     n = min(code.size, ts.state.size)
-    gone = np.concatenate([code[a:z][stale], code[:n][ts.state[:n] == EXPIRED]])
+    expired = (ts.state[:n] == EXPIRED) & ps.index.live(0, n)  # (a cleared member is no longer the group's)
+    gone = np.concatenate([code[a:z][stale], code[:n][expired]])
     gone = gone[gone >= 0]
     return np.isin(code[a:z], gone) if gone.size else np.zeros(z - a, bool)
 
@@ -295,6 +296,8 @@ class Ledger:
             st = ts.state[a:z]
             if req.max_staleness is not None:
                 waiting = live & (st == UNSEEN)
+                if not req.unfinished:  # (a partial rollout is judged once finished: its version may move on)
+                    waiting &= ~ps.unfinished(a, z)
                 oldest = req.current_version - req.max_staleness  # type: ignore[operator]
                 stale = (ps.versions()[a:z] < oldest) & waiting
                 if req.group_key is not None:
@@ -499,7 +502,7 @@ class Ledger:
         for le in gone:
             del self._leases[le.lid]
             held = le.slots[(le.state.state[le.slots] == LEASED) & (le.state.lease[le.slots] == le.lid)]
-            le.state.redelivered += int(held.size)
+            le.state.redelivered += int(self._held_by(le).sum())  # (cleared samples come back to nobody)
             self._release(le.state, held, le.partition)
         return len(gone)
 
@@ -615,8 +618,19 @@ class Ledger:
                 f"{verb} whole groups (or the lease's whole meta); nothing was {verb}ed")
 
     def _settle(self, le: Lease, slots: np.ndarray) -> None:
-        if not bool((le.state.state[le.slots] == LEASED).any()):
+        """Forget ``le`` once it holds no stored sample (acked, given back, leased again
+        under another lease, or cleared)."""
+        if not bool(self._held_by(le).any()):
             self._leases.pop(le.lid, None)
+
+    def _held_by(self, le: Lease) -> np.ndarray:
+        """Per slot of ``le``: leased under it and still stored."""
+        mine = (le.state.state[le.slots] == LEASED) & (le.state.lease[le.slots] == le.lid)
+        ps = self._parts.get(le.partition)
+        if ps is None or ps.index is not self.index_of(le.partition) or ps.tasks.get(le.task) is not le.state:
+            # (its partition dropped, maybe made anew: nothing of the lease's is stored)
+            return np.zeros(le.slots.size, bool)
+        return mine & _at(ps.index.live, le.slots)
 
     def _release(self, ts: TaskState, slots: np.ndarray, partition: str) -> None:
         if slots.size:
@@ -769,8 +783,8 @@ class SimpleIndex:
                                                                      np.int64)])
         todo = slots[has & (lead[slots] == _UNREAD)]
         if todo.size:
-            lead[todo] = [_lead((t or {}).get(WIRE_TAG, {}).get(name)) for t in self.tags[todo].tolist()]
-        return np.where(has, lead[slots], -1)
+            lead[todo] = [_lead(_wire(t).get(name)) for t in self.tags[todo].tolist()]
+        return np.where(has, np.maximum(lead[slots], 0), -1)  # (held, its geometry unreadable: no tokens)
 
     def record(self, ids: Sequence[str], fields: Sequence[str], tags: Sequence[Mapping[str, Any]], *, create: bool) -> None:
         if create:
@@ -834,8 +848,16 @@ _UNREAD = -2
 
 
 def _lead(row: Any) -> int:
-    """The leading dim of a row's wire geometry (a token row's ``[length, ...]``), -1 if none."""
-    return int(row[0]) if isinstance(row, list) and row and isinstance(row[0], int) else -1
+    """The leading dim of a row's wire geometry (a token row's ``[length, ...]``), -1 if none
+    (or not a length: negative, a bool, past int64)."""
+    ok = isinstance(row, list) and row and type(row[0]) is int and 0 <= row[0] < 1 << 62
+    return int(row[0]) if ok else -1
+
+
+def _wire(tags: Any) -> Mapping[str, Any]:
+    """A sample's wire geometry per field ({} where its tags hold none, or not as a map)."""
+    got = tags.get(WIRE_TAG) if isinstance(tags, dict) else None
+    return got if isinstance(got, dict) else {}
 
 
 def kept(a: np.ndarray, keep: np.ndarray, fill: Any = 0) -> np.ndarray:

@@ -738,3 +738,77 @@ def test_a_ledger_request_naming_its_hold_by_anything_but_a_string_is_a_wire_for
     finally:
         streams.close()
         server.stop()
+
+
+def test_a_lease_whose_samples_were_cleared_or_leased_again_is_settled_and_counts_no_redelivery():
+    """A lease was kept while any slot it named was leased: a cleared sample kept a fully
+    acked lease for its whole term and was then counted redelivered; a sample given back
+    and claimed under another lease kept the first one too."""
+    led, idx = _ledger(lease_s=60)
+    _put(idx, "p", [f"s{i}" for i in range(5)])
+    a = led.claim(_req(n=4), final=True)
+    idx.drop("p", ["s3"])
+    assert led.ack("p", "train", a["lease"], a["ids"]) == 3 and led.snapshot()["leases"] == 0
+    led.expire(now=time.monotonic() + 61)
+    assert led.consumption("p", "train")["redelivered"] == 0
+    b = led.claim(_req(n=1), final=True)  # (s4: lapses with one sample cleared, one not)
+    _put(idx, "p", ["s5"])
+    c = led.claim(_req(n=1), final=True)
+    idx.drop("p", ["s5"])
+    led.expire(now=time.monotonic() + 61)
+    assert b["ids"] == ["s4"] and c["ids"] == ["s5"] and led.consumption("p", "train")["redelivered"] == 1
+    led2, idx2 = _ledger()
+    _put(idx2, "p", [f"s{i}" for i in range(4)])
+    first = led2.claim(_req(n=4), final=True)
+    led2.nack("p", "train", first["lease"], ["s0"])
+    again = led2.claim(_req(n=1), final=True)
+    led2.ack("p", "train", first["lease"], ["s1", "s2", "s3"])
+    led2.ack("p", "train", again["lease"], None)
+    assert led2.snapshot()["leases"] == 0 and led2.leased("p", idx2["p"]).size == 0
+
+
+def test_a_stale_group_cleared_and_put_again_fresh_is_handed_out():
+    """Expired members counted after they were cleared: the group's id stayed stale for the
+    partition's life, and its fresh members were expired on arrival."""
+    led, idx = _ledger()
+    group = [{"group_id": "g", "group_size": 2, "policy_version": v} for v in (0, 0)]
+    _put(idx, "p", ["a", "b"], tags=group)
+    _put(idx, "p", ["keep"], tags=[{"group_id": "k", "group_size": 1, "policy_version": 5}])
+    fresh = dict(n=2, group_key="group_id", current_version=5, max_staleness=1, min_batch=1)
+    assert led.claim(_req(**fresh), final=True)["ids"] == ["keep"]
+    idx.drop("p", ["a", "b"])
+    _put(idx, "p", ["a", "b"], tags=[{**t, "policy_version": 5} for t in group])
+    assert led.claim(_req(**fresh), final=True)["ids"] == ["a", "b"]
+
+
+def test_a_partial_rollout_is_judged_stale_once_finished_not_while_written():
+    """A rollout begun under an old policy and finished under the current one was expired
+    while still being written, and never handed out."""
+    led, idx = _ledger()
+    _put(idx, "p", ["r0"], tags=[{"policy_version": 1, "finished": False}])
+    _put(idx, "p", ["x"], tags=[{"policy_version": 5}])
+    fresh = dict(n=1, current_version=5, max_staleness=1)
+    assert led.claim(_req(**fresh), final=True)["ids"] == ["x"]
+    assert led.consumption("p", "train")["expired"] == 0
+    idx.record("p", ["r0"], ["input_ids"], [{"policy_version": 5, "finished": True}], create=False)
+    assert led.claim(_req(**fresh), final=True)["ids"] == ["r0"]
+
+
+def test_a_record_with_geometry_that_is_no_length_never_breaks_a_token_claim():
+    """(TransferQueue's ledger) A writer's record whose wire tag was not a map failed every
+    later token claim of its partition untyped; a negative length let a claim pass its budget."""
+    from rlplane_service.native.stream import LedgerCore
+
+    core = LedgerCore(lease_s=60)
+    res = core.op_reserve({"p": "p", "ids": ["a"]}, {}, [])[0]["res"]
+    with pytest.raises(E.WireFormatError, match="geometry"):
+        core.op_record({"p": "p", "ids": ["a"], "fields": ["input_ids"], "create": True, "res": res,
+                        "tags": [{"_rlplane_wire": [3, 4]}]}, {}, [])
+    ids = ["b", "c", "d", "e"]
+    res = core.op_reserve({"p": "p", "ids": ids}, {}, [])[0]["res"]
+    core.op_record({"p": "p", "ids": ids, "fields": ["input_ids"], "create": True, "res": res,
+                    "tags": [{"_rlplane_wire": {"input_ids": [n]}} for n in (5, -50, 2**70, 60)]}, {}, [])
+    claim = {"p": "p", "task": "t", "n": 8, "fields": ["input_ids"], "min": 1, "tok": 20, "mintok": 1,
+             "tokf": "input_ids", "_final": True}
+    out = core.op_claim(claim, {}, [])[0]
+    assert out["ids"] == ["b", "c", "d"] and out["tokens"] == 5 and not out["over_budget"]

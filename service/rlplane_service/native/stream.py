@@ -25,6 +25,7 @@ from rlplane import errors as E
 from rlplane.claims import MAX_WAIT_S, ClaimRequest
 from rlplane_service.ledger import Ledger, SimpleIndexes
 from rlplane.names import MAX_ID_LEN, check_partition, check_task
+from rlplane.tags import WIRE_TAG
 from rlplane_service.tenants import FULL, Access
 from rlplane_service.native.server import Park
 
@@ -269,8 +270,10 @@ class LedgerCore(StreamOps):
     def op_record(self, header: dict, columns: dict, extra: list) -> Any:
         p, ids, fields, tags = header.get("p"), header.get("ids"), header.get("fields"), header.get("tags")
         if not (isinstance(p, str) and p and _strs(ids) and _strs(fields) and isinstance(tags, list)
-                and len(tags) in (0, len(ids)) and all(isinstance(t, dict) for t in tags)):
-            raise E.WireFormatError("record needs 'p', 'ids', 'fields' and one tag map per id")
+                and len(tags) in (0, len(ids)) and all(isinstance(t, dict) and isinstance(t.get(WIRE_TAG, {}), dict)
+                                                         for t in tags)):
+            raise E.WireFormatError(f"record needs 'p', 'ids', 'fields' and one tag map per id (its {WIRE_TAG!r} a "
+                                    "map of field to geometry)")
         rid = _res(header, "record")
         with self._lock:
             held = self._held.pop(rid, None)

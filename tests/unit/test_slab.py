@@ -502,3 +502,80 @@ def test_a_mapping_maps_each_granule_once_before_a_big_copy_and_skips_small_ones
     del data
     view.close()
     owner.close()
+
+
+@pytest.mark.parametrize("check", ["writer", "unit"])
+def test_a_writer_stalled_past_its_lease_never_copies_into_another_puts_rows(monkeypatch, check):
+    """A writer stalled between the unit's extents and its copy into them (stopped,
+    swapping) while its reservation lapsed copied into blocks the controller had freed and
+    given to another put: that put's committed rows changed under it. The writer now stops
+    once most of its lease has passed ("writer"), and the unit keeps a lapsed put's extents
+    out of use a while ("unit": the writer's check turned off, as if it stalled mid-copy)."""
+    import threading
+
+    import rlplane.transports.native as native
+
+    monkeypatch.setattr(native, "ONE_MESSAGE_BYTES", 0)  # (the alloc-and-copy path every put past 256 KiB takes)
+    stall = threading.Event()
+
+    def stalled(real):
+        def run(*args):
+            if stall.is_set():
+                stall.clear()
+                time.sleep(2.5)  # past the 1 s lease: the reaper gave its reservation up meanwhile
+            return real(*args)
+        return run
+
+    if check == "writer":  # stalled before the copy (the units' answers in)
+        monkeypatch.setattr(native, "_offsets", stalled(native._offsets))
+    else:  # stalled in the copy, as if past the writer's check
+        monkeypatch.setattr(native, "COPY_WITHIN", 1e9)
+        monkeypatch.setattr(native.NativeTransport, "_copy_in", staticmethod(stalled(native.NativeTransport._copy_in)))
+    with LocalEngine(1, secret=SECRET, slab_bytes=8 << 20, lease_s=1.0) as eng:
+        info = {"info": eng.info}
+        a, b = connect(info, "shm"), connect(info, "shm")
+        failed: list[BaseException] = []
+
+        def write_a() -> None:
+            stall.set()
+            try:
+                a.put_samples("A", {"input_ids": torch.full((4, 1024), 1111), "input_lengths": torch.full((4,), 1024)})
+            except E.RlplaneError as err:
+                failed.append(err)
+
+        writer = threading.Thread(target=write_a)
+        writer.start()
+        time.sleep(1.8)
+        want = torch.arange(4 * 1024).reshape(4, 1024)
+        meta = b.put_samples("B", {"input_ids": want, "input_lengths": torch.full((4,), 1024)})
+        writer.join(timeout=30)
+        assert torch.equal(b.read_columns(meta, ["input_ids"])["input_ids"], want)
+        assert "A" not in b.partitions()
+        assert len(failed) == 1 and isinstance(failed[0], E.LeaseError), failed
+        assert "RLPLANE_PUT_LEASE_S" in str(failed[0]) and ("stalled" in str(failed[0])) == (check == "writer")
+
+
+@pytest.mark.parametrize("path", ["shm", "zmq"])
+def test_a_put_a_full_unit_refuses_goes_to_a_unit_with_room(path):
+    """Units are taken in turn whatever room they have: with one unit full, every other
+    put failed with StorageFullError (which told the user to clear or grow the store)
+    while the other unit had room to spare."""
+    with LocalEngine(2, secret=SECRET, slab_bytes=8 << 20) as eng:
+        c = connect({"info": eng.info}, path)
+        row = {"input_ids": torch.zeros(1, 96 << 10, dtype=torch.int64), "input_lengths": torch.tensor([96 << 10])}
+        for k in range(64):  # fill unit 0 (what lands on unit 1 is cleared)
+            before = eng.cores[1].alloc.used_bytes
+            try:
+                c.put_samples(f"fill-{k}", row)
+            except E.StorageFullError:
+                pytest.fail("a put failed with a unit that has room")
+            if eng.cores[1].alloc.used_bytes > before:
+                c.clear(f"fill-{k}")
+            if eng.cores[0].alloc.stats()["largest_free"] < row["input_ids"].nbytes:
+                break
+        assert eng.cores[0].alloc.stats()["largest_free"] < row["input_ids"].nbytes
+        metas = [c.put_samples(f"more-{j}", row) for j in range(4)]  # every one on unit 1
+        assert all(torch.equal(c.read_columns(m, ["input_ids"])["input_ids"], row["input_ids"]) for m in metas)
+        with pytest.raises(E.StorageFullError, match="RLPLANE_UNIT_BYTES"):  # both full: said so
+            for j in range(16):
+                c.put_samples(f"over-{j}", row)

@@ -375,9 +375,9 @@ def test_the_extents_of_a_failed_one_sided_write_stay_out_of_use_while_late_byte
     import time
 
     import rlplane.te as te
-    from rlplane_service.native import controller
+    from rlplane_service.native import writes
 
-    monkeypatch.setattr(controller, "LATE_FREE_S", 1.5)
+    monkeypatch.setattr(writes, "LATE_FREE_S", 1.5)
     with LocalEngine(1, secret=SECRET, slab_bytes=16 << 20, te_protocol="tcp") as eng:
         with Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="te")) as client:
             unit = eng.cores[0]

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import secrets
 import socket
@@ -68,8 +69,9 @@ from rlplane.placement import spread
 from rlplane.column import Column
 from rlplane.dtypes import dtype_from_name, dtype_name
 from rlplane.geometry import Geometry
-from rlplane.errors import (ForbiddenError, InvalidArgumentError, MissingDataError, PayloadTooLargeError,
-                            RlplaneError, ShapeError, TransportError, UnavailableError, WireFormatError)
+from rlplane.errors import (ForbiddenError, InvalidArgumentError, LeaseError, MissingDataError, PayloadTooLargeError,
+                            RlplaneError, ShapeError, StorageFullError, TransportError, UnavailableError,
+                            WireFormatError)
 from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
 from rlplane.shm import SlabView, privatize, shared_slab
@@ -114,6 +116,10 @@ STAGE_MIN_BYTES = 1 << 20
 #: Most (sample, field) pairs one locate answers (~55 bytes each in its answer: ~14 MiB, under
 #: the engine's 16 MiB message limit); a bigger read goes in pieces (and one whose samples' tags
 #: make its answer too big anyway, in halves).
+#: Of its reservation's lease, how much a put may take before copying its rows into the
+#: units' extents; past it the put fails (LeaseError) rather than copy into blocks the
+#: controller may have given up on and another put been given (a process stalled).
+COPY_WITHIN = 0.8
 READ_CELLS = 1 << 18
 #: Most bytes of sample ids one locate names (its request stays under the message limit).
 READ_ID_BYTES = 8 << 20
@@ -171,6 +177,9 @@ class NativeTransport(Transport):
         hello = self._ask({"op": "hello"}, min(timeout, 10.0))
         self.units: list[tuple[str, str]] = [(str(n), str(e)) for n, e in hello["units"]]
         self.replicas = max(1, min(int(hello.get("replicas", 1)), len(self.units)))
+        lease = hello.get("lease_s")  # a put's reservation lapses then: its copies must be in before
+        self.put_lease_s = float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) \
+            and 0 < lease < math.inf else 60.0
         self._finds_held = hello.get("held") is not False  # a journalling store finds none: no lookups
         # Units the controller declared lost, or suspects (it does not answer): puts go around them.
         self.down: set[int] = {int(u) for u in hello.get("down", [])} | {int(u) for u in hello.get("suspect", [])}
@@ -284,16 +293,30 @@ class NativeTransport(Transport):
         aligned = [] if create else list(aligned)
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
-        ids = list(sample_ids)
-        try:
-            return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums)
-        except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
-            if not self._lost(err):
-                raise
-            stage = getattr(self._stage, "put", None)
-            if stage is not None and stage.kept:  # the fields encoded into its freed extents, as copied before
-                columns = {f: replace(c, values=stage.kept[f]) if f in stage.kept else c for f, c in columns.items()}
-            return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums)
+        ids, full = list(sample_ids), 0
+        while True:
+            try:
+                try:
+                    return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums)
+                except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
+                    if not self._lost(err):
+                        raise
+                    columns = self._restaged(columns)
+                    return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums)
+            except StorageFullError as err:  # a unit is full: the next try places the put on the next units
+                full += 1
+                live = len(self.units) - len(self.down)
+                if not getattr(err, "component", None) or full >= live or live <= self.replicas:
+                    raise
+                columns = self._restaged(columns)
+
+    def _restaged(self, columns: Mapping[str, Column]) -> Mapping[str, Column]:
+        """``columns`` for a put placed again: the fields its failed try encoded into extents
+        it staged (freed now) as they were copied before."""
+        stage = getattr(self._stage, "put", None)
+        if stage is None or not stage.kept:
+            return columns
+        return {f: replace(c, values=stage.kept[f]) if f in stage.kept else c for f, c in columns.items()}
 
     @contextmanager
     def put_buffers(self, batch: int, fallback: Alloc | None,
@@ -436,11 +459,12 @@ class NativeTransport(Transport):
             rid: int | None = ctrl.send(reserve)
         except UnavailableError:  # (only ever the channel's own: nothing answered yet)
             rid = None  # the controller is restarting: reserved again below, once it answers
+        copy_by = time.monotonic() + COPY_WITHIN * self.put_lease_s  # (the reservation was asked for just now)
         writes = self._send_blocks(blocks, columns, stage)
         failed: BaseException | None = None
         late: list[list[int]] = []  # [block, unit] copies whose one-sided write failed
         try:
-            where, seals = self._land_blocks(writes, deadline, late)  # shm: the copies into the slabs happen here
+            where, seals = self._land_blocks(writes, deadline, late, copy_by)  # shm: the copies into the slabs happen here
         except BaseException as err:  # noqa: BLE001 - raised below, once the reservation is settled
             failed, where, seals = err, {}, []
         try:
@@ -700,9 +724,11 @@ class NativeTransport(Transport):
                 sent.append(_Sent(bid, u, part, ch, rid, frozenset(staged)))
         return sent
 
-    def _land_blocks(self, sent: list[_Sent], deadline: float, late: list[list[int]]
+    def _land_blocks(self, sent: list[_Sent], deadline: float, late: list[list[int]], copy_by: float = math.inf
                      ) -> tuple[dict[int, dict[int, dict[str, int]]], list[list[Any]]]:
-        """Wait for every unit's answer; copy the values into each allocated extent.
+        """Wait for every unit's answer; copy the values into each allocated extent, unless
+        ``copy_by`` has passed (LeaseError: the reservation may have lapsed, and its blocks
+        been freed and given to another put, whose rows the copy would overwrite).
         Returns per block, per unit, each field's slab offset, and the units' seals of
         them (``[block, unit, {field: [dtype, nbytes, rows, seal]}]``, relayed to the
         controller at commit). Raises the first failure once every answer is in (so no
@@ -717,6 +743,10 @@ class NativeTransport(Transport):
                 reply = w.channel.receive(w.rid, deadline if failed is None else
                                           min(deadline, time.monotonic() + _ABORT_TIMEOUT_S))[0]
                 got = _offsets(reply.get("x"), w.part, self.units[w.unit][0])
+                if failed is None and (w.unit in self._slabs or w.unit in self._remote) and time.monotonic() > copy_by:
+                    raise LeaseError(f"this put took longer than {COPY_WITHIN * self.put_lease_s:.0f} s to copy its rows "
+                                     f"(the service's reservation lease is {self.put_lease_s:.0f} s, "
+                                     "RLPLANE_PUT_LEASE_S; was this process stalled?): nothing was stored; retry it")
                 if failed is None and w.unit in self._slabs:
                     self._copy_in(self._slabs[w.unit], got, w.part, w.staged)
                 elif failed is None and w.unit in self._remote:

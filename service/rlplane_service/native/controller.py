@@ -55,7 +55,7 @@ from rlplane_service.native.requests import (partition_of,
 from rlplane_service.native.reads import ReadOps
 from rlplane_service.native.recovery import COMPACT_EVERY_S, RecoveryOps
 from rlplane_service.native.stream import StreamOps
-from rlplane_service.native.writes import LATE_FREE_S, WriteOps
+from rlplane_service.native.writes import WriteOps
 from rlplane_service.tenants import Access
 
 log = logging.getLogger(__name__)
@@ -114,7 +114,9 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
         self.ledger = Ledger(self._parts.get, lease_s=claim_lease_s)
         self._pool = ChannelPool(control_secret if control is not None else secret)
         self._frees: queue.Queue[tuple[int, list[int], float] | None] = queue.Queue()  # (unit, blocks, after s)
-        self._late: dict[int, set[int]] = {}  # block -> units whose one-sided write of it failed (LATE_FREE_S)
+        # block -> {unit: seconds its extents stay out of use once freed}: a one-sided write of it
+        # failed (LATE_FREE_S), or its reservation lapsed (LAPSED_FREE_S)
+        self._late: dict[int, dict[int, float]] = {}
         self._stop = threading.Event()
         self._lost_units: dict[int, str] = {}  # unit index -> why it was declared lost
         self._suspect: dict[int, tuple[float, str]] = {}  # unit index -> (suspect since, why)
@@ -468,10 +470,10 @@ class ControllerCore(WriteOps, ReadOps, UnitHealth, StreamOps, RecoveryOps, CutO
                 self._queue_frees(b, units)
 
     def _queue_frees(self, b: int, units: tuple[int, ...]) -> None:
-        late = self._late.pop(b, ())
+        late = self._late.pop(b, {})
         for u in units:
             if u not in self._lost_units:
-                self._frees.put((u, [b], LATE_FREE_S if u in late else 0.0))
+                self._frees.put((u, [b], late.get(u, 0.0)))
 
     def _describe(self, name: str, part: Partition, *, with_ids: bool) -> dict[str, Any]:
         live = part.state[: part.used] == COMMITTED

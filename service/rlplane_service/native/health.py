@@ -37,6 +37,7 @@ from rlplane.wire import int_array, ints
 from rlplane_service.native.index import Partition, rows_in
 from rlplane_service.native.pins import Pins
 from rlplane_service.native.requests import LISTED
+from rlplane_service.native.writes import LAPSED_FREE_S
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,7 @@ class UnitHealth:
             if orphans:
                 log.warning("freeing %d blocks on %s that no sample or put refers to (a writer died mid-put?)",
                             len(orphans), name)
-                self._frees.put((u, orphans, 0.0))
+                self._frees.put((u, orphans, LAPSED_FREE_S))  # (a writer of them may only be stalled)
                 self.orphans_freed += len(orphans)
 
     def _repairs(self) -> list[tuple[int, int, int]]:

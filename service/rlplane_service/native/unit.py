@@ -557,11 +557,13 @@ class UnitCore:
 
     def _full(self, need: int, name: str, nbytes: int) -> E.StorageFullError:
         st = self.alloc.stats()
-        return E.StorageFullError(
+        err = E.StorageFullError(
             f"storage unit {self.name} has no room for {need} bytes (field {name!r} needs {nbytes}): its "
             f"slab of {st['slab_bytes']} bytes has {st['free_bytes']} free, largest hole "
             f"{st['largest_free']}; nothing of this put was kept: clear consumed partitions or raise "
             "RLPLANE_UNIT_BYTES")
+        err.component = f"storage unit {self.name}"  # (one unit is full: a writer may place the put on another)
+        return err
 
     def _store(self, bid: int, layout: list[tuple[str, str, Any, int, np.ndarray]],
                staged: dict[str, int] | None = None) -> dict[str, int]:

@@ -62,6 +62,11 @@ log = logging.getLogger(__name__)
 #: deliver bytes there (the unit stalled and came back), which must not land in the rows
 #: of a later put. Many times the engine's stall bound (rlplane.te.STALL_S).
 LATE_FREE_S = 30.0
+#: How long a unit keeps out of use the extents of a put the controller gave up on (its
+#: reservation lapsed, or its blocks are orphans nothing refers to): its writer may only
+#: be stalled (stopped, swapping) and copy into them when it wakes. A writer also stops
+#: copying once most of its lease has passed (``rlplane.transports.native``).
+LAPSED_FREE_S = 120.0
 #: The most bytes of rows a put sent in one message (``put``) may carry: the controller
 #: relays them to the units with the put's record; bigger puts go to the units directly.
 PUT_MAX_BYTES = 1 << 20
@@ -100,7 +105,7 @@ class WriteOps:
     _block_refs: dict[int, int]
     _block_bytes: dict[int, list[int]]
     _block_ext: dict[int, Any]
-    _late: dict[int, set[int]]
+    _late: dict[int, dict[int, float]]
     units: list[tuple[str, str]]
     seal_key: bytes | None
     lease_s: float
@@ -603,7 +608,7 @@ class WriteOps:
                 self._access(header, res.partition, write=True)
                 for b, _, _, _ in res.blocks:
                     if b in late:
-                        self._late[b] = late[b]
+                        self._late[b] = dict.fromkeys(late[b], LATE_FREE_S)
                 self._abort(res)
         return {"aborted": res is not None}, {}, []
 
@@ -639,7 +644,7 @@ class WriteOps:
                 if b in self._block_units or self.pins.waiting(b):
                     continue
                 if b in late_of:
-                    self._late[b] = late_of[b]
+                    self._late[b] = dict.fromkeys(late_of[b], LATE_FREE_S)
                 self._queue_frees(b, tuple(set(entry[1])))
                 freed += 1
         return {"discarded": freed}, {}, []
@@ -666,6 +671,8 @@ class WriteOps:
             for res in [r for r in self._res.values() if r.deadline < now]:
                 log.warning("put into %r of %d samples never committed; its reservation lapsed",
                             res.partition, res.slots.size)
+                for b, units, _, _ in res.blocks:  # (its writer may only be stalled, and copy there yet)
+                    self._late[b] = dict.fromkeys(units, LAPSED_FREE_S)
                 self._abort(res)
             self.pins.expire(now)
 

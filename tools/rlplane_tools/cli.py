@@ -208,8 +208,9 @@ def bench(
     text-scale (µs per sample as B grows), dp-shard, claim (streaming) and controller
     (operations per second); sweeps of vlm-step batch sizes and concurrent writers (every
     sample checked after). Reports median and min..max ms, GB/s of stored bytes, the ratio
-    to raw TransferQueue and whether each target is met. One warm-up per path is checked
-    bit for bit; a mismatch fails the run (exit 1). --codec, --ledger, --rebuild and
+    to raw TransferQueue and whether each target is met. Every move is checked bit for bit
+    (off the clock): an rlplane path's mismatch fails the run (exit 1), a peer's leaves
+    that peer out of the section and the report says why. --codec, --ledger, --rebuild and
     --durability each run one section of their own instead.
 
     Examples: rlplane bench --quick --plot out/bench.png

@@ -71,7 +71,7 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
         with LocalEngine(2, slab_bytes=slab, processes=True, lease_s=600) as src:
             client = Client(default_registry().without_sharing(), NativeTransport(src.info, timeout=600, data_path="shm"))
             try:
-                _populated(client.transport)
+                populated(client.transport)
                 stored = 0
                 with console.status("filling with vlm-step puts of 16") as status:
                     for k in range(100_000):
@@ -102,7 +102,7 @@ def run_durability_bench(cfg: DurabilityBenchConfig, console: Console) -> dict:
         with LocalEngine(3, slab_bytes=slab, processes=True, lease_s=600) as dst:
             with Client(default_registry().without_sharing(), NativeTransport(dst.info, timeout=600, data_path="shm")) as c2:
                 with console.status("restore into 3 storage units (their slabs pre-fault first)"):
-                    _populated(c2.transport)
+                    populated(c2.transport)
                     restorer = _Child()
                     back = SnapshotInfo(**restorer.run(_snapshot_op, "restore", dst.info, str(root / "snap")))
                     restorer.close()
@@ -203,7 +203,7 @@ def _journal_bench(jdir: Path, gib: float, n_small: int = 300) -> dict:
     return out
 
 
-def _populated(transport: Any, within_s: float = 300.0) -> None:
+def populated(transport: Any, within_s: float = 300.0) -> None:
     """Wait until every unit's slab is pre-faulted (a unit does it in the background at start)."""
     deadline = time.monotonic() + within_s
     for u in range(len(transport.units)):

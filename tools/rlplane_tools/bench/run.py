@@ -233,6 +233,20 @@ def _publishes(url: str, token: str | None, key: str) -> bool:
         api.close()
 
 
+def _slabs_ready(url: str, token: str | None) -> None:
+    """Wait until the native service's units have pre-faulted their slabs (none to wait
+    for on a service of another backend)."""
+    import rlplane
+    from rlplane.errors import RlplaneError
+    from rlplane_tools.bench.durability import populated
+
+    try:
+        with rlplane.connect(url, token=token, transport="native", timeout=30) as client:
+            populated(client.transport)
+    except RlplaneError:
+        return
+
+
 def _runs_transfer_engine(url: str, token: str | None) -> bool:
     import rlplane
     from rlplane.errors import RlplaneError
@@ -269,6 +283,8 @@ def _measure(cfg: BenchConfig, console: Console, url: str, token: str | None, mo
         ray.get(pool.reader.open.remote(list(cfg.paths)))
         ray.get(pool.writers[0].open.remote(list(cfg.paths)))
         ray.get([w.open.remote([WRITERS_PATH]) for w in pool.writers[1:]])
+    with console.status("waiting for the storage units to pre-fault their slabs"):
+        _slabs_ready(url, token)  # (a unit faults its slab in the background at start: not during a timed op)
     out: dict[str, Any] = {"workloads": [], "latency": None, "dp_shard": None,
                            "sweeps": {"batch": [], "writers": [], "scale": []}}
     try:
@@ -359,8 +375,9 @@ class _Moved:
 
 def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, ...], progress: Progress,
                 stored: bool = False) -> dict:
-    """A checked warm-up move through every path, then ``reps`` rounds of one timed move
-    per path. Rounds, not one path after the other: whichever path ran first used to
+    """A warm-up move through every path, then ``reps`` rounds of one timed move per path,
+    every move checked bit for bit after its timing (a peer that dropped a field in a
+    timed round would look faster). Rounds, not one path after the other: whichever path ran first used to
     pay for the machine settling (its reads were 2-3x slower, whichever path it was).
     With ``stored``, the warm-up also records what each put added to its store (the
     paths that can tell) and the batch's unique bytes (every repeated row once)."""
@@ -373,8 +390,8 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
     held: dict[str, int] | None = {} if stored else None
     for rep in range(cfg.reps + 1):
         progress.update(task, description=f"{share.workload} B={share.batch}: {'warm-up' if rep == 0 else f'round {rep}'}")
-        for path in [p for p in paths if p not in wrong]:
-            moved = _checked_move(pool, path, _key(path, rep), rep == 0, wrong, stored=held if rep == 0 else None)
+        for path in [p for p in _turn(paths, rep) if p not in wrong]:
+            moved = _checked_move(pool, path, _key(path, rep), True, wrong, stored=held if rep == 0 else None)
             if moved and rep:
                 puts[path].seconds.append(moved.put)
                 gets[path].seconds.append(moved.get)
@@ -401,6 +418,13 @@ def _throughput(cfg: BenchConfig, pool: _Pool, share: Share, paths: tuple[str, .
     if held is not None:
         out.update(unique_bytes=ray.get(pool.writers[0].unique_bytes.remote()), held_bytes=held)
     return out
+
+
+def _turn(paths: tuple[str, ...], k: int) -> tuple[str, ...]:
+    """``paths`` starting at the ``k``-th (each round another path goes first: what one
+    path leaves behind, e.g. a store's background frees, falls on each of the others alike)."""
+    k %= max(len(paths), 1)
+    return paths[k:] + paths[:k]
 
 
 def _checked_move(pool: _Pool, path: str, key: str, verify: bool, wrong: dict[str, str],
@@ -437,8 +461,8 @@ def _latency(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     parts: dict[tuple[str, str], list[dict[str, float] | None]] = {(p, op): [] for p in paths for op in ("put", "get")}
     wrong: dict[str, str] = {}
     for op in range(cfg.ops + 1):  # in rounds, like _throughput
-        for path in [p for p in paths if p not in wrong]:
-            moved = _checked_move(pool, path, _key(path, op), op == 0, wrong)
+        for path in [p for p in _turn(paths, op) if p not in wrong]:
+            moved = _checked_move(pool, path, _key(path, op), True, wrong)
             if moved and op:
                 put[path].append(moved.put)
                 get[path].append(moved.get)
@@ -467,7 +491,7 @@ def _dp_shard(cfg: BenchConfig, pool: _Pool, progress: Progress) -> dict:
     wrong: dict[str, str] = {}
     for rep in range(cfg.reps + 1):
         for path in [p for p in paths if p not in wrong]:
-            moved = _checked_move(pool, path, _key(path, rep, "-dp"), rep == 0, wrong, rows=rows, fields=DP_SHARD_FIELDS)
+            moved = _checked_move(pool, path, _key(path, rep, "-dp"), True, wrong, rows=rows, fields=DP_SHARD_FIELDS)
             if moved and rep:
                 gets[path].append(moved.get)
                 parts[path].append(moved.get_parts)

@@ -315,41 +315,45 @@ class Client:
                                            "nothing to read (a step whose samples were all filtered out)")
             how = dict(layout=layout, pad=pad_to_seqlen if pad_to_seqlen is not None else meta.pad_to_seqlen,
                        copy=copy, device=device)
-            try:
-                return self._read(meta, names, op, **how)
-            except MissingDataError as err:
-                lacking = _lacking(err, meta.some_fields) if fields is None else None
-                if lacking is None:
-                    raise
-                other = sorted(f for f in lacking if self.registry.get(f).container != "packed")
-                if other:
-                    raise MissingDataError(meta.partition, err.missing, hint=f"stage {stage!r} reads the optional "
-                                           f"field(s) {other}, which only some of these samples hold (they were put "
-                                           "apart): write them for the others too, or read those apart") from err
-            out = self._read(meta, [n for n in names if n not in lacking], op, **how)
-            out.update(self._read_held(meta, lacking, op, how))
+            # Optional fields only some samples may hold: the store's MissingDataError says
+            # which samples lack each (a read in pieces: one piece's at a time, so each try
+            # learns more, or the error is raised); the first try is the whole read.
+            maybe = frozenset(f for f in meta.some_fields if self.registry.get(f).optional) if fields is None \
+                else frozenset()
+            lacking: dict[str, list[str]] = {}
+            while True:
+                try:
+                    out = self._read(meta, [n for n in names if n not in lacking], op, **how)
+                    out.update(self._read_held(meta, lacking, op, how))
+                    break
+                except MissingDataError as err:
+                    more = _lacking(err, maybe)
+                    if more is None or all(set(who) <= set(lacking.get(f, ())) for f, who in more.items()):
+                        raise
+                    for f, who in more.items():
+                        lacking[f] = sorted(set(lacking.get(f, ())) | set(who))
+            some = sorted(f for f in lacking if f in out and self.registry.get(f).container != "packed")
+            if some:  # (held by some, lacked by others: nothing to fill a token or sample row with)
+                raise MissingDataError(meta.partition, {s: [f for f in some if s in lacking[f]] for s in
+                                                        sorted({s for f in some for s in lacking[f]})},
+                                       hint=f"stage {stage!r} reads the optional field(s) {some}, which only some of "
+                                       "these samples hold (they were put apart): write them for the others too, or "
+                                       "read those apart")
             return {n: out[n] for n in names if n in out}
 
     def _read_held(self, meta: SampleMeta, lacking: dict[str, list[str]], op: Any, how: dict[str, Any]
                    ) -> dict[str, Any]:
-        """The media fields of ``lacking`` (each with the samples of ``meta`` the store said
-        lack it), read from the samples that hold them; empty rows for the others, and left
-        out where none does. A read in pieces names one piece's lacking samples at a time:
-        more of them named are added and the fields read again (each time one more at least)."""
-        while True:
-            out: dict[str, Any] = {}
-            try:
-                for group, holders in _holders(meta, lacking):  # (fields the same samples lack: one read)
-                    if holders.size:
-                        got = self._read(meta.subset(holders), group, op, **how)
-                        out.update({f: got[f].placed(holders.tolist(), len(meta)) for f in group})
-                return out
-            except MissingDataError as err:
-                more = _lacking(err, frozenset(lacking))
-                if more is None or all(set(who) <= set(lacking[f]) for f, who in more.items()):
-                    raise
-                for f, who in more.items():
-                    lacking[f] = sorted(set(lacking[f]) | set(who))
+        """The fields of ``lacking`` (each with the samples of ``meta`` the store said lack
+        it) read from the samples that hold them, left out where none does; a media field's
+        rows placed among empty ones for the others (another field's are only read: the
+        caller refuses it)."""
+        out: dict[str, Any] = {}
+        for group, holders in _holders(meta, lacking):  # (fields the same samples lack: one read)
+            if holders.size:
+                got = self._read(meta.subset(holders), group, op, **how)
+                out.update({f: got[f].placed(holders.tolist(), len(meta))
+                            if self.registry.get(f).container == "packed" else got[f] for f in group})
+        return out
 
     def _read(self, meta: SampleMeta, names: list[str], op: Any, *, layout: str, pad: int | None, copy: bool,
               device: torch.device | None) -> dict[str, Any]:

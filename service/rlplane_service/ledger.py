@@ -48,6 +48,8 @@ NO_VERSION = np.iinfo(np.int64).max
 SCAN_WINDOW = 4096
 #: The most consuming tasks a partition keeps state for (each: 9 bytes per slot of it).
 MAX_TASKS = 256
+#: Settled leases kept for late acks of their cleared samples (see Ledger._settled).
+MAX_SETTLED = 4096
 #: Upper bounds (seconds) of the claim-wait histogram's buckets.
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0)
 
@@ -258,6 +260,10 @@ class Ledger:
         self.lease_s = lease_s
         self._parts: dict[str, PartState] = {}
         self._leases: dict[int, Lease] = {}
+        # Leases that hold no stored sample any more, till their term (at most MAX_SETTLED): a
+        # data-parallel rank's ack of its shard, whose samples were cleared after another
+        # rank's ack settled the lease, acks nothing rather than fail.
+        self._settled: dict[int, Lease] = {}
         self.wait_counts = [0] * (len(WAIT_BUCKETS) + 1)
         self.wait_sum = 0.0
         self._touched: set[str] = set()  # partitions where something a parked claim may wait for happened
@@ -267,7 +273,7 @@ class Ledger:
         partition and task, which an ack must name too)."""
         while True:
             lid = secrets.randbits(63)
-            if lid and lid not in self._leases:
+            if lid and lid not in self._leases and lid not in self._settled:
                 return lid
 
     # -- claiming --------------------------------------------------------------------
@@ -499,6 +505,8 @@ class Ledger:
         """Return the samples of lapsed leases to their tasks; how many leases lapsed."""
         now = time.monotonic() if now is None else now
         gone = [le for le in self._leases.values() if le.deadline <= now]
+        while self._settled and next(iter(self._settled.values())).deadline <= now:
+            del self._settled[next(iter(self._settled))]
         for le in gone:
             del self._leases[le.lid]
             held = le.slots[(le.state.state[le.slots] == LEASED) & (le.state.lease[le.slots] == le.lid)]
@@ -536,6 +544,7 @@ class Ledger:
                                                                 fresh.filled)
         for le in leases:
             le.slots = remap[le.slots]
+        self._settled = {lid: le for lid, le in self._settled.items() if le.partition != partition}  # (old slots)
 
     def forget(self, partition: str) -> None:
         """``partition`` left the index (its last sample was cleared): drop its consumption
@@ -572,12 +581,15 @@ class Ledger:
         (LeaseError otherwise); and every slot it still holds."""
         self.expire()
         le = self._leases.get(lid)
+        if le is None and ids is not None:  # (named samples of a settled lease: cleared ones are nothing to do)
+            le = self._settled.get(lid)
         if le is None or le.partition != partition or le.task != task:
             raise E.LeaseError(f"cannot {verb}: lease {lid} of task {task!r} on partition {partition!r} expired or was "
                                "never granted (its samples went back to the task; they will be claimed again)")
         ps = self._part(partition)
         if ps is None or ps.tasks.get(task) is not le.state:  # its slots would name the new partition's samples
-            del self._leases[lid]
+            self._leases.pop(lid, None)
+            self._settled.pop(lid, None)
             raise E.LeaseError(f"cannot {verb}: lease {lid} of task {task!r} was on samples of partition {partition!r} "
                                "that were cleared since (the partition was dropped, and made again if it exists)")
         slots = le.slots[le.state.lease[le.slots] == lid]
@@ -622,6 +634,9 @@ class Ledger:
         under another lease, or cleared)."""
         if not bool(self._held_by(le).any()):
             self._leases.pop(le.lid, None)
+            self._settled[le.lid] = le
+            if len(self._settled) > MAX_SETTLED:
+                del self._settled[next(iter(self._settled))]
 
     def _held_by(self, le: Lease) -> np.ndarray:
         """Per slot of ``le``: leased under it and still stored."""

@@ -216,6 +216,8 @@ def test_image_samples_put_apart_from_text_only_ones_keep_their_images_on_a_read
                 client.read_columns(meta, stage="logprob")
             lack = {s for s, names in err.value.missing.items() if "mm_token_type_ids" in names}
             assert lack == set(with_images.sample_ids) and "mm_token_type_ids" in str(err.value), how
+            images = meta.subset([meta.sample_ids.index(s) for s in with_images.sample_ids])  # (none holds it)
+            assert "mm_token_type_ids" not in client.read_columns(images, stage="logprob"), how
             meta = replace(meta, some_fields=meta.some_fields - {"mm_token_type_ids"})
             got = client.read_columns(meta, stage="logprob")
             rows = got["pixel_values"].rows

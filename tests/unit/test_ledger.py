@@ -765,6 +765,19 @@ def test_a_lease_whose_samples_were_cleared_or_leased_again_is_settled_and_count
     led2.ack("p", "train", first["lease"], ["s1", "s2", "s3"])
     led2.ack("p", "train", again["lease"], None)
     assert led2.snapshot()["leases"] == 0 and led2.leased("p", idx2["p"]).size == 0
+    with pytest.raises(E.LeaseError, match="not held by lease"):  # (acked already: named, as before)
+        led2.ack("p", "train", first["lease"], ["s1"])
+
+
+def test_a_ranks_ack_of_its_shard_cleared_after_another_ranks_ack_settled_the_lease_acks_nothing():
+    led, idx = _ledger()
+    _put(idx, "p", [f"s{i}" for i in range(4)])
+    lease = led.claim(_req(n=4), final=True)["lease"]
+    idx.drop("p", ["s2", "s3"])
+    assert led.ack("p", "train", lease, ["s0", "s1"]) == 2 and led.snapshot()["leases"] == 0
+    assert led.ack("p", "train", lease, ["s2", "s3"]) == 0
+    with pytest.raises(E.LeaseError):
+        led.ack("p", "train", lease + 1, ["s2"])
 
 
 def test_a_stale_group_cleared_and_put_again_fresh_is_handed_out():

@@ -180,11 +180,16 @@ def test_a_read_by_stage_in_pieces_keeps_the_images_of_samples_put_apart_from_te
     import rlplane.transports.native as native
     from rlplane import PackedTensor, SampleMeta
 
-    def put(n: int, images: bool) -> SampleMeta:
+    def put(n: int, images: bool, audio: bool = False) -> SampleMeta:
         f = {"input_ids": torch.arange(n * 4).reshape(n, 4), "input_lengths": torch.full((n,), 4)}
         if images:
             f["pixel_values"] = PackedTensor([torch.full((2, 8), float(i + 1)) for i in range(n)])
+        if audio:
+            f["input_features"] = PackedTensor([torch.full((3, 2), float(i + 1)) for i in range(n)])
         return client.put_samples("apart", f)
+
+    def first(rows: list) -> list:
+        return [r[0][0, 0].item() if r else None for r in rows]
 
     parts = [put(4, True), put(3, False), put(3, True), put(2, False), put(1, True)]
     meta = SampleMeta.concat(*parts)
@@ -192,9 +197,33 @@ def test_a_read_by_stage_in_pieces_keeps_the_images_of_samples_put_apart_from_te
     try:
         rows = client.read_columns(meta, stage="logprob")["pixel_values"].rows
         want = [float(i + 1) if p in (0, 2, 4) else None for p, m in enumerate(parts) for i in range(len(m))]
-        assert [r[0][0, 0].item() if r else None for r in rows] == want
+        assert first(rows) == want
+        # Two media fields lacked by different samples, each found in another piece.
+        parts = [put(3, True, True), put(3, True), put(3, False, True)]
+        monkeypatch.setattr(native, "READ_CELLS", 3 * 4)
+        got = client.read_columns(SampleMeta.concat(*parts), stage="logprob")
+        assert first(got["pixel_values"].rows) == [1.0, 2.0, 3.0] * 2 + [None] * 3
+        assert first(got["input_features"].rows) == [1.0, 2.0, 3.0] + [None] * 3 + [1.0, 2.0, 3.0]
     finally:
         client.clear("apart")
+
+
+def test_a_required_field_only_some_samples_of_a_stage_read_hold_is_missing_data_not_empty_rows(client):
+    from rlplane import FieldSpec, PackedTensor, SampleMeta
+    from rlplane.fields import Registry
+
+    reg = Registry([spec for spec in default_registry().specs() if spec.name in ("input_ids", "input_lengths")]
+                   + [FieldSpec("pixel_values", "media", "packed", {"vision"}, dtype="float32")])
+    c = Client(reg, client.transport)
+    ids = {"input_ids": torch.ones(2, 4, dtype=torch.int64), "input_lengths": torch.full((2,), 4)}
+    images = c.put_samples("required", {**ids, "pixel_values": PackedTensor([torch.ones(2, 3), None])})
+    text = c.put_samples("required", ids)
+    try:
+        with pytest.raises(E.MissingDataError) as err:
+            c.read_columns(SampleMeta.concat(images, text), stage="vision")
+        assert set(err.value.missing) == set(text.sample_ids)
+    finally:
+        c.clear("required")
 
 
 def test_a_read_bigger_than_one_locate_goes_in_pieces_and_reads_back_bit_exact(client, engine, monkeypatch):

@@ -579,3 +579,18 @@ def test_a_put_a_full_unit_refuses_goes_to_a_unit_with_room(path):
         with pytest.raises(E.StorageFullError, match="RLPLANE_UNIT_BYTES"):  # both full: said so
             for j in range(16):
                 c.put_samples(f"over-{j}", row)
+
+
+def test_a_writer_that_maps_one_full_unit_puts_on_the_unit_it_reaches_over_zmq():
+    """With one unit mapped here (its host's), every put's first copy went to it: full, and
+    the put failed while the unit on the other host was empty."""
+    with LocalEngine(2, secret=SECRET, slab_bytes=8 << 20) as eng:
+        transport = NativeTransport(eng.info, timeout=30, data_path="auto")
+        transport._slab_map.pop(1)  # unit 1 on another host: reached over zmq
+        c = Client(default_registry(), transport)
+        row = {"input_ids": torch.zeros(1, 96 << 10, dtype=torch.int64), "input_lengths": torch.tensor([96 << 10])}
+        with pytest.raises(E.StorageFullError):
+            for k in range(40):
+                c.put_samples(f"fill-{k}", row)
+        assert [core.alloc.stats()["largest_free"] < row["input_ids"].nbytes for core in eng.cores] == [True, True]
+        c.close()

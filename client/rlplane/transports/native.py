@@ -293,21 +293,24 @@ class NativeTransport(Transport):
         aligned = [] if create else list(aligned)
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
-        ids, full = list(sample_ids), 0
+        ids, full = list(sample_ids), set()
         while True:
             try:
                 try:
-                    return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums)
+                    return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums,
+                                     avoid=full)
                 except UnavailableError as err:  # a unit died: once it is declared lost, place the put on the others
                     if not self._lost(err):
                         raise
                     columns = self._restaged(columns)
-                    return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums)
-            except StorageFullError as err:  # a unit is full: the next try places the put on the next units
-                full += 1
-                live = len(self.units) - len(self.down)
-                if not getattr(err, "component", None) or full >= live or live <= self.replicas:
+                    return self._put(partition, ids, columns, tags, create, durable, aligned, born, grows, read_sums,
+                                     avoid=full)
+            except StorageFullError as err:  # a unit is full: the put is placed again, on the others
+                unit = next((u for u, (name, _) in enumerate(self.units)
+                             if getattr(err, "component", None) == f"storage unit {name}"), None)
+                if unit is None or unit in full or len(self.units) - len(self.down | full | {unit}) < self.replicas:
                     raise
+                full.add(unit)
                 columns = self._restaged(columns)
 
     def _restaged(self, columns: Mapping[str, Column]) -> Mapping[str, Column]:
@@ -419,7 +422,7 @@ class NativeTransport(Transport):
     def _put(self, partition: str, ids: list[str], columns: Mapping[str, Column], tags: Sequence[Mapping[str, Any]],
              create: bool, durable: bool = False, aligned: list[str] | None = None,
              born: np.ndarray | None = None, grows: np.ndarray | None = None,
-             read_sums: Mapping[str, np.ndarray] | None = None) -> int | None:
+             read_sums: Mapping[str, np.ndarray] | None = None, avoid: Collection[int] = ()) -> int | None:
         deadline = time.monotonic() + self.timeout
         names = list(columns)
         # Split tags: geometry and digests per field (kept in the controller's arrays; the
@@ -439,7 +442,7 @@ class NativeTransport(Transport):
                 raise WireFormatError("a row carries no wire geometry (encode it with rlplane's codec)", field=f)
         stage = self._staged(len(ids), columns) if names else None
         nbytes = sum(c.nbytes for c in columns.values())
-        blocks = stage.blocks if stage is not None else self._place(len(ids), nbytes) if names else []
+        blocks = stage.blocks if stage is not None else self._place(len(ids), nbytes, avoid) if names else []
         described = _described(columns, geoms, sums, user, aligned, born, durable, grows, read_sums)
         if len(blocks) == 1 and nbytes <= ONE_MESSAGE_BYTES and (stage is None or not stage.ready):
             # One round trip: the controller reserves, hands the rows to the block's units with
@@ -671,15 +674,16 @@ class NativeTransport(Transport):
             raise TransportError(f"the call ran past its deadline of {self.timeout:.0f} s (connect(timeout=...))")
         return left
 
-    def _place(self, n: int, nbytes: int) -> list[list[Any]]:
+    def _place(self, n: int, nbytes: int, avoid: Collection[int] = ()) -> list[list[Any]]:
         """Blocks for ``n`` rows: one unit per block, split over units when the put is big
-        (so the shares move in parallel); fresh random ids; units taken in turn. With a
-        unit mapped here, one block whose first copy is local (a put is then a memcpy)."""
+        (so the shares move in parallel); fresh random ids; units taken in turn, but those
+        of ``avoid`` (full for this put). With a unit mapped here, one block whose first
+        copy is local (a put is then a memcpy)."""
         if self.down and time.monotonic() - self._down_at > _DOWN_REFRESH_S:  # a suspect unit may answer again
             self._down_at = time.monotonic()
             hello = self._ask({"op": "hello"}, min(self.timeout, 10.0))
             self.down = {int(u) for u in hello.get("down", [])} | {int(u) for u in hello.get("suspect", [])}
-        live = [u for u in range(len(self.units)) if u not in self.down]
+        live = [u for u in range(len(self.units)) if u not in self.down and u not in avoid]
         if not live:
             raise UnavailableError("every storage unit of the store is lost; the service needs a restart",
                                    component="storage units")

@@ -467,7 +467,7 @@ class NativeTransport(Transport):
         failed: BaseException | None = None
         late: list[list[int]] = []  # [block, unit] copies whose one-sided write failed
         try:
-            where, seals = self._land_blocks(writes, deadline, late, copy_by)  # shm: the copies into the slabs happen here
+            where, seals = self._land_blocks(writes, deadline, late, copy_by)  # shm: the copies into the slabs
         except BaseException as err:  # noqa: BLE001 - raised below, once the reservation is settled
             failed, where, seals = err, {}, []
         try:
@@ -748,8 +748,8 @@ class NativeTransport(Transport):
                                           min(deadline, time.monotonic() + _ABORT_TIMEOUT_S))[0]
                 got = _offsets(reply.get("x"), w.part, self.units[w.unit][0])
                 if failed is None and (w.unit in self._slabs or w.unit in self._remote) and time.monotonic() > copy_by:
-                    raise LeaseError(f"this put took longer than {COPY_WITHIN * self.put_lease_s:.0f} s to copy its rows "
-                                     f"(the service's reservation lease is {self.put_lease_s:.0f} s, "
+                    raise LeaseError(f"this put took longer than {COPY_WITHIN * self.put_lease_s:.0f} s to copy its "
+                                     f"rows (the service's reservation lease is {self.put_lease_s:.0f} s, "
                                      "RLPLANE_PUT_LEASE_S; was this process stalled?): nothing was stored; retry it")
                 if failed is None and w.unit in self._slabs:
                     self._copy_in(self._slabs[w.unit], got, w.part, w.staged)

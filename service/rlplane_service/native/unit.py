@@ -512,7 +512,7 @@ class UnitCore:
 
     def op_ping(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         with self._lock:
-            slab = self.alloc.stats()
+            slab = {**self.alloc.stats(), "late_bytes": self._late_bytes()}
         journal = {"journal": self.journal.stats()} if self.journal is not None else {}
         return {"unit": self.name, "slab": slab, **journal}, {}, []
 
@@ -540,10 +540,14 @@ class UnitCore:
                 for start in (x for starts in due for x in starts):
                     self.alloc.free(start)
 
+    def _late_bytes(self) -> int:
+        """Bytes of the extents kept out of use a while (``free(after=...)``): counted as used."""
+        return sum(self.alloc.extent(x) or 0 for _, starts in self._late for x in starts)
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {"unit": self.name, "blocks": len(self._blocks), "nbytes": self.alloc.used_bytes,
-                    "late_extents": sum(len(starts) for _, starts in self._late),
+                    "late_extents": sum(len(starts) for _, starts in self._late), "late_bytes": self._late_bytes(),
                     "populated": self.slab.populated.is_set(),
                     "slab": self.alloc.stats(), "log_entries": len(self.log), "log_bytes": self.log.nbytes(),
                     **({"journal": self.journal.stats()} if self.journal is not None else {})}

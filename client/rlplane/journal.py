@@ -405,11 +405,13 @@ def _put_of(r: Record) -> tuple[list[str], dict[str, Any], list[dict[str, Any]],
     from rlplane.column import Column
     from rlplane.dtypes import dtype_from_name
     from rlplane.geometry import Geometry
+    from rlplane.integrity import check_rows, row_sums
 
     rec = r.rec
     ids = [str(s) for s in rec["ids"]]
     fields = [str(f) for f in rec["fields"]]
-    blocks = sorted((int(b), int(a), int(z)) for b, _, a, z in rec["blocks"])
+    # as recorded: in row order (the controller checked so; block ids are random, never an order)
+    blocks = [(int(b), int(a), int(z)) for b, _, a, z in rec["blocks"]]
     missing = [b for b, _, _ in blocks if b not in r.blocks or not set(fields) <= set(r.blocks[b])]
     if missing:
         return (f"change {r.seq} ({r.partition!r}, {len(ids)} samples): block(s) {missing[:3]} are in no unit's "
@@ -434,6 +436,8 @@ def _put_of(r: Record) -> tuple[list[str], dict[str, Any], list[dict[str, Any]],
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(row_bytes // size)]).astype(np.int64))
         sums = np.frombuffer(rec["h"][f], "<u8") if rec.get("h") and f in rec["h"] else None
         columns[f] = Column(values, offsets, same=same).with_meta(sums, Geometry.from_wire(rec["g"][f], f))
+        if sums is not None:  # each row is the one its writer digested (IntegrityError naming it, if not)
+            check_rows(r.partition, ids, f, row_sums(columns[f]), sums)
     user = rec.get("user")
     tags = [dict(t) if isinstance(t, dict) else {} for t in user] if user else [{} for _ in ids]
     return ids, columns, tags, rec.get("create") is True

@@ -127,6 +127,35 @@ def test_the_journal_alone_restores_a_store_that_never_snapshotted_and_skips_a_t
         assert len(info.journal["torn"]) == 1 and str(seg) in info.journal["torn"][0]
 
 
+def test_a_put_split_over_blocks_with_descending_ids_replays_each_row_onto_its_own_sample(tmp_path, monkeypatch):
+    """A client with no slab mapped (another host) splits a big put over blocks with random
+    ids: the replay joins them in row order, never id order (rows swapped between samples
+    silently before); a row that replays onto another sample fails its writer's digest."""
+    import secrets as real
+
+    from rlplane.transports import native
+
+    ids = iter(range(1 << 40, 0, -1))  # each block's id below the one before it
+    monkeypatch.setattr(native, "secrets", type("Secrets", (), {"randbits": staticmethod(lambda k: next(ids)),
+                                                                 "randbelow": staticmethod(real.randbelow),
+                                                                 "token_hex": staticmethod(real.token_hex)}))
+    monkeypatch.setattr(native, "CHUNK_BYTES", 1 << 10)  # a kB a block: the put below spans every unit
+    jdir = tmp_path / "journal"
+    with engine(jdir, units=4) as eng, Client(default_registry(), NativeTransport(
+            {"controller": eng.server.endpoint, "secret": SECRET.decode()}, timeout=30, data_path="zmq")) as a:
+        w = text_step(16, 64, seed=3)
+        m = a.put_samples("big", w.fields, durable=True)
+        want = wire(a, "big", m.sample_ids, sorted(w.fields))
+    (rec,) = [r for r in J.Journal.open(jdir).changes.values() if r.kind == J.PUT]
+    assert len(rec.rec["blocks"]) == 4  # split, each id below the one before
+    with engine(None) as new, connect(new) as b:
+        info = snapshot.restore(b.transport, None, journal=jdir)
+        assert not info.journal["skipped"] and same(wire(b, "big", m.sample_ids, sorted(w.fields)), want)
+    rec.rec["blocks"].reverse()  # a record joined out of row order: its rows fail their writers' digests
+    with pytest.raises(E.IntegrityError, match="'big', sample"):
+        J._put_of(rec)
+
+
 def test_a_damaged_journal_record_is_refused_naming_the_file_and_nothing_is_loaded(tmp_path):
     jdir = tmp_path / "journal"
     with engine(jdir, units=1) as eng, connect(eng) as a:

@@ -20,9 +20,11 @@ sequence number the journal was truncated (at a snapshot): a snapshot older than
 cannot be continued by this journal.
 
 **Torn and damaged records**: a record that runs past the end of its file (the process
-died writing it) or fails its checksum as the file's last record is *torn*: skipped and
-reported. A record that fails its checksum with more records after it is damage:
-:class:`~rlplane.errors.SnapshotError` naming the file, and nothing is replayed.
+died writing it) or fails its checksum with no whole record after it (the disk took only
+part of the file's last records: power lost before their fsync) is *torn*: skipped with
+the rest of the file, and reported. A record that fails its checksum with a whole record
+after it is damage: :class:`~rlplane.errors.SnapshotError` naming the file, and nothing
+is replayed.
 
 Example::
 
@@ -164,8 +166,9 @@ def read_segment(path: Path, *, heads_only: bool = False) -> Segment:
             h.update(view[at + 4 : hstart + hlen])
             h.update(body)
             if h.intdigest() != TRAILER.unpack_from(view, end - TRAILER.size)[0]:
-                if end == size:
-                    torn = "its last record fails its checksum"
+                if end == size or not whole_after(at):  # no whole record after it: the disk took only part
+                    torn = "its last record fails its checksum" if end == size else \
+                        f"its last {size - at} bytes fail their checksums (records the disk took only part of)"
                     break
                 raise bad("has a record that fails its checksum (damaged)")
         try:

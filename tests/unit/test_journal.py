@@ -156,6 +156,32 @@ def test_a_put_split_over_blocks_with_descending_ids_replays_each_row_onto_its_o
         J._put_of(rec)
 
 
+def test_power_lost_with_the_last_two_records_written_in_part_keeps_every_fsynced_put(tmp_path):
+    """The last two records reached the disk only in part (a page of zeros in the one, the
+    other cut short): no whole record follows the damage, so both are torn, reported, and
+    the durable put before them comes back (the whole journal was refused before)."""
+    jdir = tmp_path / "journal"
+    with engine(jdir, units=1, journal_flush_ms=10_000) as eng, connect(eng) as a:
+        w = text_step(4, 16, seed=1)
+        m = a.put_samples("durable", w.fields, durable=True)
+        want = wire(a, "durable", m.sample_ids, sorted(w.fields))
+        a.put_samples("late1", text_step(64, 256, seed=2).fields)  # in the page cache only
+        a.put_samples("late2", text_step(64, 256, seed=3).fields)
+    (seg,) = [s for s in segments(jdir) if s.stat().st_size]
+    data, starts, at = bytearray(seg.read_bytes()), [], 0
+    while at < len(data):
+        _, hl, bl = J.FRAME.unpack_from(data, at)
+        starts.append(at)
+        at += J.FRAME.size + hl + bl + J.TRAILER.size
+    mid = (starts[-2] + starts[-1]) // 2
+    data[mid : mid + 4096] = bytes(4096)  # a page of the one before the last never written
+    seg.write_bytes(bytes(data[: (starts[-1] + len(data)) // 2]))  # the last cut short
+    with engine(None) as new, connect(new) as b:
+        info = snapshot.restore(b.transport, None, journal=jdir)
+        assert b.partitions() == ["durable"] and same(wire(b, "durable", m.sample_ids, sorted(w.fields)), want)
+        assert len(info.journal["torn"]) == 1 and "fail their checksums" in info.journal["torn"][0]
+
+
 def test_a_damaged_journal_record_is_refused_naming_the_file_and_nothing_is_loaded(tmp_path):
     jdir = tmp_path / "journal"
     with engine(jdir, units=1) as eng, connect(eng) as a:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,30 +90,78 @@ def has_journal(root: Any) -> bool:
     return root is not None and next(iter(segments(Path(root))), None) is not None
 
 
+#: How often the replica restoring the store says it is alive (the store's ledger actor keeps
+#: it), and how long the other replicas, and any replica started after it, wait without a
+#: sign before they call it dead.
+RESTORE_BEAT_S = 5.0
+RESTORE_SILENT_S = 60.0
+
+
 def restore_once(store: Any, transport: Any, path: Any, declared: list[str], journal: Any = None) -> None:
     """Load snapshot ``path`` (and/or replay ``journal``) into the new store, once: the
-    first replica to ask does it (the store's metrics actor says who), before it serves;
-    the others and any later replica find the store restored. InvalidArgumentError on a
-    backend without snapshots."""
+    first replica to ask does it (the store's ledger actor says who), before it serves;
+    the others, and any replica started later, wait until it is done. SnapshotError when
+    it failed, or when the replica restoring it stopped mid-way (no sign for
+    RESTORE_SILENT_S: the store holds part of it, so no replica serves it);
+    InvalidArgumentError on a backend without snapshots.
+
+    Example: ``restore_once(store, transport, "/mnt/snap/run-7", registry.names())``
+    """
     from rlplane import snapshot
 
     if store.name != "native":
         what = "RLPLANE_RESTORE_FROM" if path is not None else "RLPLANE_JOURNAL_DIR"
         raise E.InvalidArgumentError(f"{what} needs the native backend (this store is {store.name!r})")
-    me = secrets.token_hex(8)
+    me, source = secrets.token_hex(8), path or journal
     if ray.get(store.ledger.remember.remote("restored-by", me), timeout=30) != me:
-        failed = ray.get(store.ledger.remember.remote("restore-failed", ""), timeout=30)
-        if failed:  # the replica that restored failed: this store must not serve as if it had
-            raise E.SnapshotError(f"the restore from {path} failed: {failed}; start a new store", component=str(path))
+        _await_restore(store.ledger, source)
         return
+    ray.get(store.ledger.keep.remote("restore", {"state": "running"}), timeout=30)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(RESTORE_BEAT_S):
+            try:
+                store.ledger.keep.remote("restore", {"state": "running"})
+            except Exception as err:  # noqa: BLE001 - the ledger gone: the waiters say so
+                log.warning("restore: could not tell the other replicas it goes on: %s", err)
+
+    threading.Thread(target=beat, name="rlplane-restore-beat", daemon=True).start()
     try:
         info = snapshot.restore(transport, path, progress=log.info, declared=declared,
                                 journal=journal if has_journal(journal) else None, newest=True)
     except Exception as err:
-        ray.get(store.ledger.remember.remote("restore-failed", f"{type(err).__name__}: {err}"), timeout=30)
+        done.set()
+        ray.get(store.ledger.keep.remote("restore", {"state": "failed", "why": f"{type(err).__name__}: {err}"}),
+                timeout=30)
         raise
+    done.set()
+    ray.get(store.ledger.keep.remote("restore", {"state": "done"}), timeout=30)
     log.warning("restored %d samples in %d partitions from %s in %.1f s%s", info.samples, info.partitions,
-                path or journal, info.seconds, f" (journal: {info.journal})" if info.journal else "")
+                source, info.seconds, f" (journal: {info.journal})" if info.journal else "")
+
+
+def _await_restore(ledger: Any, source: Any) -> None:
+    """Wait until the replica restoring the store from ``source`` is done (SnapshotError
+    when it failed or fell silent)."""
+    t0 = said = time.monotonic()
+    while True:
+        state, age = ray.get(ledger.kept.remote("restore"), timeout=30)
+        state = state or {}
+        if state.get("state") == "done":
+            return
+        if state.get("state") == "failed":  # the replica that restored failed: this store must not serve
+            raise E.SnapshotError(f"the restore from {source} failed: {state.get('why')}; start a new store",
+                                  component=str(source))
+        silent = age if age is not None else time.monotonic() - t0
+        if silent > RESTORE_SILENT_S:
+            raise E.SnapshotError(f"the replica restoring this store from {source} stopped mid-way (no sign of it "
+                                  f"for {silent:.0f} s): the store holds part of it, so no replica serves it; "
+                                  "start a new store", component=str(source))
+        if time.monotonic() - said > 30:
+            said = time.monotonic()
+            log.info("waiting for the replica restoring the store from %s (%.0f s so far)", source, said - t0)
+        time.sleep(0.25)
 
 
 class LedgerProxy:

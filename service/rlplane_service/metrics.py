@@ -484,6 +484,21 @@ def ledger_actor_class() -> Any:
             restarted controller serves where clients look for it)."""
             return self._kept.setdefault(key, value)
 
+        def keep(self, key: str, value: Any) -> None:
+            """Set ``key`` to ``value`` (the restore's state, beat by the replica restoring)."""
+            import time
+
+            self._kept[key] = value
+            self._kept[f"at:{key}"] = time.monotonic()
+
+        def kept(self, key: str) -> list[Any]:
+            """``[value, seconds since it was last kept]`` of ``key`` (``[None, None]``: never;
+            the age by this actor's clock, so replicas on other hosts compare no clocks)."""
+            import time
+
+            at = self._kept.get(f"at:{key}")
+            return [self._kept.get(key), None if at is None else time.monotonic() - at]
+
         def turn(self, key: str, period_s: float) -> bool:
             """True for the first caller in each ``period_s`` (one replica of several takes
             the periodic snapshot)."""

@@ -168,3 +168,71 @@ def test_a_damaged_snapshot_stops_a_new_store_from_starting_and_names_the_file(s
     finally:
         serve.delete("rlplane-snap-bad")
         ending_store(args)
+
+
+@pytest.fixture()
+def ledger(service):
+    """A store's ledger actor of its own (on the suite's Ray cluster)."""
+    import ray
+
+    from rlplane_service.metrics import ledger_actor_class
+
+    actor = ledger_actor_class().remote()
+    try:
+        yield actor
+    finally:
+        ray.kill(actor)
+
+
+def _store(ledger):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name="native", ledger=ledger)
+
+
+def test_a_replica_waits_for_the_one_restoring_and_refuses_a_restore_that_failed_after_it_began_waiting(ledger):
+    """The others serve only once the restoring replica is done (they served a half-loaded
+    store before), and a failure that comes while they wait stops them (a waiter's first
+    look used to hide it)."""
+    import threading
+
+    import ray
+
+    from rlplane_service.app import restore_once
+
+    ray.get(ledger.remember.remote("restored-by", "the-first-replica"))
+    ray.get(ledger.keep.remote("restore", {"state": "running"}))
+    threading.Timer(1.0, lambda: ray.get(ledger.keep.remote("restore", {"state": "done"}))).start()
+    t0 = time.monotonic()
+    restore_once(_store(ledger), None, "/snap/a", [])
+    assert time.monotonic() - t0 >= 0.9  # it waited for the restore to finish
+
+    ray.get(ledger.keep.remote("restore", {"state": "running"}))
+    threading.Timer(1.0, lambda: ray.get(ledger.keep.remote("restore", {"state": "failed", "why": "disk gone"}))).start()
+    with pytest.raises(E.SnapshotError, match="the restore from /snap/a failed: disk gone"):
+        restore_once(_store(ledger), None, "/snap/a", [])
+
+
+def test_a_replica_started_after_the_restoring_one_died_mid_way_refuses_to_serve_the_part(ledger, monkeypatch):
+    from rlplane_service import app
+
+    monkeypatch.setattr(app, "RESTORE_SILENT_S", 1.5)
+    import ray
+
+    ray.get(ledger.remember.remote("restored-by", "a-replica-killed-while-restoring"))
+    ray.get(ledger.keep.remote("restore", {"state": "running"}))  # its last sign
+    t0 = time.monotonic()
+    with pytest.raises(E.SnapshotError, match="stopped mid-way .* the store holds part of it"):
+        app.restore_once(_store(ledger), None, "/snap/b", [])
+    assert 1.4 < time.monotonic() - t0 < 10
+
+
+def test_the_restoring_replica_tells_the_others_it_failed(ledger):
+    """The restorer's own error reaches the replicas after it (here: a transport that
+    cannot restore), as a SnapshotError naming it."""
+    from rlplane_service.app import restore_once
+
+    with pytest.raises(E.InvalidArgumentError, match="needs the native backend"):
+        restore_once(_store(ledger), object(), "/snap/c", [])
+    with pytest.raises(E.SnapshotError, match="failed: InvalidArgumentError"):
+        restore_once(_store(ledger), object(), "/snap/c", [])

@@ -13,7 +13,7 @@ applied it.
     b"RLJ1" | head length (u32) | body length (u64) | head (msgpack) | body | xxh3-64 (u64)
 
 The head holds the change's sequence number (``seq``, the controller's), its kind
-(``put``, ``clear``, ``drop``, ``ack``), the partition, the change's record (``r``) and,
+(``put``, ``clear``, ``drop``, ``ack``; ``void``: that change failed, see :data:`VOID`), the partition, the change's record (``r``) and,
 for a put, where each of this unit's blocks' fields lie in the body (``x``). The
 checksum covers everything after the magic. ``DIR/<unit>/BASE`` says below which
 sequence number the journal was truncated (at a snapshot): a snapshot older than that
@@ -60,7 +60,10 @@ TRAILER = struct.Struct("<Q")  # xxh3-64 of frame (after the magic), head and bo
 SEGMENT_GLOB, BASE = "seg-*.rlj", "BASE"
 #: Kinds of records (the commit log's, plus acks).
 PUT, CLEAR, DROP, ACK = "put", "clear", "drop", "ack"
-_KINDS = frozenset({PUT, CLEAR, DROP, ACK})
+#: A unit's word that change ``seq`` failed (a put answered as failed that this unit had
+#: journalled already: one of its copies could not be stored): no replay applies it.
+VOID = "void"
+_KINDS = frozenset({PUT, CLEAR, DROP, ACK, VOID})
 _ACKED = 2  # the ledger's state of an acked sample
 _MAX_HEAD = 1 << 30
 #: Most candidate record starts looked at after a record that seems torn (is a whole one after it?).
@@ -241,16 +244,22 @@ class Journal:
         self.segments = segments
         self.base, self.base_snapshot = base, base_snapshot
         self.changes: dict[int, Record] = {}
+        void: set[int] = set()
         for seg in segments:
             for r in seg.records:
+                if r.kind == VOID:
+                    void.add(r.seq)
+                    continue
                 got = self.changes.get(r.seq)
                 if got is None:
                     self.changes[r.seq] = Record(r.seq, r.kind, r.partition, r.rec, dict(r.blocks), r.where)
                 else:
                     for b, fields in r.blocks.items():
                         got.blocks.setdefault(b, fields)
+        self.last_seq = max([*self.changes, *void], default=0)
+        for seq in void:  # a change some unit voided was answered as failed: no unit's copy of it counts
+            self.changes.pop(seq, None)
         self.torn = [f"{seg.path}: {seg.torn}" for seg in segments if seg.torn]
-        self.last_seq = max(self.changes, default=0)
 
     @classmethod
     def open(cls, root: str | os.PathLike[str]) -> Journal:
@@ -454,4 +463,4 @@ def segments(root: Path) -> Iterator[Path]:
 
 
 __all__ = ["Journal", "Record", "Segment", "ReplayInfo", "read_segment", "read_base", "base", "replay", "check", "frame",
-           "trailer", "segments", "MAGIC", "PUT", "CLEAR", "DROP", "ACK", "BASE", "SEGMENT_GLOB"]
+           "trailer", "segments", "MAGIC", "PUT", "CLEAR", "DROP", "ACK", "VOID", "BASE", "SEGMENT_GLOB"]

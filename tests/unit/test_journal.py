@@ -472,6 +472,36 @@ def test_a_durable_put_whose_journal_disk_fails_says_so_and_nothing_stored_is_lo
         assert sorted(a.partitions()) == ["kept", "late"]
 
 
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_put_answered_as_failed_stays_failed_after_a_restore_though_its_other_copy_journalled_it(
+        tmp_path, monkeypatch, durable):
+    """Two copies; one holder's journal disk is full: the put fails, and the unit that
+    journalled its copy records that the change failed (a restore brought it back before:
+    a client that retried it got its samples twice)."""
+    import errno
+
+    jdir = tmp_path / "journal"
+    with engine(jdir, replicas=2) as eng, connect(eng) as a:
+        w = text_step(4, 16, seed=1)
+        kept = a.put_samples("kept", w.fields, durable=True)
+        want = wire(a, "kept", kept.sample_ids, sorted(w.fields))
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(eng.cores[0].journal, "append", full)
+        with pytest.raises(E.UnavailableError, match="No space left"):
+            a.put_samples("failed", text_step(4, 16, seed=2).fields, durable=durable)
+        monkeypatch.undo()
+        assert a.partitions() == ["kept"]
+        later = a.put_samples("later", text_step(4, 16, seed=3).fields, durable=True)
+    with engine(None) as new, connect(new) as b:
+        info = snapshot.restore(b.transport, None, journal=jdir)
+        assert sorted(b.partitions()) == ["kept", "later"] and not info.journal["skipped"]
+        assert same(wire(b, "kept", kept.sample_ids, sorted(w.fields)), want)
+        assert b.transport.describe("later").sample_ids == later.sample_ids
+
+
 @pytest.mark.parametrize("cut_fails", [False, True])
 def test_a_record_the_disk_took_only_part_of_never_hides_the_changes_after_it(tmp_path, monkeypatch, cut_fails):
     """ENOSPC part way through a record: the part is cut off (or, where even that fails,

@@ -61,6 +61,7 @@ from rlplane import errors as E
 from rlplane.channel import PLAIN_USER
 from rlplane.dtypes import numpy_of
 from rlplane.gather import gather
+from rlplane.journal import VOID
 from rlplane.names import MAX_NAME_LEN
 from rlplane.wire import RawColumn, check_offsets, int_array, ints
 from rlplane_service.native.allocator import ALIGN, Allocator
@@ -409,12 +410,22 @@ class UnitCore:
     def op_forget(self, header: dict[str, Any], columns: dict[str, RawColumn], extra: list[Any]) -> Any:
         """Drop the commit-log entries ``s`` (int64 sequence numbers): the controller found
         that a rebuild no longer needs them (rlplane_service.native.logbook), or (``early``)
-        they are a failed put's, which may still arrive (kept out then). The journal on
-        disk keeps them until a snapshot truncates it."""
+        they are a failed put's, which may still arrive (kept out then; the journal records that
+        they failed, so no replay applies them). The journal on disk keeps the others until a
+        snapshot truncates it."""
         seqs = int_array(header.get("s", b""), "sequence numbers")
         if seqs.size > MAX_FORGET:
             raise E.WireFormatError(f"forget names at most {MAX_FORGET} entries at once")
-        return {"forgot": self.log.forget(seqs.tolist(), early=header.get("early") is True)}, {}, []
+        early = header.get("early") is True
+        if early and self.journal is not None:  # a failed put this unit may have journalled: never replayed
+            try:
+                for s in seqs.tolist():
+                    self.journal.append(s, VOID, "", b"\x80")
+                self.journal.sync()
+            except OSError as err:
+                log.error("storage unit %s: could not journal that changes %s failed (%s): a restore from its "
+                          "journal brings them back", self.name, seqs.tolist()[:8], err)
+        return {"forgot": self.log.forget(seqs.tolist(), early=early)}, {}, []
 
     def _journal(self, e: Entry) -> None:
         """Append entry ``e`` to the journal; a put with the bytes of its blocks stored here."""

@@ -142,12 +142,19 @@ def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float, da
     info = described[kind]
     if wanted == "auto":
         module, package = DIRECT[kind]
-        if not _importable(package) or not importlib.import_module(module).reachable(info):
+        if not _importable(package):
+            log.warning("rlplane: the %r data path needs the %r package: this client moves its bytes over HTTP "
+                        "(pip install %r; or connect with transport='http' to say so)", kind, package, package)
+            return HttpTransport(api)
+        if not importlib.import_module(module).reachable(info):
+            log.warning("rlplane: the store's %r data path does not answer from this host: this client moves its "
+                        "bytes over HTTP (transport='direct' says why)", kind)
             return HttpTransport(api)
     try:
         return _open(kind, info, timeout, data_path)
-    except TransportError:
+    except TransportError as err:
         if wanted == "auto":
+            log.warning("rlplane: the store's %r data path failed (%s): this client moves its bytes over HTTP", kind, err)
             return HttpTransport(api)
         raise
 

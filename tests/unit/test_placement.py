@@ -44,3 +44,38 @@ def test_copies_land_on_two_hosts_and_a_lost_copy_is_remade_on_the_host_without_
     finally:
         client.close()
         eng.stop()
+
+
+def test_a_store_that_lost_a_unit_is_still_reachable_and_auto_keeps_its_direct_path(caplog):
+    """A new client of a store with two copies that lost a unit (nothing lost) keeps the
+    native path (it fell back to HTTP, silently, for every client started after the loss);
+    a store whose controller does not answer is unreachable, and the fallback says so."""
+    import logging
+
+    from rlplane.connect import _transport
+    from rlplane.http_api import ServiceAPI
+    from rlplane.transports.native import reachable
+
+    eng = LocalEngine(3, secret=SECRET, slab_bytes=32 << 20, replicas=2)
+    info = {"backend": "native", **eng.info, "units": [[n, e] for n, e in eng.core.units]}  # as /v1/transport says
+    api = ServiceAPI("http://127.0.0.1:9")  # (never asked: the HTTP transport is only made)
+    try:
+        client = Client(default_registry(), NativeTransport(info, timeout=30))
+        meta = client.put_samples("p", {"input_ids": torch.arange(64).reshape(8, 8), "input_lengths": torch.full((8,), 8)})
+        client.close()
+        eng.kill_unit(2)
+        deadline = time.monotonic() + 20
+        while not eng.core.stats()["lost_units"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.core.stats()["lost_units"] and reachable(info)
+        chosen = _transport(api, {"native": info}, "auto", 30.0, "auto")
+        with Client(default_registry(), chosen) as c:
+            assert chosen.name == "native"
+            assert torch.equal(c.read_columns(meta, ["input_ids"])["input_ids"], torch.arange(64).reshape(8, 8))
+        eng.kill_controller()
+        assert not reachable(info)
+        with caplog.at_level(logging.WARNING, logger="rlplane.connect"):
+            assert _transport(api, {"native": info}, "auto", 30.0, "auto").name == "http"
+        assert "does not answer from this host" in caplog.text
+    finally:
+        eng.stop()

@@ -133,15 +133,21 @@ _ALIGN = 64  # each field's rows start on a cache line in a small read's one buf
 
 
 def reachable(info: Mapping[str, Any], timeout: float = 1.0) -> bool:
-    """Whether the controller and every unit accept a TCP connection within ``timeout``."""
-    try:
-        endpoints = [info["controller"]] + [u[1] for u in info["units"]]
-        for ep in endpoints:
-            host, _, port = ep.removeprefix("tcp://").rpartition(":")
+    """Whether the controller and a storage unit accept a TCP connection within ``timeout``
+    (a unit the store lost does not make the store unreachable: the transport learns from
+    the controller which units are down and reads their blocks' other copies)."""
+
+    def accepts(endpoint: str) -> bool:
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        try:
             with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-                pass
-        return True
-    except (OSError, KeyError, TypeError, ValueError, AttributeError, IndexError):
+                return True
+        except OSError:
+            return False
+
+    try:
+        return accepts(info["controller"]) and any(accepts(u[1]) for u in info["units"])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError):
         return False
 
 

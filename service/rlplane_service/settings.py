@@ -230,6 +230,16 @@ class ServiceSettings(BaseSettings):
     def _empty_token_is_none(cls, v: Optional[SecretStr]) -> Optional[SecretStr]:
         return None if v is not None and not v.get_secret_value() else v
 
+    @field_validator("native_host")
+    @classmethod
+    def _an_address_to_advertise(cls, v: str) -> str:
+        """The units and the controller tell clients this address: a wildcard would send every
+        client to its own host (and make every unit one host to the copies' placement)."""
+        if v.strip().strip("[]") in ("0.0.0.0", "::", "*"):
+            raise ValueError(f"RLPLANE_NATIVE_HOST={v!r} is a wildcard, and the engine advertises this address to "
+                             "clients: leave it unset (each unit binds its Ray node's address) or name one address")
+        return v.strip()
+
     @field_validator("registry_file", "tokens_file", "snapshot_dir", "restore_from", "journal_dir",
                      "mooncake_master_bin", "storage_resource", "capacity", mode="before")
     @classmethod

@@ -23,6 +23,8 @@ SECRET = "SUPERSECRET-token-0123"
     ({"replicas": 2, "storage_units": 1}, "RLPLANE_STORAGE_UNITS is 1"),
     ({"replicas": 2, "backend": "simple"}, "needs the native backend"),
     ({"te_protocol": "tcp", "backend": "mooncake"}, "needs the native backend"),
+    ({"native_host": "0.0.0.0"}, "is a wildcard, and the engine advertises this address"),
+    ({"native_host": "[::]"}, "leave it unset"),
 ])
 def test_a_refused_setting_is_named_and_no_value_is_quoted(args, says):
     """pydantic quoted every input in a model check's error: the API token too (it reached

@@ -154,7 +154,8 @@ def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float, da
         return _open(kind, info, timeout, data_path)
     except TransportError as err:
         if wanted == "auto":
-            log.warning("rlplane: the store's %r data path failed (%s): this client moves its bytes over HTTP", kind, err)
+            log.warning("rlplane: the store's %r data path failed (%s): this client moves its bytes over HTTP",
+                        kind, err)
             return HttpTransport(api)
         raise
 

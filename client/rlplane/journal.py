@@ -13,11 +13,11 @@ applied it.
     b"RLJ1" | head length (u32) | body length (u64) | head (msgpack) | body | xxh3-64 (u64)
 
 The head holds the change's sequence number (``seq``, the controller's), its kind
-(``put``, ``clear``, ``drop``, ``ack``; ``void``: that change failed, see :data:`VOID`), the partition, the change's record (``r``) and,
-for a put, where each of this unit's blocks' fields lie in the body (``x``). The
-checksum covers everything after the magic. ``DIR/<unit>/BASE`` says below which
-sequence number the journal was truncated (at a snapshot): a snapshot older than that
-cannot be continued by this journal.
+(``put``, ``clear``, ``drop``, ``ack``; ``void``: that change failed, see :data:`VOID`),
+the partition, the change's record (``r``) and, for a put, where each of this unit's
+blocks' fields lie in the body (``x``). The checksum covers everything after the magic.
+``DIR/<unit>/BASE`` says below which sequence number the journal was truncated (at a
+snapshot): a snapshot older than that cannot be continued by this journal.
 
 **Torn and damaged records**: a record that runs past the end of its file (the process
 died writing it) or fails its checksum with no whole record after it (the disk took only

@@ -208,7 +208,8 @@ def test_a_replica_waits_for_the_one_restoring_and_refuses_a_restore_that_failed
     assert time.monotonic() - t0 >= 0.9  # it waited for the restore to finish
 
     ray.get(ledger.keep.remote("restore", {"state": "running"}))
-    threading.Timer(1.0, lambda: ray.get(ledger.keep.remote("restore", {"state": "failed", "why": "disk gone"}))).start()
+    failed = {"state": "failed", "why": "disk gone"}
+    threading.Timer(1.0, lambda: ray.get(ledger.keep.remote("restore", failed))).start()
     with pytest.raises(E.SnapshotError, match="the restore from /snap/a failed: disk gone"):
         restore_once(_store(ledger), None, "/snap/a", [])
 

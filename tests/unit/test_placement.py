@@ -61,7 +61,8 @@ def test_a_store_that_lost_a_unit_is_still_reachable_and_auto_keeps_its_direct_p
     api = ServiceAPI("http://127.0.0.1:9")  # (never asked: the HTTP transport is only made)
     try:
         client = Client(default_registry(), NativeTransport(info, timeout=30))
-        meta = client.put_samples("p", {"input_ids": torch.arange(64).reshape(8, 8), "input_lengths": torch.full((8,), 8)})
+        fields = {"input_ids": torch.arange(64).reshape(8, 8), "input_lengths": torch.full((8,), 8)}
+        meta = client.put_samples("p", fields)
         client.close()
         eng.kill_unit(2)
         deadline = time.monotonic() + 20

@@ -28,8 +28,22 @@ def actor_options(settings: ServiceSettings) -> dict[str, Any]:
 
 
 def unit_options(settings: ServiceSettings, common: dict[str, Any]) -> dict[str, Any]:
-    """Pinning: with a storage resource each unit takes one, so a node offering N of it hosts at most N units."""
-    return dict(common, resources={settings.storage_resource: 1}) if settings.storage_resource else common
+    """Spread over the nodes that may hold them (Ray packed them onto one: two copies of a
+    block then shared one host, and a lost node took both); with a storage resource each
+    unit takes one, so a node offering N of it hosts at most N units."""
+    spread = dict(common, scheduling_strategy="SPREAD")
+    return dict(spread, resources={settings.storage_resource: 1}) if settings.storage_resource else spread
+
+
+def head_options(common: dict[str, Any]) -> dict[str, Any]:
+    """A store's controller and ledger: on the Ray head node, whose loss ends the cluster
+    anyway (on another node, its loss restarted the controller at an address no client
+    or replica knew: the store could no longer be reached, with nothing lost)."""
+    return dict(common, resources={HEAD_NODE_RESOURCE: 0.001})
+
+
+#: The resource only Ray's head node offers (Ray's own, ``ray._common.constants``).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
 def tq_unit_options(settings: ServiceSettings, common: dict[str, Any]) -> dict[str, Any]:
@@ -49,4 +63,4 @@ def data_secret(settings: ServiceSettings, random: Callable[[], str] | None = No
     return hmac.new(token.encode(), f"rlplane-data:{settings.store_name}".encode(), hashlib.sha256).hexdigest()
 
 
-__all__ = ["actor_options", "unit_options", "tq_unit_options", "data_secret"]
+__all__ = ["actor_options", "unit_options", "head_options", "HEAD_NODE_RESOURCE", "tq_unit_options", "data_secret"]

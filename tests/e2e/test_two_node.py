@@ -1,6 +1,7 @@
-"""``rlplane two-node``: a second Ray node on 127.0.0.2 holds every storage unit; a client on
-the head (127.0.0.3) moves the vlm-step batch over the transfer engine and over ZMQ, read
-back bit for bit; both nodes are gone afterwards (ended by pid)."""
+"""``rlplane two-node``: two storage nodes (127.0.0.2 and 127.0.0.4) hold the storage units,
+one each (Ray packed them onto one before: two copies of a block shared a host); a client
+on the head (127.0.0.3) moves the vlm-step batch over the transfer engine and over ZMQ,
+read back bit for bit; every node is gone afterwards (ended by pid)."""
 
 import json
 import os
@@ -26,6 +27,7 @@ def test_units_on_a_second_loopback_node_are_read_bit_exact_over_the_transfer_en
     with open(log, "w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "rlplane_tools", "two-node", "--path", "te", "--path", "zmq",
                                  "--batch", "8", "--seqlen", "512", "--reps", "2", "--unit-bytes", str(128 << 20),
+                                 "--storage-nodes", "2", "--replicas", "2",
                                  "--json", str(out), "--keep"], stdout=sink, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 240
@@ -50,8 +52,9 @@ def test_units_on_a_second_loopback_node_are_read_bit_exact_over_the_transfer_en
                     pass
             psutil.wait_procs(procs, timeout=30)
     assert "every read bit-exact on te, zmq" in log.read_text()
-    assert data["problems"] == [] and data["head_ip"] == "127.0.0.3" and data["node_ip"] == "127.0.0.2"
-    assert len(data["units"]) == 2 and all("//127.0.0.2:" in endpoint for _, endpoint in data["units"])
+    assert data["problems"] == [] and data["head_ip"] == "127.0.0.3" and data["node_ips"] == ["127.0.0.2", "127.0.0.4"]
+    hosts = sorted(endpoint.removeprefix("tcp://").rpartition(":")[0] for _, endpoint in data["units"])
+    assert hosts == ["127.0.0.2", "127.0.0.4"]  # one unit on each storage node: a block's two copies on two hosts
     for path in ("te", "zmq"):
         row = data["paths"][path]
         assert set(row["taken"].values()) == {path} and len(row["taken"]) == 2, row["taken"]

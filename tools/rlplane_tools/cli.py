@@ -292,18 +292,22 @@ def two_node(
     batch: int = typer.Option(16, "--batch", "-b", min=1, help="vlm-step samples per put."),
     seqlen: int = typer.Option(2048, "--seqlen", "-s", min=4, help="vlm-step max sequence length."),
     reps: int = typer.Option(3, min=1, help="Puts and reads per path (each checked bit for bit)."),
-    units: int = typer.Option(2, min=1, max=8, help="Storage units on the second node."),
+    units: int = typer.Option(2, min=1, max=8, help="Storage units (each storage node may take them all)."),
+    storage_nodes: int = typer.Option(1, "--storage-nodes", min=1, max=4, help="Nodes offering the storage resource "
+                                      "(127.0.0.2, then .4, .5, .6): the units must spread over them."),
+    replicas: int = typer.Option(1, min=1, max=8, help="Copies of every block (RLPLANE_REPLICAS; at most --units)."),
     unit_bytes: int = typer.Option(512 << 20, min=16 << 20, help="Each unit's slab."),
     keep: bool = typer.Option(False, "--keep", help="After the check, keep the cluster and service up until Ctrl-C "
                               "(e.g. for rlplane bench --url URL -p rlplane-native-te)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results here."),
 ) -> None:
     """Two Ray nodes on this machine's loopback (head 127.0.0.3, storage units on 127.0.0.2
-    with their transfer engines over TCP), the rlplane app deployed on them, and the
-    vlm-step batch moved through each data path from a client on the head, checked bit
-    for bit. Exit 1 on any difference. Both nodes are ended by pid on the way out.
+    with their transfer engines over TCP; --storage-nodes 2 adds 127.0.0.4), the rlplane
+    app deployed on them, and the vlm-step batch moved through each data path from a
+    client on the head, checked bit for bit. Exit 1 on any difference, or when the units
+    did not spread over the storage nodes. Every node is ended by pid on the way out.
 
-    Example: rlplane two-node --path te --json out/two-node.json
+    Example: rlplane two-node --path te --storage-nodes 2 --replicas 2 --json out/two-node.json
     """
     from rlplane_service.net import free_port
     from rlplane_service.settings import ServiceSettings
@@ -316,15 +320,20 @@ def two_node(
         console.print(f"[red]error[/]: unknown data path(s) {bad}; choose te, zmq, shm or auto")
         raise typer.Exit(2)
     say = lambda msg: console.print(f"[dim]{msg}[/]")  # noqa: E731
-    cluster = LoopbackCluster(units=units, say=say)
+    if replicas > units:
+        console.print(f"[red]error[/]: --replicas {replicas} needs as many units (--units {units})")
+        raise typer.Exit(2)
+    cluster = LoopbackCluster(units=units, storage_nodes=storage_nodes, say=say)
     try:
         with captured_output(console, "two-node", verbose=False):
             try:
                 cluster.start()
                 settings = ServiceSettings(port=free_port(), storage_units=units, unit_bytes=unit_bytes,
-                                           te_protocol="tcp", storage_resource=cluster.storage_resource)
+                                           replicas=replicas, te_protocol="tcp",
+                                           storage_resource=cluster.storage_resource)
                 url = cluster.deploy(settings)
-                results = check(url, chosen, batch=batch, seqlen=seqlen, node_ip=cluster.node_ip, reps=reps, say=say)
+                results = check(url, chosen, batch=batch, seqlen=seqlen, node_ip=cluster.node_ip, reps=reps,
+                                node_ips=cluster.node_ips, say=say)
                 results.update(url=url, head_ip=cluster.head_ip, pids=cluster.pids())
                 if json_path is not None:
                     json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,7 +342,7 @@ def two_node(
                 for problem in results["problems"][:20]:
                     console.print(f"[red]{problem}[/]")
                 if keep:
-                    console.print(f"rlplane is up at {url} (units on {cluster.node_ip}); Ctrl-C stops it")
+                    console.print(f"rlplane is up at {url} (units on {', '.join(cluster.node_ips)}); Ctrl-C stops it")
                     # Ctrl-C and SIGTERM stop it, even where this process was started with SIGINT
                     # ignored (a background job of a non-interactive shell, as some CI runners are).
                     signal.signal(signal.SIGINT, _interrupted)

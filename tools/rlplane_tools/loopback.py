@@ -4,10 +4,11 @@ another host" where only one host is at hand.
 The head node (127.0.0.3) runs the driver, the Serve proxy and the client; a second node
 (127.0.0.2) offers the storage resource, so every storage unit of the native engine is
 placed there (``storage_resource``) and binds its sockets and transfer engine on
-127.0.0.2. Each node is a ``ray start --block`` process of ours, stopped with its whole
-process tree by pid. (Ray turns a head address of 127.0.0.1 into the machine's external
-address unless it runs single-node, so the head takes 127.0.0.3: every address stays on
-loopback.)
+127.0.0.2 (with ``storage_nodes=2``, a third node on 127.0.0.4 offers it too: the units
+spread over both, as over a cluster's storage nodes). Each node is a ``ray start
+--block`` process of ours, stopped with its whole process tree by pid. (Ray turns a head
+address of 127.0.0.1 into the machine's external address unless it runs single-node, so
+the head takes 127.0.0.3: every address stays on loopback.)
 
 ``rlplane two-node`` deploys the rlplane app on it and moves the vlm-step batch through
 the transfer engine (and the other paths asked for), checked bit for bit.
@@ -41,6 +42,8 @@ from rlplane_service.net import free_port
 from rlplane_service.settings import ServiceSettings
 
 HEAD_IP, NODE_IP = "127.0.0.3", "127.0.0.2"
+#: The storage nodes' addresses, in the order they start.
+NODE_IPS = (NODE_IP, "127.0.0.4", "127.0.0.5", "127.0.0.6")
 STORAGE_RESOURCE = "rlplane_storage"
 #: How long a stop lets the nodes' processes end on SIGTERM before it kills them. Ray's own
 #: shutdown of a node (raylet, GCS, Serve's actors) ran past 15 s on the 2-core VM; nothing
@@ -53,14 +56,18 @@ class ClusterError(RuntimeError):
 
 
 class LoopbackCluster:
-    """Head on ``head_ip`` and one storage node on ``node_ip`` (see the module docstring).
+    """Head on ``head_ip`` and ``storage_nodes`` storage nodes, the first on ``node_ip``
+    (see the module docstring).
 
-    ``units``: how many storage units the storage node takes (its ``storage_resource``)."""
+    ``units``: how many storage units each storage node may take (its ``storage_resource``)."""
 
-    def __init__(self, *, units: int = 2, head_ip: str = HEAD_IP, node_ip: str = NODE_IP,
+    def __init__(self, *, units: int = 2, head_ip: str = HEAD_IP, node_ip: str = NODE_IP, storage_nodes: int = 1,
                  storage_resource: str = STORAGE_RESOURCE, num_cpus: int = 4, ready_timeout_s: float = 120.0,
                  say: Callable[[str], None] = lambda msg: None) -> None:
+        if not 1 <= storage_nodes <= len(NODE_IPS):
+            raise ValueError(f"storage_nodes must be 1 to {len(NODE_IPS)}")
         self.units, self.head_ip, self.node_ip = units, head_ip, node_ip
+        self.node_ips = [node_ip, *[ip for ip in NODE_IPS if ip != node_ip][: storage_nodes - 1]]
         self.storage_resource, self.num_cpus, self.ready_timeout_s, self.say = storage_resource, num_cpus, ready_timeout_s, say
         self.port = 0
         # Ray's temp dir of its own: `ray start` records its address there, and one recorded in
@@ -79,7 +86,7 @@ class LoopbackCluster:
         return f"{self.head_ip}:{self.port}"
 
     def start(self) -> LoopbackCluster:
-        """Start both nodes; return once each says it runs. This process will be their
+        """Start the nodes; return once each says it runs. This process will be their
         driver: it takes their authentication mode (RAY_AUTH_MODE, read when Ray is first imported)."""
         if "ray" in sys.modules and os.environ.get("RAY_AUTH_MODE") != self.auth_mode:
             raise ClusterError("ray was imported before the loopback cluster started; start it first")
@@ -89,10 +96,11 @@ class LoopbackCluster:
         self._node("head", ["--head", "--node-ip-address", self.head_ip, "--port", str(self.port),
                             "--include-dashboard", "false", "--temp-dir", str(self.logs / "ray")])
         self._wait_log("head", "Ray runtime started")
-        self.say(f"starting the storage node on {self.node_ip} ({self.units} x {self.storage_resource})")
-        self._node("node", ["--address", self.address, "--node-ip-address", self.node_ip,
-                            "--resources", f'{{"{self.storage_resource}": {self.units}}}'])
-        self._wait_log("node", "Ray runtime started")
+        for k, ip in enumerate(self.node_ips):
+            self.say(f"starting a storage node on {ip} ({self.units} x {self.storage_resource})")
+            self._node(f"node-{k}", ["--address", self.address, "--node-ip-address", ip,
+                                     "--resources", f'{{"{self.storage_resource}": {self.units}}}'])
+            self._wait_log(f"node-{k}", "Ray runtime started")
         return self
 
     def connect(self, namespace: str) -> None:
@@ -110,9 +118,10 @@ class LoopbackCluster:
                     signal.signal(sig, handler)
         self._driver = True
         deadline = time.monotonic() + self.ready_timeout_s
-        while sum(1 for n in ray.nodes() if n["Alive"]) < 2:
+        while sum(1 for n in ray.nodes() if n["Alive"]) < 1 + len(self.node_ips):
             if time.monotonic() > deadline:
-                raise ClusterError(f"the storage node did not join within {self.ready_timeout_s:.0f} s; see {self.logs}")
+                raise ClusterError(f"the storage nodes did not join within {self.ready_timeout_s:.0f} s; "
+                                   f"see {self.logs}")
             time.sleep(0.5)
 
     def deploy(self, settings: ServiceSettings) -> str:
@@ -126,7 +135,7 @@ class LoopbackCluster:
         if not self._driver:
             self.connect(settings.namespace)
         url = f"http://{settings.host}:{settings.port}"
-        self.say(f"deploying rlplane at {url} ({settings.storage_units} storage units on {self.node_ip})")
+        self.say(f"deploying rlplane at {url} ({settings.storage_units} storage units on {', '.join(self.node_ips)})")
         serve.start(http_options={"host": settings.host, "port": settings.port, "location": "HeadOnly"},
                     logging_config={"log_level": "WARNING"})
         serve.run(build_app(settings.as_args()), name="rlplane", route_prefix="/", blocking=False)
@@ -138,7 +147,7 @@ class LoopbackCluster:
         return url
 
     def pids(self) -> list[int]:
-        """Every live process of both nodes (the ``ray start`` processes and what they started)."""
+        """Every live process of the nodes (the ``ray start`` processes and what they started)."""
         out = []
         for p in self._procs:
             try:
@@ -149,7 +158,7 @@ class LoopbackCluster:
         return out
 
     def stop(self) -> None:
-        """Disconnect the driver, then end both nodes' process trees by pid. Idempotent.
+        """Disconnect the driver, then end the nodes' process trees by pid. Idempotent.
 
         No ``serve.shutdown()`` first: everything Serve and the app run lives in these
         two process trees and goes with them, and a graceful Serve shutdown waits up to
@@ -160,7 +169,7 @@ class LoopbackCluster:
             ray.shutdown()
             self._driver = False
         procs = []
-        for p in reversed(self._procs):  # the storage node first, then the head
+        for p in reversed(self._procs):  # the storage nodes first, then the head
             try:
                 root = psutil.Process(p.pid)
                 procs += [root] + root.children(recursive=True)
@@ -220,9 +229,10 @@ class LoopbackCluster:
 
 
 def check(url: str, paths: list[str], *, batch: int, seqlen: int, node_ip: str, reps: int = 3,
-          say: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+          node_ips: list[str] | None = None, say: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
     """Put the vlm-step batch and read it back through each data path in ``paths`` (a client
-    forced onto it), checked bit for bit; where the units live and which path each took.
+    forced onto it), checked bit for bit; where the units live (on the storage nodes
+    ``node_ips``, default ``[node_ip]``, spread over them) and which path each took.
 
     Returns ``{"units": [[name, endpoint], ...], "paths": {path: {"taken", "put_ms",
     "get_ms", "gb_per_s", "problems"}}, "problems": [...]}`` (median ms of ``reps``)."""
@@ -234,17 +244,22 @@ def check(url: str, paths: list[str], *, batch: int, seqlen: int, node_ip: str, 
 
     work = vlm_step(batch=batch, seqlen=seqlen)
     ids = [f"s-{i}" for i in range(work.batch)]
-    out: dict[str, Any] = {"node_ip": node_ip, "batch": work.batch, "seqlen": seqlen, "nbytes": work.nbytes,
-                           "paths": {}, "problems": []}
+    nodes = node_ips or [node_ip]
+    out: dict[str, Any] = {"node_ip": node_ip, "node_ips": nodes, "batch": work.batch, "seqlen": seqlen,
+                           "nbytes": work.nbytes, "paths": {}, "problems": []}
     for path in paths:
         client = rlplane.connect(url, data_path=path)
         try:
             transport = client.transport
             units = [[name, endpoint] for name, endpoint in transport.units]
             out["units"] = units
-            away = [name for name, endpoint in units if f"//{node_ip}:" not in endpoint]
+            on = {name: endpoint.removeprefix("tcp://").rpartition(":")[0] for name, endpoint in units}
+            away = [name for name, ip in on.items() if ip not in nodes]
             if away:
-                out["problems"].append(f"units {away} are not on the storage node {node_ip}")
+                out["problems"].append(f"units {away} are not on the storage nodes {nodes}")
+            if len(set(on.values())) < min(len(units), len(nodes)):  # two copies could share a host
+                out["problems"].append(f"the units are packed on {sorted(set(on.values()))} of the storage nodes "
+                                       f"{nodes}")
             row: dict[str, Any] = {"taken": transport.paths(), "problems": []}
             put, get = [], []
             for rep in range(reps):
@@ -273,4 +288,4 @@ def check(url: str, paths: list[str], *, batch: int, seqlen: int, node_ip: str, 
     return out
 
 
-__all__ = ["LoopbackCluster", "ClusterError", "HEAD_IP", "NODE_IP", "STORAGE_RESOURCE", "check"]
+__all__ = ["LoopbackCluster", "ClusterError", "HEAD_IP", "NODE_IP", "NODE_IPS", "STORAGE_RESOURCE", "check"]

@@ -23,7 +23,7 @@ import ray
 
 from rlplane.errors import TransportError
 from rlplane.transports.native import NativeTransport
-from rlplane_service.actors import actor_options, data_secret, unit_options
+from rlplane_service.actors import actor_options, data_secret, head_options, unit_options
 from rlplane_service.backends.base import Sizes, StoreBackend
 from rlplane_service.settings import ServiceSettings
 from rlplane_service.tenants import Access, Tenants
@@ -56,7 +56,7 @@ class NativeStore(StoreBackend):
 
         common = actor_options(settings)
         prefix = settings.store_name
-        ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
+        ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **head_options(common)).remote()
 
         def store_secret(kind: str) -> str:  # the same for every replica creating the store at once
             return ray.get(ledger.store_secret.remote(kind), timeout=_START_TIMEOUT_S)
@@ -80,7 +80,8 @@ class NativeStore(StoreBackend):
         try:
             unit_infos = ray.get([u.info.remote() for u in units.values()], timeout=_START_TIMEOUT_S)
             # Restarted by Ray when its process dies: it rebuilds its index from the units' commit log.
-            controller = Controller.options(name=f"{prefix}-native-controller", max_restarts=-1, **common).remote(
+            controller = Controller.options(name=f"{prefix}-native-controller", max_restarts=-1,
+                                            **head_options(common)).remote(
                 host, secret, [(i["name"], i["endpoint"]) for i in unit_infos], settings.capacity,
                 settings.put_lease_s, settings.replicas, settings.claim_lease_s,
                 [i["control"] for i in unit_infos], control, settings.unit_grace_s, settings.engine_ports(), scoped,

@@ -25,7 +25,7 @@ import ray
 
 from rlplane.errors import MissingDataError, TransportError
 from rlplane.transports.tq import NBYTES_TAG, server_info_to_dict
-from rlplane_service.actors import actor_options, data_secret
+from rlplane_service.actors import actor_options, data_secret, head_options
 from rlplane_service.backends.base import Sizes, StoreBackend
 from rlplane_service.settings import ServiceSettings
 
@@ -62,11 +62,11 @@ class TQStore(StoreBackend):
 
         common = actor_options(settings)
         prefix = settings.store_name
-        controller = TransferQueueController.options(name=f"{prefix}-tq-controller", **common).remote(
+        controller = TransferQueueController.options(name=f"{prefix}-tq-controller", **head_options(common)).remote(
             sampler=SequentialSampler, polling_mode=True
         )
-        ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **common).remote()
-        streams = stream_actor_class().options(name=f"{prefix}-streams", **common).remote(
+        ledger = ledger_actor_class().options(name=f"{prefix}-metrics", **head_options(common)).remote()
+        streams = stream_actor_class().options(name=f"{prefix}-streams", **head_options(common)).remote(
             settings.native_host or None, data_secret(settings), settings.claim_lease_s, settings.put_lease_s)
         try:  # the units start while those three do (each a process of its own, importing for seconds)
             master, master_info, units, unit_infos = cls._start_units(settings, common)

@@ -71,7 +71,7 @@ def test_a_store_that_lost_a_unit_is_still_reachable_and_auto_keeps_its_direct_p
         assert eng.core.stats()["lost_units"] and reachable(info)
         chosen = _transport(api, {"native": info}, "auto", 30.0, "auto")
         with Client(default_registry(), chosen) as c:
-            assert chosen.name == "native"
+            assert chosen.name == "native" and chosen.paths()["u2"] == "down"  # (it said zmq)
             assert torch.equal(c.read_columns(meta, ["input_ids"])["input_ids"], torch.arange(64).reshape(8, 8))
         eng.kill_controller()
         assert not reachable(info)

@@ -229,11 +229,12 @@ class NativeTransport(Transport):
 
     def paths(self) -> dict[str, str]:
         """The data path to each storage unit: ``shm`` (its slab is mapped here), ``te``
-        (one-sided over the transfer engine) or ``zmq``.
+        (one-sided over the transfer engine) or ``zmq``; ``down`` for a unit the store lost
+        or suspects (as this client last heard from the controller).
 
         Example: ``client.transport.paths()  # {"rlplane-native-unit-0": "shm", ...}``
         """
-        return {name: "shm" if u in self._slabs else "te" if u in self._remote else "zmq"
+        return {name: "down" if u in self.down else "shm" if u in self._slabs else "te" if u in self._remote else "zmq"
                 for u, (name, _) in enumerate(self.units)}
 
     def _reach_engines(self, opts: TeOptions, *, required: bool) -> None:

@@ -37,8 +37,10 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/rlplane serve
 
+# Two workers: every test on the session's Ray cluster (and every end-to-end one) in one of
+# them, in order; the engine's own tests beside them (tests/conftest.py groups them).
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -n 2 --dist loadgroup
 
 soak-test: $(STAMP)
 	$(PY) -m pytest tests -q -m soak

@@ -126,17 +126,20 @@ def restore_once(store: Any, transport: Any, path: Any, declared: list[str], jou
             except Exception as err:  # noqa: BLE001 - the ledger gone: the waiters say so
                 log.warning("restore: could not tell the other replicas it goes on: %s", err)
 
-    threading.Thread(target=beat, name="rlplane-restore-beat", daemon=True).start()
+    beating = threading.Thread(target=beat, name="rlplane-restore-beat", daemon=True)
+    beating.start()
+    outcome: dict[str, Any] = {"state": "failed", "why": "the restore was interrupted"}
     try:
         info = snapshot.restore(transport, path, progress=log.info, declared=declared,
                                 journal=journal if has_journal(journal) else None, newest=True)
+        outcome = {"state": "done"}
     except Exception as err:
-        done.set()
-        ray.get(store.ledger.keep.remote("restore", {"state": "failed", "why": f"{type(err).__name__}: {err}"}),
-                timeout=30)
+        outcome["why"] = f"{type(err).__name__}: {err}"
         raise
-    done.set()
-    ray.get(store.ledger.keep.remote("restore", {"state": "done"}), timeout=30)
+    finally:  # the beat stopped first: a late one must not follow the outcome
+        done.set()
+        beating.join()
+        ray.get(store.ledger.keep.remote("restore", outcome), timeout=30)
     log.warning("restored %d samples in %d partitions from %s in %.1f s%s", info.samples, info.partitions,
                 source, info.seconds, f" (journal: {info.journal})" if info.journal else "")
 

@@ -237,3 +237,36 @@ def test_the_restoring_replica_tells_the_others_it_failed(ledger):
         restore_once(_store(ledger), object(), "/snap/c", [])
     with pytest.raises(E.SnapshotError, match="failed: InvalidArgumentError"):
         restore_once(_store(ledger), object(), "/snap/c", [])
+
+
+@pytest.mark.parametrize("ends", ["done", "interrupted"])
+def test_the_restoring_replicas_last_word_is_its_outcome_and_its_beat_stops(ledger, monkeypatch, ends):
+    """A beat sent after the outcome made a finished restore look alive, then dead (every
+    later replica refused to serve); an interrupt (KeyboardInterrupt) left the beat going,
+    so the others waited for ever."""
+    import threading
+    from types import SimpleNamespace
+
+    import ray
+
+    from rlplane import snapshot
+    from rlplane_service import app
+
+    monkeypatch.setattr(app, "RESTORE_BEAT_S", 0.001)  # a beat every millisecond: any late one shows
+
+    def restore(*args, **kwargs):
+        time.sleep(0.05)
+        if ends == "interrupted":
+            raise KeyboardInterrupt
+        return SimpleNamespace(samples=0, partitions=0, seconds=0.05, journal=None)
+
+    monkeypatch.setattr(snapshot, "restore", restore)
+    if ends == "interrupted":
+        with pytest.raises(KeyboardInterrupt):
+            app.restore_once(_store(ledger), None, "/snap/d", [])
+    else:
+        app.restore_once(_store(ledger), None, "/snap/d", [])
+    assert not [t for t in threading.enumerate() if t.name == "rlplane-restore-beat" and t.is_alive()]
+    time.sleep(0.3)
+    state, _ = ray.get(ledger.kept.remote("restore"))
+    assert state == ({"state": "done"} if ends == "done" else {"state": "failed", "why": "the restore was interrupted"})

@@ -448,8 +448,11 @@ def _put_of(r: Record) -> tuple[list[str], dict[str, Any], list[dict[str, Any]],
         offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(row_bytes // size)]).astype(np.int64))
         sums = np.frombuffer(rec["h"][f], "<u8") if rec.get("h") and f in rec["h"] else None
         columns[f] = Column(values, offsets, same=same).with_meta(sums, Geometry.from_wire(rec["g"][f], f))
-        if sums is not None:  # each row is the one its writer digested (IntegrityError naming it, if not)
-            check_rows(r.partition, ids, f, row_sums(columns[f]), sums)
+        if sums is not None:  # each row is the one its writer digested
+            try:
+                check_rows(r.partition, ids, f, row_sums(columns[f]), sums)
+            except E.IntegrityError as err:  # a writer's wrong digests, or a damaged record: this change only
+                return f"change {r.seq} ({r.partition!r}): {err}"
     user = rec.get("user")
     tags = [dict(t) if isinstance(t, dict) else {} for t in user] if user else [{} for _ in ids]
     return ids, columns, tags, rec.get("create") is True

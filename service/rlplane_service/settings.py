@@ -12,6 +12,8 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Optional
 
@@ -23,6 +25,23 @@ from rlplane.errors import RegistryError
 if TYPE_CHECKING:  # the registry needs torch; settings alone (the CLI's --help, a unit) do not
     from rlplane.fields import Registry
 
+
+
+def _unspecified(host: str) -> bool:
+    """Whether ``host`` names every interface (0.0.0.0 in any spelling: ``0``, ``::``,
+    ``[::0]``, ``::ffff:0.0.0.0``, ``*``)."""
+    h = host.strip().strip("[]")
+    if h == "*":
+        return True
+    try:
+        ip = ipaddress.ip_address(h)
+    except ValueError:
+        try:  # the short IPv4 forms a socket takes (``0``)
+            return socket.inet_aton(h) == bytes(4)
+        except OSError:  # a host name
+            return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_unspecified or bool(mapped is not None and mapped.is_unspecified)
 
 class ServiceSettings(BaseSettings):
     """Everything the rlplane service reads (env prefix ``RLPLANE_``)."""
@@ -235,7 +254,7 @@ class ServiceSettings(BaseSettings):
     def _an_address_to_advertise(cls, v: str) -> str:
         """The units and the controller tell clients this address: a wildcard would send every
         client to its own host (and make every unit one host to the copies' placement)."""
-        if v.strip().strip("[]") in ("0.0.0.0", "::", "*"):
+        if _unspecified(v):
             raise ValueError(f"RLPLANE_NATIVE_HOST={v!r} is a wildcard, and the engine advertises this address to "
                              "clients: leave it unset (each unit binds its Ray node's address) or name one address")
         return v.strip()

@@ -25,6 +25,9 @@ SECRET = "SUPERSECRET-token-0123"
     ({"te_protocol": "tcp", "backend": "mooncake"}, "needs the native backend"),
     ({"native_host": "0.0.0.0"}, "is a wildcard, and the engine advertises this address"),
     ({"native_host": "[::]"}, "leave it unset"),
+    ({"native_host": "0"}, "is a wildcard"),
+    ({"native_host": "::ffff:0.0.0.0"}, "is a wildcard"),
+    ({"native_host": "0:0:0:0:0:0:0:0"}, "is a wildcard"),
 ])
 def test_a_refused_setting_is_named_and_no_value_is_quoted(args, says):
     """pydantic quoted every input in a model check's error: the API token too (it reached

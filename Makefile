@@ -37,10 +37,10 @@ demo: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/rlplane serve
 
-# Two workers: every test on the session's Ray cluster (and every end-to-end one) in one of
-# them, in order; the engine's own tests beside them (tests/conftest.py groups them).
+# Two pytest processes at once: the tests on Ray (tests/service, tests/e2e) in one, the
+# engine's own tests (tests/unit, no Ray) and the chart's beside them (tests/run_split.sh).
 test: $(STAMP)
-	$(PY) -m pytest tests -q -n 2 --dist loadgroup
+	tests/run_split.sh $(PY)
 
 soak-test: $(STAMP)
 	$(PY) -m pytest tests -q -m soak

@@ -38,19 +38,6 @@ class Live:
         return "native" if self.backend == "native" else "tq"
 
 
-#: Under ``make test`` (pytest-xdist, two workers) the tests that use the session's Ray
-#: cluster, and the end-to-end ones (each starts processes and clusters of its own, and
-#: some look at what Ray recorded on this machine), run in one worker, one at a time: one
-#: Ray cluster per session still. The rest (no Ray) run in the other meanwhile.
-RAY_GROUP = "ray"
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if "service" in item.fixturenames or "e2e" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
-
-
 @pytest.fixture(scope="session")
 def service(tmp_path_factory):
     """The embedded service (default backend: native) on a free loopback port, with an API

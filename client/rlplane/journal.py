@@ -2,11 +2,11 @@
 
 With ``RLPLANE_JOURNAL_DIR`` set, every storage unit appends each change the controller
 logs to it (a commit's record with the bytes of the blocks this unit holds, a clear, an
-ack) to a journal file in ``DIR/<unit name>/``, and fsyncs in groups (see
-:mod:`rlplane_service.native.journal`). After every engine process died, a new store
-replays the journal on top of the last snapshot (:func:`rlplane.snapshot.restore` with
-``journal=DIR``): every change after the snapshot's cut, in the order the controller
-applied it.
+ack, samples a claim expired) to a journal file in ``DIR/<unit name>/``, and fsyncs in
+groups (see :mod:`rlplane_service.native.journal`). After every engine process died, a
+new store replays the journal on top of the last snapshot
+(:func:`rlplane.snapshot.restore` with ``journal=DIR``): every change after the
+snapshot's cut, in the order the controller applied it.
 
 **On disk**: ``DIR/<unit>/seg-*.rlj`` segments, each a run of records::
 
@@ -64,7 +64,7 @@ PUT, CLEAR, DROP, ACK = "put", "clear", "drop", "ack"
 #: journalled already: one of its copies could not be stored): no replay applies it.
 VOID = "void"
 _KINDS = frozenset({PUT, CLEAR, DROP, ACK, VOID})
-_ACKED = 2  # the ledger's state of an acked sample
+_ACKED, _EXPIRED = 2, 3  # the ledger's states of an acked sample and of one expired (stale)
 _MAX_HEAD = 1 << 30
 #: Most candidate record starts looked at after a record that seems torn (is a whole one after it?).
 _MAX_SCAN = 4096
@@ -291,6 +291,7 @@ class ReplayInfo:
     last_seq: int
     torn: list[str]
     skipped: list[str]
+    expired: int = 0  # samples a claim found stale, expired again
 
 
 def check(journal: Journal, since: int, declared: Collection[str] | None, snapshot: str = "") -> None:
@@ -332,7 +333,7 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
     """
     say = progress or (lambda msg: None)
     todo = journal.after(since)
-    samples = cleared = acks = 0
+    samples = cleared = acks = expired = 0
     skipped: list[str] = []
     for k, r in enumerate(todo):
         if touched is not None and r.partition not in touched and r.kind == PUT:
@@ -361,12 +362,18 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
             cleared += transport.clear(_checked(r)[0])
         elif r.kind == CLEAR:
             cleared += transport.clear(*_checked(r))
-        else:
+        else:  # an ack, or samples a claim found stale ({"state": "expired"})
             ids = _checked(r)[1]
+            stale = r.rec.get("state") == "expired"
             try:
-                acks += _ack(transport, r.partition, str(r.rec.get("task")), ids)
+                marked = _ack(transport, r.partition, str(r.rec.get("task")), ids, _EXPIRED if stale else _ACKED)
             except (E.MissingDataError, E.InvalidArgumentError) as err:
-                skipped.append(f"change {r.seq} (ack on {r.partition!r}): {err}")
+                skipped.append(f"change {r.seq} ({'expiry' if stale else 'ack'} on {r.partition!r}): {err}")
+                continue
+            if stale:
+                expired += marked
+            else:
+                acks += marked
         if k % 256 == 255:
             say(f"journal: {k + 1} of {len(todo)} changes replayed")
     if skipped:
@@ -374,7 +381,7 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
     for t in journal.torn:
         log.warning("journal replay: skipped a torn last record: %s", t)
     return ReplayInfo(len(todo), samples, cleared, acks, todo[-1].seq if todo else since - 1, list(journal.torn),
-                      skipped)
+                      skipped, expired)
 
 
 def _checked(r: Record) -> tuple[str, list[str]]:
@@ -393,14 +400,14 @@ def _checked(r: Record) -> tuple[str, list[str]]:
     return r.partition, ids
 
 
-def _ack(transport: Any, partition: str, task: str, ids: list[str]) -> int:
-    """Mark ``ids`` acked for ``task``; the ones the store no longer holds (cleared after the
-    ack) are left out, not the whole ack. Returns how many were marked."""
+def _ack(transport: Any, partition: str, task: str, ids: list[str], state: int = _ACKED) -> int:
+    """Mark ``ids`` acked (or ``state``) for ``task``; the ones the store no longer holds
+    (cleared after the ack) are left out, not the whole ack. Returns how many were marked."""
     for _ in range(2):
         if not ids:
             return 0
         try:
-            transport.set_consumption(partition, task, ids, np.full(len(ids), _ACKED, np.int8).tobytes())
+            transport.set_consumption(partition, task, ids, np.full(len(ids), state, np.int8).tobytes())
             return len(ids)
         except E.MissingDataError as err:
             gone = set(err.missing or ())

@@ -277,10 +277,24 @@ class Ledger:
                 return lid
 
     # -- claiming --------------------------------------------------------------------
-    def claim(self, req: ClaimRequest, *, final: bool, now: float | None = None) -> dict[str, Any] | None:
+    def claim(self, req: ClaimRequest, *, final: bool, now: float | None = None,
+              expired: Callable[[list[str]], None] | None = None) -> dict[str, Any] | None:
         """The claim's answer, or None when it should wait (never None when ``final``).
+        ``expired``: told the ids of the samples this claim found stale and marked expired
+        for the task (the native controller journals them), whatever the claim's outcome.
 
         Raises NotReadyError when ``final`` and fewer than ``min_batch`` are ready."""
+        newly: list[np.ndarray] = []
+        try:
+            return self._claim(req, final, now, newly)
+        finally:
+            ps = self._part(req.partition) if newly and expired is not None else None
+            if ps is not None:
+                expired(ps.index.ids_of(np.concatenate(newly)))
+
+    def _claim(self, req: ClaimRequest, final: bool, now: float | None, newly: list[np.ndarray]
+               ) -> dict[str, Any] | None:
+        """:meth:`claim`; the slots it marks expired are added to ``newly``."""
         now = time.monotonic() if now is None else now
         self.expire(now)
         ps = self._part(req.partition)
@@ -309,6 +323,8 @@ class Ledger:
                 if req.group_key is not None:
                     stale |= _groups_of(ps, ts, req.group_key, a, z, stale) & waiting
                 st[stale] = EXPIRED
+                if stale.any():
+                    newly.append(np.flatnonzero(stale) + a)
             ready = live & (st == UNSEEN)
             if not req.unfinished:  # a partial rollout is claimed once it is finished
                 ready &= ~ps.unfinished(a, z)

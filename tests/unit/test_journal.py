@@ -637,3 +637,30 @@ def test_a_snapshot_prunes_the_journals_of_units_the_store_no_longer_has(tmp_pat
     with engine(None) as new, connect(new) as c:
         snapshot.restore(c.transport, tmp_path / "s", journal=jdir)
         assert sorted(c.partitions()) == ["a", "b", "c"]
+
+
+def test_samples_a_claim_found_stale_stay_expired_after_a_restore_from_the_journal(tmp_path):
+    """A claim with max_staleness marks stale samples expired for its task; the journal
+    carries that (only acks before), so after a restore a claim without max_staleness does
+    not hand them out as pending."""
+    jdir, snap = tmp_path / "journal", tmp_path / "snap"
+    with engine(jdir) as eng, connect(eng) as a:
+        versions = [{"policy_version": 0}] * 4 + [{"policy_version": 5}] * 4
+        a.put_samples("p", text_step(8, 16, seed=1).fields, tags=versions)
+        a.snapshot(str(snap))  # the cut: nothing expired yet
+        got = a.claim("p", "train", batch_size=4, fields=["input_ids"], timeout=0, max_staleness=1, current_version=5)
+        a.ack(got, "train")
+        with pytest.raises(E.NotReadyError):  # a claim that expires and finds nothing still says so
+            a.claim("p", "other", batch_size=8, min_batch=8, fields=["input_ids"], timeout=0, max_staleness=1,
+                    current_version=5)
+        want = {t: a.consumption("p", t) for t in ("train", "other")}
+        assert want["train"]["expired"] == 4 and want["other"]["expired"] == 4
+    with engine(None) as new, connect(new) as b:
+        info = snapshot.restore(b.transport, snap, journal=jdir)
+        for task in ("train", "other"):
+            got = b.consumption("p", task)
+            keys = ("acked", "expired", "pending")
+            assert {k: got[k] for k in keys} == {k: want[task][k] for k in keys}
+        assert info.journal["expired"] == 8 and info.journal["acks"] == 4
+        with pytest.raises(E.NotReadyError):  # nothing pending for train: the stale four stay out
+            b.claim("p", "train", batch_size=1, fields=["input_ids"], timeout=0)

@@ -162,6 +162,21 @@ class RecoveryOps:
         finally:
             self._group = group
 
+    def _log_expired(self, p: str, task: str, ids: list[str]) -> None:
+        """Samples a claim found stale and marked expired for ``task``, in the journals of two
+        units (an ack record saying so: a replay marks them expired again). The claim stands
+        when no unit kept it: the error is logged (a restore then hands them out as pending)."""
+        if self._replaying or not self.journaling or self.journal_paused or not ids:
+            return
+        group, self._group = self._group, None
+        try:
+            self._journal(ACK, p, clog.record({"task": task, "ids": ids, "state": "expired"}),
+                          self._answering()[:2], "expiry")
+        except E.RlplaneError as err:
+            log.error("journal: %d samples of %r expired for task %r are not journalled: %s", len(ids), p, task, err)
+        finally:
+            self._group = group
+
     def _unput(self, res: Reservation) -> Callable[[], None]:
         """What takes a new put back out of the index (its record reached no unit); a commit
         whose indexing has not run yet (the server runs a batch's last after its answers)

@@ -64,8 +64,10 @@ class StreamOps:
         self._access(header, req.partition, write=False)
         t0 = float(header.get("_t0") or time.monotonic())  # set by the server, never by a client
         final = bool(header.get("_final")) or req.wait_s <= 0
+        journal = getattr(self, "_log_expired", None)  # the native controller's (a journal, when it has one)
+        expired = (lambda ids: journal(req.partition, req.task, ids)) if journal is not None else None
         with self._lock:
-            out = self.ledger.claim(req, final=final)
+            out = self.ledger.claim(req, final=final, expired=expired)
             if out is None:
                 raise Park(t0 + min(req.wait_s, MAX_WAIT_S), key=req.partition)
             self.ledger.observe_wait(time.monotonic() - t0)

@@ -365,6 +365,9 @@ def replay(transport: Any, journal: Journal, since: int, *, touched: list[str] |
         else:  # an ack, or samples a claim found stale ({"state": "expired"})
             ids = _checked(r)[1]
             stale = r.rec.get("state") == "expired"
+            if not stale and r.rec.get("state") is not None:  # written by a later rlplane: not an ack
+                skipped.append(f"change {r.seq} ({r.partition!r}): consumption state {r.rec.get('state')!r} unknown")
+                continue
             try:
                 marked = _ack(transport, r.partition, str(r.rec.get("task")), ids, _EXPIRED if stale else _ACKED)
             except (E.MissingDataError, E.InvalidArgumentError) as err:
@@ -401,20 +404,30 @@ def _checked(r: Record) -> tuple[str, list[str]]:
 
 
 def _ack(transport: Any, partition: str, task: str, ids: list[str], state: int = _ACKED) -> int:
-    """Mark ``ids`` acked (or ``state``) for ``task``; the ones the store no longer holds
-    (cleared after the ack) are left out, not the whole ack. Returns how many were marked."""
-    for _ in range(2):
-        if not ids:
-            return 0
-        try:
-            transport.set_consumption(partition, task, ids, np.full(len(ids), state, np.int8).tobytes())
-            return len(ids)
-        except E.MissingDataError as err:
-            gone = set(err.missing or ())
-            if not gone:
-                raise
-            ids = [i for i in ids if i not in gone]
-    return 0
+    """Mark ``ids`` acked (or ``state``) for ``task``, CONSUMPTION_BATCH at a time; the ones
+    the store no longer holds (cleared after the ack) are left out, not the whole ack.
+    Returns how many were marked."""
+    marked = 0
+    for a in range(0, len(ids), CONSUMPTION_BATCH):
+        part = ids[a : a + CONSUMPTION_BATCH]
+        for _ in range(2):
+            if not part:
+                break
+            try:
+                transport.set_consumption(partition, task, part, np.full(len(part), state, np.int8).tobytes())
+                marked += len(part)
+                break
+            except E.MissingDataError as err:
+                gone = set(err.missing or ())
+                if not gone:
+                    raise
+                part = [i for i in part if i not in gone]
+    return marked
+
+
+#: Ids one replayed ack or expiry marks per request (a record of many ids, e.g. a claim
+#: that expired a stale backlog, would be a request past the engine's header limit).
+CONSUMPTION_BATCH = 1 << 16
 
 
 def _put_of(r: Record) -> tuple[list[str], dict[str, Any], list[dict[str, Any]], bool] | str:

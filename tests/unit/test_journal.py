@@ -664,3 +664,29 @@ def test_samples_a_claim_found_stale_stay_expired_after_a_restore_from_the_journ
         assert info.journal["expired"] == 8 and info.journal["acks"] == 4
         with pytest.raises(E.NotReadyError):  # nothing pending for train: the stale four stay out
             b.claim("p", "train", batch_size=1, fields=["input_ids"], timeout=0)
+
+
+def test_a_claim_that_expires_a_large_backlog_is_journalled_and_replayed_in_bounded_pieces(tmp_path, monkeypatch):
+    """One record, and one replayed request, per EXPIRED_PER_RECORD / CONSUMPTION_BATCH ids
+    (a claim over a stale backlog wrote all of it as one record, and a replay sent it as one
+    request: past the engine's header limit, the journal could not be restored at all)."""
+    from rlplane_service.native import recovery
+
+    monkeypatch.setattr(recovery, "EXPIRED_PER_RECORD", 4)
+    monkeypatch.setattr(J, "CONSUMPTION_BATCH", 3)
+    jdir = tmp_path / "journal"
+    with engine(jdir) as eng, connect(eng) as a:
+        versions = [{"policy_version": 0}] * 10 + [{"policy_version": 5}] * 2
+        a.put_samples("p", text_step(12, 16, seed=1).fields, tags=versions)
+        a.claim("p", "train", batch_size=2, fields=["input_ids"], timeout=0, max_staleness=1, current_version=5)
+        assert a.consumption("p", "train")["expired"] == 10
+    records = [r for r in J.Journal.open(jdir).changes.values() if r.rec.get("state") == "expired"]
+    assert sorted(len(r.rec["ids"]) for r in records) == [2, 4, 4]
+    with engine(None) as new, connect(new) as b:
+        calls = []
+        real = b.transport.set_consumption
+        monkeypatch.setattr(b.transport, "set_consumption", lambda p, t, ids, states: (calls.append(len(ids)),
+                                                                                         real(p, t, ids, states)))
+        info = snapshot.restore(b.transport, None, journal=jdir)
+        assert info.journal["expired"] == 10 and b.consumption("p", "train")["expired"] == 10
+        assert max(calls) <= 3

@@ -65,6 +65,10 @@ COMPACT_EVERY_S = 2.0
 #: Reservation ids of recent commits remembered (a commit sent again is answered as done).
 DONE_REMEMBERED = 1 << 16
 
+#: Ids in one journalled expiry record (a claim over a stale backlog expires all of it at
+#: once; one record of a million ids would be a request past the engine's header limit).
+EXPIRED_PER_RECORD = 1 << 16
+
 
 @dataclass(frozen=True, slots=True)
 class _Staged:
@@ -170,8 +174,9 @@ class RecoveryOps:
             return
         group, self._group = self._group, None
         try:
-            self._journal(ACK, p, clog.record({"task": task, "ids": ids, "state": "expired"}),
-                          self._answering()[:2], "expiry")
+            for a in range(0, len(ids), EXPIRED_PER_RECORD):
+                self._journal(ACK, p, clog.record({"task": task, "ids": ids[a : a + EXPIRED_PER_RECORD],
+                                                   "state": "expired"}), self._answering()[:2], "expiry")
         except E.RlplaneError as err:
             log.error("journal: %d samples of %r expired for task %r are not journalled: %s", len(ids), p, task, err)
         finally:

@@ -64,7 +64,8 @@ class StreamOps:
         self._access(header, req.partition, write=False)
         t0 = float(header.get("_t0") or time.monotonic())  # set by the server, never by a client
         final = bool(header.get("_final")) or req.wait_s <= 0
-        journal = getattr(self, "_log_expired", None)  # the native controller's (a journal, when it has one)
+        # the native controller's, when it journals (the ledger names the expired samples only then)
+        journal = getattr(self, "_log_expired", None) if getattr(self, "journaling", False) else None
         expired = (lambda ids: journal(req.partition, req.task, ids)) if journal is not None else None
         with self._lock:
             out = self.ledger.claim(req, final=final, expired=expired)

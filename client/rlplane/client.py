@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from rlplane.codec import WIRE_TAG, Encoded, Prepared, alloc_sizes, decode, encode, prepare
-from rlplane.errors import (DtypeError, HELD_GONE, IntegrityError, InvalidArgumentError, LeaseError, MissingDataError,
-                            NotReadyError, RlplaneError, ShapeError, TransportError, WireFormatError)
+from rlplane.errors import (DtypeError, FieldsHeldError, HELD_GONE, IntegrityError, InvalidArgumentError, LeaseError,
+                            MissingDataError, NotReadyError, RlplaneError, ShapeError, TransportError, WireFormatError)
 from rlplane.fields import LENGTHS_FIELD, Registry
 from rlplane.geometry import Geometry
 from rlplane.gcpause import gc_paused
@@ -295,6 +295,9 @@ class Client:
         without, as for a text-only sample put beside image ones, and is left out only
         when none of them holds it; an optional field of another kind that some lack is a
         MissingDataError naming them (nothing is ever left out for all of them silently).
+        The store, not only the meta, says which optional fields the samples hold: one
+        written after the meta was made (``write_columns`` adding images to some of them)
+        is read too.
 
         Example::
 
@@ -320,12 +323,23 @@ class Client:
             # learns more, or the error is raised); the first try is the whole read.
             maybe = frozenset(f for f in meta.some_fields if self.registry.get(f).optional) if fields is None \
                 else frozenset()
+            # A meta older than a write that added one of the stage's optional fields to some
+            # of its samples (images written after the put) does not list it: the read looks
+            # for the stage's other optional fields, and reads the ones the store finds too.
+            probe = [s.name for s in self.registry if stage in s.stages and s.optional and s.name not in names] \
+                if fields is None else []
             lacking: dict[str, list[str]] = {}
             while True:
                 try:
-                    out = self._read(meta, [n for n in names if n not in lacking], op, **how)
+                    out = self._read(meta, [n for n in names if n not in lacking], op, probe=probe, **how)
                     out.update(self._read_held(meta, lacking, op, how))
                     break
+                except FieldsHeldError as err:
+                    found = [f for f in probe if f in (err.fields if isinstance(err.fields, list) else ())]
+                    if not found:
+                        raise
+                    names = [s.name for s in self.registry if s.name in names or s.name in found]
+                    maybe, probe = maybe | set(found), [f for f in probe if f not in found]
                 except MissingDataError as err:
                     more = _lacking(err, maybe)
                     if more is None or all(set(who) <= set(lacking.get(f, ())) for f, who in more.items()):
@@ -356,9 +370,12 @@ class Client:
         return out
 
     def _read(self, meta: SampleMeta, names: list[str], op: Any, *, layout: str, pad: int | None, copy: bool,
-              device: torch.device | None) -> dict[str, Any]:
-        """One read of ``names`` for every sample of ``meta`` (see :meth:`read_columns`)."""
+              device: torch.device | None, probe: Sequence[str] = ()) -> dict[str, Any]:
+        """One read of ``names`` for every sample of ``meta`` (see :meth:`read_columns`);
+        FieldsHeldError when the samples hold fields of ``probe`` (where the store says)."""
         more: dict[str, Any] = born_check(self.transport, meta.tags)  # a stale meta (put again since) is refused
+        if probe and self.transport.probes_fields:
+            more["probe"] = list(probe)
         if copy and device is None and layout == "padded" and self.transport.lends_views:
             # Token rows are padded into memory of their own: out of the store's, not out of a copy of it.
             more["lend"] = [n for n in names if self.registry.get(n).alignment == "token"

@@ -126,6 +126,28 @@ class MissingDataError(RlplaneError, LookupError):
         self.missing = missing
 
 
+class FieldsHeldError(RlplaneError, LookupError):
+    """A read's samples hold fields it was asked to look for (``probe``) but not to read:
+    optional fields its meta does not list, written after the meta was made (e.g. by a
+    ``write_columns`` that added images to some of them). ``fields`` names them. A read by
+    stage reads them too (:meth:`rlplane.Client.read_columns`); only a caller of a
+    transport's ``get(..., probe=...)`` sees this error.
+
+    Example::
+
+        try:
+            transport.get("step-0", ids, ["input_ids"], probe=["pixel_values"])
+        except FieldsHeldError as err:
+            err.fields  # ["pixel_values"]
+    """
+
+    def __init__(self, partition: str, fields: list[str]) -> None:
+        super().__init__(f"partition {partition!r}: the samples hold field(s) {sorted(fields)} the read's meta does "
+                         "not list (written after the meta was made): read them too")
+        self.partition = partition
+        self.fields = sorted(fields)
+
+
 class DuplicateSampleError(RlplaneError, ValueError):
     """put_samples with sample ids that already exist in the partition. Nothing was written."""
 
@@ -212,7 +234,7 @@ class PayloadTooLargeError(InvalidArgumentError):
 # the HTTP client rebuilds the same typed error, so a caller catches the same classes
 # whichever transport moved the bytes.
 
-_ATTRS = ("field", "sample", "partition", "missing", "sample_ids", "stage", "known", "component")
+_ATTRS = ("field", "sample", "partition", "missing", "sample_ids", "stage", "known", "component", "fields")
 
 
 def lost_hint(lost: dict[str, str], advice: str) -> str:
@@ -272,6 +294,7 @@ __all__ = [
     "ShapeError",
     "WireFormatError",
     "MissingDataError",
+    "FieldsHeldError",
     "DuplicateSampleError",
     "TransportError",
     "VersionMismatchError",
@@ -297,7 +320,7 @@ _BY_NAME: dict[str, type[RlplaneError]] = {
     for cls in (
         RlplaneError, RegistryError, InvalidArgumentError, UnknownStageError, FieldValidationError,
         UnregisteredFieldError, ContainerError, DtypeError, ShapeError, WireFormatError,
-        MissingDataError, DuplicateSampleError, TransportError, UnavailableError, StorageFullError,
+        MissingDataError, FieldsHeldError, DuplicateSampleError, TransportError, UnavailableError, StorageFullError,
         NotReadyError, LeaseError, IntegrityError, SnapshotError, AuthenticationError, ForbiddenError, PayloadTooLargeError,
     )
 }

@@ -67,6 +67,7 @@ _STATUS: list[tuple[type[E.RlplaneError], int]] = [
     (E.WireFormatError, 422),
     (E.MissingDataError, 404),
     (E.UnknownStageError, 404),
+    (E.FieldsHeldError, 409),
     (E.DuplicateSampleError, 409),
     (E.LeaseError, 409),
     (E.SnapshotError, 422),
@@ -155,6 +156,9 @@ class GetRequest(BaseModel):
     born: Optional[list[Annotated[int, Field(ge=0, lt=1 << 62)]]] = Field(
         None, description="Each sample's incarnation as the reader's meta names it (tag _rlplane_born; 0: not known): "
                           "a 404 MissingDataError for samples cleared and put again since (native stores).")
+    probe: Annotated[list[_Name], Field(max_length=1024)] = Field(
+        [], description="Fields not read, looked for: a 409 FieldsHeldError naming those some of the samples hold (a "
+                        "reader's meta older than the write that added them; a read by stage then reads them too).")
 
 
 class ClaimBody(BaseModel):
@@ -515,6 +519,8 @@ def build_api(state: ServiceState) -> FastAPI:
             more: dict[str, Any] = {"shared": True} if body.shared and transport.shares_rows else {}
             if body.born is not None and transport.checks_born:
                 more["born"] = np.asarray(body.born, np.int64)
+            if body.probe and transport.probes_fields:
+                more["probe"] = body.probe
             columns, tags = await offload(transport.get, partition, body.sample_ids, body.fields, **more)
             parts = await offload(pack_parts, {"tags": list(tags)}, columns)
             event["nbytes"] = sum(col.nbytes for col in columns.values())

@@ -206,9 +206,11 @@ def test_image_samples_put_apart_from_text_only_ones_keep_their_images_on_a_read
         with_images = client.put_samples(p, {**small(2), "pixel_values": rlplane.PackedTensor([image, None]),
                                              "image_grid_thw": rlplane.PackedTensor([grid, None])})
         text = client.put_samples(p, {**small(2), "mm_token_type_ids": torch.zeros(2, 4, dtype=torch.int64)})
+        plain = client.put_samples(p, small(2))
         metas = {"concat": SampleMeta.concat(text, with_images)}
         if request.node.callspec.params["conn"] != "memory":  # (no claims in process)
             metas["claim"] = client.claim(p, "logprob", batch_size=4, stage="logprob", timeout=10)
+            assert set(metas["claim"].sample_ids) == set(text.sample_ids + with_images.sample_ids)
         for how, meta in metas.items():
             assert {"pixel_values", "image_grid_thw", "mm_token_type_ids"} <= meta.some_fields, how
             at = meta.sample_ids.index(with_images.sample_ids[0])
@@ -218,9 +220,12 @@ def test_image_samples_put_apart_from_text_only_ones_keep_their_images_on_a_read
             assert lack == set(with_images.sample_ids) and "mm_token_type_ids" in str(err.value), how
             images = meta.subset([meta.sample_ids.index(s) for s in with_images.sample_ids])  # (none holds it)
             assert "mm_token_type_ids" not in client.read_columns(images, stage="logprob"), how
-            meta = replace(meta, some_fields=meta.some_fields - {"mm_token_type_ids"})
-            got = client.read_columns(meta, stage="logprob")
-            rows = got["pixel_values"].rows
+            stale = replace(meta, some_fields=meta.some_fields - {"mm_token_type_ids"})  # (the store says so still)
+            with pytest.raises(E.MissingDataError, match="only some"):
+                client.read_columns(stale, stage="logprob")
+            mixed = SampleMeta.concat(plain, images)  # text-only samples without the token field, and images
+            got = client.read_columns(mixed, stage="logprob")
+            rows, at = got["pixel_values"].rows, mixed.sample_ids.index(with_images.sample_ids[0])
             assert torch.equal(rows[at][0], image.to(torch.bfloat16)) and sum(r is not None for r in rows) == 1, how
             assert torch.equal(got["image_grid_thw"].rows[at][0], grid) and len(got["image_grid_thw"]) == 4, how
             assert torch.equal(got["input_ids"][at, :4], small(2)["input_ids"][0]), how
@@ -229,6 +234,33 @@ def test_image_samples_put_apart_from_text_only_ones_keep_their_images_on_a_read
             with pytest.raises(E.MissingDataError) as err:  # named, a sample that lacks it is named too
                 client.read_columns(meta, ["input_ids", "pixel_values"])
             assert set(err.value.missing) == set(text.sample_ids), how
+        client.clear(p)
+
+
+def test_a_meta_older_than_a_write_that_added_images_to_some_samples_reads_them_by_stage(conn):
+    """A meta from the text-only put, handed on after a stage wrote images to some of its
+    samples, lists no image field: a read by stage left them out and the model trained
+    image-blind. The store says which optional fields the samples hold now."""
+    image, grid = torch.randn(16, 1176), torch.tensor([[1, 4, 4]])
+    with conn() as client:
+        p = part()
+        meta = client.put_samples(p, small(3))  # the meta the driver hands on
+        client.write_columns(meta.subset([1]), {"pixel_values": rlplane.PackedTensor([image]),
+                                                "image_grid_thw": rlplane.PackedTensor([grid])})
+        assert "pixel_values" not in meta.fields | meta.some_fields
+        for stage in ("logprob", "ref_logprob"):
+            got = client.read_columns(meta, stage=stage)
+            rows = got["pixel_values"].rows
+            assert rows[0] is None and rows[2] is None and torch.equal(rows[1][0], image.to(torch.bfloat16)), stage
+            assert torch.equal(got["image_grid_thw"].rows[1][0], grid) and len(got["image_grid_thw"]) == 3, stage
+            assert all(torch.equal(got["input_ids"][i, :n], small(3)["input_ids"][i, :n]) for i, n in enumerate((4, 3, 2)))
+        assert "pixel_values" not in client.read_columns(meta.subset([0, 2]), stage="logprob")  # none of them holds one
+        assert list(client.read_columns(meta, ["input_ids"])) == ["input_ids"]  # named fields: what is named
+        client.write_columns(meta.subset([0]), {"mm_token_type_ids": torch.zeros(1, 4, dtype=torch.int64)})
+        with pytest.raises(E.MissingDataError, match="only some") as err:  # a token field some lack: named, not dropped
+            client.read_columns(meta, stage="logprob")
+        assert {s for s, names in err.value.missing.items() if "mm_token_type_ids" in names} == \
+            {meta.sample_ids[1], meta.sample_ids[2]}
         client.clear(p)
 
 

@@ -121,6 +121,32 @@ def test_a_locate_with_malformed_incarnations_is_refused_and_keeps_no_pin(engine
     still_serving(engine, client, known, failures)
 
 
+@pytest.mark.parametrize("probe", ["pixel_values", [1], [""], ["x" * 300], ["a"] * 1025, ["a", "a"]])
+def test_a_locate_with_malformed_probe_fields_is_refused_and_keeps_no_pin(engine, client, known, ctrl, probe):
+    failures = engine.server.failures
+    meta, _ = known
+    with pytest.raises((E.WireFormatError, E.InvalidArgumentError), match="'opt'|twice"):
+        ctrl.call({"op": "locate", "p": "known", "ids": meta.sample_ids[:1], "fields": ["input_ids"], "opt": probe},
+                  timeout=5)
+    assert engine.core.stats()["pins"] == 0
+    still_serving(engine, client, known, failures)
+
+
+def test_a_locate_probing_fields_names_those_the_samples_hold_and_pins_nothing(engine, client, known, ctrl):
+    """``opt``: fields a reader's meta does not list, looked for; the read stops there, naming
+    those some of the samples hold (a field read, or one no sample holds, is not named)."""
+    failures = engine.server.failures
+    meta, _ = known
+    ask = {"op": "locate", "p": "known", "ids": meta.sample_ids[:2], "fields": ["input_ids"]}
+    with pytest.raises(E.FieldsHeldError) as err:
+        ctrl.call({**ask, "opt": ["pixel_values", "input_lengths", "input_ids", "no.such.field"]}, timeout=5)
+    assert err.value.fields == ["input_lengths"] and "input_lengths" in str(err.value)
+    assert engine.core.stats()["pins"] == 0
+    answer = ctrl.call({**ask, "opt": ["pixel_values", "input_ids"]}, timeout=5)[0]  # none held but the one read
+    ctrl.call({"op": "unpin", "pin": answer["pin"]}, timeout=5)
+    still_serving(engine, client, known, failures)
+
+
 @pytest.mark.parametrize("named", [[b"\x01" * 7], [1], "x", [ints([1]), ints([2])], [None]])
 def test_a_renewal_naming_malformed_blocks_is_refused_and_takes_no_pin_up(engine, client, known, ctrl, named):
     failures = engine.server.failures

@@ -91,6 +91,10 @@ class Transport(ABC):
     #: are checked against their digests as they are copied, and the fields checked whole
     #: are added to the set, for the caller not to digest them again (native, shared memory).
     verifies_reads: bool = False
+    #: Whether ``get`` takes ``probe=`` (field names not read): FieldsHeldError naming those
+    #: that some of the samples hold, before anything is read. A read by stage probes the
+    #: stage's optional fields its meta does not list (written after the meta was made).
+    probes_fields: bool = False
 
     @abstractmethod
     def put(

@@ -46,6 +46,7 @@ class HttpTransport(Transport):
     checks_lengths = True  # the service checks a write's token rows when its store does (native)
     checks_born = True  # the service refuses a stale meta when its store keeps incarnations (native)
     checks_rewrites = True  # an extend sends the digests it read; the service's store checks them where it can (native)
+    probes_fields = True  # the service looks for the fields a stale meta does not list (its store: every built-in one)
     shares_rows = True  # a row several samples of a put share crosses once, each way (the service's store
     #                     keeps it once where it shares rows: native; else it stores every copy)
 
@@ -105,18 +106,22 @@ class HttpTransport(Transport):
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
-        born: Any = None, shared: bool = False,
+        born: Any = None, shared: bool = False, probe: Sequence[str] = (),
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         """``born``: the incarnations the caller's meta names (MissingDataError, from a
         store that keeps them, for samples cleared and put again since). ``shared``: a row
-        the store keeps once for several of the samples crosses once (Column.same)."""
-        return self._fetch(partition, sample_ids, fields, born, shared)
+        the store keeps once for several of the samples crosses once (Column.same).
+        ``probe``: fields not read, looked for (FieldsHeldError naming those some of the
+        samples hold; a service of an earlier release looks for none)."""
+        return self._fetch(partition, sample_ids, fields, born, shared, probe)
 
-    def _fetch(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], born: Any, shared: bool
-               ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+    def _fetch(self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], born: Any, shared: bool,
+               probe: Sequence[str] = ()) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         ask: dict[str, Any] = {"sample_ids": list(sample_ids), "fields": list(fields)}
         if shared:
             ask["shared"] = True
+        if probe:
+            ask["probe"] = list(probe)
         if born is not None:
             ask["born"] = np.asarray(born, np.int64).tolist()
         body = self.api.read_into("POST", f"/v1/data/{_p(partition)}/get", json=ask)

@@ -23,7 +23,7 @@ import torch
 
 from rlplane.codec import merge_tags
 from rlplane.column import Column
-from rlplane.errors import DuplicateSampleError, MissingDataError, ShapeError
+from rlplane.errors import DuplicateSampleError, FieldsHeldError, MissingDataError, ShapeError
 from rlplane.tags import incarnation, stale, stale_meta
 from rlplane.transports.base import PartitionInfo, Transport, check_put, check_written_lengths
 
@@ -41,6 +41,7 @@ class MemoryTransport(Transport):
     name = "memory"
     checks_born = True
     checks_lengths = True
+    probes_fields = True
 
     def __init__(self) -> None:
         self._parts: dict[str, dict[str, _Sample]] = {}
@@ -108,7 +109,7 @@ class MemoryTransport(Transport):
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
-        born: Any = None,
+        born: Any = None, probe: Sequence[str] = (),
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
@@ -128,6 +129,9 @@ class MemoryTransport(Transport):
             if born is not None and (bad := stale(np.asarray(born, np.int64), self._born(part, sample_ids))).size:
                 raise stale_meta(partition, list(sample_ids), bad, "read")
             picked = [part[sid] for sid in sample_ids]
+            held = {f for f in probe if f not in fields and any(f in s.rows for s in picked)}
+            if held:
+                raise FieldsHeldError(partition, sorted(held))
             dtypes = {f: self._dtypes.get((partition, f), torch.uint8) for f in fields}
         for f in fields:  # (torch.cat would promote rows written with another dtype, silently: bool rows as uint8)
             kinds = {s.rows[f].dtype for s in picked}

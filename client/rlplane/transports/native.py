@@ -164,6 +164,7 @@ class NativeTransport(Transport):
     checks_born = True  # a meta naming samples cleared and put again since is refused (put/get(born=))
     lends_views = True  # a padded read's token rows are padded out of the slab, not copied first (get(lend=))
     verifies_reads = True  # rows copied out of a slab are digested as they are copied (get(verified=))
+    probes_fields = True  # the locate looks for fields a stale meta does not list (get(probe=))
 
     def __init__(self, info: Mapping[str, Any], *, timeout: float = 60.0, data_path: str = "auto",
                  pool: ReadPool | None = None, te: TeOptions | None = None) -> None:
@@ -514,7 +515,7 @@ class NativeTransport(Transport):
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
         shared: bool = False, born: np.ndarray | None = None, lend: Collection[str] = (),
-        verified: set[str] | None = None,
+        verified: set[str] | None = None, probe: Sequence[str] = (),
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         """``copy=False``: a field whose rows lie in order in one mapped slab comes back as
         a read-only view of it (zero copy), its blocks pinned until the last view is gone.
@@ -534,16 +535,17 @@ class NativeTransport(Transport):
         ``verified`` (a set): rows copied out of a mapped slab are checked against their
         digests as they are copied (IntegrityError naming the sample and field), and the
         fields whose every row was checked so are added to it (a read in one piece only):
-        the caller need not digest them again."""
+        the caller need not digest them again. ``probe``: fields not read, which the locate
+        looks for (FieldsHeldError naming those some of the samples hold, nothing read)."""
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
-        ids, names, lend = list(sample_ids), list(fields), frozenset(lend)
+        ids, names, lend, probe = list(sample_ids), list(fields), frozenset(lend), tuple(probe)
         # Pieces of at most READ_CELLS pairs, whose ids fit a request (up to 512 characters each).
         step = max(1, min(READ_CELLS // max(1, len(names)),
                           len(ids) * READ_ID_BYTES // max(1, sum(map(len, ids))) if ids else 1))
         pieces = [p for a in range(0, max(len(ids), 1), step)  # (an empty read: one piece, as before)
                   for p in self._in_pieces(partition, ids, names, copy, shared, born, lend, a, min(a + step, len(ids)),
-                                           verified)]
+                                           verified, probe)]
         if len(pieces) == 1:
             return pieces[0]
         if verified is not None:  # each piece was checked, but what is handed out is a copy of them
@@ -559,25 +561,25 @@ class NativeTransport(Transport):
                 RowTags.concat([tags for _, tags in pieces]))
 
     def _in_pieces(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool,
-                   born: np.ndarray | None, lend: frozenset[str], a: int, z: int, verified: set[str] | None = None
-                   ) -> list[tuple[dict[str, Column], RowTags]]:
+                   born: np.ndarray | None, lend: frozenset[str], a: int, z: int, verified: set[str] | None = None,
+                   probe: tuple[str, ...] = ()) -> list[tuple[dict[str, Column], RowTags]]:
         """The read of ``ids[a:z]`` as one locate's, or, when its answer is too big to send
         (the samples carry big tags), as two halves, each again if need be."""
         try:
             return [self._get_once(partition, ids[a:z], fields, copy, shared, None if born is None else born[a:z],
-                                   lend, verified)]
+                                   lend, verified, probe)]
         except PayloadTooLargeError:
             if z - a < 2:
                 raise
         m = (a + z) // 2
         return [p for x, y in ((a, m), (m, z)) for p in self._in_pieces(partition, ids, fields, copy, shared, born,
-                                                                          lend, x, y, verified)]
+                                                                          lend, x, y, verified, probe)]
 
     def _get_once(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool,
-                  born: np.ndarray | None, lend: frozenset[str], verified: set[str] | None = None
-                  ) -> tuple[dict[str, Column], RowTags]:
+                  born: np.ndarray | None, lend: frozenset[str], verified: set[str] | None = None,
+                  probe: tuple[str, ...] = ()) -> tuple[dict[str, Column], RowTags]:
         """One locate's read (see :meth:`get`), again after a unit was lost or a block moved."""
-        args = (partition, ids, fields, copy, shared, born, lend, verified)
+        args = (partition, ids, fields, copy, shared, born, lend, verified, probe)
         try:
             try:
                 return self._get(*args)
@@ -799,8 +801,8 @@ class NativeTransport(Transport):
             pass
 
     def _get(self, partition: str, ids: list[str], fields: list[str], copy: bool, shared: bool = False,
-             born: np.ndarray | None = None, lend: frozenset[str] = frozenset(), verified: set[str] | None = None
-             ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
+             born: np.ndarray | None = None, lend: frozenset[str] = frozenset(), verified: set[str] | None = None,
+             probe: tuple[str, ...] = ()) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         deadline = time.monotonic() + self.timeout
         if verified is not None:  # (what an attempt before this one checked is not what this one hands out)
             verified.clear()
@@ -810,6 +812,8 @@ class NativeTransport(Transport):
             ask["share"] = True
         if born is not None:
             ask["bn"] = np.asarray(born, "<i8").tobytes()
+        if probe:
+            ask["opt"] = list(probe)
         if not copy or lend:  # views may outlive this call: their pin is never dropped to make room for others
             ask["keep"] = True
         loc = self._ask(ask, self._left(deadline))

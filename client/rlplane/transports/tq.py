@@ -39,8 +39,8 @@ import torch
 from rlplane.codec import WIRE_TAG, merge_tags
 from rlplane.streams import DirectStreams
 from rlplane.column import Column
-from rlplane.errors import (DuplicateSampleError, MissingDataError, RlplaneError, ShapeError, TransportError,
-                            UnavailableError, WireFormatError, lost_hint)
+from rlplane.errors import (DuplicateSampleError, FieldsHeldError, MissingDataError, RlplaneError, ShapeError,
+                            TransportError, UnavailableError, WireFormatError, lost_hint)
 from rlplane.tags import BORN_TAG, RowTags, born_of, incarnation, stale, stale_meta
 from rlplane.transports.base import PartitionInfo, Transport, check_put, check_written_lengths
 from rlplane.transports.tq_errors import translate
@@ -232,6 +232,7 @@ class TQTransport(Transport):
     kind = ""
     checks_born = True  # each sample's incarnation is kept in its tags: a stale meta is refused
     checks_lengths = True  # a write's token rows are checked against the sample's stored lengths (its tags)
+    probes_fields = True  # a sample's tags name the fields it holds: a stale meta's read learns of the others
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -350,13 +351,14 @@ class TQTransport(Transport):
 
     def get(
         self, partition: str, sample_ids: Sequence[str], fields: Sequence[str], *, copy: bool = True,
-        born: Any = None,
+        born: Any = None, probe: Sequence[str] = (),
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         """``born``: the incarnations the caller's meta names (MissingDataError for samples
-        cleared and put again since)."""
+        cleared and put again since). ``probe``: fields not read, looked for in the samples'
+        tags (FieldsHeldError naming those some of them hold, nothing read)."""
         if born is not None and len(born) != len(sample_ids):
             raise ShapeError(f"{len(born)} incarnations for {len(sample_ids)} samples")
-        return self._run(self._get(partition, list(sample_ids), list(fields), born))
+        return self._run(self._get(partition, list(sample_ids), list(fields), born, tuple(probe)))
 
     def clear(self, partition: str, sample_ids: Sequence[str] | None = None) -> int:
         ids = None if sample_ids is None else list(dict.fromkeys(sample_ids))  # (an id named twice clears once)
@@ -588,7 +590,7 @@ class TQTransport(Transport):
             raise
 
     async def _get(
-        self, partition: str, ids: list[str], fields: list[str], born: Any = None
+        self, partition: str, ids: list[str], fields: list[str], born: Any = None, probe: tuple[str, ...] = ()
     ) -> tuple[dict[str, Column], list[dict[str, Any]]]:
         if not ids:
             return {f: Column.empty(torch.uint8) for f in fields}, []
@@ -607,6 +609,9 @@ class TQTransport(Transport):
                 missing[sid] = lacking
         if missing:
             raise MissingDataError(partition, missing)
+        held = {f for f in probe if f not in fields and any(f in (tag.get(WIRE_TAG) or {}) for tag in tags)}
+        if held:
+            raise FieldsHeldError(partition, sorted(held))
         stored = [tag.pop(NBYTES_TAG, None) or {} for tag in tags]
         if not fields:
             return {}, tags

@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 MAX_LOCATE_CELLS = 1 << 20
 
 
+def _holds(part: Partition, field: str, slots: np.ndarray) -> bool:
+    """Whether any of ``slots`` holds a row of ``field``."""
+    fi = part.fields.get(field)
+    return fi is not None and bool((fi.at("block", slots) >= 0).any())
+
+
 class ReadOps:
     """Locate / unpin / renew over the controller's index (a mixin)."""
 
@@ -56,8 +62,11 @@ class ReadOps:
         """Where every requested (sample, field) is: per unit, ``[field, blocks, rows,
         positions in the request]`` plus, for units in ``shm`` (slabs the client mapped),
         each row's slab address and the field's dtype. The blocks named are pinned
-        (``pin`` in the answer) until the client unpins them or the pin's lease passes."""
+        (``pin`` in the answer) until the client unpins them or the pin's lease passes.
+        ``opt`` (optional): fields not read, looked for: FieldsHeldError naming those some of
+        the samples hold (a reader's meta older than the write that added them)."""
         p, ids, fields = partition_of(header), sample_ids(header.get("ids"), unique=False), field_names(header.get("fields"))
+        probe = field_names(header["opt"], "opt") if header.get("opt") is not None else []
         self._access(header, p, write=False)
         if len(ids) * len(fields) > MAX_LOCATE_CELLS:  # (its answer, built first, would be refused as too big)
             raise E.PayloadTooLargeError(f"a locate of {len(ids)} samples x {len(fields)} fields asks for more than "
@@ -72,6 +81,8 @@ class ReadOps:
             born = births(header.get("bn"), len(ids))  # the incarnations the reader's meta names
             if born is not None and (bad := self._parts[p].stale(slots, born)).size:
                 raise stale_meta(p, ids, bad, "read")
+            if held := [f for f in probe if f not in fields and _holds(self._parts[p], f, slots)]:
+                raise E.FieldsHeldError(p, held)  # (a stale meta: the reader asks for them too)
             pinned: set[int] = set()
             out = self._locate(p, self._parts[p], slots, ids, fields, local, pinned, share=header.get("share") is True)
             keep = header.get("keep") is True

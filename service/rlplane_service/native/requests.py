@@ -45,10 +45,10 @@ def sample_ids(x: Any, *, unique: bool = True) -> list[str]:
     return x
 
 
-def field_names(x: Any) -> list[str]:
-    """Field names from a request: distinct strings of 1-MAX_NAME_LEN characters, at most 1024."""
+def field_names(x: Any, key: str = "fields") -> list[str]:
+    """Field names from a request's ``key``: distinct strings of 1-MAX_NAME_LEN characters, at most 1024."""
     if not isinstance(x, list) or len(x) > 1024 or not all(isinstance(s, str) and 0 < len(s) <= MAX_NAME_LEN for s in x):
-        raise E.WireFormatError(f"'fields' must be a list of at most 1024 field names of 1-{MAX_NAME_LEN} characters")
+        raise E.WireFormatError(f"'{key}' must be a list of at most 1024 field names of 1-{MAX_NAME_LEN} characters")
     if len(set(x)) != len(x):
         raise E.InvalidArgumentError(f"a request names a field twice: {sorted(f for f in set(x) if x.count(f) > 1)[:3]}")
     return x

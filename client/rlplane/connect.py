@@ -140,20 +140,29 @@ def _transport(api: ServiceAPI, described: dict, wanted: str, timeout: float, da
             raise TransportError("this service publishes no direct data path; connect with transport='http'")
         return HttpTransport(api)
     info = described[kind]
+    # A data path asked for by name (data_path, RLPLANE_DATA_PATH) is the native engine's:
+    # without it the call fails, saying why, rather than moving the bytes over HTTP.
+    fallback = wanted == "auto" and not (kind == "native" and data_path != "auto")
     if wanted == "auto":
         module, package = DIRECT[kind]
+        if not fallback and not _importable(package):
+            raise TransportError(f"data_path={data_path!r} needs the {package!r} package (pip install {package!r}); "
+                                 "or connect with data_path='auto' to let the client choose, HTTP included")
         if not _importable(package):
             log.warning("rlplane: the %r data path needs the %r package: this client moves its bytes over HTTP "
                         "(pip install %r; or connect with transport='http' to say so)", kind, package, package)
             return HttpTransport(api)
         if not importlib.import_module(module).reachable(info):
+            if not fallback:
+                raise TransportError(f"data_path={data_path!r}: the store's native engine does not answer from this "
+                                     "host; connect with data_path='auto' to let the client choose, HTTP included")
             log.warning("rlplane: the store's %r data path does not answer from this host: this client moves its "
                         "bytes over HTTP (transport='direct' says why)", kind)
             return HttpTransport(api)
     try:
         return _open(kind, info, timeout, data_path)
     except TransportError as err:
-        if wanted == "auto":
+        if fallback:
             log.warning("rlplane: the store's %r data path failed (%s): this client moves its bytes over HTTP",
                         kind, err)
             return HttpTransport(api)

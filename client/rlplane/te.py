@@ -13,10 +13,11 @@ written to the extents the unit allocated with one batched transfer
 transfer per unit (``batch_transfer_sync_read``) straight into the memory the read hands
 back. Over ``tcp`` the caller's buffers are registered for the transfer (cheap there);
 over ``rdma`` (registering pins pages) the bytes go through the staging buffer, in
-batches of its size. ZMQ carries control as on the other data paths, so commits, pins,
-replicas and digests work as there. A transfer to a peer that stops answering fails
-after STALL_S without progress; the memory of a failed transfer is quarantined (the
-engine may still move its bytes when the peer comes back).
+batches of its size (made at its first use). ZMQ carries control as on the other data
+paths, so commits, pins, replicas and digests work as there. A transfer to a peer that stops answering fails
+after STALL_S without progress, and a first contact with a peer (the engine's handshake)
+after REACH_S; the memory of a failed transfer is quarantined (the engine may still move
+its bytes when the peer comes back). A forked child opens an engine of its own.
 
 Trust: the engine authenticates nobody. Whoever reaches its ports reads and writes the
 memory registered with it: the handshake hands the registered buffers' addresses to any
@@ -29,14 +30,14 @@ Digests catch corruption in transit or at rest, not forgery.
 
 Example::
 
-    pool = transfer_pool("tcp", hostname="10.0.0.5")
-    slab = RemoteSlab("unit-0", info["peer"], info["base"], info["bytes"], pool)
+    slab = RemoteSlab("unit-0", info["peer"], info["base"], info["bytes"], PoolSpec("tcp", "10.0.0.5"))
     slab.write([(values_u8, start)])                 # into extents the unit allocated
     slab.read(at, lens, [out], which, out_at)        # rows out of the unit's slab
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -66,6 +67,11 @@ DEFAULT_STAGING_BYTES = 64 << 20
 #: 10 s (the engine's own default is 30 s). Set MC_TCP_PROGRESS_TIMEOUT_SEC /
 #: MC_TCP_STATUS_TIMEOUT_SEC to choose otherwise.
 STALL_S = 4
+#: Seconds the first contact with a peer (the engine's handshake, which the engine lets
+#: wait about 60 s on a peer that stopped answering, whatever STALL_S says) may take before
+#: the unit is UnavailableError. Made before a pool's first transfer to each peer, and again
+#: after a transfer to it failed.
+REACH_S = 2 * STALL_S
 
 
 def open_engine(hostname: str, protocol: str, devices: str = "", ports: tuple[int, int] | None = None) -> Any:
@@ -143,21 +149,53 @@ class TransferPool:
         self.direct = protocol == "tcp" if direct is None else direct
         self.engine = open_engine(hostname, protocol, devices)
         self.nbytes = staging_bytes - staging_bytes % mmap.PAGESIZE
-        self._stage_afresh()
+        self._mm: mmap.mmap | None = None  # the staging buffer, made at its first use (see _staging)
         self._lock = threading.Lock()
         # Memory of transfers that failed: the engine may still move bytes of them (a peer
         # that stalled and came back), so it is never freed, reused or unregistered.
         self.quarantined: list[Any] = []
         self.quarantined_bytes = 0
+        self._reached: set[str] = set()  # peers this engine made contact with (see reach)
+        self._reaching: dict[str, _Contact] = {}
+        self._reach_lock = threading.Lock()
+        self._probe: np.ndarray | None = None
 
-    def _stage_afresh(self) -> None:
-        """A new staging buffer, pre-faulted and registered (taken only once registered)."""
+    def _staging(self) -> None:
+        """The staging buffer, pre-faulted and registered (taken only once registered); made
+        at its first use: a direct pool (tcp) never needs it."""
+        if self._mm is not None:
+            return
         mm = mmap.mmap(-1, self.nbytes)
         u8 = np.frombuffer(mm, np.uint8)
         if not populate(u8, write=True):  # older kernels: touch a byte a page
             u8[:: mmap.PAGESIZE] = 0
         register(self.engine, u8.ctypes.data, self.nbytes, "the client's staging buffer")
         self._mm, self.u8, self.base = mm, u8, u8.ctypes.data
+
+    def reach(self, peer: str, unit: str, at: int) -> None:
+        """Contact with ``peer`` within REACH_S, or UnavailableError naming storage unit
+        ``unit``: a read of 8 bytes at its address ``at`` (registered there), which makes the
+        engine's handshake; once per peer, and again after a transfer to it failed. A
+        contact that outlasts REACH_S goes on in the background (one per peer at a time)."""
+        if peer in self._reached:
+            return
+        with self._reach_lock:
+            if self._probe is None:  # 8 bytes a late contact may still land in: never read, never reused
+                self._probe = np.zeros(mmap.PAGESIZE, np.uint8)
+                register(self.engine, self._probe.ctypes.data, self._probe.size, "the client's handshake page")
+            contact = self._reaching.get(peer)
+            if contact is None:
+                contact = self._reaching[peer] = _Contact(self.engine, peer, self._probe.ctypes.data, at)
+        if not contact.done.wait(REACH_S):
+            raise UnavailableError(f"storage unit {unit}'s transfer engine at {peer} did not answer a handshake within "
+                                   f"{REACH_S} s: the unit stalled or died", component=unit)
+        with self._reach_lock:
+            if self._reaching.get(peer) is contact:
+                del self._reaching[peer]
+        if contact.rc != 0:
+            raise UnavailableError(f"storage unit {unit}'s transfer engine at {peer} did not answer (rc {contact.rc}): "
+                                   "the unit died, or its engine is not listening there", component=unit)
+        self._reached.add(peer)
 
     def write(self, peer: str, unit: str, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
         """Each ``(uint8 values, remote address)`` into the peer's memory."""
@@ -167,10 +205,12 @@ class TransferPool:
         if not lens.size:
             return
         self._room()
+        self.reach(peer, unit, int(remote[0]))
         with self._lock, self._registered(srcs) as direct, self._staging_kept_on_failure(direct):
             if direct:
                 self._move(peer, unit, "write", np.array([src.ctypes.data for src in srcs], np.int64), remote, lens)
                 return
+            self._staging()
             for b0, b1, k, off, n, stage in _windows(lens, self.nbytes):
                 for j, o, m, s in zip(k[b0:b1].tolist(), off[b0:b1].tolist(), n[b0:b1].tolist(),
                                       stage[b0:b1].tolist()):
@@ -186,12 +226,14 @@ class TransferPool:
         if not lens.size:
             return
         self._room()
+        self.reach(peer, unit, int(at[0]))
         with self._lock, self._registered(dsts) as direct, self._staging_kept_on_failure(direct):
             if direct:
                 local = np.array([d.ctypes.data for d in dsts], np.int64)[which] + dst_at
                 starts = _runs(at, lens, local)
                 self._move(peer, unit, "read", local[starts], at[starts], np.add.reduceat(lens, starts))
                 return
+            self._staging()
             # Rows that follow one another in the peer's memory move as one range.
             starts = _runs(at, lens)
             run_at, run_len = at[starts], np.add.reduceat(lens, starts)
@@ -227,9 +269,9 @@ class TransferPool:
         try:
             yield
         except BaseException:
-            if not direct:
+            if not direct and self._mm is not None:
                 self._quarantine(self._mm, self.nbytes)
-                self._stage_afresh()
+                self._mm = None  # (a new one at the next transfer)
             raise
 
     def _quarantine(self, memory: Any, nbytes: int) -> None:
@@ -270,8 +312,27 @@ class TransferPool:
         fn = self.engine.batch_transfer_sync_write if op == "write" else self.engine.batch_transfer_sync_read
         rc = fn(peer, local.tolist(), remote.tolist(), lens.tolist())
         if rc != 0:
+            self._reached.discard(peer)  # (the engine may handshake again: bounded by reach)
             raise UnavailableError(f"storage unit {unit}'s transfer engine at {peer} did not take a {op} of "
                                    f"{int(lens.sum())} bytes (rc {rc}): the unit may have died", component=unit)
+
+
+class _Contact:
+    """One first contact with a peer, on a thread of its own (the engine's call cannot be
+    cut short; it lets go of the GIL): ``done`` once it ended, ``rc`` its outcome (0: made)."""
+
+    def __init__(self, engine: Any, peer: str, local: int, at: int) -> None:
+        self.done, self.rc = threading.Event(), -1
+        threading.Thread(target=self._run, args=(engine, peer, local, at), name="rlplane-te-handshake",
+                         daemon=True).start()
+
+    def _run(self, engine: Any, peer: str, local: int, at: int) -> None:
+        try:
+            self.rc = int(engine.batch_transfer_sync_read(peer, [local], [at], [8]))
+        except Exception:  # noqa: BLE001 - (rc stays -1: reach says the peer did not answer)
+            pass
+        finally:
+            self.done.set()
 
 
 def _runs(at: np.ndarray, lens: np.ndarray, local: np.ndarray | None = None) -> np.ndarray:
@@ -308,7 +369,8 @@ _pools_lock = threading.Lock()
 def transfer_pool(protocol: str, *, hostname: str, devices: str = "",
                   staging_bytes: int = DEFAULT_STAGING_BYTES) -> TransferPool:
     """This process's pool for ``protocol`` seen as ``hostname`` (opened once, kept for
-    the process: an engine cannot be stopped and started again cheaply).
+    the process: an engine cannot be stopped and started again cheaply). A forked child
+    opens its own (its parent's engine has no threads there: it is let go at the fork).
 
     Example: ``pool = transfer_pool("tcp", hostname=local_address("10.0.0.7"))``
     """
@@ -320,6 +382,40 @@ def transfer_pool(protocol: str, *, hostname: str, devices: str = "",
         return pool
 
 
+def _forget_pools() -> None:
+    """In a forked child: the parent's engines have no threads here, so none is used, and
+    none is ever torn down (that crashed the child, at once or at its exit): each is kept
+    alive for good (a reference never given back), and the child opens its own."""
+    global _pools_lock
+    _pools_lock = threading.Lock()
+    for pool in _pools.values():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool.engine))
+        _inherited.append(pool)
+    _pools.clear()
+
+
+_inherited: list[TransferPool] = []  # (a forked child's parent's pools: their memory stays mapped)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """Which :func:`transfer_pool` a client's transfers go through (looked up at each use:
+    a forked child gets one of its own)."""
+
+    protocol: str
+    hostname: str
+    devices: str = ""
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+
+    def pool(self) -> TransferPool:
+        return transfer_pool(self.protocol, hostname=self.hostname, devices=self.devices,
+                             staging_bytes=self.staging_bytes)
+
+
 @dataclass(eq=False)
 class RemoteSlab:
     """A storage unit's slab reached through the transfer engine (offsets are the slab's)."""
@@ -328,7 +424,17 @@ class RemoteSlab:
     peer: str
     base: int
     nbytes: int
-    pool: TransferPool
+    spec: PoolSpec
+
+    @property
+    def pool(self) -> TransferPool:
+        return self.spec.pool()
+
+    def reach(self) -> None:
+        """Contact with the unit's engine within REACH_S, or UnavailableError naming it."""
+        if self.nbytes < 8:
+            raise WireFormatError(f"storage unit {self.unit} says its slab holds {self.nbytes} bytes")
+        self.pool.reach(self.peer, self.unit, self.base)
 
     def write(self, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
         """Each ``(uint8 values, slab offset)`` into the slab (extents the unit allocated)."""
@@ -345,5 +451,5 @@ class RemoteSlab:
         self.pool.read(self.peer, self.unit, at + self.base, lens, dsts, which, dst_at)
 
 
-__all__ = ["PROTOCOLS", "DEFAULT_STAGING_BYTES", "RemoteSlab", "TransferPool", "local_address", "open_engine",
-           "register", "transfer_pool"]
+__all__ = ["PROTOCOLS", "DEFAULT_STAGING_BYTES", "REACH_S", "PoolSpec", "RemoteSlab", "TransferPool", "local_address",
+           "open_engine", "register", "transfer_pool"]

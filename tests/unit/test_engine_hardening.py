@@ -360,6 +360,28 @@ def test_a_stopped_unit_is_suspect_not_lost_and_keeps_its_data_when_it_resumes()
             c.close()
 
 
+def test_a_put_no_unit_takes_says_which_units_are_lost_which_do_not_answer_and_which_are_full():
+    """A put while the units were only suspect (stalled: they may answer again) was told
+    "every storage unit of the store is lost; the service needs a restart"."""
+    with LocalEngine(3, secret=SECRET, slab_bytes=16 << 20) as eng:
+        t = NativeTransport(eng.info, timeout=10, data_path="zmq")
+        try:
+            t._gone, t.down = set(), {0, 1, 2}  # (as the controller says while all three are suspect)
+            t._down_at = time.monotonic()
+            with pytest.raises(E.UnavailableError) as err:
+                t._place(4, 64)
+            assert "u0, u1, u2 not answering (suspect" in str(err.value) and "restart" not in str(err.value)
+            t._gone, t.down = {0}, {0, 1}
+            with pytest.raises(E.UnavailableError, match=r"u0 lost; u1 not answering .*; u2 full for this put"):
+                t._place(4, 64, avoid={2})
+            t._gone = t.down = {0, 1, 2}
+            with pytest.raises(E.UnavailableError, match=r"every storage unit of the store is lost \(u0, u1, u2\); "
+                                                         "the service needs a restart"):
+                t._place(4, 64)
+        finally:
+            t.close()
+
+
 def test_a_killed_unit_is_lost_at_once_and_puts_route_around_it_within_two_seconds():
     with LocalEngine(3, secret=SECRET, slab_bytes=16 << 20, processes=True, replicas=2, grace_s=3600) as eng:
         c = Client(default_registry(), NativeTransport(eng.info, timeout=20, data_path="zmq"))

@@ -80,3 +80,30 @@ def test_a_store_that_lost_a_unit_is_still_reachable_and_auto_keeps_its_direct_p
         assert "does not answer from this host" in caplog.text
     finally:
         eng.stop()
+
+
+def test_a_data_path_asked_for_by_name_fails_saying_why_instead_of_moving_bytes_over_http(caplog):
+    """``connect(data_path="te")`` to a store whose units run no transfer engine, or
+    ``data_path="shm"`` to one whose engine does not answer, moved every byte through the
+    HTTP proxy with a log line only; the path asked for by name is the call's, or it fails."""
+    import pytest
+
+    from rlplane import errors as E
+    from rlplane.connect import _transport
+    from rlplane.http_api import ServiceAPI
+
+    eng = LocalEngine(1, secret=SECRET, slab_bytes=32 << 20)  # (no transfer engine)
+    info = {"backend": "native", **eng.info, "units": [[n, e] for n, e in eng.core.units]}
+    api = ServiceAPI("http://127.0.0.1:9")  # (never asked: the HTTP transport is only made)
+    try:
+        with pytest.raises(E.TransportError, match="data_path='te' needs every storage unit on the transfer engine"):
+            _transport(api, {"native": info}, "auto", 30.0, "te")
+        chosen = _transport(api, {"native": info}, "auto", 30.0, "auto")  # the client's choice: here, shm
+        assert chosen.name == "native" and set(chosen.paths().values()) == {"shm"}
+        chosen.close()
+        eng.kill_controller()
+        with pytest.raises(E.TransportError, match="data_path='shm': the store's native engine does not answer"):
+            _transport(api, {"native": info}, "auto", 30.0, "shm")
+        assert _transport(api, {"native": info}, "auto", 30.0, "auto").name == "http"  # (auto: as before)
+    finally:
+        eng.stop()

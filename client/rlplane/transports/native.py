@@ -75,7 +75,7 @@ from rlplane.errors import (ForbiddenError, InvalidArgumentError, LeaseError, Mi
 from rlplane.readpool import ReadPool
 from rlplane.scratch import Alloc
 from rlplane.shm import SlabView, privatize, shared_slab
-from rlplane.te import DEFAULT_STAGING_BYTES, RemoteSlab, local_address, transfer_pool
+from rlplane.te import DEFAULT_STAGING_BYTES, PoolSpec, RemoteSlab, local_address
 from rlplane.transports.base import PartitionInfo, Transport, check_put, sharing_of
 from rlplane.streams import DirectStreams
 from rlplane.tags import RESERVED_TAG_PREFIX, SUM_TAG, WIRE_TAG, RowTags
@@ -189,8 +189,9 @@ class NativeTransport(Transport):
             and 0 < lease < math.inf else 60.0
         self._finds_held = hello.get("held") is not False  # a journalling store finds none: no lookups
         # Units the controller declared lost, or suspects (it does not answer): puts go around them.
-        self.down: set[int] = {int(u) for u in hello.get("down", [])} | {int(u) for u in hello.get("suspect", [])}
-        self._down_at = time.monotonic()
+        self.down: set[int] = set()
+        self._gone: set[int] = set()  # (of them, the lost ones)
+        self._heard(hello)
         self._cursor = secrets.randbelow(max(1, len(self.units)))
         self.data_path = data_path
         self.pool = pool if pool is not None else ReadPool.shared()
@@ -247,8 +248,9 @@ class NativeTransport(Transport):
                 te = self._unit(u).call({"op": "te"}, timeout=min(self.timeout, 5.0))[0]
                 peer, base, nbytes, protocol = str(te["peer"]), int(te["base"]), int(te["bytes"]), str(te["protocol"])
                 host = opts.hostname or local_address(peer.rpartition(":")[0])
-                pool = transfer_pool(protocol, hostname=host, devices=opts.devices, staging_bytes=opts.staging_bytes)
-                self._remote[u] = RemoteSlab(name, peer, base, nbytes, pool)
+                slab = RemoteSlab(name, peer, base, nbytes, PoolSpec(protocol, host, opts.devices, opts.staging_bytes))
+                slab.reach()  # (its handshake now, bounded: a unit that stalls since is named within REACH_S)
+                self._remote[u] = slab
             except (TransportError, InvalidArgumentError, ForbiddenError, KeyError, TypeError, ValueError) as err:
                 if required:
                     self.close()
@@ -672,10 +674,30 @@ class NativeTransport(Transport):
         index = next((k for k, (name, _) in enumerate(self.units) if name == err.component), None)
         if index is None:
             return False
-        reply = self._ask({"op": "unit_down", "u": index}, min(self.timeout, 30.0))
-        self.down = {int(u) for u in reply["down"]} | {int(u) for u in reply.get("suspect", [])}
-        self._down_at = time.monotonic()
+        self._heard(self._ask({"op": "unit_down", "u": index}, min(self.timeout, 30.0)))
         return index in self.down
+
+    def _heard(self, reply: Mapping[str, Any]) -> None:
+        """The units the controller's ``reply`` names lost (``down``) or suspect."""
+        self._gone = {int(u) for u in reply.get("down") or []}
+        self.down = self._gone | {int(u) for u in reply.get("suspect") or []}
+        self._down_at = time.monotonic()
+
+    def _none_live(self, full: Collection[int]) -> UnavailableError:
+        """What a put that no unit takes is told: which units are lost, which do not answer
+        now (suspect: they may again), which are full."""
+        def named(units: Collection[int]) -> str:
+            return ", ".join(self.units[u][0] for u in sorted(units))
+
+        if self._gone >= set(range(len(self.units))):
+            return UnavailableError(f"every storage unit of the store is lost ({named(self._gone)}); the service needs "
+                                    "a restart", component="storage units")
+        why = [f"{named(self._gone)} lost" if self._gone else "",
+               f"{named(self.down - self._gone)} not answering (suspect: each may answer again, or is declared lost "
+               "once its process is dead)" if self.down - self._gone else "",
+               f"{named(set(full) - self.down)} full for this put" if set(full) - self.down else ""]
+        return UnavailableError(f"no storage unit takes this put now: {'; '.join(w for w in why if w)}; retry, or see "
+                                "the service's /readyz", component="storage units")
 
     def _left(self, deadline: float) -> float:
         left = deadline - time.monotonic()
@@ -690,12 +712,10 @@ class NativeTransport(Transport):
         copy is local (a put is then a memcpy)."""
         if self.down and time.monotonic() - self._down_at > _DOWN_REFRESH_S:  # a suspect unit may answer again
             self._down_at = time.monotonic()
-            hello = self._ask({"op": "hello"}, min(self.timeout, 10.0))
-            self.down = {int(u) for u in hello.get("down", [])} | {int(u) for u in hello.get("suspect", [])}
+            self._heard(self._ask({"op": "hello"}, min(self.timeout, 10.0)))
         live = [u for u in range(len(self.units)) if u not in self.down and u not in avoid]
         if not live:
-            raise UnavailableError("every storage unit of the store is lost; the service needs a restart",
-                                   component="storage units")
+            raise self._none_live(avoid)
         local = [u for u in live if u in self._slabs]
         if local:
             first = local[self._cursor % len(local)]

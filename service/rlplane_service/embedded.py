@@ -74,13 +74,17 @@ class EmbeddedService:
         # ray.init installs its own SIGINT/SIGTERM handlers (SIGTERM aborts the process);
         # put back the caller's, so `rlplane serve` shuts down cleanly at any moment.
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        ray.init(
-            num_cpus=self.num_cpus,
-            namespace=self.settings.namespace,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-        )
+        try:
+            ray.init(
+                num_cpus=self.num_cpus,
+                namespace=self.settings.namespace,
+                include_dashboard=False,
+                log_to_driver=False,
+                logging_level=logging.WARNING,
+            )
+        except BaseException:  # (Ctrl-C while Ray starts: the processes it began go with it)
+            ray.shutdown()
+            raise
         self._started_ray = True
         if threading.current_thread() is threading.main_thread():
             for sig, handler in handlers.items():
@@ -177,14 +181,19 @@ def replica_error(app: str) -> Exception | None:
 
 
 def _answers(url: str, timeout: float = 5.0) -> bool:
-    """Whether a service answers ``/healthz`` at ``url`` (a refused port says no at once; a
-    loaded 2-core machine's Serve proxy can take over a second to answer). TransportError
-    for a URL that does not parse."""
+    """Whether a service answers ``/healthz`` at ``url``: False when nothing listens there
+    (a refused port says so at once); TransportError when something listens but does not
+    answer as HTTP within ``timeout`` (a loaded 2-core machine's Serve proxy can take over a
+    second: starting a service there would only fail to bind), or the URL does not parse."""
     from rlplane.http_api import checked_url
 
     url = checked_url(url)
     try:
         httpx.get(f"{url}/healthz", timeout=timeout)
         return True
-    except httpx.HTTPError:
+    except httpx.ConnectError:
         return False
+    except httpx.HTTPError as err:
+        raise TransportError(f"something listens at {url} but does not answer as an rlplane service within "
+                             f"{timeout:g} s ({type(err).__name__}); wait for it, stop it, or pick another "
+                             "--url / --port") from None

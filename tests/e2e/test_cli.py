@@ -162,6 +162,34 @@ def test_bad_option_is_a_clear_usage_error():
     assert res.returncode == 2 and "batch" in (res.stdout + res.stderr)
 
 
+@pytest.mark.parametrize("args, says", [
+    (["demo", "--async", "--dp", "4"], "--dp set the synchronous demo's step"),  # (ignored before)
+    (["demo", "--async", "--text-only"], "--text-only set the synchronous demo's step"),
+    (["demo", "--dp", "9", "--batch", "4"], "a rank would read none"),  # (an 81-line traceback before)
+    (["two-node", "--path", "auto"], "forces the client onto te or zmq"),  # (accepted, and could never pass)
+    (["bench", "--codec", "-w", "claim"], "--codec encodes one batch workload"),  # (a KeyError before)
+])
+def test_options_a_command_cannot_honour_are_refused_before_it_starts_anything(args, says):
+    res = rlplane(*args, timeout=60)
+    assert res.returncode == 2 and says in " ".join(res.stdout.split()), res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+
+
+def test_a_demo_at_a_port_where_something_listens_without_answering_says_so_without_starting_ray():
+    """It took that for "no service here", started Ray and Serve, and ended in a 168-line
+    bind failure."""
+    import socket
+
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(4)  # (the kernel accepts; nobody answers)
+        res = rlplane("demo", "--url", f"http://127.0.0.1:{mute.getsockname()[1]}", "--batch", "2", "--seqlen", "16",
+                      timeout=120)
+    out = " ".join(res.stdout.split())
+    assert res.returncode == 1 and "listens at" in out and "does not answer as an rlplane service" in out, out
+    assert "starting local Ray" not in out and "Traceback" not in res.stdout + res.stderr
+
+
 def test_a_storage_units_code_never_loads_torch_or_the_client():
     """A unit speaks only the engine's wire (numpy views of its slab): ~190 MB of torch
     per unit process is memory it never uses."""

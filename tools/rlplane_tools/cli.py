@@ -90,11 +90,23 @@ def demo(
     from rlplane_tools.demo import DemoConfig, run_demo
 
     if async_:
+        ignored = [flag for flag, given in (("--dp", dp_size != 2), ("--text-only", text_only),
+                                            ("--layout", layout != Layout.padded), ("--seed", seed != 0)) if given]
+        if ignored:
+            console.print(f"[red]error[/]: {', '.join(ignored)} set the synchronous demo's step; --async runs its own "
+                          "pipeline (--batch and --seqlen set its batches and their length)")
+            raise typer.Exit(2)
         with captured_output(console, "demo", verbose=verbose):
             _async_demo(url, token, transport.value, embedded, backend.value if backend else None,
                         batches=batch or 8, seqlen=seqlen or 256)
         return
-    cfg = DemoConfig(url, token, transport.value, batch or 64, seqlen or 2048, dp_size, seed, text_only, layout.value, embedded, backend.value if backend else None)
+    samples = batch or 64
+    if dp_size > samples:
+        console.print(f"[red]error[/]: --dp {dp_size} ranks for a batch of {samples} samples: a rank would read none; "
+                      f"use at most --dp {samples}")
+        raise typer.Exit(2)
+    cfg = DemoConfig(url, token, transport.value, samples, seqlen or 2048, dp_size, seed, text_only, layout.value,
+                     embedded, backend.value if backend else None)
     try:
         with captured_output(console, "demo", verbose=verbose):
             problems = run_demo(cfg, console)
@@ -247,7 +259,14 @@ def bench(
     elif codec:
         from rlplane_tools.bench.codec import CodecConfig, run_codec_bench
 
-        one = (workloads or [WorkloadName.vlm_step])[0].value
+        from rlplane.testing.workloads import WORKLOADS
+
+        asked = [w.value for w in workloads or [WorkloadName.vlm_step]]
+        if len(asked) > 1 or asked[0] not in WORKLOADS:
+            console.print(f"[red]error[/]: --codec encodes one batch workload: one of {', '.join(WORKLOADS)} "
+                          f"(got {', '.join(asked)})")
+            raise typer.Exit(2)
+        one = asked[0]
         if quick:
             batch, seqlen, reps = batch or 8, seqlen or 512, min(reps or 3, 3)
         results = run_codec_bench(CodecConfig(one, batch, seqlen, reps or 5), console)
@@ -315,9 +334,9 @@ def two_node(
     from rlplane_tools.loopback import ClusterError, LoopbackCluster, check
 
     chosen = paths or ["te", "zmq"]
-    bad = [p for p in chosen if p not in ("te", "zmq", "shm", "auto")]
-    if bad:
-        console.print(f"[red]error[/]: unknown data path(s) {bad}; choose te, zmq, shm or auto")
+    bad = [p for p in chosen if p not in ("te", "zmq")]
+    if bad:  # (the client is on the head, the units elsewhere: shm cannot map them, and auto checks nothing)
+        console.print(f"[red]error[/]: data path(s) {bad}: the two-node check forces the client onto te or zmq")
         raise typer.Exit(2)
     say = lambda msg: console.print(f"[dim]{msg}[/]")  # noqa: E731
     if replicas > units:

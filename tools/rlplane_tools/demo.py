@@ -32,7 +32,7 @@ import msgpack
 import torch
 from rich.console import Console
 
-from rlplane.errors import TransportError
+from rlplane.errors import RlplaneError, TransportError, error_from_payload, error_payload
 from rlplane.meta import SampleMeta
 from rlplane.packed import PackedTensor
 from rlplane.testing.workloads import Workload, fields_nbytes, text_step, vlm_step
@@ -65,7 +65,7 @@ class DemoConfig:
     text_only: bool = False
     layout: str = "padded"
     start_embedded: bool = True
-    backend: str | None = None  # of the embedded service, when one is started (None: RLPLANE_BACKEND or simple)
+    backend: str | None = None  # of the embedded service, when one is started (None: RLPLANE_BACKEND or native)
 
 
 def make_workload(cfg: DemoConfig) -> Workload:
@@ -165,6 +165,8 @@ def _worker(conn: Any, cfg_dict: dict) -> None:
                     meta = client.write_columns(meta, out)
                     reply.update(write_s=time.perf_counter() - t0, write_bytes=fields_nbytes(out))
                 reply["meta"] = meta.to_dict()
+        except RlplaneError as err:  # (the driver raises it again, typed: the CLI says it in a line)
+            reply = {"error": f"{type(err).__name__}: {err}", "typed": error_payload(err)}
         except Exception as err:  # noqa: BLE001 - report any failure to the driver, whole
             reply = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"}
         conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
@@ -198,6 +200,9 @@ class _Workers:
             if not self.conns[name].poll(_WORKER_TIMEOUT_S):
                 raise TransportError(f"demo worker {name} did not answer within {_WORKER_TIMEOUT_S:.0f} s")
             reply = msgpack.unpackb(self.conns[name].recv_bytes(), raw=False)
+            if isinstance(reply.get("typed"), dict):
+                typed = reply["typed"]
+                raise error_from_payload({**typed, "message": f"demo worker {name}: {typed.get('message')}"})
             if "error" in reply:
                 raise RuntimeError(f"demo worker {name} failed: {reply['error']}")
             replies[name] = reply

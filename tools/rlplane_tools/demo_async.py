@@ -66,13 +66,19 @@ class AsyncDemoConfig:
     group_size: int = 4
     seqlen: int = 256
     version_every: int = 2  # the policy version goes up every this many batches
-    train_tokens: int = 2048  # token budget of a train claim (whole groups, their lengths summed)
+    train_tokens: int | None = None  # token budget of a train claim (whole groups): default two groups' worth
     lease_s: float = 3.0  # of train claims: how soon a dead trainer's samples come back
     max_staleness: int = 1
     train_step_s: float = 0.25  # a train worker's "step" after each read
     deadline_s: float = 180.0  # the whole run; a worker still going then is a problem
     t0: float = field(default_factory=time.time)  # the timeline's zero (wall clock, shared by every process)
     partition: str = field(default_factory=lambda: f"async-{uuid.uuid4().hex[:8]}")
+
+    def __post_init__(self) -> None:
+        # Two groups at full length: a claim takes about two groups whatever the length (a fixed
+        # budget let train-b take every group of a short run, so train-a never got a lease to die with).
+        if self.train_tokens is None:
+            self.train_tokens = 2 * self.group_size * self.seqlen
 
 
 def _batch(cfg: AsyncDemoConfig, b: int) -> tuple[list[str], dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -265,7 +271,6 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
                 ledger = {task: c.consumption(cfg.partition, task) for task in ("logprob", "train")}
                 problems += _check(cfg, log, ledger, killed, total)
                 held = _held(cfg, before) if before is not None else None
-                c.clear(cfg.partition)
         except E.RlplaneError as err:  # (what the workers said is reported all the same)
             problems.append(f"the consumption could not be read: {type(err).__name__}: {err}")
     finally:
@@ -275,6 +280,7 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        _clear(cfg)  # (an interrupted run too: nothing of it stays in the store)
     console.print(_timeline(log))
     summary = Table(title=f"consumption of {cfg.partition} ({total} samples)")
     for col in ("task", "samples", "acked", "expired", "claimed", "pending", "redelivered"):
@@ -285,6 +291,17 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
     if held:
         console.print(held)
     return problems
+
+
+def _clear(cfg: AsyncDemoConfig) -> None:
+    """The run's partition cleared (a store that does not answer: said, not raised)."""
+    import rlplane
+
+    try:
+        with rlplane.connect(cfg.url, token=cfg.token, transport="http") as c:
+            c.clear(cfg.partition)
+    except E.RlplaneError as err:
+        print(f"the demo's partition {cfg.partition} was not cleared: {err}")
 
 
 def _held(cfg: AsyncDemoConfig, before: dict[str, int] | None) -> Any:

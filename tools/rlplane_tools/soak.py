@@ -3,7 +3,8 @@ unit, the Serve replica and the controller killed midway, and every byte checked
 
 Writers put text-step batches (B samples, ids ``w{i}-{seq}-{k}``, each batch generated
 from its (writer, seq) seed, so anyone can regenerate what a sample must hold) into
-partition ``soak-w{i}``; a put that returns is *acknowledged*. Readers claim from every
+partition ``soak-<run>-w{i}`` (``<run>`` drawn per run, the partitions cleared at its end,
+an interrupted one's too); a put that returns is *acknowledged*. Readers claim from every
 writer's partition (each reader its own task, so every sample is read once per reader),
 read every field, compare it bit for bit with the regenerated batch (the row checksums
 are checked on the way too), and ack. Midway the driver kills storage unit 1, the Serve
@@ -30,6 +31,7 @@ import statistics
 import threading
 import time
 import traceback
+import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -51,8 +53,12 @@ class SoakConfig:
     batch: int = 8
     seqlen: int = 256
     kill: bool = True  # kill storage unit 1, the Serve replica and the controller at half time (embedded only)
-    replicas: int = 2
+    replicas: int = 2  # (of the embedded service; a service at --url keeps its own)
     storage_units: int = 3
+    run: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # in the partitions' names: runs never meet
+
+    def partition(self, writer: int) -> str:
+        return f"soak-{self.run}-w{writer}"
 
 
 def soak_batch(writer: int, seq: int, cfg: SoakConfig) -> Any:
@@ -82,7 +88,7 @@ def _writer(url: str, token: str | None, cfg_dict: dict, i: int, go: Any, start:
             work = soak_batch(i, seq, cfg)
             t0 = time.perf_counter()
             try:
-                c.put_samples(f"soak-w{i}", work.fields, sample_ids=_ids(i, seq, cfg))
+                c.put_samples(cfg.partition(i), work.fields, sample_ids=_ids(i, seq, cfg))
                 report["ms"].append((time.perf_counter() - t0) * 1e3)
                 report["acked"].append(seq)
             except RlplaneError as err:
@@ -110,7 +116,7 @@ def _reader(url: str, token: str | None, cfg_dict: dict, j: int, go: Any, start:
         while time.perf_counter() < end:
             w = (w + 1) % cfg.writers
             try:
-                meta = c.claim(f"soak-w{w}", f"reader-{j}", batch_size=4 * cfg.batch, fields=FIELDS, timeout=0.5)
+                meta = c.claim(cfg.partition(w), f"reader-{j}", batch_size=4 * cfg.batch, fields=FIELDS, timeout=0.5)
             except NotReadyError:
                 continue
             except RlplaneError as err:
@@ -230,9 +236,10 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
         if memory is not None:
             out.memory = memory.report()
     finally:
+        _clear(url, token, cfg, console)
         if service is not None:
             service.stop()
-    report = _summary(cfg, out, time.time() - started)
+    report = _summary(cfg, out, time.time() - started, embedded=service is not None)
     print_soak(report, console)
     return report
 
@@ -323,7 +330,7 @@ def _read_back(url: str, token: str | None, cfg: SoakConfig, writers: list[dict[
             i = rep["i"]
             for k in range(0, len(rep["acked"]), READ_BACK_PUTS):
                 batches = {(i, seq): soak_batch(i, seq, cfg) for seq in rep["acked"][k:k + READ_BACK_PUTS]}
-                meta = SampleMeta(f"soak-w{i}", [s for (_, seq) in batches for s in _ids(i, seq, cfg)],
+                meta = SampleMeta(cfg.partition(i), [s for (_, seq) in batches for s in _ids(i, seq, cfg)],
                                   [n for work in batches.values() for n in work.lengths.tolist()], set(FIELDS))
                 try:
                     got = c.read_columns(meta, FIELDS, pad_to_seqlen=cfg.seqlen)
@@ -335,9 +342,20 @@ def _read_back(url: str, token: str | None, cfg: SoakConfig, writers: list[dict[
                     continue
                 wrong += check_rows(c.registry, meta.sample_ids, got, cfg, batches)
                 checked += len(meta)
-        for i in range(cfg.writers):
-            c.clear(f"soak-w{i}")
     return {"checked": checked, "lost": lost, "wrong": wrong}
+
+
+def _clear(url: str, token: str | None, cfg: SoakConfig, console: Console) -> None:
+    """The run's partitions cleared (a store that does not answer: said, not raised)."""
+    import rlplane
+    from rlplane.errors import RlplaneError
+
+    try:
+        with rlplane.connect(url, token=token, transport="http") as c:
+            for i in range(cfg.writers):
+                c.clear(cfg.partition(i))
+    except RlplaneError as err:
+        console.print(f"[yellow]the soak's partitions soak-{cfg.run}-w* were not cleared[/]: {err}")
 
 
 def _pcts(ms: list[float]) -> dict[str, float]:
@@ -347,7 +365,7 @@ def _pcts(ms: list[float]) -> dict[str, float]:
     return {"p50_ms": statistics.median(ms), "p99_ms": q[98]}
 
 
-def _summary(cfg: SoakConfig, out: Outcome, wall_s: float) -> dict[str, Any]:
+def _summary(cfg: SoakConfig, out: Outcome, wall_s: float, embedded: bool = True) -> dict[str, Any]:
     writers = [r for r in out.reports if r["role"] == "writer"]
     readers = [r for r in out.reports if r["role"] == "reader"]
     seconds = cfg.minutes * 60
@@ -365,7 +383,7 @@ def _summary(cfg: SoakConfig, out: Outcome, wall_s: float) -> dict[str, Any]:
         ([f"{len(lost)} acknowledged samples lost: {lost[:5]}"] if lost else []) + \
         ([f"{len(untyped)} untyped errors: {untyped[:2]}"] if untyped else []) + idle
     return {
-        "config": asdict(cfg), "wall_s": wall_s, "events": out.events,
+        "config": {**asdict(cfg), "replicas": cfg.replicas if embedded else None}, "wall_s": wall_s, "events": out.events,
         "ops": {
             "put_samples": {"count": len(puts), "per_s": len(puts) / seconds, "samples": len(puts) * cfg.batch, **_pcts(puts)},
             "claim+read+ack": {"count": len(reads), "per_s": len(reads) / seconds,
@@ -379,7 +397,8 @@ def _summary(cfg: SoakConfig, out: Outcome, wall_s: float) -> dict[str, Any]:
 def print_soak(report: dict[str, Any], console: Console) -> None:
     cfg = report["config"]
     t = Table(title=f"soak: {cfg['writers']} writers x {cfg['readers']} readers, {cfg['minutes']:g} min, "
-                    f"B={cfg['batch']} S={cfg['seqlen']}, replicas={cfg['replicas']}")
+                    f"B={cfg['batch']} S={cfg['seqlen']}"
+                    + (f", replicas={cfg['replicas']}" if cfg.get("replicas") else ", the service's replicas"))
     for col in ("op", "count", "per s", "samples", "p50 ms", "p99 ms"):
         t.add_column(col, justify="left" if col == "op" else "right")
     for op, d in report["ops"].items():

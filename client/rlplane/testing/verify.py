@@ -92,6 +92,8 @@ def _diff_token(spec: FieldSpec, want: torch.Tensor, got: torch.Tensor, lens: li
     if got.is_nested:
         got_rows = list(got.unbind())
         tails: list[torch.Tensor] = []
+    elif got.dim() < 1 or got.shape[0] != len(want_rows):  # (rows past the written ones were not looked at)
+        return [f"field {name!r}: {got.shape[0] if got.dim() else 0} rows read for {len(want_rows)} written"]
     else:
         got_rows = [got[i, : len(w)] for i, w in enumerate(want_rows)]
         tails = [got[i, len(w) :] for i, w in enumerate(want_rows)]

@@ -34,7 +34,8 @@ def test_a_padded_read_with_more_rows_than_written_is_a_difference():
     """The read's rows were taken per written row, so a row more went unseen."""
     ids = torch.arange(16, dtype=torch.int64).view(2, 8)
     extra = torch.cat([ids, torch.zeros(1, 8, dtype=torch.int64)])
-    assert diff_fields(REG, {"input_ids": ids}, {"input_ids": extra}, [8, 8]) == ["field 'input_ids': 3 rows read for 2 written"]
+    said = diff_fields(REG, {"input_ids": ids}, {"input_ids": extra}, [8, 8])
+    assert said == ["field 'input_ids': 3 rows read for 2 written"]
     assert diff_fields(REG, {"input_ids": ids}, {"input_ids": ids[:1]}, [8, 8])[0].endswith("1 rows read for 2 written")
 
 

@@ -383,7 +383,8 @@ def _summary(cfg: SoakConfig, out: Outcome, wall_s: float, embedded: bool = True
         ([f"{len(lost)} acknowledged samples lost: {lost[:5]}"] if lost else []) + \
         ([f"{len(untyped)} untyped errors: {untyped[:2]}"] if untyped else []) + idle
     return {
-        "config": {**asdict(cfg), "replicas": cfg.replicas if embedded else None}, "wall_s": wall_s, "events": out.events,
+        "config": {**asdict(cfg), "replicas": cfg.replicas if embedded else None}, "wall_s": wall_s,
+        "events": out.events,
         "ops": {
             "put_samples": {"count": len(puts), "per_s": len(puts) / seconds, "samples": len(puts) * cfg.batch, **_pcts(puts)},
             "claim+read+ack": {"count": len(reads), "per_s": len(reads) / seconds,

@@ -196,6 +196,7 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
         url, token = service.url, service.settings.token()
     out = Outcome()
     started = time.time()
+    cancel, threads = threading.Event(), []  # (set on the way out: an interrupted run's workers stop first)
     memory = UnitMemory(service) if service is not None else None
     try:
         runs: list[list[dict[str, Any]]] = [[], []]
@@ -208,7 +209,7 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
         def run(k: int, target: Any, n: int) -> None:
             try:
                 runs[k] = run_together(target, args, n, finish_s=finish, indexed=True,
-                                       on_start=writing.set if k == 0 else None)
+                                       on_start=writing.set if k == 0 else None, cancel=cancel)
             except BaseException as err:  # noqa: BLE001 - reported by the driver
                 failures.append(err)
             finally:
@@ -236,6 +237,9 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
         if memory is not None:
             out.memory = memory.report()
     finally:
+        cancel.set()
+        for t in threads:
+            t.join(10)
         _clear(url, token, cfg, console)
         if service is not None:
             service.stop()

@@ -45,7 +45,7 @@ import socket
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -185,17 +185,22 @@ class TransferPool:
                 register(self.engine, self._probe.ctypes.data, self._probe.size, "the client's handshake page")
             contact = self._reaching.get(peer)
             if contact is None:
-                contact = self._reaching[peer] = _Contact(self.engine, peer, self._probe.ctypes.data, at)
+                contact = self._reaching[peer] = _Contact(self.engine, peer, self._probe.ctypes.data, at, self._ended)
         if not contact.done.wait(REACH_S):
             raise UnavailableError(f"storage unit {unit}'s transfer engine at {peer} did not answer a handshake within "
                                    f"{REACH_S} s: the unit stalled or died", component=unit)
-        with self._reach_lock:
-            if self._reaching.get(peer) is contact:
-                del self._reaching[peer]
         if contact.rc != 0:
             raise UnavailableError(f"storage unit {unit}'s transfer engine at {peer} did not answer (rc {contact.rc}): "
                                    "the unit died, or its engine is not listening there", component=unit)
-        self._reached.add(peer)
+
+    def _ended(self, contact: _Contact) -> None:
+        """A contact ended: the peer is reached, or the next caller makes a new one (a failure
+        that ended after its callers gave up is no one's answer: the peer may answer again)."""
+        with self._reach_lock:
+            if self._reaching.get(contact.peer) is contact:
+                del self._reaching[contact.peer]
+            if contact.rc == 0:
+                self._reached.add(contact.peer)
 
     def write(self, peer: str, unit: str, pieces: Sequence[tuple[np.ndarray, int]]) -> None:
         """Each ``(uint8 values, remote address)`` into the peer's memory."""
@@ -321,17 +326,18 @@ class _Contact:
     """One first contact with a peer, on a thread of its own (the engine's call cannot be
     cut short; it lets go of the GIL): ``done`` once it ended, ``rc`` its outcome (0: made)."""
 
-    def __init__(self, engine: Any, peer: str, local: int, at: int) -> None:
-        self.done, self.rc = threading.Event(), -1
-        threading.Thread(target=self._run, args=(engine, peer, local, at), name="rlplane-te-handshake",
+    def __init__(self, engine: Any, peer: str, local: int, at: int, ended: Callable[[_Contact], None]) -> None:
+        self.peer, self.done, self.rc = peer, threading.Event(), -1
+        threading.Thread(target=self._run, args=(engine, local, at, ended), name="rlplane-te-handshake",
                          daemon=True).start()
 
-    def _run(self, engine: Any, peer: str, local: int, at: int) -> None:
+    def _run(self, engine: Any, local: int, at: int, ended: Callable[[_Contact], None]) -> None:
         try:
-            self.rc = int(engine.batch_transfer_sync_read(peer, [local], [at], [8]))
+            self.rc = int(engine.batch_transfer_sync_read(self.peer, [local], [at], [8]))
         except Exception:  # noqa: BLE001 - (rc stays -1: reach says the peer did not answer)
             pass
         finally:
+            ended(self)  # (before done: a caller that saw it succeed finds the peer reached)
             self.done.set()
 
 

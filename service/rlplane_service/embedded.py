@@ -74,6 +74,7 @@ class EmbeddedService:
         # ray.init installs its own SIGINT/SIGTERM handlers (SIGTERM aborts the process);
         # put back the caller's, so `rlplane serve` shuts down cleanly at any moment.
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        was_up = ray.is_initialized()  # (then ray.init refuses, and that Ray is not this service's to stop)
         try:
             ray.init(
                 num_cpus=self.num_cpus,
@@ -83,7 +84,8 @@ class EmbeddedService:
                 logging_level=logging.WARNING,
             )
         except BaseException:  # (Ctrl-C while Ray starts: the processes it began go with it)
-            ray.shutdown()
+            if not was_up:
+                ray.shutdown()
             raise
         self._started_ray = True
         if threading.current_thread() is threading.main_thread():
@@ -193,6 +195,9 @@ def _answers(url: str, timeout: float = 5.0) -> bool:
         return True
     except httpx.ConnectError:
         return False
+    except httpx.ConnectTimeout:
+        raise TransportError(f"no answer from {url} within {timeout:g} s (the connection timed out): check the URL, "
+                             "or start a service there") from None
     except httpx.HTTPError as err:
         raise TransportError(f"something listens at {url} but does not answer as an rlplane service within "
                              f"{timeout:g} s ({type(err).__name__}); wait for it, stop it, or pick another "

@@ -457,3 +457,20 @@ def test_a_hundred_connected_clients_cost_at_most_twice_one(service, transport):
     first.clear(p + "-after")
     first.clear(p)
     first.close()
+
+
+def test_an_embedded_service_that_cannot_start_leaves_the_processs_own_ray_up(service):
+    """A start in a process whose Ray was already up (a notebook's) failed at ray.init, and
+    the failure's cleanup shut that Ray down, taking its actors and objects with it."""
+    import ray
+
+    from rlplane_service.embedded import EmbeddedService
+    from rlplane_service.net import free_port
+    from rlplane_service.settings import ServiceSettings
+
+    assert ray.is_initialized()  # (the session's service runs in this process)
+    mine = ray.put("the caller's object")
+    with pytest.raises(RuntimeError):
+        EmbeddedService(ServiceSettings(port=free_port())).start()
+    assert ray.is_initialized() and ray.get(mine) == "the caller's object"
+    assert httpx.get(f"{service.url}/healthz", timeout=10).status_code == 200

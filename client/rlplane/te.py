@@ -181,8 +181,9 @@ class TransferPool:
             return
         with self._reach_lock:
             if self._probe is None:  # 8 bytes a late contact may still land in: never read, never reused
-                self._probe = np.zeros(mmap.PAGESIZE, np.uint8)
-                register(self.engine, self._probe.ctypes.data, self._probe.size, "the client's handshake page")
+                probe = np.zeros(mmap.PAGESIZE, np.uint8)
+                register(self.engine, probe.ctypes.data, probe.size, "the client's handshake page")
+                self._probe = probe  # (only once registered)
             contact = self._reaching.get(peer)
             if contact is None:
                 contact = self._reaching[peer] = _Contact(self.engine, peer, self._probe.ctypes.data, at, self._ended)

@@ -239,7 +239,8 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
     finally:
         cancel.set()
         for t in threads:
-            t.join(10)
+            if t.ident is not None:  # (one interrupted before it started is not joined)
+                t.join(10)
         _clear(url, token, cfg, console)
         if service is not None:
             service.stop()

@@ -336,7 +336,8 @@ def two_node(
     chosen = paths or ["te", "zmq"]
     bad = [p for p in chosen if p not in ("te", "zmq")]
     if bad:  # (the client is on the head, the units elsewhere: shm cannot map them, and auto checks nothing)
-        console.print(f"[red]error[/]: data path(s) {bad}: the two-node check forces the client onto te or zmq")
+        console.print(f"[red]error[/]: unknown data path(s) {bad} for the two-node check: it forces the client onto "
+                      "te or zmq")
         raise typer.Exit(2)
     say = lambda msg: console.print(f"[dim]{msg}[/]")  # noqa: E731
     if replicas > units:

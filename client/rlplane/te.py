@@ -14,10 +14,11 @@ transfer per unit (``batch_transfer_sync_read``) straight into the memory the re
 back. Over ``tcp`` the caller's buffers are registered for the transfer (cheap there);
 over ``rdma`` (registering pins pages) the bytes go through the staging buffer, in
 batches of its size (made at its first use). ZMQ carries control as on the other data
-paths, so commits, pins, replicas and digests work as there. A transfer to a peer that stops answering fails
-after STALL_S without progress, and a first contact with a peer (the engine's handshake)
-after REACH_S; the memory of a failed transfer is quarantined (the engine may still move
-its bytes when the peer comes back). A forked child opens an engine of its own.
+paths, so commits, pins, replicas and digests work as there. A transfer to a peer that
+stops answering fails after STALL_S without progress, and a first contact with a peer
+(the engine's handshake) after REACH_S; the memory of a failed transfer is quarantined
+(the engine may still move its bytes when the peer comes back). A forked child opens an
+engine of its own.
 
 Trust: the engine authenticates nobody. Whoever reaches its ports reads and writes the
 memory registered with it: the handshake hands the registered buffers' addresses to any

@@ -236,6 +236,22 @@ def run_demo(cfg: DemoConfig, console: Console) -> list[str]:
         workers.close()
 
 
+def clear_partitions(url: str, token: str | None, partitions: list[str], console: Console) -> None:
+    """A run's ``partitions`` cleared at its end, an interrupted one's too (a store that does
+    not answer is said, not raised: the run's own outcome is what the caller reports).
+
+    Example: ``clear_partitions(url, None, ["soak-1a2b-w0"], console)``
+    """
+    import rlplane
+
+    try:
+        with rlplane.connect(url, token=token, transport="http") as c:
+            for p in partitions:
+                c.clear(p)
+    except RlplaneError as err:
+        console.print(f"[yellow]partition(s) {', '.join(partitions)} not cleared[/]: {err}")
+
+
 @contextmanager
 def live_service(url: str, *, start_embedded: bool, backend: str | None, console: Console) -> Iterator[None]:
     """The service at ``url``; when none answers there, the embedded one started there

@@ -46,7 +46,7 @@ from rich.table import Table
 from rlplane import errors as E
 from rlplane.packed import PackedTensor
 from rlplane.testing.workloads import vlm_grpo
-from rlplane_tools.demo import stage_output
+from rlplane_tools.demo import clear_partitions, stage_output
 
 #: What the rollout writes (a VLM GRPO step's fields, advantages included).
 ROLLOUT = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs", "advantages",
@@ -280,7 +280,7 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        _clear(cfg)  # (an interrupted run too: nothing of it stays in the store)
+        clear_partitions(cfg.url, cfg.token, [cfg.partition], console)  # (an interrupted run's too)
     console.print(_timeline(log))
     summary = Table(title=f"consumption of {cfg.partition} ({total} samples)")
     for col in ("task", "samples", "acked", "expired", "claimed", "pending", "redelivered"):
@@ -291,17 +291,6 @@ def run_async_demo(cfg: AsyncDemoConfig, console: Console) -> list[str]:
     if held:
         console.print(held)
     return problems
-
-
-def _clear(cfg: AsyncDemoConfig) -> None:
-    """The run's partition cleared (a store that does not answer: said, not raised)."""
-    import rlplane
-
-    try:
-        with rlplane.connect(cfg.url, token=cfg.token, transport="http") as c:
-            c.clear(cfg.partition)
-    except E.RlplaneError as err:
-        print(f"the demo's partition {cfg.partition} was not cleared: {err}")
 
 
 def _held(cfg: AsyncDemoConfig, before: dict[str, int] | None) -> Any:

@@ -241,7 +241,9 @@ def run_soak(cfg: SoakConfig, console: Console, *, url: str | None = None, token
         for t in threads:
             if t.ident is not None:  # (one interrupted before it started is not joined)
                 t.join(10)
-        _clear(url, token, cfg, console)
+        from rlplane_tools.demo import clear_partitions
+
+        clear_partitions(url, token, [cfg.partition(i) for i in range(cfg.writers)], console)
         if service is not None:
             service.stop()
     report = _summary(cfg, out, time.time() - started, embedded=service is not None)
@@ -349,18 +351,6 @@ def _read_back(url: str, token: str | None, cfg: SoakConfig, writers: list[dict[
                 checked += len(meta)
     return {"checked": checked, "lost": lost, "wrong": wrong}
 
-
-def _clear(url: str, token: str | None, cfg: SoakConfig, console: Console) -> None:
-    """The run's partitions cleared (a store that does not answer: said, not raised)."""
-    import rlplane
-    from rlplane.errors import RlplaneError
-
-    try:
-        with rlplane.connect(url, token=token, transport="http") as c:
-            for i in range(cfg.writers):
-                c.clear(cfg.partition(i))
-    except RlplaneError as err:
-        console.print(f"[yellow]the soak's partitions soak-{cfg.run}-w* were not cleared[/]: {err}")
 
 
 def _pcts(ms: list[float]) -> dict[str, float]:
